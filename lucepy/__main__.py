@@ -1,0 +1,3 @@
+from lucepy.cli import app
+
+app(prog_name="lucepy")

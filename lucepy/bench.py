@@ -1,0 +1,148 @@
+"""Benchmarks: lucepy against llama.cpp (llama-cpp-python) on the same GGUF, in one process and run.
+
+Both sides get the same prompt, batch size, thread count, flash attention and f16 KV cache. Each
+figure is the median of ``repeats`` timed runs after one untimed warm-up run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.runtime.engine import Engine
+
+
+@dataclass
+class Figures:
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+@dataclass
+class BenchResult:
+    model: str
+    prompt_len: int
+    gen: int
+    threads: int
+    chunk: int
+    lucepy: Figures
+    llama_cpp: Figures | None = None
+
+    @property
+    def ratios(self) -> dict[str, float] | None:
+        if self.llama_cpp is None:
+            return None
+        return {
+            "prefill": self.lucepy.prefill_tok_s / self.llama_cpp.prefill_tok_s,
+            "decode": self.lucepy.decode_tok_s / self.llama_cpp.decode_tok_s,
+        }
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["ratios"] = self.ratios
+        return out
+
+
+def _median_rate(n: int, run, repeats: int) -> float:
+    run()  # warm-up: graph builds and first-touch page faults are not what we measure
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return n / statistics.median(times)
+
+
+def _lucepy(path: Path, prompt: list[int], gen: int, cfg: RuntimeConfig, repeats: int) -> Figures:
+    with Engine(path, cfg, tokenizer=False) as engine:
+
+        def prefill():
+            engine.reset()
+            return engine.prefill(prompt)
+
+        def decode():
+            logits = prefill()
+            t0 = time.perf_counter()
+            for _ in range(gen):
+                logits = engine.decode(int(np.argmax(logits)))
+            decode.elapsed = time.perf_counter() - t0
+
+        pre = _median_rate(len(prompt), prefill, repeats)
+        dec = _median_decode(gen, decode, repeats)
+    return Figures(round(pre, 2), round(dec, 2))
+
+
+def _median_decode(gen: int, run, repeats: int) -> float:
+    """``run`` prefills, then times only its ``gen`` decode steps into ``run.elapsed``."""
+    run()
+    rates = []
+    for _ in range(repeats):
+        run()
+        rates.append(gen / run.elapsed)
+    return statistics.median(rates)
+
+
+def _llama_cpp(
+    path: Path, prompt: list[int], gen: int, cfg: RuntimeConfig, n_ctx: int, repeats: int
+) -> Figures:
+    import llama_cpp
+
+    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+        llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=cfg.chunk,
+            n_ubatch=cfg.chunk,
+            n_threads=cfg.thread_count(),
+            n_threads_batch=cfg.thread_count(),
+            flash_attn=True,
+            verbose=False,
+        )
+    try:
+
+        def prefill():
+            llm.reset()
+            llm.eval(prompt)
+            return llm.scores[llm.n_tokens - 1]
+
+        def decode():
+            logits = prefill()
+            t0 = time.perf_counter()
+            for _ in range(gen):
+                llm.eval([int(np.argmax(logits))])
+                logits = llm.scores[llm.n_tokens - 1]
+            decode.elapsed = time.perf_counter() - t0
+
+        pre = _median_rate(len(prompt), prefill, repeats)
+        dec = _median_decode(gen, decode, repeats)
+    finally:
+        llm.close()
+    return Figures(round(pre, 2), round(dec, 2))
+
+
+def run(
+    model: str | os.PathLike,
+    *,
+    prompt_len: int = 512,
+    gen: int = 64,
+    threads: int | None = None,
+    chunk: int = 512,
+    vs_llama_cpp: bool = True,
+    repeats: int = 3,
+) -> BenchResult:
+    path = Path(model)
+    n_ctx = prompt_len + gen + 1
+    cfg = RuntimeConfig(max_ctx=n_ctx, chunk=chunk, threads=threads)
+    with Engine(path, cfg, tokenizer=False) as probe:
+        n_vocab = probe.params.n_vocab
+    prompt = np.random.default_rng(0).integers(0, n_vocab, prompt_len).tolist()
+    ours = _lucepy(path, prompt, gen, cfg, repeats)
+    ref = _llama_cpp(path, prompt, gen, cfg, n_ctx, repeats) if vs_llama_cpp else None
+    return BenchResult(str(path), prompt_len, gen, cfg.thread_count(), chunk, ours, ref)

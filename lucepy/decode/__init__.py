@@ -1,0 +1,1 @@
+"""Samplers and decode loops."""

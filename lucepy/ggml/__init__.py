@@ -1,0 +1,28 @@
+"""The cffi binding to libggml: loading, the pin check, and owner classes for its handles."""
+
+from lucepy.ggml.lib import Lib, ffi, load
+from lucepy.ggml.owners import Allocator, Backend, Buffer, Context
+
+_types = ffi.typeof("enum ggml_type").relements
+GGML_TYPE_F32 = _types["GGML_TYPE_F32"]
+GGML_TYPE_F16 = _types["GGML_TYPE_F16"]
+GGML_TYPE_Q4_0 = _types["GGML_TYPE_Q4_0"]
+GGML_TYPE_Q8_0 = _types["GGML_TYPE_Q8_0"]
+GGML_TYPE_I32 = _types["GGML_TYPE_I32"]
+GGML_TYPE_I64 = _types["GGML_TYPE_I64"]
+
+__all__ = [
+    "Allocator",
+    "Backend",
+    "Buffer",
+    "Context",
+    "Lib",
+    "ffi",
+    "load",
+    "GGML_TYPE_F16",
+    "GGML_TYPE_F32",
+    "GGML_TYPE_I32",
+    "GGML_TYPE_I64",
+    "GGML_TYPE_Q4_0",
+    "GGML_TYPE_Q8_0",
+]

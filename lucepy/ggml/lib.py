@@ -1,0 +1,118 @@
+"""Find, load and check libggml (cffi, ABI mode).
+
+The libraries come from llama-cpp-python's install (``site-packages/llama_cpp/lib``) or from the
+directory named by ``LUCEPY_GGML_LIB`` (another build of the same pinned source, e.g. CUDA).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+import threading
+from pathlib import Path
+
+import cffi
+
+from lucepy.errors import GGMLCommitMismatch, GGMLError
+from lucepy.ggml import _decls
+
+log = logging.getLogger(__name__)
+
+ENV_LIB = "LUCEPY_GGML_LIB"
+# load order matters: each library needs the ones before it
+LIB_NAMES = ["libggml-base.so", "libggml.so", "libggml-cpu.so", "libggml-rpc.so"]
+
+ffi = cffi.FFI()
+ffi.cdef(_decls.CDEF)
+
+
+class Lib:
+    """All loaded ggml libraries behind one namespace: ``lib.ggml_add(...)``.
+
+    A symbol is looked up once and then cached on the instance, so calls cost one attribute read.
+    """
+
+    def __init__(self, directory: Path, handles: list):
+        self.directory = directory
+        self._handles = handles
+
+    def __getattr__(self, name: str):
+        for handle in self._handles:
+            try:
+                fn = getattr(handle, name)
+            except (AttributeError, NotImplementedError):
+                continue
+            setattr(self, name, fn)
+            return fn
+        raise AttributeError(f"{name} is in none of the ggml libraries in {self.directory}")
+
+
+def default_directory() -> Path:
+    override = os.environ.get(ENV_LIB)
+    if override:
+        return Path(override).expanduser()
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        raise GGMLError(
+            "llama-cpp-python is not installed, and LUCEPY_GGML_LIB is unset; "
+            "run `pip install llama-cpp-python==0.3.36` or point LUCEPY_GGML_LIB at a ggml build"
+        )
+    return Path(spec.origin).parent / "lib"
+
+
+def open_libraries(directory: Path) -> Lib:
+    if not (directory / "libggml-base.so").exists():
+        raise GGMLError(f"no libggml-base.so in {directory}; is this a ggml build directory?")
+    handles = []
+    for name in LIB_NAMES:
+        path = directory / name
+        if path.exists():
+            # RTLD_GLOBAL so that backends loaded later resolve against this libggml-base
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            handles.append(ffi.dlopen(str(path)))
+    lib = Lib(directory, handles)
+    if lib.ggml_backend_reg_count() == 0:
+        # a GGML_BACKEND_DL build registers its backends only when asked
+        lib.ggml_backend_load_all_from_path(str(directory).encode())
+    return lib
+
+
+def check_pin(lib: Lib) -> None:
+    """Refuse a libggml that was not built from the pinned source (decision 1)."""
+    commit = ffi.string(lib.ggml_commit()).decode()
+    version = ffi.string(lib.ggml_version()).decode()
+    want_commit, want_version = _decls.GGML_COMMIT, _decls.GGML_VERSION
+    where = lib.directory
+    if version != want_version:
+        raise GGMLCommitMismatch(
+            f"libggml in {where} is version {version}, lucepy needs {want_version} "
+            f"(llama-cpp-python {_decls.LLAMA_CPP_PYTHON_VERSION}); reinstall it, "
+            f"or rebuild that directory from the pinned sdist"
+        )
+    if commit.startswith("unknown"):
+        # an sdist has no git metadata, so its builds report "unknown"; the version is our check
+        log.debug("libggml in %s reports no commit; version %s matches the pin", where, version)
+        return
+    if not (commit.startswith(want_commit) or want_commit.startswith(commit.split("-")[0])):
+        raise GGMLCommitMismatch(
+            f"libggml in {where} was built from commit {commit}, lucepy is pinned to "
+            f"{want_commit}; "
+            f"rebuild it from llama-cpp-python=={_decls.LLAMA_CPP_PYTHON_VERSION}"
+        )
+
+
+_lock = threading.Lock()
+_lib: Lib | None = None
+
+
+def load() -> Lib:
+    """The process-wide ggml, loaded and checked on first use."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = open_libraries(default_directory())
+            check_pin(lib)
+            _lib = lib
+        return _lib

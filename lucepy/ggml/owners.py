@@ -1,0 +1,103 @@
+"""Owner classes for ggml handles: each frees its handle exactly once.
+
+``close()`` frees now and is safe to call twice; an owner dropped without ``close()`` is freed by
+the garbage collector. A NULL from a constructor raises GGMLError naming the call and its input.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from lucepy.errors import GGMLError
+from lucepy.ggml.lib import Lib, ffi
+
+
+class Owner:
+    ptr: Any
+
+    def _own(self, ptr: Any, free: Any, what: str) -> None:
+        if ptr == ffi.NULL:
+            raise GGMLError(f"{what} returned NULL")
+        self.ptr = ptr
+        self._finalizer = weakref.finalize(self, free, ptr)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        self._finalizer()
+        self.ptr = ffi.NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Context(Owner):
+    """A ggml_context. With no_alloc it only holds tensor headers; data lives in backend buffers."""
+
+    def __init__(self, lib: Lib, n_tensors: int, *, graph_nodes: int = 0, no_alloc: bool = True):
+        self.lib = lib
+        size = lib.ggml_tensor_overhead() * n_tensors
+        if graph_nodes:
+            size += lib.ggml_graph_overhead_custom(graph_nodes, False)
+        params = ffi.new("struct ggml_init_params *", {"mem_size": size, "no_alloc": no_alloc})
+        self._own(lib.ggml_init(params[0]), lib.ggml_free, f"ggml_init(mem_size={size})")
+
+
+class Backend(Owner):
+    def __init__(self, lib: Lib, device: Any, name: str):
+        self.lib, self.device, self.name = lib, device, name
+        self._own(
+            lib.ggml_backend_dev_init(device, ffi.NULL),
+            lib.ggml_backend_free,
+            f"ggml_backend_dev_init({name})",
+        )
+
+    @property
+    def buffer_type(self) -> Any:
+        return self.lib.ggml_backend_get_default_buffer_type(self.ptr)
+
+    def set_threads(self, n: int) -> None:
+        if self.lib.ggml_backend_is_cpu(self.ptr):
+            self.lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
+
+    def synchronize(self) -> None:
+        self.lib.ggml_backend_synchronize(self.ptr)
+
+
+class Buffer(Owner):
+    """A backend buffer holding every tensor of a context (weights, KV, state)."""
+
+    def __init__(self, lib: Lib, ctx: Context, backend: Backend, what: str):
+        self.lib = lib
+        ptr = lib.ggml_backend_alloc_ctx_tensors(ctx.ptr, backend.ptr)
+        self._own(ptr, lib.ggml_backend_buffer_free, f"ggml_backend_alloc_ctx_tensors({what})")
+        self.nbytes = lib.ggml_backend_buffer_get_size(ptr)
+
+    def clear(self, value: int = 0) -> None:
+        self.lib.ggml_backend_buffer_clear(self.ptr, value)
+
+
+class Allocator(Owner):
+    """A graph allocator: the compute buffer of one reusable graph."""
+
+    def __init__(self, lib: Lib, backend: Backend):
+        self.lib = lib
+        self._own(
+            lib.ggml_gallocr_new(backend.buffer_type),
+            lib.ggml_gallocr_free,
+            f"ggml_gallocr_new({backend.name})",
+        )
+
+    def alloc(self, graph: Any) -> None:
+        if not self.lib.ggml_gallocr_alloc_graph(self.ptr, graph):
+            raise GGMLError("ggml_gallocr_alloc_graph failed: out of device memory for the graph")
+
+    @property
+    def nbytes(self) -> int:
+        return self.lib.ggml_gallocr_get_buffer_size(self.ptr, 0)

@@ -1,0 +1,116 @@
+"""What every architecture shares: the shape convention, the builder handle, the registry.
+
+ggml lists dimensions innermost first. A ggml tensor of shape ``[n_embd, n_tokens]`` has ``ne[0] =
+n_embd`` contiguous floats per token, which numpy would call shape ``(n_tokens, n_embd)``. Every
+shape comment in ``models/`` uses ggml order, in square brackets. ``mul_mat(w, x)`` with
+``w: [k, m]`` and ``x: [k, n]`` gives ``[m, n]``: both operands are contracted over ``ne[0]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from lucepy.errors import MissingTensor, TensorShapeMismatch, UnsupportedArchitecture
+from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_I32, GGML_TYPE_I64, Lib, ffi
+from lucepy.gguf import GGUFFile
+
+Tensor = Any  # a cffi ``struct ggml_tensor *``
+
+
+@dataclass
+class Graph:
+    """One built graph: its named inputs and its output. Reused while the shapes hold."""
+
+    ctx: Any  # the owning Context
+    gf: Any  # struct ggml_cgraph *
+    inputs: dict[str, Tensor]
+    output: Tensor
+    features: dict[int, Tensor] = field(default_factory=dict)
+
+
+class Builder:
+    """The ggml context a graph is built in, with short helpers for what every model does."""
+
+    def __init__(self, lib: Lib, ctx: Any, max_nodes: int):
+        self.lib, self.ctx = lib, ctx
+        self.gf = lib.ggml_new_graph_custom(ctx, max_nodes, False)
+        self.inputs: dict[str, Tensor] = {}
+
+    def input(self, name: str, gtype: int, *shape: int) -> Tensor:
+        ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
+        t = self.lib.ggml_new_tensor(self.ctx, gtype, len(shape), ne)
+        self.lib.ggml_set_name(t, name.encode())
+        self.lib.ggml_set_input(t)
+        self.inputs[name] = t
+        return t
+
+    def input_f32(self, name: str, *shape: int) -> Tensor:
+        return self.input(name, GGML_TYPE_F32, *shape)
+
+    def input_f16(self, name: str, *shape: int) -> Tensor:
+        return self.input(name, GGML_TYPE_F16, *shape)
+
+    def input_i32(self, name: str, *shape: int) -> Tensor:
+        return self.input(name, GGML_TYPE_I32, *shape)
+
+    def input_i64(self, name: str, *shape: int) -> Tensor:
+        return self.input(name, GGML_TYPE_I64, *shape)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self.lib.ggml_mul(self.ctx, self.lib.ggml_rms_norm(self.ctx, x, eps), weight)
+
+    def swiglu_ffn(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+        L, c = self.lib, self.ctx
+        h = L.ggml_swiglu_split(c, L.ggml_mul_mat(c, gate, x), L.ggml_mul_mat(c, up, x))
+        return L.ggml_mul_mat(c, down, h)
+
+    def row_size(self, t: Tensor, n: int) -> int:
+        return self.lib.ggml_row_size(t.type, n)
+
+
+class StateSpec(Protocol):
+    """Per-layer persistent tensors a model needs at a context size: name -> (ggml type, shape)."""
+
+    def state_tensors(
+        self, layers: range, n_ctx: int
+    ) -> dict[str, tuple[int, tuple[int, ...]]]: ...
+
+
+def check_tensors(f: GGUFFile, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every expected tensor is in the file with the shape the metadata implies."""
+    for name, shape in expected.items():
+        info = f.tensors.get(name)
+        if info is None:
+            raise MissingTensor(
+                f"{f.path}: tensor {name!r} is missing; the file is incomplete or "
+                f"was converted for another architecture"
+            )
+        if tuple(info.shape) != tuple(shape):
+            raise TensorShapeMismatch(
+                f"{f.path}: tensor {name!r} has shape {list(info.shape)} but the metadata implies "
+                f"{list(shape)}; the file's metadata and weights disagree"
+            )
+
+
+class Architecture:
+    """Base of a model family; subclasses register themselves under their GGUF name."""
+
+    registry: ClassVar[dict[str, type[Architecture]]] = {}
+    gguf_name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.gguf_name:
+            Architecture.registry[cls.gguf_name] = cls
+
+
+def architecture_for(f: GGUFFile) -> type[Architecture]:
+    arch = f.architecture
+    try:
+        return Architecture.registry[arch]
+    except KeyError:
+        names = ", ".join(sorted(Architecture.registry))
+        raise UnsupportedArchitecture(
+            f"{f.path}: architecture {arch!r} is not supported; lucepy runs: {names}"
+        ) from None

@@ -1,0 +1,332 @@
+"""Qwen3.5 / Qwen3.6 dense hybrid (GGUF ``qwen35``): Gated DeltaNet layers plus gated attention.
+
+The math follows ``src/models/qwen35.cpp`` and ``src/models/delta-net-base.cpp`` of the pinned
+llama.cpp (0c1e57098), using the fused ``ggml_gated_delta_net`` for prefill and decode as llama.cpp
+does by default. Shapes are in ggml order (see ``models/base.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lucepy.errors import ConfigError
+from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32, ffi
+from lucepy.gguf import GGUFFile
+from lucepy.models.base import Architecture, Builder, Tensor, check_tensors
+
+GGML_ROPE_TYPE_IMROPE = 40
+KV_TYPE = GGML_TYPE_F16  # llama.cpp's default cache type; same rounding, same logits
+
+
+@dataclass(frozen=True)
+class Params:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rms_eps: float
+    rope_dim: int
+    rope_sections: tuple[int, int, int, int]
+    rope_theta: float
+    n_ctx_train: int
+    ssm_conv_kernel: int
+    ssm_state: int  # key and value head dim of the delta net
+    ssm_k_heads: int  # ssm.group_count
+    ssm_v_heads: int  # ssm.time_step_rank
+    recurrent: tuple[bool, ...]  # per layer: Gated DeltaNet (True) or full attention (False)
+
+    @property
+    def key_dim(self) -> int:
+        return self.ssm_state * self.ssm_k_heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.ssm_state * self.ssm_v_heads
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> Params:
+        arch = f.architecture
+
+        def key(name: str, default: object = ...) -> object:
+            full = f"{arch}.{name}"
+            return f.require(full) if default is ... else f.get(full, default)
+
+        n_layer = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", n_embd // n_head))
+        sections = list(key("rope.dimension_sections", [0, 0, 0, 0]))[:4]
+        n_vocab = len(f.get("tokenizer.ggml.tokens", [])) or f.tensors["token_embd.weight"].shape[1]
+        return cls(
+            n_vocab=n_vocab,
+            n_embd=n_embd,
+            n_layer=n_layer,
+            n_ff=int(key("feed_forward_length")),
+            n_head=n_head,
+            n_head_kv=int(key("attention.head_count_kv", n_head)),
+            head_dim=head_dim,
+            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_dim=int(key("rope.dimension_count", head_dim)),
+            rope_sections=tuple(sections + [0] * (4 - len(sections))),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            n_ctx_train=int(key("context_length", 4096)),
+            ssm_conv_kernel=int(key("ssm.conv_kernel")),
+            ssm_state=int(key("ssm.state_size")),
+            ssm_k_heads=int(key("ssm.group_count")),
+            ssm_v_heads=int(key("ssm.time_step_rank")),
+            recurrent=_layer_kinds(key, n_layer),
+        )
+
+
+def _layer_kinds(key, n_layer: int) -> tuple[bool, ...]:
+    explicit = key("attention.recurrent_layers", None)
+    if explicit is not None:
+        return tuple(bool(x) for x in list(explicit)[:n_layer])
+    interval = int(key("full_attention_interval", 4))
+    return tuple((i + 1) % interval != 0 for i in range(n_layer))
+
+
+class Qwen35(Architecture):
+    gguf_name = "qwen35"
+
+    def __init__(self, params: Params):
+        self.p = params
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> Qwen35:
+        model = cls(Params.from_gguf(f))
+        check_tensors(f, model.weight_shapes(range(model.p.n_layer), f))
+        return model
+
+    # what a layer range owns
+    def weight_shapes(self, layers: range, f: GGUFFile | None = None) -> dict[str, tuple]:
+        p, out = self.p, {}
+        if layers.start == 0:
+            out["token_embd.weight"] = (p.n_embd, p.n_vocab)
+        for il in layers:
+            out.update(self._layer_shapes(il))
+        if layers.stop == p.n_layer:
+            out["output_norm.weight"] = (p.n_embd,)
+            tied = f is not None and "output.weight" not in f.tensors
+            out["token_embd.weight" if tied else "output.weight"] = (p.n_embd, p.n_vocab)
+        return out
+
+    def _layer_shapes(self, il: int) -> dict[str, tuple]:
+        p, b = self.p, f"blk.{il}."
+        s = {b + "attn_norm.weight": (p.n_embd,), b + "post_attention_norm.weight": (p.n_embd,)}
+        if p.recurrent[il]:
+            s.update(
+                {
+                    b + "attn_qkv.weight": (p.n_embd, p.conv_dim),
+                    b + "attn_gate.weight": (p.n_embd, p.value_dim),
+                    b + "ssm_conv1d.weight": (p.ssm_conv_kernel, p.conv_dim),
+                    b + "ssm_dt.bias": (p.ssm_v_heads,),
+                    b + "ssm_a": (p.ssm_v_heads,),
+                    b + "ssm_beta.weight": (p.n_embd, p.ssm_v_heads),
+                    b + "ssm_alpha.weight": (p.n_embd, p.ssm_v_heads),
+                    b + "ssm_norm.weight": (p.ssm_state,),
+                    b + "ssm_out.weight": (p.value_dim, p.n_embd),
+                }
+            )
+        else:
+            hd = p.head_dim
+            s.update(
+                {
+                    b + "attn_q.weight": (p.n_embd, 2 * hd * p.n_head),  # query and output gate
+                    b + "attn_k.weight": (p.n_embd, hd * p.n_head_kv),
+                    b + "attn_v.weight": (p.n_embd, hd * p.n_head_kv),
+                    b + "attn_output.weight": (hd * p.n_head, p.n_embd),
+                    b + "attn_q_norm.weight": (hd,),
+                    b + "attn_k_norm.weight": (hd,),
+                }
+            )
+        s.update(
+            {
+                b + "ffn_gate.weight": (p.n_embd, p.n_ff),
+                b + "ffn_up.weight": (p.n_embd, p.n_ff),
+                b + "ffn_down.weight": (p.n_ff, p.n_embd),
+            }
+        )
+        return s
+
+    def state_shapes(self, layers: range, n_ctx: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Per-layer persistent state: attention KV rows, or the delta net's conv and SSM state."""
+        p, out = self.p, {}
+        for il in layers:
+            if p.recurrent[il]:
+                out[f"conv.{il}"] = (GGML_TYPE_F32, (p.ssm_conv_kernel - 1, p.conv_dim))
+                out[f"ssm.{il}"] = (GGML_TYPE_F32, (p.ssm_state, p.ssm_state, p.ssm_v_heads))
+            else:
+                out[f"k.{il}"] = (KV_TYPE, (p.head_dim * p.n_head_kv, n_ctx))
+                out[f"v.{il}"] = (KV_TYPE, (p.head_dim * p.n_head_kv, n_ctx))
+        return out
+
+    # graph
+    def build(
+        self,
+        g: Builder,
+        w: dict[str, Tensor],
+        st: dict[str, Tensor],
+        layers: range,
+        n_tokens: int,
+        n_kv: int,
+        all_logits: bool,
+    ) -> Tensor:
+        """The forward of ``layers`` for ``n_tokens`` new tokens attending to ``n_kv`` cache rows.
+
+        Inputs: ``tokens`` (first shard) or ``x``; ``pos`` and, with attention layers, ``mask`` and
+        ``rows`` (cache rows to write). Returns logits on the last shard, else the activation.
+        """
+        p, L, c = self.p, g.lib, g.ctx
+        if n_kv > 0 and n_tokens > n_kv:
+            raise ConfigError(f"{n_tokens} tokens do not fit a {n_kv}-row attention window")
+        if layers.start == 0:
+            x = L.ggml_get_rows(c, w["token_embd.weight"], g.input_i32("tokens", n_tokens))
+        else:
+            x = g.input_f32("x", p.n_embd, n_tokens)  # [n_embd, T]
+        if not all(p.recurrent[il] for il in layers):
+            g.input_i32("pos", 4 * n_tokens)  # IMROPE: 4 sections of positions, the last all 0
+            g.input_f16("mask", n_kv, n_tokens)  # 0 where a token may attend, -inf elsewhere
+            g.input_i64("rows", n_tokens)
+        for il in layers:
+            x = self._layer(g, w, st, il, x, n_tokens)
+        if layers.stop < p.n_layer:
+            return x
+        if not all_logits:
+            x = L.ggml_view_2d(c, x, p.n_embd, 1, x.nb[1], x.nb[1] * (n_tokens - 1))
+        x = g.rms_norm(x, w["output_norm.weight"], p.rms_eps)
+        head = w.get("output.weight", w.get("token_embd.weight"))
+        return L.ggml_mul_mat(c, head, x)  # [n_vocab, T or 1]
+
+    def _layer(self, g: Builder, w: dict, st: dict, il: int, x: Tensor, T: int) -> Tensor:
+        p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
+        h = g.rms_norm(x, w[b + "attn_norm.weight"], p.rms_eps)
+        if p.recurrent[il]:
+            h = self._delta_net(g, w, st, il, h, T)
+        else:
+            h = self._attention(g, w, st, il, h, T)
+        x = L.ggml_add(c, h, x)
+        h = g.rms_norm(x, w[b + "post_attention_norm.weight"], p.rms_eps)
+        h = g.swiglu_ffn(
+            h, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"]
+        )
+        return L.ggml_add(c, h, x)
+
+    def _attention(self, g: Builder, w: dict, st: dict, il: int, x: Tensor, T: int) -> Tensor:
+        p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
+        hd, nh, nkv = p.head_dim, p.n_head, p.n_head_kv
+        qg = L.ggml_mul_mat(c, w[b + "attn_q.weight"], x)  # [2*hd*nh, T]: per head, query then gate
+        es = L.ggml_element_size(qg)
+        q = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, es * hd * 2 * nh, 0)  # [hd, nh, T]
+        gate = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, es * hd * 2 * nh, es * hd)
+        gate = L.ggml_cont_2d(c, gate, hd * nh, T)
+        q = g.rms_norm(q, w[b + "attn_q_norm.weight"], p.rms_eps)
+        k = L.ggml_reshape_3d(c, L.ggml_mul_mat(c, w[b + "attn_k.weight"], x), hd, nkv, T)
+        k = g.rms_norm(k, w[b + "attn_k_norm.weight"], p.rms_eps)
+        v = L.ggml_reshape_3d(c, L.ggml_mul_mat(c, w[b + "attn_v.weight"], x), hd, nkv, T)
+        q, k = self._rope(g, q), self._rope(g, k)
+        attn = self._attend(g, st, il, q, k, v, T)  # [hd*nh, T]
+        attn = L.ggml_mul(c, attn, L.ggml_sigmoid(c, gate))
+        return L.ggml_mul_mat(c, w[b + "attn_output.weight"], attn)  # [n_embd, T]
+
+    def _rope(self, g: Builder, t: Tensor) -> Tensor:
+        p = self.p
+        sections = ffi.new("int[4]", list(p.rope_sections))
+        return g.lib.ggml_rope_multi(
+            g.ctx,
+            t,
+            g.inputs["pos"],
+            ffi.NULL,
+            p.rope_dim,
+            sections,
+            GGML_ROPE_TYPE_IMROPE,
+            p.n_ctx_train,
+            p.rope_theta,
+            1.0,
+            0.0,
+            1.0,
+            32.0,
+            1.0,
+        )
+
+    def _attend(self, g: Builder, st: dict, il: int, q, k, v, T: int) -> Tensor:
+        """Write this step's K/V into the cache rows, then attend over the first n_kv rows."""
+        p, L, c = self.p, g.lib, g.ctx
+        hd, nkv = p.head_dim, p.n_head_kv
+        rows, mask = g.inputs["rows"], g.inputs["mask"]
+        n_kv = mask.ne[0]
+        views = []
+        for name, cur in ((f"k.{il}", k), (f"v.{il}", v)):
+            cache = st[name]  # [hd*nkv, n_ctx]
+            cur2 = L.ggml_reshape_2d(c, cur, hd * nkv, T)
+            written = L.ggml_set_rows(c, cache, cur2, rows)  # a view of cache, after the write
+            row = written.nb[1]
+            views.append(L.ggml_view_3d(c, written, hd, nkv, n_kv, g.row_size(written, hd), row, 0))
+        kv_k = L.ggml_permute(c, views[0], 0, 2, 1, 3)  # [hd, n_kv, nkv]
+        kv_v = L.ggml_permute(c, views[1], 0, 2, 1, 3)
+        q = L.ggml_permute(c, q, 0, 2, 1, 3)  # [hd, T, nh]
+        out = L.ggml_flash_attn_ext(c, q, kv_k, kv_v, mask, 1.0 / math.sqrt(hd), 0.0, 0.0)
+        L.ggml_flash_attn_ext_set_prec(out, L.GGML_PREC_F32)
+        return L.ggml_reshape_2d(c, out, hd * p.n_head, T)  # out: [hd, nh, T]
+
+    def _delta_net(self, g: Builder, w: dict, st: dict, il: int, x: Tensor, T: int) -> Tensor:
+        p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
+        S, Hk, Hv = p.ssm_state, p.ssm_k_heads, p.ssm_v_heads
+        qkv = L.ggml_mul_mat(c, w[b + "attn_qkv.weight"], x)  # [conv_dim, T]
+        z = L.ggml_mul_mat(c, w[b + "attn_gate.weight"], x)  # [value_dim, T]
+        beta = L.ggml_sigmoid(c, L.ggml_mul_mat(c, w[b + "ssm_beta.weight"], x))  # [Hv, T]
+        beta = L.ggml_reshape_4d(c, beta, 1, Hv, T, 1)
+        alpha = L.ggml_mul_mat(c, w[b + "ssm_alpha.weight"], x)  # [Hv, T]
+        alpha = L.ggml_softplus(c, L.ggml_add(c, alpha, w[b + "ssm_dt.bias"]))
+        decay = L.ggml_reshape_4d(c, L.ggml_mul(c, alpha, w[b + "ssm_a"]), 1, Hv, T, 1)
+
+        conv = self._conv(g, w, st, il, qkv, T)  # [conv_dim, T] after SiLU
+        es, row = L.ggml_element_size(conv), conv.nb[1]
+        q = L.ggml_view_4d(c, conv, S, Hk, T, 1, es * S, row, row * T, 0)
+        k = L.ggml_view_4d(c, conv, S, Hk, T, 1, es * S, row, row * T, es * p.key_dim)
+        v = L.ggml_view_4d(c, conv, S, Hv, T, 1, es * S, row, row * T, es * 2 * p.key_dim)
+        q, k = self._l2_norm(g, q), self._l2_norm(g, k)
+
+        state = st[f"ssm.{il}"]  # [S, S, Hv]
+        s0 = L.ggml_reshape_4d(c, state, S, S, Hv, 1)
+        res = L.ggml_gated_delta_net(c, q, k, v, decay, beta, s0, 1)
+        fs = L.ggml_element_size(res)
+        out = L.ggml_view_4d(c, res, S, Hv, T, 1, fs * S, fs * S * Hv, fs * S * Hv * T, 0)
+        new_state = L.ggml_view_1d(c, res, S * S * Hv, fs * S * Hv * T)
+        L.ggml_build_forward_expand(
+            g.gf, L.ggml_cpy(c, new_state, L.ggml_reshape_1d(c, state, S * S * Hv))
+        )
+
+        z4 = L.ggml_reshape_4d(c, z, S, Hv, T, 1)
+        out = L.ggml_mul(
+            c, g.rms_norm(out, w[b + "ssm_norm.weight"], p.rms_eps), L.ggml_silu(c, z4)
+        )
+        out = L.ggml_reshape_2d(c, out, p.value_dim, T)
+        return L.ggml_mul_mat(c, w[b + "ssm_out.weight"], out)  # [n_embd, T]
+
+    def _conv(self, g: Builder, w: dict, st: dict, il: int, qkv: Tensor, T: int) -> Tensor:
+        """Causal depthwise conv over [saved d_conv-1 columns | this step], saving the new tail."""
+        p, L, c = self.p, g.lib, g.ctx
+        K1, C = p.ssm_conv_kernel - 1, p.conv_dim
+        state = st[f"conv.{il}"]  # [K1, C]
+        x = L.ggml_concat(c, state, L.ggml_transpose(c, qkv), 0)  # [K1 + T, C]
+        tail = L.ggml_view_2d(c, x, K1, C, x.nb[1], g.row_size(x, T))
+        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, state))
+        x3 = L.ggml_reshape_3d(c, x, K1 + T, C, 1)
+        out = L.ggml_ssm_conv(c, x3, w[f"blk.{il}.ssm_conv1d.weight"])  # [C, T, 1]
+        return L.ggml_reshape_2d(c, L.ggml_silu(c, out), C, T)
+
+    def _l2_norm(self, g: Builder, t: Tensor) -> Tensor:
+        # x / max(||x||, eps) as llama.cpp writes it: rms_norm with eps/n, then scale by 1/sqrt(n)
+        n = t.ne[0]
+        L = g.lib
+        return L.ggml_scale(
+            g.ctx, L.ggml_rms_norm(g.ctx, t, self.p.rms_eps / n), 1.0 / math.sqrt(n)
+        )

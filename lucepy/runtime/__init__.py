@@ -1,0 +1,1 @@
+"""Devices, shards, the pipeline and per-layer state."""

@@ -1,0 +1,36 @@
+"""RuntimeConfig: where and how to run a model, kept apart from the model's own Params.
+
+The CLI builds it from flags; the server and the benchmarks receive it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from lucepy.errors import ConfigError
+
+DEFAULT_CTX = 4096
+DEFAULT_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "cpu"
+    max_ctx: int | None = None  # None: the model's training context, capped at DEFAULT_CTX
+    chunk: int = DEFAULT_CHUNK  # prefill batch size
+    threads: int | None = None  # CPU threads; None: all cores
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1:
+            raise ConfigError(f"--chunk must be at least 1, got {self.chunk}")
+        if self.max_ctx is not None and self.max_ctx < 1:
+            raise ConfigError(f"--max-ctx must be at least 1, got {self.max_ctx}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+
+    def context_for(self, n_ctx_train: int) -> int:
+        return self.max_ctx or min(n_ctx_train, DEFAULT_CTX)
+
+    def thread_count(self) -> int:
+        return self.threads or os.cpu_count() or 1

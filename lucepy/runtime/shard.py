@@ -1,0 +1,169 @@
+"""A shard: one contiguous layer range of a model on one backend, with its weights and state.
+
+Decision 2: a graph is built once per shape bucket ``(n_tokens, n_kv, all_logits)`` and reused; a
+step only writes its inputs (tokens or activation, positions, mask, cache rows) and reads the
+output.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lucepy.errors import ContextOverflow, GGMLError
+from lucepy.ggml import Allocator, Backend, Buffer, Context, Lib, ffi
+from lucepy.gguf import GGUFFile
+from lucepy.models.base import Builder
+
+log = logging.getLogger(__name__)
+
+KV_BUCKET = 256  # attention windows grow in steps of this many rows, so decode graphs are reused
+_NEG_INF = np.float16(-np.inf)
+
+
+@dataclass
+class CachedGraph:
+    ctx: Context
+    alloc: Allocator
+    gf: Any
+    inputs: dict[str, Any]
+    output: Any
+    out: np.ndarray  # host buffer the output is read into
+
+    def close(self) -> None:
+        self.alloc.close()
+        self.ctx.close()
+
+
+def _new_tensors(lib: Lib, ctx: Context, specs: dict[str, tuple[int, tuple[int, ...]]]) -> dict:
+    out = {}
+    for name, (gtype, shape) in specs.items():
+        ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
+        t = lib.ggml_new_tensor(ctx.ptr, gtype, len(shape), ne)
+        lib.ggml_set_name(t, name.encode())
+        out[name] = t
+    return out
+
+
+class Shard:
+    def __init__(
+        self, lib: Lib, model: Any, f: GGUFFile, layers: range, backend: Backend, n_ctx: int
+    ):
+        self.lib, self.model, self.layers, self.backend, self.n_ctx = (
+            lib,
+            model,
+            layers,
+            backend,
+            n_ctx,
+        )
+        self.graphs: dict[tuple, CachedGraph] = {}
+        self.reuse_graphs = (
+            True  # False rebuilds every step: only to test that reuse changes nothing
+        )
+        shapes = model.weight_shapes(layers, f)
+        specs = {name: (int(f.tensors[name].type), shape) for name, shape in shapes.items()}
+        self._wctx = Context(lib, len(specs) + 1)
+        self.weights = _new_tensors(lib, self._wctx, specs)
+        self._wbuf = Buffer(lib, self._wctx, backend, f"weights of layers {layers}")
+        for name, t in self.weights.items():
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(f.data(name)), 0, f.tensors[name].nbytes)
+        state_specs = model.state_shapes(layers, n_ctx)
+        self._sctx = Context(lib, len(state_specs) + 1)
+        self.state = _new_tensors(lib, self._sctx, state_specs)
+        self._sbuf = (
+            Buffer(lib, self._sctx, backend, f"state of layers {layers}") if state_specs else None
+        )
+        self.reset()
+
+    @property
+    def weight_bytes(self) -> int:
+        return self._wbuf.nbytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self._sbuf.nbytes if self._sbuf else 0
+
+    def reset(self) -> None:
+        """Forget the sequence: zero the recurrent state (KV rows are masked until rewritten)."""
+        if self._sbuf:
+            self._sbuf.clear(0)
+
+    def n_kv_for(self, end: int) -> int:
+        if end > self.n_ctx:
+            raise ContextOverflow(
+                f"position {end} is past the context of {self.n_ctx}; "
+                f"start a new sequence or raise --max-ctx"
+            )
+        return min(self.n_ctx, -(-end // KV_BUCKET) * KV_BUCKET)
+
+    def graph(self, n_tokens: int, n_kv: int, all_logits: bool) -> CachedGraph:
+        key = (n_tokens, n_kv, all_logits)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._build(n_tokens, n_kv, all_logits)
+        return g
+
+    def _build(self, n_tokens: int, n_kv: int, all_logits: bool) -> CachedGraph:
+        lib = self.lib
+        max_nodes = 128 * len(self.layers) + 256
+        ctx = Context(lib, max_nodes, graph_nodes=max_nodes)
+        b = Builder(lib, ctx.ptr, max_nodes)
+        out = self.model.build(b, self.weights, self.state, self.layers, n_tokens, n_kv, all_logits)
+        lib.ggml_set_output(out)
+        lib.ggml_build_forward_expand(b.gf, out)
+        alloc = Allocator(lib, self.backend)
+        alloc.alloc(b.gf)
+        host = np.empty((out.ne[1], out.ne[0]), dtype=np.float32)
+        log.debug(
+            "built graph T=%d n_kv=%d: %d nodes, %d bytes",
+            n_tokens,
+            n_kv,
+            lib.ggml_graph_n_nodes(b.gf),
+            alloc.nbytes,
+        )
+        return CachedGraph(ctx, alloc, b.gf, b.inputs, out, host)
+
+    def forward(self, inp: np.ndarray, pos0: int, all_logits: bool = False) -> np.ndarray:
+        """Run ``inp`` (token ids, or an activation [T, n_embd]) at positions pos0.. ; returns the
+        output rows (logits or activation) as a float32 array [rows, width], owned by the graph."""
+        n_tokens = inp.shape[0]
+        n_kv = self.n_kv_for(pos0 + n_tokens)
+        g = self.graph(n_tokens, n_kv, all_logits)
+        self._set_inputs(g, inp, pos0, n_tokens, n_kv)
+        status = self.lib.ggml_backend_graph_compute(self.backend.ptr, g.gf)
+        if status != 0:
+            raise GGMLError(f"graph compute on {self.backend.name} failed with status {status}")
+        self.lib.ggml_backend_tensor_get(g.output, ffi.from_buffer(g.out), 0, g.out.nbytes)
+        if not self.reuse_graphs:
+            self.graphs.pop((n_tokens, n_kv, all_logits)).close()
+        return g.out
+
+    def _set_inputs(self, g: CachedGraph, inp: np.ndarray, pos0: int, T: int, n_kv: int) -> None:
+        put = self._put
+        if "tokens" in g.inputs:
+            put(g.inputs["tokens"], np.ascontiguousarray(inp, dtype=np.int32))
+        else:
+            put(g.inputs["x"], np.ascontiguousarray(inp, dtype=np.float32))
+        if "pos" in g.inputs:
+            pos = np.arange(pos0, pos0 + T, dtype=np.int32)
+            put(g.inputs["pos"], np.concatenate([pos, pos, pos, np.zeros_like(pos)]))
+            put(g.inputs["rows"], pos.astype(np.int64))
+            mask = np.zeros((T, n_kv), dtype=np.float16)
+            # token t sees cache rows 0..pos0+t
+            cols = np.arange(n_kv)[None, :]
+            mask[cols > (pos[:, None])] = _NEG_INF
+            put(g.inputs["mask"], mask)
+
+    def _put(self, t: Any, arr: np.ndarray) -> None:
+        self.lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+
+    def close(self) -> None:
+        for g in self.graphs.values():
+            g.close()
+        self.graphs.clear()
+        for owner in (self._sbuf, self._sctx, self._wbuf, self._wctx):
+            if owner is not None:
+                owner.close()

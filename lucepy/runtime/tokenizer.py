@@ -1,0 +1,39 @@
+"""The GGUF's own vocabulary and chat template, through llama-cpp-python (vocab only)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from lucepy.errors import PromptError
+
+
+class Tokenizer:
+    def __init__(self, model_path: str | os.PathLike):
+        import llama_cpp  # imported here: loading libllama costs time the plan and CLI help skip
+
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+            self._llama = llama_cpp.Llama(
+                model_path=str(model_path), vocab_only=True, verbose=False
+            )
+        self.eos = self._llama.token_eos()
+        self.bos = self._llama.token_bos()
+        meta = self._llama.metadata
+        self.chat_template = meta.get("tokenizer.chat_template")
+        self.add_bos = meta.get("tokenizer.ggml.add_bos_token", "false") == "true"
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        if not text:
+            raise PromptError("the prompt is empty; pass --prompt TEXT or --prompt-tokens 1,2,3")
+        return self._llama.tokenize(text.encode(), add_bos=self.add_bos, special=special)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._llama.detokenize(tokens).decode("utf-8", errors="replace")
+
+    def is_end(self, token: int) -> bool:
+        import llama_cpp
+
+        return bool(llama_cpp.llama_vocab_is_eog(self._llama._model.vocab, token))
+
+    def close(self) -> None:
+        self._llama.close()

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: tiny random-weight model files and the like."""

@@ -1,0 +1,148 @@
+"""Tiny qwen35 GGUFs load in llama.cpp and behave like a language model, if a random one."""
+
+from __future__ import annotations
+
+import itertools
+
+import gguf
+import numpy as np
+import pytest
+
+from lucepy.errors import ConfigError
+from lucepy.testing.tiny import (
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    Qwen35Spec,
+    build_vocab,
+    main,
+    write_qwen35,
+)
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+TEXT = "Hello world, this is a test."
+SPECS = {
+    "default": {},
+    # odd layer count, interval 3 (one attention layer), n_embd not a power of two
+    "odd": {"full_attention_interval": 3, "n_layer": 5, "n_embd": 96},
+}
+CASES = [(name, wtype) for name in SPECS for wtype in ("f32", "q8_0")]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    return {
+        (name, wtype): write_qwen35(out / f"{name}-{wtype}.gguf", weight_type=wtype, **SPECS[name])
+        for name, wtype in CASES
+    }
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: "-".join(case))
+def llm(request, files):
+    model = llama_cpp.Llama(
+        model_path=str(files[request.param]), n_ctx=256, logits_all=True, verbose=False
+    )
+    yield model
+    model.close()
+
+
+def test_tokenizer_round_trip(llm):
+    tokens = llm.tokenize(TEXT.encode())
+    assert llm.detokenize(tokens).decode() == TEXT
+    assert len(tokens) < len(TEXT)  # merges applied, not just bytes
+
+
+def test_chat_metadata(llm):
+    assert llm.metadata["tokenizer.chat_template"] == CHAT_TEMPLATE
+    assert llm.metadata["general.architecture"] == "qwen35"
+    assert llm.token_eos() == llm.n_vocab() - 1  # <|im_end|>
+
+
+def test_logits_not_degenerate(llm):
+    llm.reset()
+    llm.eval(llm.tokenize(TEXT.encode()))
+    logits = np.asarray(llm.scores[: llm.n_tokens])
+    assert np.isfinite(logits).all()
+    assert (logits.std(axis=-1) > 0.1).all()
+    assert len({int(i) for i in logits.argmax(axis=-1)}) > 1
+
+
+def test_greedy_continuation_varies(llm):
+    prompt = llm.tokenize(TEXT.encode())
+    out = list(itertools.islice(llm.generate(prompt, temp=0.0, reset=True), 32))
+    assert len(set(out)) > 1
+
+
+def test_quantized_tensors_follow_f32(files):
+    f32 = {t.name: t for t in gguf.GGUFReader(files["default", "f32"]).tensors}
+    q8 = gguf.GGUFReader(files["default", "q8_0"])
+    assert q8.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    n_quantized = 0
+    for t in q8.tensors:
+        ref = np.asarray(f32[t.name].data)
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            np.testing.assert_array_equal(t.data, ref)
+            continue
+        n_quantized += 1
+        got = gguf.quants.dequantize(t.data, t.tensor_type)
+        # half a q8_0 step (max|x| / 127 per 32-block) plus the f16 rounding of that step
+        tol = np.abs(ref).reshape(-1, 32).max(axis=1).repeat(32) / 127 * 0.6 + 1e-6
+        assert (np.abs(got - ref).reshape(-1) <= tol).all(), t.name
+    assert n_quantized > 0
+
+
+def test_small_tensors_stay_f32(files):
+    reader = gguf.GGUFReader(files["odd", "q8_0"])
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    for name in (
+        "blk.0.ssm_a",
+        "blk.0.ssm_dt.bias",
+        "blk.0.ssm_conv1d.weight",
+        "output_norm.weight",
+    ):
+        assert types[name] == gguf.GGMLQuantizationType.F32
+    assert types["blk.2.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0  # (2 + 1) % 3 == 0
+    assert "blk.2.attn_qkv.weight" not in types and "blk.1.attn_qkv.weight" in types
+    ssm_a = next(t for t in reader.tensors if t.name == "blk.0.ssm_a")
+    assert (np.asarray(ssm_a.data) < 0).all()
+
+
+def test_same_spec_same_bytes(tmp_path):
+    a = write_qwen35(tmp_path / "a.gguf", n_layer=2)
+    b = write_qwen35(tmp_path / "b.gguf", Qwen35Spec(n_layer=2))
+    c = write_qwen35(tmp_path / "c.gguf", n_layer=2, seed=1)
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+
+
+def test_vocab():
+    vocab = build_vocab(600)
+    assert len(vocab.tokens) == len(set(vocab.tokens)) == 600
+    assert vocab.tokens[-3:] == SPECIAL_TOKENS
+    assert vocab.types[-3:] == (int(gguf.TokenType.CONTROL),) * 3
+    assert len(vocab.merges) == 600 - 256 - 3
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rope_sections": (4, 4, 4, 0)},
+        {"rope_dim": 7},
+        {"ssm_time_step_rank": 3},
+        {"weight_type": "q5_k"},
+        {"n_layer": 0},
+    ],
+)
+def test_bad_spec_is_refused(bad):
+    with pytest.raises(ConfigError):
+        Qwen35Spec(**bad)
+
+
+def test_cli(tmp_path, capsys):
+    out = tmp_path / "cli.gguf"
+    assert main([str(out), "--type", "q4_0", "--set", "n_layer=2", "--set", "rope_theta=1e6"]) == 0
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_0
+    assert reader.fields["qwen35.block_count"].contents() == 2
+    assert main([str(out), "--set", "no_such_key=1"]) == 2
+    assert "no_such_key" in capsys.readouterr().err
