@@ -107,17 +107,23 @@ def _llama_cpp(
         )
     try:
 
+        n_vocab = llm.n_vocab()
+
+        def last_logits() -> np.ndarray:
+            ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
         def prefill():
             llm.reset()
             llm.eval(prompt)
-            return llm.scores[llm.n_tokens - 1]
+            return last_logits()
 
         def decode():
             logits = prefill()
             t0 = time.perf_counter()
             for _ in range(gen):
                 llm.eval([int(np.argmax(logits))])
-                logits = llm.scores[llm.n_tokens - 1]
+                logits = last_logits()
             decode.elapsed = time.perf_counter() - t0
 
         pre = _median_rate(len(prompt), prefill, repeats)
