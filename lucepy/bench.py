@@ -106,7 +106,6 @@ def _llama_cpp(
             verbose=False,
         )
     try:
-
         n_vocab = llm.n_vocab()
 
         def last_logits() -> np.ndarray:
