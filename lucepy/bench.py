@@ -10,11 +10,13 @@ import contextlib
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from lucepy.gguf import GGUFFile
+from lucepy.models import architecture_for
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 
@@ -34,6 +36,7 @@ class BenchResult:
     chunk: int
     lucepy: Figures
     llama_cpp: Figures | None = None
+    devices: str = "cpu"
 
     @property
     def ratios(self) -> dict[str, float] | None:
@@ -134,20 +137,30 @@ def _llama_cpp(
 
 def run(
     model: str | os.PathLike,
+    config: RuntimeConfig,
     *,
     prompt_len: int = 512,
     gen: int = 64,
-    threads: int | None = None,
-    chunk: int = 512,
     vs_llama_cpp: bool = True,
     repeats: int = 3,
 ) -> BenchResult:
+    """Measure lucepy as ``config`` places it; llama.cpp (if asked) runs unsplit on the CPU."""
     path = Path(model)
     n_ctx = prompt_len + gen + 1
-    cfg = RuntimeConfig(max_ctx=n_ctx, chunk=chunk, threads=threads)
-    with Engine(path, cfg, tokenizer=False) as probe:
-        n_vocab = probe.params.n_vocab
+    if config.max_ctx is None or config.max_ctx < n_ctx:
+        config = replace(config, max_ctx=n_ctx)
+    with GGUFFile(path) as f:
+        n_vocab = architecture_for(f).from_gguf(f).p.n_vocab
     prompt = np.random.default_rng(0).integers(0, n_vocab, prompt_len).tolist()
-    ours = _lucepy(path, prompt, gen, cfg, repeats)
-    ref = _llama_cpp(path, prompt, gen, cfg, n_ctx, repeats) if vs_llama_cpp else None
-    return BenchResult(str(path), prompt_len, gen, cfg.thread_count(), chunk, ours, ref)
+    ours = _lucepy(path, prompt, gen, config, repeats)
+    ref = _llama_cpp(path, prompt, gen, config, n_ctx, repeats) if vs_llama_cpp else None
+    return BenchResult(
+        str(path),
+        prompt_len,
+        gen,
+        config.thread_count(),
+        config.chunk,
+        ours,
+        ref,
+        devices=config.device,
+    )

@@ -69,3 +69,37 @@ class ContextOverflow(ConfigError):
 
 class PromptError(ConfigError):
     """A prompt is empty or cannot be tokenized."""
+
+
+class CatalogError(ConfigError):
+    """models.yaml cannot be read, or a model name does not resolve to a file."""
+
+
+class UnknownModel(CatalogError):
+    """A model name is neither a file nor a models.yaml entry."""
+
+
+# serving
+class ServerError(LucepyError):
+    """The server cannot take or finish a request."""
+
+
+class AuthError(ServerError):
+    """A request's API key is missing or wrong."""
+
+
+class ModelUnavailable(ServerError):
+    """The model failed, or the server is shutting down."""
+
+
+class ServerUnreachable(ServerError):
+    """A lucepy server (``lucepy top``) cannot be reached or answered nonsense."""
+
+
+# processes
+class WorkerError(LucepyError):
+    """A worker process could not start, or died while serving a shard."""
+
+
+class BuildError(LucepyError):
+    """Building a ggml backend failed."""

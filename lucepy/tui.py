@@ -65,6 +65,153 @@ def bench_table(result) -> Table:
     return table
 
 
+def _bar(part: int, whole: int, width: int = 20) -> str:
+    filled = round(width * part / whole) if whole else 0
+    return "█" * filled + "░" * (width - filled)
+
+
+def placement_table(shards: list[dict], title: str = "placement") -> Table:
+    """Shard placement: one row per shard, with a memory bar of its share of the total."""
+    table = Table(title=title)
+    for col in ("shard", "device", "backend", "layers", "weights", "KV + state", "process", ""):
+        table.add_column(col)
+    total = sum(s["weight_bytes"] + s["state_bytes"] for s in shards)
+    for i, s in enumerate(shards):
+        a, b = s["layers"]
+        mine = s["weight_bytes"] + s["state_bytes"]
+        table.add_row(
+            str(i),
+            s["device"],
+            s["backend"],
+            f"{a}–{b - 1} ({b - a})",
+            _mib(s["weight_bytes"]),
+            _mib(s["state_bytes"]),
+            s["process"],
+            _bar(mine, total),
+        )
+    return table
+
+
+def plan_table(plan) -> Table:
+    return placement_table(
+        [s.to_dict() for s in plan.shards],
+        title=f"{plan.model}: {plan.n_layer} layers, context {plan.max_ctx}",
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def build_plan(plan) -> str:
+    return (
+        f"[bold]{plan.backend}[/] → {plan.prefix}\n  cmake {' '.join(plan.cmake_args)}\n"
+        f"  targets: {' '.join(plan.targets)}"
+    )
+
+
+def builds_table(builds: list, root) -> Table:
+    table = Table(title=f"ggml builds in {root}")
+    table.add_column("backend")
+    table.add_column("directory")
+    for backend, path in builds:
+        table.add_row(backend, str(path))
+    return table
+
+
+def status(message: str):
+    """A spinner on stderr while long work runs."""
+    return err_console.status(message)
+
+
+# --- serve --tui and top: a live view of /lucepy/status ---
+
+
+def _dash(value, fmt: str = "{}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def _server_stats(s: dict) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="dim")
+    table.add_column()
+    last = s.get("last") or {}
+    timings = last.get("timings") or {}
+    req, queue, tokens = s["requests"], s["queue"], s["tokens"]
+    cache = s.get("cache") or {}
+    table.add_row("tokens/s", f"{s['tokens_per_s']:.1f} (last 5 s)")
+    table.add_row("last request", _dash(timings.get("decode_tok_s"), "{:.1f} tok/s decode"))
+    table.add_row("queue", f"{queue['waiting']} waiting, {queue['active']} running")
+    table.add_row(
+        "requests",
+        f"{req['total']} total · {req['completed']} done · {req['cancelled']} cancelled · "
+        f"{req['failed']} failed · {req['rejected']} rejected",
+    )
+    table.add_row("tokens", f"{tokens['prompt']:,} prompt · {tokens['completion']:,} generated")
+    table.add_row("cache hits", f"{_dash(cache.get('hits'))} / misses {_dash(cache.get('misses'))}")
+    return table
+
+
+def status_view(s: dict, source: str = ""):
+    """One frame of `lucepy top` / `serve --tui` from a /lucepy/status dict."""
+    from rich.console import Group
+    from rich.text import Text
+
+    state = s.get("state", "?")
+    color = "green" if state == "ready" else "red"
+    head = Text.assemble(
+        (s.get("model", "?"), "bold"),
+        f"  {source}  " if source else "  ",
+        (state, color),
+        f"  context {s.get('n_ctx', '?')}  up {s.get('uptime_s', 0):.0f} s",
+    )
+    return Group(head, placement_table(s["placement"]), _server_stats(s))
+
+
+def unreachable_view(message: str, source: str):
+    from rich.text import Text
+
+    return Text.assemble((source, "bold"), "  ", ("unreachable", "red"), f": {message}")
+
+
+def note(message: str) -> None:
+    """A line for the user on stderr (stdout stays for data)."""
+    err_console.print(message, highlight=False, soft_wrap=True)
+
+
+def watch(frame, interval: float = 1.0) -> None:
+    """Redraw ``frame()`` every ``interval`` seconds until Ctrl-C (KeyboardInterrupt)."""
+    import time
+
+    from rich.live import Live
+
+    with Live(frame(), console=console, refresh_per_second=4, transient=False) as live:
+        while True:
+            time.sleep(interval)
+            live.update(frame())
+
+
+def models_table(rows: list[dict], source: str | None) -> Table:
+    """`lucepy models`: rows are ModelEntry dicts plus `path`, `default`."""
+    table = Table(title=f"models ({source or 'built-in only; no models.yaml found'})")
+    for col in ("name", "file", "placement", "context", "draft", "status"):
+        table.add_column(col)
+    for r in rows:
+        if r["path"]:
+            state = "[green]ready[/]"
+        else:
+            state = "[yellow]made on first use[/]" if r["builtin"] else "[red]missing[/]"
+        table.add_row(
+            f"{r['name']} [dim](default)[/]" if r["default"] else r["name"],
+            r["path"] or r["file"] or f"built-in {r['builtin']}",
+            ",".join(r["placement"]) or "–",
+            _dash(r["context"]),
+            r["draft"] or "–",
+            state,
+        )
+    return table
+
+
 def show(renderable) -> None:
     console.print(renderable)
 

@@ -62,13 +62,23 @@ def default_directory() -> Path:
     return Path(spec.origin).parent / "lib"
 
 
+def _soname_file(directory: Path, name: str) -> Path | None:
+    """``libggml-base.so.0`` rather than ``libggml-base.so``: wheels hold copies, not symlinks, and
+    libllama loads the soname file. Opening another copy would make a second, separate ggml."""
+    versioned = sorted(directory.glob(f"{name}.[0-9]*"), key=lambda p: len(p.name))
+    if versioned:
+        return versioned[0]
+    path = directory / name
+    return path if path.exists() else None
+
+
 def open_libraries(directory: Path) -> Lib:
     if not (directory / "libggml-base.so").exists():
         raise GGMLError(f"no libggml-base.so in {directory}; is this a ggml build directory?")
     handles = []
     for name in LIB_NAMES:
-        path = directory / name
-        if path.exists():
+        path = _soname_file(directory, name)
+        if path is not None:
             # RTLD_GLOBAL so that backends loaded later resolve against this libggml-base
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
             handles.append(ffi.dlopen(str(path)))
@@ -114,5 +124,40 @@ def load() -> Lib:
         if _lib is None:
             lib = open_libraries(default_directory())
             check_pin(lib)
+            install_abort_hook(lib)
             _lib = lib
         return _lib
+
+
+# ggml-rpc aborts the whole process when a worker's connection breaks. We catch that abort on the
+# thread that raised it (ggml-rpc's own I/O thread), record it, and park that thread for good, so
+# the process lives on and the pipeline can fail the request with a clear error (runtime/pipeline).
+_rpc_failures: list[str] = []
+_rpc_failed = threading.Event()
+_park = threading.Event()  # never set
+
+
+@ffi.callback("void(const char *)")
+def _on_abort(message) -> None:
+    text = ffi.string(message).decode(errors="replace") if message != ffi.NULL else ""
+    if "RPC" not in text:
+        log.critical("ggml aborted: %s", text)
+        return  # not ours to handle: ggml goes on to abort()
+    text = text.strip().rsplit(": ", 1)[-1]  # drop ggml's "file.cpp:line: " prefix
+    log.error("ggml-rpc: %s", text)
+    _rpc_failures.append(text)
+    _rpc_failed.set()
+    _park.wait()
+
+
+def rpc_failures() -> list[str]:
+    """Messages of the RPC connections that broke in this process, oldest first."""
+    return list(_rpc_failures)
+
+
+def rpc_failed() -> threading.Event:
+    return _rpc_failed
+
+
+def install_abort_hook(lib: Lib) -> None:
+    lib.ggml_set_abort_callback(_on_abort)

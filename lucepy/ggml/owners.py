@@ -30,6 +30,11 @@ class Owner:
         self._finalizer()
         self.ptr = ffi.NULL
 
+    def abandon(self) -> None:
+        """Forget the handle without freeing it (its server is gone; freeing would block)."""
+        self._finalizer.detach()
+        self.ptr = ffi.NULL
+
     def __enter__(self):
         return self
 

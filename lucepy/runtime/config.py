@@ -16,7 +16,8 @@ DEFAULT_CHUNK = 512
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    device: str = "cpu"
+    device: str = "cpu"  # one device, or a comma-separated list: one shard each (runtime/placement)
+    layer_split: str | None = None  # weights of the layer split, e.g. "1,3"; None: even
     max_ctx: int | None = None  # None: the model's training context, capped at DEFAULT_CTX
     chunk: int = DEFAULT_CHUNK  # prefill batch size
     threads: int | None = None  # CPU threads; None: all cores

@@ -55,17 +55,26 @@ def list_devices(lib: Lib) -> list[DeviceInfo]:
     return [info for info, _ in _scan(lib)]
 
 
-def open_backend(lib: Lib, name: str, threads: int | None = None) -> Backend:
-    """A backend for the device ``name``; a clear error names the devices there are."""
+def find_device(lib: Lib, name: str):
+    """ggml's handle for lucepy's device ``name``; the error lists the devices there are."""
     wanted = name.strip().lower()
     devices = _scan(lib)
     for info, dev in devices:
         if info.name == wanted or (wanted == "cpu:0" and info.name == "cpu"):
-            backend = Backend(lib, dev, info.name)
-            if threads:
-                backend.set_threads(threads)
-            return backend
+            return dev
     names = ", ".join(info.name for info, _ in devices) or "none"
     raise DeviceError(
         f"unknown device {name!r}; this ggml build has: {names} (run `lucepy devices` to list them)"
     )
+
+
+def local_backends(lib: Lib) -> set[str]:
+    return {info.backend for info in list_devices(lib)}
+
+
+def open_backend(lib: Lib, name: str, threads: int | None = None) -> Backend:
+    """A backend for the local device ``name``."""
+    backend = Backend(lib, find_device(lib, name), name.strip().lower())
+    if threads:
+        backend.set_threads(threads)
+    return backend

@@ -9,15 +9,33 @@ from pathlib import Path
 import numpy as np
 
 from lucepy import ggml
-from lucepy.errors import ConfigError, ContextOverflow
+from lucepy.errors import ConfigError, ContextOverflow, DeviceError
 from lucepy.gguf import GGUFFile
 from lucepy.models import architecture_for
+from lucepy.runtime import backends, workers
 from lucepy.runtime.config import RuntimeConfig
-from lucepy.runtime.devices import open_backend
+from lucepy.runtime.devices import local_backends, open_backend
+from lucepy.runtime.pipeline import Pipeline
+from lucepy.runtime.placement import DeviceSpec, LoadPlan, parse_devices, parse_split, plan_load
 from lucepy.runtime.shard import Shard
 from lucepy.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
+    """The load plan for ``config`` on this process's ggml; loads no weights."""
+    specs = parse_devices(config.device, local_backends(lib))
+    split = parse_split(config.layer_split, len(specs))
+    for spec in specs:
+        if spec.where == "worker" and spec.backend not in local_backends(lib):
+            if backends.find_build(spec.backend) is None:
+                raise DeviceError(
+                    f"device {spec.name!r}: this ggml has no {spec.backend} backend and there is "
+                    f"no {spec.backend} build in {backends.default_prefix(spec.backend)}; run "
+                    f"`lucepy backends build {spec.backend}`"
+                )
+    return plan_load(f, model, specs, split, config.context_for(model.p.n_ctx_train))
 
 
 class Engine:
@@ -32,29 +50,67 @@ class Engine:
     ):
         self.config = config or RuntimeConfig()
         self.path = Path(model_path)
+        self.pipeline = self.tokenizer = None
         self.file = GGUFFile(self.path)
         try:
             self.model = architecture_for(self.file).from_gguf(self.file)
             self.params = self.model.p
-            self.n_ctx = self.config.context_for(self.params.n_ctx_train)
             self.lib = ggml.load()
-            self.backend = open_backend(self.lib, self.config.device, self.config.thread_count())
-            self.shard = Shard(
-                self.lib,
-                self.model,
-                self.file,
-                range(self.params.n_layer),
-                self.backend,
-                self.n_ctx,
-            )
+            self.plan = make_plan(self.file, self.model, self.config, self.lib)
+            self.n_ctx = self.plan.max_ctx
+            self._load()
             self.tokenizer = Tokenizer(self.path) if tokenizer else None
         except BaseException:
             self.close()
             raise
         self.n_past = 0
 
+    @property
+    def shards(self) -> list[Shard]:
+        return self.pipeline.shards
+
+    @property
+    def shard(self) -> Shard:
+        """The single shard of an unsplit model (the first one otherwise)."""
+        return self.pipeline.shards[0]
+
+    def _load(self) -> None:
+        remote = any(spec.where != "local" for spec in self.plan.devices)
+        self.pipeline = Pipeline(self.lib, [], remote)
+        for spec, sp in zip(self.plan.devices, self.plan.shards, strict=True):
+            backend = self._open(spec)
+            self.pipeline.add(
+                lambda b=backend, sp=sp, spec=spec: Shard(
+                    self.lib, self.model, self.file, range(*sp.layers), b, self.n_ctx, spec.process
+                )
+            )
+
+    def _open(self, spec: DeviceSpec) -> ggml.Backend:
+        """A backend for ``spec``, spawning its worker if it needs one. RPC connections are made
+        under the pipeline's supervision: a failed handshake must not take the process down."""
+        threads = self.config.thread_count()
+        if spec.where == "local":
+            return open_backend(self.lib, spec.device, threads)
+        endpoint, index = spec.endpoint, int(spec.device) if spec.where == "remote" else 0
+        if spec.where == "worker":
+            local = spec.backend in local_backends(self.lib)
+            build = self.lib.directory if local else backends.find_build(spec.backend)
+            worker = workers.spawn(spec.device, build, threads)
+            self.pipeline.workers.append(worker)
+            endpoint = worker.endpoint
+        return self.pipeline.call(lambda: workers.connect(self.lib, endpoint, index, spec.name))
+
+    def _recover(self) -> None:
+        """After a worker died: drop the broken pipeline and load again from the plan."""
+        log.warning("reloading after: %s", self.pipeline.broken)
+        self.pipeline.close()
+        self.pipeline = None
+        self._load()
+
     def reset(self) -> None:
-        self.shard.reset()
+        if self.pipeline is None or self.pipeline.broken:
+            self._recover()
+        self.pipeline.reset()
         self.n_past = 0
 
     def prefill(
@@ -74,19 +130,19 @@ class Engine:
         outs = []
         for start in range(0, tokens.size, chunk):
             part = tokens[start : start + chunk]
-            out = self.shard.forward(part, self.n_past, all_logits)
+            out = self.pipeline.forward(part, self.n_past, all_logits)
             self.n_past += part.size
             outs.append(out.copy() if all_logits else out)
         return np.concatenate(outs) if all_logits else outs[-1][-1]
 
     def decode(self, token: int) -> np.ndarray:
         """One token in, the next-token logits [n_vocab] out (a view reused by the next call)."""
-        out = self.shard.forward(np.array([token], dtype=np.int32), self.n_past)
+        out = self.pipeline.forward(np.array([token], dtype=np.int32), self.n_past, False)
         self.n_past += 1
         return out[0]
 
     def close(self) -> None:
-        for name in ("shard", "backend", "tokenizer", "file"):
+        for name in ("pipeline", "tokenizer", "file"):
             owner = getattr(self, name, None)
             if owner is not None:
                 owner.close()

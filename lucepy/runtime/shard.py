@@ -50,19 +50,20 @@ def _new_tensors(lib: Lib, ctx: Context, specs: dict[str, tuple[int, tuple[int, 
 
 class Shard:
     def __init__(
-        self, lib: Lib, model: Any, f: GGUFFile, layers: range, backend: Backend, n_ctx: int
+        self,
+        lib: Lib,
+        model: Any,
+        f: GGUFFile,
+        layers: range,
+        backend: Backend,
+        n_ctx: int,
+        process: str = "local",
     ):
-        self.lib, self.model, self.layers, self.backend, self.n_ctx = (
-            lib,
-            model,
-            layers,
-            backend,
-            n_ctx,
-        )
+        self.lib, self.model, self.layers, self.backend = lib, model, layers, backend
+        self.n_ctx, self.process = n_ctx, process
         self.graphs: dict[tuple, CachedGraph] = {}
-        self.reuse_graphs = (
-            True  # False rebuilds every step: only to test that reuse changes nothing
-        )
+        # False rebuilds every step: only to test that reuse changes nothing
+        self.reuse_graphs = True
         shapes = model.weight_shapes(layers, f)
         specs = {name: (int(f.tensors[name].type), shape) for name, shape in shapes.items()}
         self._wctx = Context(lib, len(specs) + 1)
@@ -126,44 +127,56 @@ class Shard:
         )
         return CachedGraph(ctx, alloc, b.gf, b.inputs, out, host)
 
-    def forward(self, inp: np.ndarray, pos0: int, all_logits: bool = False) -> np.ndarray:
-        """Run ``inp`` (token ids, or an activation [T, n_embd]) at positions pos0.. ; returns the
-        output rows (logits or activation) as a float32 array [rows, width], owned by the graph."""
-        n_tokens = inp.shape[0]
+    def prepare(self, n_tokens: int, pos0: int, all_logits: bool) -> CachedGraph:
+        """The graph for this step, with positions, mask and cache rows written."""
         n_kv = self.n_kv_for(pos0 + n_tokens)
         g = self.graph(n_tokens, n_kv, all_logits)
-        self._set_inputs(g, inp, pos0, n_tokens, n_kv)
+        if "pos" in g.inputs:
+            pos = np.arange(pos0, pos0 + n_tokens, dtype=np.int32)
+            self._put(g.inputs["pos"], np.concatenate([pos, pos, pos, np.zeros_like(pos)]))
+            self._put(g.inputs["rows"], pos.astype(np.int64))
+            mask = np.zeros((n_tokens, n_kv), dtype=np.float16)
+            mask[np.arange(n_kv)[None, :] > pos[:, None]] = _NEG_INF  # token t sees rows <= pos0+t
+            self._put(g.inputs["mask"], mask)
+        return g
+
+    def put_tokens(self, g: CachedGraph, tokens: np.ndarray) -> None:
+        self._put(g.inputs["tokens"], np.ascontiguousarray(tokens, dtype=np.int32))
+
+    def compute(self, g: CachedGraph) -> None:
         status = self.lib.ggml_backend_graph_compute(self.backend.ptr, g.gf)
         if status != 0:
             raise GGMLError(f"graph compute on {self.backend.name} failed with status {status}")
+
+    def read(self, g: CachedGraph) -> np.ndarray:
+        """The output rows [rows, width] as float32, in a host buffer the graph owns."""
         self.lib.ggml_backend_tensor_get(g.output, ffi.from_buffer(g.out), 0, g.out.nbytes)
-        if not self.reuse_graphs:
-            self.graphs.pop((n_tokens, n_kv, all_logits)).close()
         return g.out
 
-    def _set_inputs(self, g: CachedGraph, inp: np.ndarray, pos0: int, T: int, n_kv: int) -> None:
-        put = self._put
-        if "tokens" in g.inputs:
-            put(g.inputs["tokens"], np.ascontiguousarray(inp, dtype=np.int32))
-        else:
-            put(g.inputs["x"], np.ascontiguousarray(inp, dtype=np.float32))
-        if "pos" in g.inputs:
-            pos = np.arange(pos0, pos0 + T, dtype=np.int32)
-            put(g.inputs["pos"], np.concatenate([pos, pos, pos, np.zeros_like(pos)]))
-            put(g.inputs["rows"], pos.astype(np.int64))
-            mask = np.zeros((T, n_kv), dtype=np.float16)
-            # token t sees cache rows 0..pos0+t
-            cols = np.arange(n_kv)[None, :]
-            mask[cols > (pos[:, None])] = _NEG_INF
-            put(g.inputs["mask"], mask)
+    def release(self, g: CachedGraph) -> None:
+        if not self.reuse_graphs:
+            key = next(k for k, v in self.graphs.items() if v is g)
+            self.graphs.pop(key).close()
 
     def _put(self, t: Any, arr: np.ndarray) -> None:
         self.lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+
+    def abandon(self) -> None:
+        """Drop every handle without freeing it: for a shard whose worker died, where freeing
+        would talk to a dead connection."""
+        for g in self.graphs.values():
+            g.alloc.abandon()
+        for owner in (self._sbuf, self._wbuf, self.backend):
+            if owner is not None:
+                owner.abandon()
+        self.graphs.clear()
+        self._sctx.close()
+        self._wctx.close()
 
     def close(self) -> None:
         for g in self.graphs.values():
             g.close()
         self.graphs.clear()
-        for owner in (self._sbuf, self._sctx, self._wbuf, self._wctx):
+        for owner in (self._sbuf, self._sctx, self._wbuf, self._wctx, self.backend):
             if owner is not None:
                 owner.close()

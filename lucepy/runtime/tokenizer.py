@@ -30,6 +30,12 @@ class Tokenizer:
     def decode(self, tokens: list[int]) -> str:
         return self._llama.detokenize(tokens).decode("utf-8", errors="replace")
 
+    def token_text(self, token: int) -> str:
+        """A token's text, special tokens included (``<|im_end|>``); "" for no token (-1)."""
+        if token < 0:
+            return ""
+        return self._llama.detokenize([token], special=True).decode("utf-8", errors="replace")
+
     def is_end(self, token: int) -> bool:
         import llama_cpp
 

@@ -1,0 +1,136 @@
+"""The pipeline: shards in layer order. Each step runs shard by shard; the boundary activation
+passes by ``ggml_backend_tensor_copy`` (a memcpy in-process, an RPC set/get for a worker).
+
+With worker shards, steps run on a guard thread. ggml-rpc aborts on a broken connection; our abort
+hook (``lucepy.ggml.lib``) parks the failing thread instead, and the caller, waiting here, turns
+that into a WorkerError within a bounded time.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from lucepy.errors import WorkerError
+from lucepy.ggml import Lib
+from lucepy.ggml.lib import rpc_failures
+from lucepy.runtime.shard import Shard
+from lucepy.runtime.workers import Worker
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+
+
+class _GuardThread:
+    """One daemon thread that runs steps; a step that never returns is abandoned with the thread."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name="lucepy-pipeline", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as err:  # handed to the caller
+                box.append((False, err))
+            done.set()
+
+    def submit(self, fn: Callable) -> tuple[list, threading.Event]:
+        box, done = [], threading.Event()
+        self._jobs.put((fn, box, done))
+        return box, done
+
+
+class Pipeline:
+    """Shards in layer order. With worker shards, every call that may touch a worker (load, step,
+    reset) runs supervised on the guard thread."""
+
+    def __init__(self, lib: Lib, workers: list[Worker], remote: bool):
+        self.lib, self.workers, self.remote = lib, workers, remote
+        self.shards: list[Shard] = []
+        self._guard = _GuardThread() if remote else None
+        self._failures_seen = len(rpc_failures())
+        self.broken: str | None = None
+
+    def call(self, fn: Callable):
+        """Run ``fn``; if a worker breaks meanwhile, raise WorkerError instead of hanging."""
+        if self.broken:
+            raise WorkerError(self.broken)
+        if self._guard is None:
+            return fn()
+        box, done = self._guard.submit(fn)
+        while not done.wait(POLL_S):
+            problem = self._problem()
+            if problem:
+                self.broken = (
+                    f"{problem}; the request failed. The next request restarts the workers"
+                )
+                log.error("%s", self.broken)
+                raise WorkerError(self.broken)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def add(self, make_shard: Callable[[], Shard]) -> Shard:
+        shard = self.call(make_shard)
+        self.shards.append(shard)
+        return shard
+
+    def forward(self, tokens: np.ndarray, pos0: int, all_logits: bool) -> np.ndarray:
+        return self.call(lambda: self._forward(tokens, pos0, all_logits))
+
+    def _problem(self) -> str | None:
+        failures = rpc_failures()
+        if len(failures) > self._failures_seen:
+            dead = [w for w in self.workers if not w.alive]
+            who = dead[0].describe() if dead else "a worker"
+            return f"{who} stopped answering ({failures[-1]})"
+        return None
+
+    def _forward(self, tokens: np.ndarray, pos0: int, all_logits: bool) -> np.ndarray:
+        prev = None
+        last = len(self.shards) - 1
+        for i, shard in enumerate(self.shards):
+            g = shard.prepare(tokens.size, pos0, all_logits and i == last)
+            if prev is None:
+                shard.put_tokens(g, tokens)
+            else:
+                self.lib.ggml_backend_tensor_copy(prev[1].output, g.inputs["x"])
+                prev[0].release(prev[1])
+            shard.compute(g)
+            prev = (shard, g)
+        out = prev[0].read(prev[1])
+        prev[0].release(prev[1])
+        return out
+
+    def reset(self) -> None:
+        def reset_all():
+            for shard in self.shards:
+                shard.reset()
+
+        self.call(reset_all)
+
+    def close(self) -> None:
+        """Free everything; shards on a dead worker are abandoned, never touched."""
+        shards, self.shards = self.shards, []
+        for shard in shards:
+            if shard.process == "local":
+                shard.close()
+            elif self.broken:
+                shard.abandon()
+            else:
+                try:
+                    self.call(shard.close)
+                except WorkerError:
+                    shard.abandon()
+        for worker in self.workers:
+            worker.close()
+        self.workers = []

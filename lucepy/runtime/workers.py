@@ -1,0 +1,170 @@
+"""Workers (decision 3): processes that serve a device of their own ggml build over ggml-rpc.
+
+``serve`` is the body of ``lucepy worker``. ``spawn`` starts one on 127.0.0.1 at a free port for a
+device whose backend this process lacks (or that the user put ``@worker``), and ``connect`` opens a
+backend on a running worker. ggml-rpc has no authentication: we warn when binding beyond loopback.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lucepy.errors import DeviceError, WorkerError
+from lucepy.ggml import Backend, Lib, ffi
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 60.0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(lib: Lib, device: str, host: str, port: int, threads: int) -> None:
+    """Serve ``device`` over ggml-rpc until the process is stopped. Never returns."""
+    from lucepy.runtime.devices import find_device
+
+    if not is_loopback(host):
+        log.warning(
+            "worker listening on %s:%d: ggml-rpc has no authentication, so anyone who can "
+            "reach this port can run code on this device",
+            host,
+            port,
+        )
+    dev = find_device(lib, device)
+    devices = ffi.new("ggml_backend_dev_t[1]", [dev])
+    endpoint = f"{host}:{port}".encode()
+    log.info("worker serving %s on %s", device, endpoint.decode())
+    lib.ggml_backend_rpc_start_server(endpoint, ffi.NULL, threads, 1, devices)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Worker:
+    """A worker process this process started; stopped on ``close()``."""
+
+    device: str
+    endpoint: str
+    proc: subprocess.Popen
+    log_path: Path
+    closed: bool = field(default=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def describe(self) -> str:
+        return f"worker for {self.device} (pid {self.proc.pid}, {self.endpoint})"
+
+    def log_tail(self, n: int = 5) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(lines[-n:])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.alive:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_path.unlink(missing_ok=True)
+
+
+def spawn(
+    device: str, ggml_dir: Path | None, threads: int | None = None, log_dir: Path | None = None
+) -> Worker:
+    """Start ``lucepy worker`` for ``device`` on 127.0.0.1 and wait until it accepts connections."""
+    port = free_port()
+    env = dict(os.environ)
+    if ggml_dir is not None:
+        env["LUCEPY_GGML_LIB"] = str(ggml_dir)
+    cmd = [
+        sys.executable,
+        "-m",
+        "lucepy",
+        "worker",
+        "--device",
+        device,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+    log_path = log_dir / f"lucepy-worker-{os.getpid()}-{port}.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    worker = Worker(device, f"127.0.0.1:{port}", proc, log_path)
+    _wait_ready(worker)
+    return worker
+
+
+def _wait_ready(worker: Worker) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    host, port = worker.endpoint.rsplit(":", 1)
+    while time.monotonic() < deadline:
+        if not worker.alive:
+            tail = worker.log_tail()
+            worker.close()
+            raise WorkerError(f"{worker.describe()} exited at start: {tail or 'no output'}")
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    worker.close()
+    raise WorkerError(f"{worker.describe()} did not accept connections within {START_TIMEOUT_S}s")
+
+
+def connect(lib: Lib, endpoint: str, index: int, name: str) -> Backend:
+    """A backend on device ``index`` of the worker at ``endpoint``."""
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as err:
+        raise DeviceError(
+            f"cannot reach worker {endpoint} for {name}: {err}; start it with "
+            f"`lucepy worker --device DEV --port {port}`"
+        ) from None
+    reg = lib.ggml_backend_rpc_add_server(endpoint.encode())
+    if reg == ffi.NULL:
+        raise DeviceError(f"ggml-rpc could not register worker {endpoint}")
+    count = lib.ggml_backend_reg_dev_count(reg)
+    if index >= count:
+        raise DeviceError(f"worker {endpoint} serves {count} device(s); {name} asks for #{index}")
+    return Backend(lib, lib.ggml_backend_reg_dev_get(reg, index), name)
