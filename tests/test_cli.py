@@ -85,3 +85,8 @@ def test_prompt_longer_than_context_is_refused(tiny_model):
     )
     assert run.returncode == 1
     assert "exceed the context of 16" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_model):
+    run = lucepy("generate", tiny_model(), "--prompt-tokens", "1,99999", check=False)
+    assert run.returncode == 1 and "token id 99999 is outside the vocabulary" in run.stderr

@@ -60,7 +60,8 @@ def include_dir(sdist: Path | None, work: Path) -> Path:
         sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
     if sdist.is_file():
         with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if "/ggml/include/" in m.name]
+            members = [m for m in tar.getmembers()
+                       if "/ggml/include/" in m.name or m.name.endswith("/ggml/src/ggml-impl.h")]
             tar.extractall(work, members=members, filter="data")
         sdist = work
     found = sorted(sdist.glob("**/vendor/llama.cpp/ggml/include/ggml.h"))
@@ -102,6 +103,23 @@ def preprocess(inc: Path, work: Path) -> str:
     return "\n".join(lines)
 
 
+# ggml_cgraph is opaque in the public headers. We need its ``uid``: ggml-rpc re-sends a whole graph
+# unless the uid matches the last one it ran, so a reused graph gets a uid (ggml_graph_next_uid).
+INTERNAL = [
+    "typedef uint32_t ggml_bitset_t;", "enum ggml_cgraph_eval_order {", "struct ggml_hash_set {", "struct ggml_cgraph {"]
+
+
+def internal_decls(inc: Path) -> str:
+    text = (inc.parent / "src" / "ggml-impl.h").read_text()
+    out = ["// from ggml/src/ggml-impl.h (internal, pinned)"]
+    for start in INTERNAL:
+        at = text.index(start)
+        end = text.index("};", at) + 2 if start.endswith("{") else at + len(start)
+        out.append(re.sub(r"//.*", "", text[at:end]))
+    out.append("uint64_t ggml_graph_next_uid(void);")
+    return "\n".join(out)
+
+
 def defines(inc: Path) -> list[str]:
     seen: dict[str, str] = {}
     for name in HEADERS:
@@ -121,7 +139,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         inc = include_dir(args.sdist, work)
-        body = preprocess(inc, work)
+        body = preprocess(inc, work) + "\n" + internal_decls(inc)
         consts = defines(inc)
     p = pin()
     OUT.write_text(

@@ -2082,6 +2082,38 @@ struct ggml_backend_buffer * ggml_backend_alloc_ctx_tensors(struct ggml_context 
                                                     size_t n_threads, size_t n_devices, ggml_backend_dev_t * devices);
  ggml_backend_reg_t ggml_backend_rpc_reg(void);
  ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+// from ggml/src/ggml-impl.h (internal, pinned)
+typedef uint32_t ggml_bitset_t;
+enum ggml_cgraph_eval_order {
+    GGML_CGRAPH_EVAL_ORDER_LEFT_TO_RIGHT = 0,
+    GGML_CGRAPH_EVAL_ORDER_RIGHT_TO_LEFT,
+    GGML_CGRAPH_EVAL_ORDER_COUNT
+};
+struct ggml_hash_set {
+    size_t size;
+    ggml_bitset_t * used;       
+    struct ggml_tensor ** keys; 
+};
+struct ggml_cgraph {
+    int size;    
+    int n_nodes; 
+    int n_leafs; 
+
+    struct ggml_tensor ** nodes;     
+    struct ggml_tensor ** grads;     
+    struct ggml_tensor ** grad_accs; 
+    struct ggml_tensor ** leafs;     
+    int32_t             * use_counts;
+
+    struct ggml_hash_set visited_hash_set;
+
+    enum ggml_cgraph_eval_order order;
+
+    
+    
+    uint64_t uid;
+};
+uint64_t ggml_graph_next_uid(void);
 #define GGML_FILE_MAGIC 0x67676d6c
 #define GGML_FILE_VERSION 2
 #define GGML_QNT_VERSION 2

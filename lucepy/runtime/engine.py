@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from lucepy import ggml
-from lucepy.errors import ConfigError, ContextOverflow, DeviceError
+from lucepy.errors import ConfigError, ContextOverflow, DeviceError, PromptError
 from lucepy.gguf import GGUFFile
 from lucepy.models import architecture_for
 from lucepy.runtime import backends, workers
@@ -121,6 +121,7 @@ class Engine:
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.size == 0:
             raise ConfigError("nothing to prefill: the token list is empty")
+        self._check_tokens(tokens)
         if self.n_past + tokens.size > self.n_ctx:
             raise ContextOverflow(
                 f"{tokens.size} tokens after {self.n_past} exceed the context of {self.n_ctx}; "
@@ -137,9 +138,18 @@ class Engine:
 
     def decode(self, token: int) -> np.ndarray:
         """One token in, the next-token logits [n_vocab] out (a view reused by the next call)."""
+        if not 0 <= token < self.params.n_vocab:
+            self._check_tokens(np.array([token]))
         out = self.pipeline.forward(np.array([token], dtype=np.int32), self.n_past, False)
         self.n_past += 1
         return out[0]
+
+    def _check_tokens(self, tokens: np.ndarray) -> None:
+        bad = tokens[(tokens < 0) | (tokens >= self.params.n_vocab)]
+        if bad.size:
+            raise PromptError(
+                f"token id {int(bad[0])} is outside the vocabulary (0..{self.params.n_vocab - 1})"
+            )
 
     def close(self) -> None:
         for name in ("pipeline", "tokenizer", "file"):

@@ -115,6 +115,8 @@ class Shard:
         out = self.model.build(b, self.weights, self.state, self.layers, n_tokens, n_kv, all_logits)
         lib.ggml_set_output(out)
         lib.ggml_build_forward_expand(b.gf, out)
+        # a uid lets ggml-rpc re-run a graph it has already received instead of re-sending it
+        b.gf.uid = lib.ggml_graph_next_uid()
         alloc = Allocator(lib, self.backend)
         alloc.alloc(b.gf)
         host = np.empty((out.ne[1], out.ne[0]), dtype=np.float32)

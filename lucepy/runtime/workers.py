@@ -161,7 +161,14 @@ def connect(lib: Lib, endpoint: str, index: int, name: str) -> Backend:
             f"cannot reach worker {endpoint} for {name}: {err}; start it with "
             f"`lucepy worker --device DEV --port {port}`"
         ) from None
-    reg = lib.ggml_backend_rpc_add_server(endpoint.encode())
+    try:
+        add_server = lib.ggml_backend_rpc_add_server
+    except AttributeError:
+        raise DeviceError(
+            f"{name} needs ggml's RPC backend, which this build lacks; reinstall "
+            f'with CMAKE_ARGS="-DGGML_RPC=ON" pip install llama-cpp-python'
+        ) from None
+    reg = add_server(endpoint.encode())
     if reg == ffi.NULL:
         raise DeviceError(f"ggml-rpc could not register worker {endpoint}")
     count = lib.ggml_backend_reg_dev_count(reg)
