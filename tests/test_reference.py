@@ -103,7 +103,7 @@ def test_graph_reuse_equals_fresh_graphs(engine_for):
         if reuse:
             assert len(engine.shard.graphs) >= 2  # the prefill and decode graphs stayed cached
         else:
-            assert not engine.shard.graphs
+            assert len(engine.shard.graphs) <= 1  # only the last step's, freed at the next
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 

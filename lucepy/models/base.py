@@ -8,8 +8,8 @@ shape comment in ``models/`` uses ggml order, in square brackets. ``mul_mat(w, x
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from lucepy.errors import MissingTensor, TensorShapeMismatch, UnsupportedArchitecture
 from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_I32, GGML_TYPE_I64, Lib, ffi
@@ -18,15 +18,15 @@ from lucepy.gguf import GGUFFile
 Tensor = Any  # a cffi ``struct ggml_tensor *``
 
 
-@dataclass
-class Graph:
-    """One built graph: its named inputs and its output. Reused while the shapes hold."""
+@dataclass(frozen=True)
+class GraphSpec:
+    """The shape bucket a graph is built for; graphs are cached and reused per spec."""
 
-    ctx: Any  # the owning Context
-    gf: Any  # struct ggml_cgraph *
-    inputs: dict[str, Tensor]
-    output: Tensor
-    features: dict[int, Tensor] = field(default_factory=dict)
+    n_tokens: int
+    n_kv: int
+    logits: str = "last"  # "last" or "all" rows of logits (last shard only)
+    verify: bool = False  # keep per-token recurrent snapshots so the step can be rolled back
+    capture: tuple[int, ...] = ()  # layers whose entering residual stream is an output
 
 
 class Builder:
@@ -36,6 +36,7 @@ class Builder:
         self.lib, self.ctx = lib, ctx
         self.gf = lib.ggml_new_graph_custom(ctx, max_nodes, False)
         self.inputs: dict[str, Tensor] = {}
+        self.outputs: dict[str, Tensor] = {}
 
     def input(self, name: str, gtype: int, *shape: int) -> Tensor:
         ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
@@ -43,6 +44,30 @@ class Builder:
         self.lib.ggml_set_name(t, name.encode())
         self.lib.ggml_set_input(t)
         self.inputs[name] = t
+        return t
+
+    def output(self, name: str, t: Tensor) -> Tensor:
+        """Keep ``t`` readable after compute (the allocator will not reuse its memory)."""
+        self.lib.ggml_set_output(t)
+        self.lib.ggml_build_forward_expand(self.gf, t)
+        self.outputs[name] = t
+        return t
+
+    def alias(
+        self, src: Tensor, shape: tuple[int, ...], strides: tuple[int, ...], offset: int
+    ) -> Tensor:
+        """A leaf over memory ``src`` already has (its data may come from another graph's run).
+
+        Unlike a view, it carries no link to ``src``'s ops, so nothing upstream is recomputed.
+        """
+        ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
+        t = self.lib.ggml_new_tensor(self.ctx, src.type, len(shape), ne)
+        for i, nb in enumerate(strides):
+            t.nb[i + 1] = nb
+        for i in range(len(strides) + 1, 4):
+            t.nb[i] = t.nb[i - 1] * t.ne[i - 1]
+        t.buffer = src.buffer
+        t.data = ffi.cast("char *", src.data) + offset
         return t
 
     def input_f32(self, name: str, *shape: int) -> Tensor:
@@ -67,14 +92,6 @@ class Builder:
 
     def row_size(self, t: Tensor, n: int) -> int:
         return self.lib.ggml_row_size(t.type, n)
-
-
-class StateSpec(Protocol):
-    """Per-layer persistent tensors a model needs at a context size: name -> (ggml type, shape)."""
-
-    def state_tensors(
-        self, layers: range, n_ctx: int
-    ) -> dict[str, tuple[int, tuple[int, ...]]]: ...
 
 
 def check_tensors(f: GGUFFile, expected: dict[str, tuple[int, ...]]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from lucepy.errors import ConfigError
 from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32, ffi
 from lucepy.gguf import GGUFFile
-from lucepy.models.base import Architecture, Builder, Tensor, check_tensors
+from lucepy.models.base import Architecture, Builder, GraphSpec, Tensor, check_tensors
 
 GGML_ROPE_TYPE_IMROPE = 40
 KV_TYPE = GGML_TYPE_F16  # llama.cpp's default cache type; same rounding, same logits
@@ -156,6 +156,32 @@ class Qwen35(Architecture):
         )
         return s
 
+    def rollback(
+        self,
+        g: Builder,
+        st: dict[str, Tensor],
+        layers: range,
+        outputs: dict,
+        n_tokens: int,
+        keep: int,
+    ) -> None:
+        """Copy into ``st`` the recurrent state after the first ``keep`` of a verify pass's
+        ``n_tokens`` tokens, from that pass's snapshots (decision 4). KV needs nothing: the next
+        step's mask and cache rows are by position."""
+        p, L, c = self.p, g.lib, g.ctx
+        S, Hv, K1 = p.ssm_state, p.ssm_v_heads, p.ssm_conv_kernel - 1
+        for il in layers:
+            if not p.recurrent[il]:
+                continue
+            res, x = outputs[f"gdn.{il}"], outputs[f"conv.{il}"]
+            fs, n = L.ggml_element_size(res), S * S * Hv
+            slot = n_tokens - keep
+            snap = g.alias(res, (n,), (), fs * (S * Hv * n_tokens + slot * n))
+            state = L.ggml_reshape_1d(c, st[f"ssm.{il}"], n)
+            L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, snap, state))
+            tail = g.alias(x, (K1, x.ne[1]), (x.nb[1],), g.row_size(x, keep))
+            L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, st[f"conv.{il}"]))
+
     def state_shapes(self, layers: range, n_ctx: int) -> dict[str, tuple[int, tuple[int, ...]]]:
         """Per-layer persistent state: attention KV rows, or the delta net's conv and SSM state."""
         p, out = self.p, {}
@@ -175,41 +201,47 @@ class Qwen35(Architecture):
         w: dict[str, Tensor],
         st: dict[str, Tensor],
         layers: range,
-        n_tokens: int,
-        n_kv: int,
-        all_logits: bool,
+        spec: GraphSpec,
     ) -> Tensor:
-        """The forward of ``layers`` for ``n_tokens`` new tokens attending to ``n_kv`` cache rows.
+        """The forward of ``layers`` for ``spec.n_tokens`` new tokens over ``spec.n_kv`` cache rows.
 
         Inputs: ``tokens`` (first shard) or ``x``; ``pos`` and, with attention layers, ``mask`` and
         ``rows`` (cache rows to write). Returns logits on the last shard, else the activation.
+        Extra outputs go to ``g.outputs``: ``argmax``, ``feat.L`` (the residual entering layer L),
+        and in verify graphs ``gdn.il`` / ``conv.il`` (per-token recurrent snapshots).
         """
-        p, L, c = self.p, g.lib, g.ctx
-        if n_kv > 0 and n_tokens > n_kv:
-            raise ConfigError(f"{n_tokens} tokens do not fit a {n_kv}-row attention window")
+        p, L, c, T = self.p, g.lib, g.ctx, spec.n_tokens
+        if spec.n_kv > 0 and T > spec.n_kv:
+            raise ConfigError(f"{T} tokens do not fit a {spec.n_kv}-row attention window")
         if layers.start == 0:
-            x = L.ggml_get_rows(c, w["token_embd.weight"], g.input_i32("tokens", n_tokens))
+            x = L.ggml_get_rows(c, w["token_embd.weight"], g.input_i32("tokens", T))
         else:
-            x = g.input_f32("x", p.n_embd, n_tokens)  # [n_embd, T]
+            x = g.input_f32("x", p.n_embd, T)  # [n_embd, T]
         if not all(p.recurrent[il] for il in layers):
-            g.input_i32("pos", 4 * n_tokens)  # IMROPE: 4 sections of positions, the last all 0
-            g.input_f16("mask", n_kv, n_tokens)  # 0 where a token may attend, -inf elsewhere
-            g.input_i64("rows", n_tokens)
+            g.input_i32("pos", 4 * T)  # IMROPE: 4 sections of positions, the last all 0
+            g.input_f16("mask", spec.n_kv, T)  # 0 where a token may attend, -inf elsewhere
+            g.input_i64("rows", T)
         for il in layers:
-            x = self._layer(g, w, st, il, x, n_tokens)
+            if il in spec.capture:
+                g.output(f"feat.{il}", x)
+            x = self._layer(g, w, st, il, x, spec)
         if layers.stop < p.n_layer:
             return x
-        if not all_logits:
-            x = L.ggml_view_2d(c, x, p.n_embd, 1, x.nb[1], x.nb[1] * (n_tokens - 1))
+        if p.n_layer in spec.capture:  # "entering" the layer after the last: the final residual
+            g.output(f"feat.{p.n_layer}", x)
+        if spec.logits == "last":
+            x = L.ggml_view_2d(c, x, p.n_embd, 1, x.nb[1], x.nb[1] * (T - 1))
         x = g.rms_norm(x, w["output_norm.weight"], p.rms_eps)
         head = w.get("output.weight", w.get("token_embd.weight"))
-        return L.ggml_mul_mat(c, head, x)  # [n_vocab, T or 1]
+        logits = L.ggml_mul_mat(c, head, x)  # [n_vocab, T or 1]
+        g.output("argmax", L.ggml_argmax(c, logits))  # [T or 1] i32: greedy needs no logits copy
+        return logits
 
-    def _layer(self, g: Builder, w: dict, st: dict, il: int, x: Tensor, T: int) -> Tensor:
-        p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
+    def _layer(self, g: Builder, w: dict, st: dict, il: int, x: Tensor, spec: GraphSpec) -> Tensor:
+        p, L, c, b, T = self.p, g.lib, g.ctx, f"blk.{il}.", spec.n_tokens
         h = g.rms_norm(x, w[b + "attn_norm.weight"], p.rms_eps)
         if p.recurrent[il]:
-            h = self._delta_net(g, w, st, il, h, T)
+            h = self._delta_net(g, w, st, il, h, T, spec.verify)
         else:
             h = self._attention(g, w, st, il, h, T)
         x = L.ggml_add(c, h, x)
@@ -276,7 +308,9 @@ class Qwen35(Architecture):
         L.ggml_flash_attn_ext_set_prec(out, L.GGML_PREC_F32)
         return L.ggml_reshape_2d(c, out, hd * p.n_head, T)  # out: [hd, nh, T]
 
-    def _delta_net(self, g: Builder, w: dict, st: dict, il: int, x: Tensor, T: int) -> Tensor:
+    def _delta_net(
+        self, g: Builder, w: dict, st: dict, il: int, x: Tensor, T: int, verify: bool
+    ) -> Tensor:
         p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
         S, Hk, Hv = p.ssm_state, p.ssm_k_heads, p.ssm_v_heads
         qkv = L.ggml_mul_mat(c, w[b + "attn_qkv.weight"], x)  # [conv_dim, T]
@@ -287,7 +321,7 @@ class Qwen35(Architecture):
         alpha = L.ggml_softplus(c, L.ggml_add(c, alpha, w[b + "ssm_dt.bias"]))
         decay = L.ggml_reshape_4d(c, L.ggml_mul(c, alpha, w[b + "ssm_a"]), 1, Hv, T, 1)
 
-        conv = self._conv(g, w, st, il, qkv, T)  # [conv_dim, T] after SiLU
+        conv = self._conv(g, w, st, il, qkv, T, verify)  # [conv_dim, T] after SiLU
         es, row = L.ggml_element_size(conv), conv.nb[1]
         q = L.ggml_view_4d(c, conv, S, Hk, T, 1, es * S, row, row * T, 0)
         k = L.ggml_view_4d(c, conv, S, Hk, T, 1, es * S, row, row * T, es * p.key_dim)
@@ -296,7 +330,10 @@ class Qwen35(Architecture):
 
         state = st[f"ssm.{il}"]  # [S, S, Hv]
         s0 = L.ggml_reshape_4d(c, state, S, S, Hv, 1)
-        res = L.ggml_gated_delta_net(c, q, k, v, decay, beta, s0, 1)
+        # a verify pass keeps a state snapshot per token (slot s: s tokens back) for rollback
+        res = L.ggml_gated_delta_net(c, q, k, v, decay, beta, s0, T if verify else 1)
+        if verify:
+            g.output(f"gdn.{il}", res)
         fs = L.ggml_element_size(res)
         out = L.ggml_view_4d(c, res, S, Hv, T, 1, fs * S, fs * S * Hv, fs * S * Hv * T, 0)
         new_state = L.ggml_view_1d(c, res, S * S * Hv, fs * S * Hv * T)
@@ -311,12 +348,16 @@ class Qwen35(Architecture):
         out = L.ggml_reshape_2d(c, out, p.value_dim, T)
         return L.ggml_mul_mat(c, w[b + "ssm_out.weight"], out)  # [n_embd, T]
 
-    def _conv(self, g: Builder, w: dict, st: dict, il: int, qkv: Tensor, T: int) -> Tensor:
+    def _conv(
+        self, g: Builder, w: dict, st: dict, il: int, qkv: Tensor, T: int, verify: bool
+    ) -> Tensor:
         """Causal depthwise conv over [saved d_conv-1 columns | this step], saving the new tail."""
         p, L, c = self.p, g.lib, g.ctx
         K1, C = p.ssm_conv_kernel - 1, p.conv_dim
         state = st[f"conv.{il}"]  # [K1, C]
         x = L.ggml_concat(c, state, L.ggml_transpose(c, qkv), 0)  # [K1 + T, C]
+        if verify:
+            g.output(f"conv.{il}", x)  # the state after token t is columns t+1 .. t+K1
         tail = L.ggml_view_2d(c, x, K1, C, x.nb[1], g.row_size(x, T))
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, state))
         x3 = L.ggml_reshape_3d(c, x, K1 + T, C, 1)

@@ -15,7 +15,7 @@ from lucepy.models import architecture_for
 from lucepy.runtime import backends, workers
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.devices import local_backends, open_backend
-from lucepy.runtime.pipeline import Pipeline
+from lucepy.runtime.pipeline import Pipeline, Step, StepOutput
 from lucepy.runtime.placement import DeviceSpec, LoadPlan, parse_devices, parse_split, plan_load
 from lucepy.runtime.shard import Shard
 from lucepy.runtime.tokenizer import Tokenizer
@@ -64,6 +64,8 @@ class Engine:
             self.close()
             raise
         self.n_past = 0
+        self.capture: tuple[int, ...] = ()  # target layers a draft reads (set by the draft)
+        self._verify = (0, 0)
 
     @property
     def shards(self) -> list[Shard]:
@@ -114,10 +116,58 @@ class Engine:
         self.n_past = 0
 
     def prefill(
-        self, tokens: list[int] | np.ndarray, *, chunk: int | None = None, all_logits: bool = False
+        self,
+        tokens: list[int] | np.ndarray,
+        *,
+        chunk: int | None = None,
+        all_logits: bool = False,
+        on_chunk=None,
     ) -> np.ndarray:
         """Feed ``tokens`` after what the sequence holds, in chunks. Returns the logits of the last
-        token [n_vocab], or of every token [len(tokens), n_vocab] with ``all_logits``."""
+        token [n_vocab], or of every token [len(tokens), n_vocab] with ``all_logits``.
+        ``on_chunk(out, pos0)`` sees each chunk's StepOutput (a draft injects its features)."""
+        tokens = self._checked(tokens)
+        chunk = chunk or self.config.chunk
+        step = Step(logits="all" if all_logits else "last", capture=self.capture)
+        outs = []
+        for start in range(0, tokens.size, chunk):
+            part = tokens[start : start + chunk]
+            out = self.pipeline.forward(part, self.n_past, step)
+            if on_chunk is not None:
+                on_chunk(out, self.n_past)
+            self.n_past += part.size
+            outs.append(out.values.copy() if all_logits else out.values)
+        return np.concatenate(outs) if all_logits else outs[-1][-1]
+
+    def decode(self, token: int) -> np.ndarray:
+        """One token in, the next-token logits [n_vocab] out (a view reused by the next call)."""
+        if not 0 <= token < self.params.n_vocab:
+            self._check_tokens(np.array([token]))
+        out = self.pipeline.forward(np.array([token], dtype=np.int32), self.n_past, Step())
+        self.n_past += 1
+        return out.values[0]
+
+    def verify(self, tokens: list[int] | np.ndarray, *, greedy: bool) -> StepOutput:
+        """Run a draft block after the sequence, keeping what ``rollback`` needs. Returns the
+        argmax per position (``greedy``) or the logits of every position, and the features."""
+        tokens = self._checked(tokens)
+        step = Step(
+            logits="all", want="argmax" if greedy else "out", verify=True, capture=self.capture
+        )
+        out = self.pipeline.forward(tokens, self.n_past, step)
+        self._verify = (self.n_past, tokens.size)
+        self.n_past += tokens.size
+        return out
+
+    def rollback(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens of the last ``verify`` and forget the rest."""
+        pos0, n = self._verify
+        if not 0 < keep <= n:
+            raise ConfigError(f"rollback keeps {keep} of {n} verified tokens")
+        self.pipeline.rollback(keep)
+        self.n_past = pos0 + keep
+
+    def _checked(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.size == 0:
             raise ConfigError("nothing to prefill: the token list is empty")
@@ -127,22 +177,7 @@ class Engine:
                 f"{tokens.size} tokens after {self.n_past} exceed the context of {self.n_ctx}; "
                 f"shorten the prompt or raise --max-ctx"
             )
-        chunk = chunk or self.config.chunk
-        outs = []
-        for start in range(0, tokens.size, chunk):
-            part = tokens[start : start + chunk]
-            out = self.pipeline.forward(part, self.n_past, all_logits)
-            self.n_past += part.size
-            outs.append(out.copy() if all_logits else out)
-        return np.concatenate(outs) if all_logits else outs[-1][-1]
-
-    def decode(self, token: int) -> np.ndarray:
-        """One token in, the next-token logits [n_vocab] out (a view reused by the next call)."""
-        if not 0 <= token < self.params.n_vocab:
-            self._check_tokens(np.array([token]))
-        out = self.pipeline.forward(np.array([token], dtype=np.int32), self.n_past, False)
-        self.n_past += 1
-        return out[0]
+        return tokens
 
     def _check_tokens(self, tokens: np.ndarray) -> None:
         bad = tokens[(tokens < 0) | (tokens >= self.params.n_vocab)]

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +25,22 @@ from lucepy.runtime.workers import Worker
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one forward step asks of the pipeline."""
+
+    logits: str = "last"  # "last" or "all" rows
+    want: str = "out"  # read the logits ("out") or only their argmax ("argmax")
+    verify: bool = False  # keep recurrent snapshots so the step can be rolled back
+    capture: tuple[int, ...] = ()  # target layers whose entering residual to return
+
+
+@dataclass
+class StepOutput:
+    values: np.ndarray  # logits [rows, n_vocab] (float32) or argmax [1, rows] (int32)
+    features: dict[int, np.ndarray]  # layer -> [rows, n_embd], host copies owned by the graphs
 
 
 class _GuardThread:
@@ -55,6 +72,7 @@ class Pipeline:
     def __init__(self, lib: Lib, workers: list[Worker], remote: bool):
         self.lib, self.workers, self.remote = lib, workers, remote
         self.shards: list[Shard] = []
+        self._last: list[tuple] = []  # (shard, spec, graph) of the last step, for rollback
         self._guard = _GuardThread() if remote else None
         self._failures_seen = len(rpc_failures())
         self.broken: str | None = None
@@ -84,8 +102,12 @@ class Pipeline:
         self.shards.append(shard)
         return shard
 
-    def forward(self, tokens: np.ndarray, pos0: int, all_logits: bool) -> np.ndarray:
-        return self.call(lambda: self._forward(tokens, pos0, all_logits))
+    def forward(self, tokens: np.ndarray, pos0: int, step: Step) -> StepOutput:
+        return self.call(lambda: self._forward(tokens, pos0, step))
+
+    def rollback(self, keep: int) -> None:
+        """Undo all but the first ``keep`` tokens of the last (verify) step on every shard."""
+        self.call(lambda: [shard.rollback(g, spec, keep) for shard, spec, g in self._last])
 
     def _problem(self) -> str | None:
         failures = rpc_failures()
@@ -95,21 +117,23 @@ class Pipeline:
             return f"{who} stopped answering ({failures[-1]})"
         return None
 
-    def _forward(self, tokens: np.ndarray, pos0: int, all_logits: bool) -> np.ndarray:
-        prev = None
-        last = len(self.shards) - 1
-        for i, shard in enumerate(self.shards):
-            g = shard.prepare(tokens.size, pos0, all_logits and i == last)
+    def _forward(self, tokens: np.ndarray, pos0: int, step: Step) -> StepOutput:
+        for shard, spec, _ in self._last:
+            shard.release(spec)
+        self._last, prev, features = [], None, {}
+        for shard in self.shards:
+            spec = shard.spec(tokens.size, pos0, step.logits, step.verify, step.capture)
+            g = shard.prepare(spec, pos0)
             if prev is None:
                 shard.put_tokens(g, tokens)
             else:
-                self.lib.ggml_backend_tensor_copy(prev[1].output, g.inputs["x"])
-                prev[0].release(prev[1])
+                self.lib.ggml_backend_tensor_copy(prev.output, g.inputs["x"])
             shard.compute(g)
-            prev = (shard, g)
-        out = prev[0].read(prev[1])
-        prev[0].release(prev[1])
-        return out
+            features.update(shard.features(g))
+            self._last.append((shard, spec, g))
+            prev = g
+        last = self.shards[-1]
+        return StepOutput(last.read(prev, step.want), features)
 
     def reset(self) -> None:
         def reset_all():

@@ -1,22 +1,22 @@
 """A shard: one contiguous layer range of a model on one backend, with its weights and state.
 
-Decision 2: a graph is built once per shape bucket ``(n_tokens, n_kv, all_logits)`` and reused; a
-step only writes its inputs (tokens or activation, positions, mask, cache rows) and reads the
-output.
+Graphs are cached per ``GraphSpec`` (tokens, KV bucket, logits rows, verify, capture). A verify
+graph keeps per-token recurrent snapshots, and a small rollback graph per kept length copies the
+right snapshot back into the state (decision 4).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lucepy.errors import ContextOverflow, GGMLError
-from lucepy.ggml import Allocator, Backend, Buffer, Context, Lib, ffi
+from lucepy.errors import ContextOverflow
+from lucepy.ggml import Backend, Lib
 from lucepy.gguf import GGUFFile
-from lucepy.models.base import Builder
+from lucepy.models.base import GraphSpec
+from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
 
 log = logging.getLogger(__name__)
 
@@ -24,28 +24,16 @@ KV_BUCKET = 256  # attention windows grow in steps of this many rows, so decode 
 _NEG_INF = np.float16(-np.inf)
 
 
-@dataclass
-class CachedGraph:
-    ctx: Context
-    alloc: Allocator
-    gf: Any
-    inputs: dict[str, Any]
-    output: Any
-    out: np.ndarray  # host buffer the output is read into
-
-    def close(self) -> None:
-        self.alloc.close()
-        self.ctx.close()
+def kv_bucket(end: int, n_ctx: int) -> int:
+    return min(n_ctx, -(-end // KV_BUCKET) * KV_BUCKET)
 
 
-def _new_tensors(lib: Lib, ctx: Context, specs: dict[str, tuple[int, tuple[int, ...]]]) -> dict:
-    out = {}
-    for name, (gtype, shape) in specs.items():
-        ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
-        t = lib.ggml_new_tensor(ctx.ptr, gtype, len(shape), ne)
-        lib.ggml_set_name(t, name.encode())
-        out[name] = t
-    return out
+def causal_mask(pos0: int, n_tokens: int, n_kv: int) -> np.ndarray:
+    """[T, n_kv] f16: token t sees cache rows 0 .. pos0 + t."""
+    mask = np.zeros((n_tokens, n_kv), dtype=np.float16)
+    pos = np.arange(pos0, pos0 + n_tokens)
+    mask[np.arange(n_kv)[None, :] > pos[:, None]] = _NEG_INF
+    return mask
 
 
 class Shard:
@@ -61,124 +49,133 @@ class Shard:
     ):
         self.lib, self.model, self.layers, self.backend = lib, model, layers, backend
         self.n_ctx, self.process = n_ctx, process
-        self.graphs: dict[tuple, CachedGraph] = {}
+        self.graphs: dict[GraphSpec, CompiledGraph] = {}
+        self._rollbacks: dict[tuple[GraphSpec, int], CompiledGraph] = {}
         # False rebuilds every step: only to test that reuse changes nothing
         self.reuse_graphs = True
-        shapes = model.weight_shapes(layers, f)
-        specs = {name: (int(f.tensors[name].type), shape) for name, shape in shapes.items()}
-        self._wctx = Context(lib, len(specs) + 1)
-        self.weights = _new_tensors(lib, self._wctx, specs)
-        self._wbuf = Buffer(lib, self._wctx, backend, f"weights of layers {layers}")
-        for name, t in self.weights.items():
-            lib.ggml_backend_tensor_set(t, ffi.from_buffer(f.data(name)), 0, f.tensors[name].nbytes)
-        state_specs = model.state_shapes(layers, n_ctx)
-        self._sctx = Context(lib, len(state_specs) + 1)
-        self.state = _new_tensors(lib, self._sctx, state_specs)
-        self._sbuf = (
-            Buffer(lib, self._sctx, backend, f"state of layers {layers}") if state_specs else None
+        names = model.weight_shapes(layers, f)
+        self.weights = Tensors.from_gguf(lib, backend, f, names, f"weights of layers {layers}")
+        self.state = Tensors(
+            lib, backend, model.state_shapes(layers, n_ctx), f"state of layers {layers}"
         )
         self.reset()
 
     @property
     def weight_bytes(self) -> int:
-        return self._wbuf.nbytes
+        return self.weights.nbytes
 
     @property
     def state_bytes(self) -> int:
-        return self._sbuf.nbytes if self._sbuf else 0
+        return self.state.nbytes
 
     def reset(self) -> None:
         """Forget the sequence: zero the recurrent state (KV rows are masked until rewritten)."""
-        if self._sbuf:
-            self._sbuf.clear(0)
+        self.state.clear()
 
-    def n_kv_for(self, end: int) -> int:
+    def spec(
+        self, n_tokens: int, pos0: int, logits: str, verify: bool, capture: tuple[int, ...]
+    ) -> GraphSpec:
+        end = pos0 + n_tokens
         if end > self.n_ctx:
             raise ContextOverflow(
                 f"position {end} is past the context of {self.n_ctx}; "
                 f"start a new sequence or raise --max-ctx"
             )
-        return min(self.n_ctx, -(-end // KV_BUCKET) * KV_BUCKET)
-
-    def graph(self, n_tokens: int, n_kv: int, all_logits: bool) -> CachedGraph:
-        key = (n_tokens, n_kv, all_logits)
-        g = self.graphs.get(key)
-        if g is None:
-            g = self.graphs[key] = self._build(n_tokens, n_kv, all_logits)
-        return g
-
-    def _build(self, n_tokens: int, n_kv: int, all_logits: bool) -> CachedGraph:
-        lib = self.lib
-        max_nodes = 128 * len(self.layers) + 256
-        ctx = Context(lib, max_nodes, graph_nodes=max_nodes)
-        b = Builder(lib, ctx.ptr, max_nodes)
-        out = self.model.build(b, self.weights, self.state, self.layers, n_tokens, n_kv, all_logits)
-        lib.ggml_set_output(out)
-        lib.ggml_build_forward_expand(b.gf, out)
-        # a uid lets ggml-rpc re-run a graph it has already received instead of re-sending it
-        b.gf.uid = lib.ggml_graph_next_uid()
-        alloc = Allocator(lib, self.backend)
-        alloc.alloc(b.gf)
-        host = np.empty((out.ne[1], out.ne[0]), dtype=np.float32)
-        log.debug(
-            "built graph T=%d n_kv=%d: %d nodes, %d bytes",
-            n_tokens,
-            n_kv,
-            lib.ggml_graph_n_nodes(b.gf),
-            alloc.nbytes,
+        mine = tuple(
+            L
+            for L in capture
+            if self.layers.start <= L < self.layers.stop
+            or L == self.layers.stop == self.model.p.n_layer
         )
-        return CachedGraph(ctx, alloc, b.gf, b.inputs, out, host)
+        last = self.layers.stop == self.model.p.n_layer
+        return GraphSpec(
+            n_tokens, kv_bucket(end, self.n_ctx), logits if last else "last", verify, mine
+        )
 
-    def prepare(self, n_tokens: int, pos0: int, all_logits: bool) -> CachedGraph:
-        """The graph for this step, with positions, mask and cache rows written."""
-        n_kv = self.n_kv_for(pos0 + n_tokens)
-        g = self.graph(n_tokens, n_kv, all_logits)
-        if "pos" in g.inputs:
-            pos = np.arange(pos0, pos0 + n_tokens, dtype=np.int32)
-            self._put(g.inputs["pos"], np.concatenate([pos, pos, pos, np.zeros_like(pos)]))
-            self._put(g.inputs["rows"], pos.astype(np.int64))
-            mask = np.zeros((n_tokens, n_kv), dtype=np.float16)
-            mask[np.arange(n_kv)[None, :] > pos[:, None]] = _NEG_INF  # token t sees rows <= pos0+t
-            self._put(g.inputs["mask"], mask)
+    def graph(self, spec: GraphSpec) -> CompiledGraph:
+        g = self.graphs.get(spec)
+        if g is None:
+            max_nodes = 160 * len(self.layers) + 256
+            g = self.graphs[spec] = compile_graph(
+                self.lib,
+                self.backend,
+                max_nodes,
+                lambda b: self.model.build(b, self.weights.t, self.state.t, self.layers, spec),
+            )
+            log.debug(
+                "built %s on %s: %d nodes, %d bytes",
+                spec,
+                self.backend.name,
+                self.lib.ggml_graph_n_nodes(g.gf),
+                g.alloc.nbytes,
+            )
         return g
 
-    def put_tokens(self, g: CachedGraph, tokens: np.ndarray) -> None:
-        self._put(g.inputs["tokens"], np.ascontiguousarray(tokens, dtype=np.int32))
+    def prepare(self, spec: GraphSpec, pos0: int) -> CompiledGraph:
+        """The graph for this step, with positions, mask and cache rows written."""
+        g = self.graph(spec)
+        if "pos" in g.inputs:
+            pos = np.arange(pos0, pos0 + spec.n_tokens, dtype=np.int32)
+            put(self.lib, g.inputs["pos"], np.concatenate([pos, pos, pos, np.zeros_like(pos)]))
+            put(self.lib, g.inputs["rows"], pos.astype(np.int64))
+            put(self.lib, g.inputs["mask"], causal_mask(pos0, spec.n_tokens, spec.n_kv))
+        return g
 
-    def compute(self, g: CachedGraph) -> None:
-        status = self.lib.ggml_backend_graph_compute(self.backend.ptr, g.gf)
-        if status != 0:
-            raise GGMLError(f"graph compute on {self.backend.name} failed with status {status}")
+    def put_tokens(self, g: CompiledGraph, tokens: np.ndarray) -> None:
+        put(self.lib, g.inputs["tokens"], np.ascontiguousarray(tokens, dtype=np.int32))
 
-    def read(self, g: CachedGraph) -> np.ndarray:
-        """The output rows [rows, width] as float32, in a host buffer the graph owns."""
-        self.lib.ggml_backend_tensor_get(g.output, ffi.from_buffer(g.out), 0, g.out.nbytes)
-        return g.out
+    def compute(self, g: CompiledGraph) -> None:
+        compute(self.lib, self.backend, g)
 
-    def release(self, g: CachedGraph) -> None:
+    def read(self, g: CompiledGraph, what: str = "out") -> np.ndarray:
+        """An output as a host array [rows, width], in a buffer the graph owns."""
+        t = g.output if what == "out" else g.outputs[what]
+        return get(self.lib, g, what, t)
+
+    def features(self, g: CompiledGraph) -> dict[int, np.ndarray]:
+        return {int(k[5:]): self.read(g, k) for k in g.outputs if k.startswith("feat.")}
+
+    def rollback(self, g: CompiledGraph, spec: GraphSpec, keep: int) -> None:
+        """After a verify pass of ``spec.n_tokens``, keep only the first ``keep`` tokens' effect."""
+        if keep == spec.n_tokens or not any(k.startswith("gdn.") for k in g.outputs):
+            return
+        rb = self._rollbacks.get((spec, keep))
+        if rb is None:
+            rb = self._rollbacks[(spec, keep)] = compile_graph(
+                self.lib,
+                self.backend,
+                8 * len(self.layers) + 16,
+                lambda b: self.model.rollback(
+                    b, self.state.t, self.layers, g.outputs, spec.n_tokens, keep
+                ),
+            )
+        compute(self.lib, self.backend, rb)
+
+    def release(self, spec: GraphSpec) -> None:
         if not self.reuse_graphs:
-            key = next(k for k, v in self.graphs.items() if v is g)
-            self.graphs.pop(key).close()
+            for key in [k for k in self._rollbacks if k[0] == spec]:
+                self._rollbacks.pop(key).close()
+            self.graphs.pop(spec).close()
 
-    def _put(self, t: Any, arr: np.ndarray) -> None:
-        self.lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+    def _all_graphs(self) -> list[CompiledGraph]:
+        return [*self._rollbacks.values(), *self.graphs.values()]
 
     def abandon(self) -> None:
         """Drop every handle without freeing it: for a shard whose worker died, where freeing
         would talk to a dead connection."""
-        for g in self.graphs.values():
-            g.alloc.abandon()
-        for owner in (self._sbuf, self._wbuf, self.backend):
-            if owner is not None:
-                owner.abandon()
+        for g in self._all_graphs():
+            g.abandon()
         self.graphs.clear()
-        self._sctx.close()
-        self._wctx.close()
+        self._rollbacks.clear()
+        self.state.abandon()
+        self.weights.abandon()
+        self.backend.abandon()
 
     def close(self) -> None:
-        for g in self.graphs.values():
+        for g in self._all_graphs():
             g.close()
         self.graphs.clear()
-        for owner in (self._sbuf, self._sctx, self._wbuf, self._wctx, self.backend):
-            if owner is not None:
-                owner.close()
+        self._rollbacks.clear()
+        self.state.close()
+        self.weights.close()
+        self.backend.close()
