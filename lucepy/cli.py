@@ -72,6 +72,16 @@ MaxCtx = Annotated[int | None, typer.Option(min=1, help="context size in tokens"
 Chunk = Annotated[int, typer.Option(min=1, help="prefill batch size")]
 Threads = Annotated[int | None, typer.Option(min=1, help="CPU threads")]
 AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+Draft = Annotated[Path | None, typer.Option(help="a DFlash draft GGUF: speculative decoding")]
+DraftDevice = Annotated[
+    str | None,
+    typer.Option(help="device for the draft (default: the last target shard's, if local)"),
+]
+DraftBlock = Annotated[int | None, typer.Option(min=2, help="draft block size (default: trained)")]
+Temperature = Annotated[float, typer.Option(min=0.0, help="sampling temperature; 0 is greedy")]
+TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="nucleus sampling mass")]
+TopK = Annotated[int, typer.Option(min=0, help="sample among the k most likely; 0: all")]
+Seed = Annotated[int | None, typer.Option(help="sampling seed")]
 
 
 def runtime_config(
@@ -80,6 +90,9 @@ def runtime_config(
     max_ctx: int | None = None,
     chunk: int = 512,
     threads: int | None = None,
+    draft: Path | None = None,
+    draft_device: str | None = None,
+    draft_block: int | None = None,
 ):
     """The one place CLI flags become a RuntimeConfig (generate, bench, plan, serve)."""
     from lucepy.runtime.config import RuntimeConfig
@@ -90,6 +103,9 @@ def runtime_config(
         max_ctx=max_ctx,
         chunk=chunk,
         threads=threads,
+        draft=str(draft) if draft else None,
+        draft_device=draft_device,
+        draft_block=draft_block,
     )
 
 
@@ -114,23 +130,41 @@ def generate(
     target_layer_split: LayerSplit = None,
     max_ctx: MaxCtx = None,
     threads: Threads = None,
+    draft: Draft = None,
+    draft_device: DraftDevice = None,
+    draft_block: DraftBlock = None,
+    temperature: Temperature = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    seed: Seed = None,
     as_json: AsJson = False,
 ):
-    """Generate greedily from a prompt."""
+    """Generate from a prompt: greedy by default, speculative with --draft."""
 
     def body():
         from lucepy.decode.ar import generate as run_generate
+        from lucepy.decode.sampling import SamplingParams
         from lucepy.runtime.engine import Engine
 
         if (prompt is None) == (prompt_tokens is None):
             raise PromptError("give exactly one of --prompt TEXT or --prompt-tokens 1,2,3")
-        config = runtime_config(target_devices, target_layer_split, max_ctx, chunk, threads)
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        config = runtime_config(
+            target_devices,
+            target_layer_split,
+            max_ctx,
+            chunk,
+            threads,
+            draft,
+            draft_device,
+            draft_block,
+        )
         with Engine(model, config) as engine:
             if prompt is not None:
                 tokens = engine.tokenizer.encode(prompt)
             else:
                 tokens = _parse_tokens(prompt_tokens)
-            gen = run_generate(engine, tokens, max_tokens, chunk=chunk)
+            gen = run_generate(engine, tokens, max_tokens, sampling=sampling, chunk=chunk)
         if as_json:
             tui.print_json(json.dumps(gen.to_dict()))
         else:
@@ -299,16 +333,11 @@ def serve(
 
     def body():
         from lucepy import catalog
-        from lucepy.runtime.engine import Engine
         from lucepy.server.run import Server
 
         found = catalog.resolve(model, catalog.load_catalog(), progress=tui.status)
-        entry = found.entry
-        devices = target_devices or (",".join(entry.placement) if entry else "") or "cpu"
-        context = max_ctx or (entry.context if entry else None)
-        config = runtime_config(devices, target_layer_split, context, chunk, threads)
-        with tui.status(f"loading {found.name} ({found.path.name}) on {config.device}"):
-            engine = Engine(found.path, config)
+        flags = (target_devices, target_layer_split, max_ctx, chunk, threads)
+        engine = _open_engine(found, *flags)
         level = "warning" if live else "info"
         server = Server(
             engine, name=found.name, host=host, port=port, api_key=api_key, log_level=level
@@ -321,6 +350,18 @@ def serve(
                 server.run()
 
     _run(body)
+
+
+def _open_engine(found, target_devices, target_layer_split, max_ctx, chunk, threads):
+    """The Engine for a resolved model; flags win over its models.yaml entry's defaults."""
+    from lucepy.runtime.engine import Engine
+
+    entry = found.entry
+    devices = target_devices or (",".join(entry.placement) if entry else "") or "cpu"
+    context = max_ctx or (entry.context if entry else None)
+    config = runtime_config(devices, target_layer_split, context, chunk, threads)
+    with tui.status(f"loading {found.name} ({found.path.name}) on {config.device}"):
+        return Engine(found.path, config)
 
 
 def _serve_live(server) -> None:

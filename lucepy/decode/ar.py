@@ -1,11 +1,14 @@
-"""The autoregressive loop: prefill the prompt, then one token in, one token out."""
+"""Generation loops: prefill the prompt, then one token at a time, or a drafted block at a time
+when the engine has a draft (``decode/speculative.py``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
+from lucepy.decode import speculative
 from lucepy.decode.sampling import Sampler, SamplingParams
 
 
@@ -24,15 +27,48 @@ class Generation:
     text: str = ""
     timings: Timings = field(default_factory=Timings)
     finish_reason: str = "length"  # "length", "stop" (end token) or "cancelled"
+    accept: Any = None  # speculative.AcceptStats when a draft ran
+    t_prefilled: float = 0.0  # perf_counter when the prompt was in
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        del out["finish_reason"]  # not part of the stable generate --json object
-        return out
+        """The stable ``generate --json`` object."""
+        t = self.timings
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "text": self.text,
+            "timings": {
+                "prefill_ms": t.prefill_ms,
+                "decode_ms": t.decode_ms,
+                "prefill_tok_s": t.prefill_tok_s,
+                "decode_tok_s": t.decode_tok_s,
+            },
+            "accept": self.accept.to_dict() if self.accept is not None else None,
+        }
 
 
 def _rate(n: int, ms: float) -> float:
     return round(n / (ms / 1000.0), 3) if ms > 0 else 0.0
+
+
+def _plain(engine, prompt_tokens, max_tokens, *, sampler, gen, chunk, stop_at_end, cancelled):
+    engine.capture = ()
+    engine.reset()
+    logits = engine.prefill(prompt_tokens, chunk=chunk)
+    gen.t_prefilled = time.perf_counter()
+    while len(gen.tokens) < max_tokens:
+        token = sampler.sample(logits)
+        gen.tokens.append(token)
+        if stop_at_end and engine.tokenizer is not None and engine.tokenizer.is_end(token):
+            gen.finish_reason = "stop"
+            return
+        yield token
+        if len(gen.tokens) == max_tokens:
+            return
+        if cancelled():
+            gen.finish_reason = "cancelled"
+            return
+        logits = engine.decode(token)
 
 
 def stream(
@@ -46,39 +82,33 @@ def stream(
     cancelled: Callable[[], bool] = lambda: False,
     gen: Generation | None = None,
 ) -> Iterator[int]:
-    """Yield generated tokens one by one from a fresh sequence; ``gen`` collects tokens, the finish
-    reason and timings as it goes. ``cancelled`` is polled before every decode step."""
+    """Yield generated tokens one by one from a fresh sequence; ``gen`` collects tokens, the
+    finish reason, timings and acceptance stats as it goes. ``cancelled`` is polled between
+    steps."""
     gen = gen if gen is not None else Generation(prompt_tokens=list(prompt_tokens))
-    sampler = Sampler(sampling)
-    tok = engine.tokenizer
-    engine.reset()
+    loop = speculative.stream if getattr(engine, "draft", None) is not None else None
+    kw = dict(
+        sampler=Sampler(sampling),
+        gen=gen,
+        chunk=chunk,
+        stop_at_end=stop_at_end,
+        cancelled=cancelled,
+    )
     t0 = time.perf_counter()
-    logits = engine.prefill(prompt_tokens, chunk=chunk)
-    t1 = time.perf_counter()
-    n_decoded = 0
     try:
-        while len(gen.tokens) < max_tokens:
-            token = sampler.sample(logits)
-            gen.tokens.append(token)
-            if stop_at_end and tok is not None and tok.is_end(token):
-                gen.finish_reason = "stop"
-                return
-            yield token
-            if len(gen.tokens) == max_tokens:
-                return
-            if cancelled():
-                gen.finish_reason = "cancelled"
-                return
-            logits = engine.decode(token)
-            n_decoded += 1
+        if loop is None:
+            yield from _plain(engine, prompt_tokens, max_tokens, **kw)
+        else:
+            yield from loop(engine, engine.draft, prompt_tokens, max_tokens, **kw)
     finally:
+        t1 = gen.t_prefilled or time.perf_counter()
         t2 = time.perf_counter()
         prefill_ms, decode_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
         gen.timings = Timings(
             round(prefill_ms, 3),
             round(decode_ms, 3),
             _rate(len(prompt_tokens), prefill_ms),
-            _rate(n_decoded, decode_ms),
+            _rate(max(len(gen.tokens) - 1, 0), decode_ms),
         )
 
 

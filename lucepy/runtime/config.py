@@ -21,6 +21,9 @@ class RuntimeConfig:
     max_ctx: int | None = None  # None: the model's training context, capped at DEFAULT_CTX
     chunk: int = DEFAULT_CHUNK  # prefill batch size
     threads: int | None = None  # CPU threads; None: all cores
+    draft: str | None = None  # a DFlash draft GGUF
+    draft_device: str | None = None  # None: the last target shard's device if local, else cpu
+    draft_block: int | None = None  # None: the draft's trained block size
 
     def __post_init__(self) -> None:
         if self.chunk < 1:

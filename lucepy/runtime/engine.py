@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from lucepy.runtime.pipeline import Pipeline, Step, StepOutput
 from lucepy.runtime.placement import DeviceSpec, LoadPlan, parse_devices, parse_split, plan_load
 from lucepy.runtime.shard import Shard
 from lucepy.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from lucepy.runtime.draft import Draft
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ class Engine:
     ):
         self.config = config or RuntimeConfig()
         self.path = Path(model_path)
-        self.pipeline = self.tokenizer = None
+        self.pipeline = self.tokenizer = self.draft = None
         self.file = GGUFFile(self.path)
         try:
             self.model = architecture_for(self.file).from_gguf(self.file)
@@ -59,6 +63,7 @@ class Engine:
             self.plan = make_plan(self.file, self.model, self.config, self.lib)
             self.n_ctx = self.plan.max_ctx
             self._load()
+            self.draft = self._load_draft() if self.config.draft else None
             self.tokenizer = Tokenizer(self.path) if tokenizer else None
         except BaseException:
             self.close()
@@ -101,6 +106,25 @@ class Engine:
             self.pipeline.workers.append(worker)
             endpoint = worker.endpoint
         return self.pipeline.call(lambda: workers.connect(self.lib, endpoint, index, spec.name))
+
+    def _load_draft(self) -> Draft:
+        from lucepy.runtime.draft import Draft
+
+        cfg = self.config
+        device = cfg.draft_device
+        if device is None:
+            last = self.plan.devices[-1]
+            device = last.device if last.where == "local" else "cpu"
+        backend = open_backend(self.lib, device, cfg.thread_count())
+        capacity = max(cfg.chunk, cfg.draft_block or 0, 64)
+        draft = Draft(self.lib, cfg.draft, self.file, self.model, backend, self.n_ctx, capacity)
+        if cfg.draft_block:
+            try:
+                draft.set_block(cfg.draft_block)
+            except BaseException:
+                draft.close()
+                raise
+        return draft
 
     def _recover(self) -> None:
         """After a worker died: drop the broken pipeline and load again from the plan."""
@@ -187,7 +211,7 @@ class Engine:
             )
 
     def close(self) -> None:
-        for name in ("pipeline", "tokenizer", "file"):
+        for name in ("draft", "pipeline", "tokenizer", "file"):
             owner = getattr(self, name, None)
             if owner is not None:
                 owner.close()

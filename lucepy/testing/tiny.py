@@ -72,6 +72,11 @@ class Qwen35Spec:
     output_scale: float = 1.0  # lm head: std = output_scale / sqrt(n_embd)
     norm_jitter: float = 0.1  # norm weights are 1 + U(-jitter, jitter)
     dt_bias_std: float = 0.3
+    # A "favoured" token: every embedding gets +favor_scale on dim 0, which the residual stream
+    # carries to the head, where the token's row also has +favor_scale on dim 0. Greedy output
+    # then picks it often, so a draft can agree with the target often (speculative tests).
+    favor_token: int = -1
+    favor_scale: float = 0.0
 
     def __post_init__(self) -> None:
         problem = _spec_problem(self)
@@ -101,10 +106,16 @@ class Qwen35Spec:
 
 
 def _spec_problem(s: Qwen35Spec) -> str:
-    ints = [f.name for f in dataclasses.fields(s) if f.type == "int" and f.name != "seed"]
+    ints = [
+        f.name
+        for f in dataclasses.fields(s)
+        if f.type == "int" and f.name not in ("seed", "favor_token")
+    ]
     bad = [name for name in ints if getattr(s, name) < 1]
     if bad:
         return f"{', '.join(bad)} must be at least 1"
+    if s.favor_token >= s.n_vocab:
+        return f"favor_token {s.favor_token} is outside the vocabulary of {s.n_vocab}"
     if s.seed < 0:
         return f"seed {s.seed} must not be negative"
     if s.weight_type not in WEIGHT_TYPES:
@@ -236,6 +247,10 @@ def tensor_values(t: TensorPlan, s: Qwen35Spec, index: int) -> np.ndarray:
     x = _uniform(rng, t.shape, t.std)
     if t.init == "norm":
         x += np.float32(1.0)
+    if s.favor_token >= 0 and t.name == "token_embd.weight":
+        x[:, 0] += np.float32(s.favor_scale)
+    if s.favor_token >= 0 and t.name == "output.weight":
+        x[s.favor_token, 0] += np.float32(s.favor_scale)
     return x
 
 
@@ -251,8 +266,8 @@ def encode(values: np.ndarray, qtype: QType) -> np.ndarray:
 # --- writing ---
 
 
-def _add_hparams(w: gguf.GGUFWriter, s: Qwen35Spec) -> None:
-    w.add_name(f"lucepy tiny {ARCH}")
+def _add_hparams(w: gguf.GGUFWriter, s: Qwen35Spec, name: str = f"lucepy tiny {ARCH}") -> None:
+    w.add_name(name)
     w.add_file_type(int(WEIGHT_TYPES[s.weight_type][1]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(s.context_length)

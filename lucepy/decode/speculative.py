@@ -1,0 +1,155 @@
+"""Speculative decoding with a DFlash draft (decision 5: lossless).
+
+Each step: the draft proposes d_1..d_{B-1} after the last token; the target verifies
+[last, d_1..d_{B-1}] in one pass, whose row i is the target's distribution p_i for the token after
+position n+i. Greedy: accept the longest prefix with d_{i+1} = argmax p_i, then the bonus
+argmax p_j. Sampling (Leviathan et al., 2023): accept d_{i+1} ~ q_i with probability
+min(1, p_i(d)/q_i(d)); on the first rejection draw from norm(max(0, p_i - q_i)); if all are
+accepted draw the bonus from p_{B-1}. Either way every committed token is distributed as the
+target alone would sample it. Then every shard rolls back to the kept length (no replay) and the
+kept positions' features are injected into the draft.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lucepy.decode.sampling import Sampler
+
+
+@dataclass
+class AcceptStats:
+    block: int
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    histogram: list[int] = field(default_factory=list)  # [j]: steps that accepted j drafts
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.histogram = self.histogram or [0] * self.block
+
+    @property
+    def mean_len(self) -> float:
+        """tau: tokens committed per verify step, the bonus token included."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.histogram[accepted] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "mean_len": round(self.mean_len, 4),
+            "histogram": self.histogram,
+            "draft_ms": round(self.draft_ms, 3),
+            "verify_ms": round(self.verify_ms, 3),
+        }
+
+
+def accept_greedy(drafts: np.ndarray, target: np.ndarray) -> tuple[int, int]:
+    """(accepted count j, bonus token): the longest prefix where draft i+1 == argmax row i."""
+    miss = np.nonzero(drafts != target[: drafts.size])[0]
+    j = int(miss[0]) if miss.size else drafts.size
+    return j, int(target[j])
+
+
+def accept_sampled(
+    sampler: Sampler, drafts: np.ndarray, q: list[np.ndarray], target_logits: np.ndarray
+) -> tuple[int, int]:
+    """Speculative rejection sampling over the block; see the module docstring."""
+    for i, d in enumerate(drafts):
+        p = sampler.probs(target_logits[i])
+        if sampler.rng.random() * q[i][d] < p[d]:  # u < p/q, without dividing by zero
+            continue
+        residual = np.maximum(p - q[i], 0.0)
+        return i, sampler.draw(residual)
+    return drafts.size, sampler.draw(sampler.probs(target_logits[drafts.size]))
+
+
+def _propose(draft, sampler: Sampler, last: int, pos: int, block: int):
+    """Draft tokens d_1..d_{B-1}, and their distributions q when sampling."""
+    if sampler.params.greedy:
+        return draft.propose(last, pos, "argmax")[1:block].astype(np.int64), None
+    logits = draft.propose(last, pos, "out")
+    q = [sampler.probs(logits[i]) for i in range(1, block)]
+    return np.array([sampler.draw(qi) for qi in q], dtype=np.int64), q
+
+
+def stream(
+    engine,
+    draft,
+    prompt_tokens: list[int],
+    max_tokens: int,
+    *,
+    sampler: Sampler,
+    gen,
+    chunk: int | None = None,
+    stop_at_end: bool = True,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> Iterator[int]:
+    """Yield tokens from a fresh sequence; ``gen.accept`` collects the acceptance stats."""
+    stats = gen.accept = AcceptStats(draft.block)
+    layers = draft.p.target_layers
+    engine.capture = layers
+    engine.reset()
+    draft.reset()
+
+    def inject(out, pos0: int) -> None:
+        draft.inject([out.features[L] for L in layers], pos0)
+
+    logits = engine.prefill(prompt_tokens, chunk=chunk, on_chunk=inject)
+    gen.t_prefilled = time.perf_counter()
+    pending = [sampler.sample(logits)]
+    while True:
+        for token in pending:
+            if len(gen.tokens) >= max_tokens:
+                return
+            gen.tokens.append(token)
+            if stop_at_end and engine.tokenizer is not None and engine.tokenizer.is_end(token):
+                gen.finish_reason = "stop"
+                return
+            yield token
+        if len(gen.tokens) >= max_tokens:
+            return
+        if cancelled():
+            gen.finish_reason = "cancelled"
+            return
+        pos, last = engine.n_past, gen.tokens[-1]
+        block = min(draft.block, engine.n_ctx - pos)
+        if block < 2:
+            return  # the context is full
+        pending = _step(engine, draft, sampler, stats, last, pos, block)
+
+
+def _step(
+    engine, draft, sampler: Sampler, stats: AcceptStats, last: int, pos: int, block: int
+) -> list[int]:
+    t0 = time.perf_counter()
+    drafts, q = _propose(draft, sampler, last, pos, block)
+    t1 = time.perf_counter()
+    greedy = sampler.params.greedy
+    out = engine.verify(np.concatenate([[last], drafts]), greedy=greedy)
+    if greedy:
+        j, bonus = accept_greedy(drafts, out.values[0])
+    else:
+        j, bonus = accept_sampled(sampler, drafts, q, out.values)
+    draft.ring.push([out.features[L] for L in draft.p.target_layers], pos)
+    engine.rollback(j + 1)
+    features, start = draft.ring.take(j + 1)
+    draft.inject(features, start)
+    t2 = time.perf_counter()
+    stats.draft_ms += (t1 - t0) * 1e3
+    stats.verify_ms += (t2 - t1) * 1e3
+    stats.record(block - 1, j)
+    return [int(t) for t in drafts[:j]] + [bonus]

@@ -1,0 +1,157 @@
+"""A loaded DFlash draft on its device: weights, its KV cache, and the inject/propose graphs.
+
+The target's features arrive as host arrays from whichever shards captured them (local or worker),
+wait in the feature ring until the accepted length of a verify is known, and are then injected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from lucepy.errors import ConfigError
+from lucepy.ggml import Backend, Lib
+from lucepy.gguf import GGUFFile
+from lucepy.models.dflash import DFlash
+from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
+from lucepy.runtime.shard import kv_bucket
+
+log = logging.getLogger(__name__)
+
+
+class FeatureRing:
+    """Target features of positions not yet injected into the draft, oldest first.
+
+    Capacity: one prefill chunk or one verify block; ``push`` beyond it is a bug."""
+
+    def __init__(self, n_layers: int, n_embd: int, capacity: int):
+        self.data = np.zeros((n_layers, capacity, n_embd), dtype=np.float32)
+        self.capacity, self.pos0, self.n = capacity, 0, 0
+
+    def push(self, features: list[np.ndarray], pos0: int) -> None:
+        n = features[0].shape[0]
+        assert n <= self.capacity, f"{n} feature rows exceed the ring's {self.capacity}"
+        for j, f in enumerate(features):
+            self.data[j, :n] = f
+        self.pos0, self.n = pos0, n
+
+    def take(self, n: int) -> tuple[list[np.ndarray], int]:
+        """The oldest ``n`` rows and their first position; the ring is then empty."""
+        n = min(n, self.n)
+        out = [np.ascontiguousarray(self.data[j, :n]) for j in range(self.data.shape[0])]
+        pos0, self.n = self.pos0, 0
+        return out, pos0
+
+
+class Draft:
+    def __init__(
+        self,
+        lib: Lib,
+        path: str | os.PathLike,
+        target_file: GGUFFile,
+        target_model,
+        backend: Backend,
+        n_ctx: int,
+        capacity: int,
+    ):
+        self.lib, self.backend, self.n_ctx = lib, backend, n_ctx
+        self.file = GGUFFile(Path(path))
+        try:
+            self.model = DFlash.from_gguf(self.file, target_model)
+            self.p = self.model.p
+            self.n_target_embd = target_model.p.n_embd
+            self._load(target_file)
+        except BaseException:
+            self.file.close()
+            raise
+        self.kv = Tensors(lib, backend, self.model.kv_shapes(n_ctx), "draft KV")
+        self.ring = FeatureRing(len(self.p.target_layers), self.n_target_embd, capacity)
+        self.graphs: dict[tuple, CompiledGraph] = {}
+        self.block = self.p.block_size
+
+    def _load(self, target_file: GGUFFile) -> None:
+        lib, backend = self.lib, self.backend
+        own = [n for n in self.file.tensors if n != "d2t"]
+        self.weights = Tensors.from_gguf(lib, backend, self.file, own, "draft weights")
+        shared = []
+        if not self.model.own_embd:
+            shared.append("token_embd.weight")
+        if not self.model.own_head and "output.weight" in target_file.tensors:
+            shared.append("output.weight")
+        # the target's embedding and head, copied onto the draft's device
+        self.shared = Tensors.from_gguf(lib, backend, target_file, shared, "draft's target tensors")
+        self.w = {**self.shared.t, **self.weights.t}
+
+    def set_block(self, block: int) -> None:
+        if not 2 <= block <= self.p.block_size:
+            raise ConfigError(
+                f"--draft-block must be 2..{self.p.block_size} (the draft's trained "
+                f"block size), got {block}"
+            )
+        self.block = block
+
+    def _graph(self, key: tuple, build) -> CompiledGraph:
+        g = self.graphs.get(key)
+        if g is None:
+            nodes = 64 * self.p.n_layer + 128
+            g = self.graphs[key] = compile_graph(self.lib, self.backend, nodes, build)
+        return g
+
+    def _put_positions(self, g: CompiledGraph, pos0: int, T: int) -> None:
+        pos = np.arange(pos0, pos0 + T, dtype=np.int32)
+        if self.p.mrope:
+            pos = np.concatenate([pos, pos, pos, np.zeros_like(pos)])
+        put(self.lib, g.inputs["pos"], pos)
+        put(self.lib, g.inputs["rows"], np.arange(pos0, pos0 + T, dtype=np.int64))
+
+    def inject(self, features: list[np.ndarray], pos0: int) -> None:
+        """Write K/V of the target features [T, n_embd] per target layer at positions pos0.."""
+        T = features[0].shape[0]
+        g = self._graph(
+            ("inject", T),
+            lambda b: self.model.build_inject(b, self.w, self.kv.t, self.n_target_embd, T),
+        )
+        for j, f in enumerate(features):
+            put(self.lib, g.inputs[f"feat.{j}"], f)
+        self._put_positions(g, pos0, T)
+        compute(self.lib, self.backend, g)
+
+    def propose(self, last: int, pos0: int, want: str) -> np.ndarray:
+        """Run the block [last, mask...] at pos0; argmax [B] or logits [B, n_vocab] per row."""
+        T, n_kv = self.block, kv_bucket(pos0 + self.block, self.n_ctx)
+        g = self._graph(
+            ("propose", T, n_kv), lambda b: self.model.build_propose(b, self.w, self.kv.t, T, n_kv)
+        )
+        tokens = np.full(T, self.p.mask_token, dtype=np.int32)
+        tokens[0] = last
+        put(self.lib, g.inputs["tokens"], tokens)
+        self._put_positions(g, pos0, T)
+        put(self.lib, g.inputs["mask"], self._mask(pos0, T, n_kv))
+        compute(self.lib, self.backend, g)
+        if want == "argmax":
+            return get(self.lib, g, "argmax", g.outputs["argmax"])[0]
+        return get(self.lib, g, "out", g.output)
+
+    def _mask(self, pos0: int, T: int, n_kv: int) -> np.ndarray:
+        """Every block row sees the context and the whole block (or the block causally)."""
+        rows = np.arange(T)[:, None]
+        end = pos0 + (rows + 1 if self.p.causal else np.full_like(rows, T))
+        mask = np.zeros((T, n_kv), dtype=np.float16)
+        mask[np.arange(n_kv)[None, :] >= end] = np.float16(-np.inf)
+        return mask
+
+    def reset(self) -> None:
+        self.ring.n = 0  # KV rows are written before they are read; nothing else to clear
+
+    def close(self) -> None:
+        for g in self.graphs.values():
+            g.close()
+        self.graphs.clear()
+        for t in ("kv", "weights", "shared"):
+            if hasattr(self, t):
+                getattr(self, t).close()
+        self.backend.close()
+        self.file.close()
