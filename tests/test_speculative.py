@@ -1,0 +1,176 @@
+"""DFlash speculative decoding: greedy equals greedy, rollback is clean, sampling is lossless."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import THREADS
+from lucepy.decode.ar import generate
+from lucepy.decode.sampling import Sampler, SamplingParams
+from lucepy.decode.speculative import accept_sampled
+from lucepy.errors import ConfigError
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.runtime.engine import Engine
+from lucepy.testing.tiny import Qwen35Spec, write_qwen35
+from lucepy.testing.tiny_draft import write_dflash
+
+PROMPT = list(range(3, 40))
+N_GEN = 72
+# a target that emits token 300 about two thirds of the time, and a draft that nearly always
+# drafts it: partial acceptances of every length, and a varied continuation (~20 distinct tokens)
+FAVOURED = Qwen35Spec(n_layer=4, favor_token=300, favor_scale=2.5)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    plain = Qwen35Spec(n_layer=5, n_embd=96, full_attention_interval=3, n_ff=160, seed=7)
+    return {
+        "plain": write_qwen35(d / "plain.gguf", plain),
+        "random": write_dflash(d / "random.gguf", plain, target_layers=(1, 3, 5), block_size=8),
+        "favoured": write_qwen35(d / "favoured.gguf", FAVOURED),
+        "agree": write_dflash(
+            d / "agree.gguf",
+            FAVOURED,
+            block_size=8,
+            target_layers=(1, 3),
+            favor_token=300,
+            favor_scale=3.0,
+        ),
+    }
+
+
+def run(path, device="cpu", split=None, draft=None, n=N_GEN, sampling=None, prompt=PROMPT):
+    cfg = RuntimeConfig(
+        device=device,
+        layer_split=split,
+        threads=THREADS,
+        max_ctx=256,
+        draft=str(draft) if draft else None,
+    )
+    with Engine(path, cfg, tokenizer=False) as engine:
+        return generate(engine, prompt, n, sampling=sampling)
+
+
+@pytest.mark.parametrize(
+    "device,split", [("cpu", None), ("cpu,cpu", "1,1"), ("cpu,cpu@worker", "2,3")]
+)
+@pytest.mark.parametrize("target,draft", [("plain", "random"), ("favoured", "agree")])
+def test_greedy_with_draft_equals_greedy(target, draft, device, split, models):
+    plain = run(models[target], device, split)
+    spec = run(models[target], device, split, draft=models[draft])
+    assert len(spec.tokens) == N_GEN >= 64
+    assert spec.tokens == plain.tokens
+    stats = spec.accept
+    assert stats.steps > 0 and sum(stats.histogram) == stats.steps
+    if draft == "agree":
+        assert stats.mean_len > 2.0, stats.to_dict()
+        partial = stats.histogram[1:-1]
+        assert sum(partial) >= 3, f"too few partial acceptances to exercise rollback: {partial}"
+        assert len(set(plain.tokens)) >= 8  # the continuation varies, so a bad state would show
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu,cpu@worker"])
+def test_rollback_equals_never_seeing_the_rejected_tokens(device, models):
+    cfg = RuntimeConfig(device=device, threads=THREADS, max_ctx=256)
+    block = [50, 60, 70, 80, 90, 100, 110, 120]
+    with Engine(models["plain"], cfg, tokenizer=False) as engine:
+        for keep in (1, 4, 7, 8):
+            engine.reset()
+            engine.prefill(PROMPT)
+            engine.verify(block, greedy=True)
+            engine.rollback(keep)
+            after = [engine.decode(t).copy() for t in (7, 9)]
+            engine.reset()
+            engine.prefill(PROMPT + block[:keep])
+            fresh = [engine.decode(t).copy() for t in (7, 9)]
+            for a, b in zip(after, fresh, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_sampled_rejection_rule_is_lossless():
+    """Unit: over 40k trials, the first committed token is distributed as p, not as q."""
+    rng = np.random.default_rng(0)
+    V = 6
+    p_logits = rng.normal(size=(3, V)).astype(np.float32)  # rows: target after d0, d1, d2
+    q = [np.array([0.5, 0.3, 0.1, 0.05, 0.05, 0.0]) for _ in range(2)]
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
+    p0 = sampler.probs(p_logits[0]).astype(np.float64)
+    counts = np.zeros(V)
+    n = 40_000
+    for _ in range(n):
+        drafts = np.array([sampler.draw(q[0]), sampler.draw(q[1])])
+        j, bonus = accept_sampled(sampler, drafts, q, p_logits)
+        counts[drafts[0] if j > 0 else bonus] += 1
+    # chi-square goodness of fit, 5 degrees of freedom: 20.5 is the p = 0.001 critical value
+    chi2 = float(((counts - n * p0) ** 2 / (n * p0)).sum())
+    assert chi2 < 20.5, (chi2, counts / n, p0)
+
+
+def rank_counts(path, tokens_list, sampling, prompt):
+    """Observed and expected counts of each sampled token's rank under the target's own
+    (transformed) distribution at its position, from one teacher-forced pass per sequence."""
+    k = sampling.top_k
+    observed, expected = np.zeros(k), np.zeros(k)
+    sampler = Sampler(sampling)
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256)
+    with Engine(path, cfg, tokenizer=False) as engine:
+        for tokens in tokens_list:
+            engine.reset()
+            logits = engine.prefill(prompt + tokens[:-1], all_logits=True)[len(prompt) - 1 :]
+            for row, token in zip(logits, tokens, strict=True):
+                p = sampler.probs(row)
+                order = np.argsort(-p, kind="stable")[:k]
+                expected += p[order]
+                observed[int(np.nonzero(order == token)[0][0])] += 1
+    return observed, expected
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_sampling_matches_the_target_distribution(with_draft, models):
+    """At temperature 1 (top-k 4), each generated token's rank under the target's distribution
+    at its position is distributed as that distribution says: chi-square over the 4 ranks,
+    3 degrees of freedom, rejected at p < 0.001 (16.3)."""
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    seqs, stats = [], []
+    for seed in range(12):
+        gen = run(
+            models["favoured"],
+            draft=models["agree"] if with_draft else None,
+            n=60,
+            sampling=SamplingParams(1.0, 4, 1.0, seed),
+        )
+        seqs.append(gen.tokens)
+        stats.append(gen.accept)
+    observed, expected = rank_counts(models["favoured"], seqs, sampling, PROMPT)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3, (observed, expected.round(1))
+    if with_draft:
+        assert sum(s.accepted for s in stats) > 100  # the drafts really were accepted
+
+
+def test_draft_for_another_target_is_refused(models, tmp_path):
+    cases = [
+        (models["agree"], models["plain"], "fc takes 128 features, but 2 target layers of 96"),
+        (
+            write_dflash(tmp_path / "deep.gguf", FAVOURED, target_layers=(1, 9)),
+            models["favoured"],
+            "reads target layer 9, but the target has 4 layers",
+        ),
+        (
+            write_dflash(tmp_path / "wide.gguf", Qwen35Spec(n_embd=96), target_layers=(1,)),
+            models["favoured"],
+            "fc takes 96 features",
+        ),
+    ]
+    for draft, target, words in cases:
+        cfg = RuntimeConfig(threads=THREADS, max_ctx=256, draft=str(draft))
+        with pytest.raises(ConfigError, match=words):
+            Engine(target, cfg, tokenizer=False)
+
+
+def test_draft_block_is_bounded_by_training(models):
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256, draft=str(models["agree"]), draft_block=9)
+    with pytest.raises(ConfigError, match="--draft-block must be 2..8"):
+        Engine(models["favoured"], cfg, tokenizer=False)
