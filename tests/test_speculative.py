@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import THREADS
+
 from lucepy.decode.ar import generate
 from lucepy.decode.sampling import Sampler, SamplingParams
 from lucepy.decode.speculative import accept_sampled
