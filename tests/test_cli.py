@@ -39,7 +39,8 @@ def test_generate_json_matches_the_engine(tiny_model):
             "2",
         ).stdout
     )
-    assert set(out) == {"prompt_tokens", "tokens", "text", "timings"}
+    assert set(out) == {"prompt_tokens", "tokens", "text", "timings", "accept"}
+    assert out["accept"] is None  # no draft
     assert set(out["timings"]) == {"prefill_ms", "decode_ms", "prefill_tok_s", "decode_tok_s"}
     assert out["prompt_tokens"] == [5, 6, 7, 8, 9]
     with Engine(path, RuntimeConfig(threads=2)) as engine:

@@ -60,8 +60,11 @@ def include_dir(sdist: Path | None, work: Path) -> Path:
         sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
     if sdist.is_file():
         with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers()
-                       if "/ggml/include/" in m.name or m.name.endswith("/ggml/src/ggml-impl.h")]
+            members = [
+                m
+                for m in tar.getmembers()
+                if "/ggml/include/" in m.name or m.name.endswith("/ggml/src/ggml-impl.h")
+            ]
             tar.extractall(work, members=members, filter="data")
         sdist = work
     found = sorted(sdist.glob("**/vendor/llama.cpp/ggml/include/ggml.h"))
@@ -106,7 +109,11 @@ def preprocess(inc: Path, work: Path) -> str:
 # ggml_cgraph is opaque in the public headers. We need its ``uid``: ggml-rpc re-sends a whole graph
 # unless the uid matches the last one it ran, so a reused graph gets a uid (ggml_graph_next_uid).
 INTERNAL = [
-    "typedef uint32_t ggml_bitset_t;", "enum ggml_cgraph_eval_order {", "struct ggml_hash_set {", "struct ggml_cgraph {"]
+    "typedef uint32_t ggml_bitset_t;",
+    "enum ggml_cgraph_eval_order {",
+    "struct ggml_hash_set {",
+    "struct ggml_cgraph {",
+]
 
 
 def internal_decls(inc: Path) -> str:

@@ -1,0 +1,228 @@
+"""Named models: ``models.yaml`` entries and the built-in tiny default, resolved to a GGUF path.
+
+Where ``models.yaml`` is looked for: ``$LUCEPY_MODELS`` if set, else ``./models.yaml``, else
+``~/.config/lucepy/models.yaml``. The format is documented in ``docs/models.md``. The built-in
+``lucepy-tiny`` entry is always known; a file can override it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lucepy.errors import CatalogError, ModelFileNotFound, UnknownModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAME = "lucepy-tiny"
+TINY_FILE = "lucepy-tiny-qwen35-v1.gguf"  # bump the version when the built-in spec changes
+BUILTINS = ("tiny",)
+_KEYS = {"file", "builtin", "draft", "placement", "context", "description"}
+
+Progress = Callable[[str], contextlib.AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    file: str | None = None  # a path or glob pattern; relative paths are from models.yaml's folder
+    builtin: str | None = None  # "tiny": written on first use into the cache directory
+    draft: str | None = None  # DFlash draft, a path or pattern like `file`
+    placement: tuple[str, ...] = ()  # default devices, one shard each
+    context: int | None = None  # default --max-ctx
+    description: str = ""
+    source: str = "built-in"  # the models.yaml it came from
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["placement"] = list(self.placement)
+        return out
+
+
+@dataclass(frozen=True)
+class Catalog:
+    entries: dict[str, ModelEntry]
+    default: str = DEFAULT_NAME
+    path: Path | None = None  # the models.yaml that was read, if any
+    base: Path = field(default_factory=Path.cwd)  # relative `file:` paths start here
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str
+    path: Path
+    entry: ModelEntry | None = None  # None: MODEL was a plain file path
+
+
+BUILTIN_ENTRY = ModelEntry(
+    name=DEFAULT_NAME,
+    builtin="tiny",
+    placement=("cpu",),
+    description="random-weight qwen35 for trying lucepy out; its text is gibberish",
+)
+
+
+def cache_dir() -> Path:
+    """lucepy's cache: ``$LUCEPY_CACHE_DIR``, else ``~/.cache/lucepy``."""
+    env = os.environ.get("LUCEPY_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lucepy"
+
+
+def find_models_yaml() -> Path | None:
+    env = os.environ.get("LUCEPY_MODELS")
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise CatalogError(f"LUCEPY_MODELS={env} is not a file; fix the path or unset it")
+        return path
+    for path in (Path("models.yaml"), Path.home() / ".config" / "lucepy" / "models.yaml"):
+        if path.is_file():
+            return path
+    return None
+
+
+def load_catalog(path: Path | None = None) -> Catalog:
+    """The built-in entry plus those of ``path`` (default: :func:`find_models_yaml`)."""
+    path = path if path is not None else find_models_yaml()
+    entries = {DEFAULT_NAME: BUILTIN_ENTRY}
+    if path is None:
+        return Catalog(entries)
+    data = _read_yaml(path)
+    for name, raw in (data.get("models") or {}).items():
+        entries[str(name)] = _entry(str(name), raw, path)
+    default = str(data.get("default") or DEFAULT_NAME)
+    if default not in entries:
+        raise CatalogError(
+            f"{path}: default {default!r} is not one of its models: {_known(entries)}"
+        )
+    return Catalog(entries, default, path, path.parent.resolve())
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        problem = str(err).replace("\n", " ")
+        raise CatalogError(f"cannot read {path}: {problem}; see docs/models.md") from None
+    if not isinstance(data, dict) or not isinstance(data.get("models") or {}, dict):
+        raise CatalogError(
+            f"{path}: expected a mapping with a `models:` mapping; see docs/models.md"
+        )
+    return data
+
+
+def _entry(name: str, raw: Any, path: Path) -> ModelEntry:
+    where = f"{path}: model {name!r}"
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{where}: expected a mapping of {sorted(_KEYS)}")
+    unknown = set(raw) - _KEYS
+    if unknown:
+        raise CatalogError(f"{where}: unknown key(s) {sorted(unknown)}; use {sorted(_KEYS)}")
+    if ("file" in raw) == ("builtin" in raw):
+        raise CatalogError(f"{where}: give exactly one of `file:` or `builtin:`")
+    if "builtin" in raw and raw["builtin"] not in BUILTINS:
+        raise CatalogError(f"{where}: builtin must be one of {list(BUILTINS)}")
+    placement = raw.get("placement") or ()
+    if isinstance(placement, str):
+        placement = [p for p in placement.split(",") if p.strip()]
+    context = raw.get("context")
+    if context is not None and (not isinstance(context, int) or context < 1):
+        raise CatalogError(f"{where}: context must be a positive integer, got {context!r}")
+    return ModelEntry(
+        name=name,
+        file=None if raw.get("file") is None else str(raw["file"]),
+        builtin=raw.get("builtin"),
+        draft=None if raw.get("draft") is None else str(raw["draft"]),
+        placement=tuple(str(p).strip() for p in placement),
+        context=context,
+        description=str(raw.get("description") or ""),
+        source=str(path),
+    )
+
+
+def _known(entries: dict) -> str:
+    return ", ".join(sorted(entries))
+
+
+def locate(entry: ModelEntry, catalog: Catalog) -> Path | None:
+    """The entry's file if it exists now (creates nothing); the first match of a pattern."""
+    if entry.builtin:
+        path = cache_dir() / "models" / TINY_FILE
+        return path if path.is_file() else None
+    pattern = os.path.expanduser(entry.file)
+    if not os.path.isabs(pattern):
+        pattern = str(catalog.base / pattern)
+    matches = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+    return Path(matches[0]) if matches else None
+
+
+def resolve(
+    name: str | None, catalog: Catalog, progress: Progress = lambda _: contextlib.nullcontext()
+) -> ResolvedModel:
+    """MODEL as the CLI takes it: a GGUF path, an entry name, or None for the default entry."""
+    if name is not None and name not in catalog.entries:
+        path = Path(name).expanduser()
+        if path.is_file():
+            return ResolvedModel(path.stem, path)
+        source = f" (from {catalog.path})" if catalog.path else " (no models.yaml found)"
+        raise UnknownModel(
+            f"{name!r} is neither a model file nor a models.yaml entry; known names: "
+            f"{', '.join(catalog.names)}{source}; give a .gguf path or add an entry "
+            f"(see docs/models.md)"
+        )
+    entry = catalog.entries[name or catalog.default]
+    if entry.builtin:
+        return ResolvedModel(entry.name, ensure_tiny(progress), entry)
+    path = locate(entry, catalog)
+    if path is None:
+        raise ModelFileNotFound(
+            f"models.yaml entry {entry.name!r}: no file matches {entry.file!r} "
+            f"(from {entry.source}); download the model or fix its `file:`"
+        )
+    return ResolvedModel(entry.name, path, entry)
+
+
+def ensure_tiny(progress: Progress = lambda _: contextlib.nullcontext()) -> Path:
+    """The built-in tiny model, written on first use: to a temp file, then renamed into place, so
+    that a crash or a second process never sees half a file."""
+    folder = cache_dir() / "models"
+    path = folder / TINY_FILE
+    if path.is_file():
+        return path
+    from lucepy.testing.tiny import write_qwen35
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{TINY_FILE}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+    try:
+        with progress(f"creating the built-in tiny model in {folder} (first use)"):
+            write_qwen35(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    log.info("wrote the built-in tiny model to %s", path)
+    return path
+
+
+def listing(catalog: Catalog) -> list[dict]:
+    """One dict per entry for `lucepy models`: the entry, its file if present, the default flag."""
+    rows = []
+    for name in catalog.names:
+        entry = catalog.entries[name]
+        path = locate(entry, catalog)
+        row = {**entry.to_dict(), "path": str(path) if path else None}
+        rows.append({**row, "default": name == catalog.default})
+    return rows

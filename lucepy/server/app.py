@@ -1,0 +1,219 @@
+"""The OpenAI-compatible app: /v1/chat/completions, /v1/completions, /v1/models, /health and
+/lucepy/status. Handlers validate and tokenize; the worker thread generates."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lucepy import __version__
+from lucepy.errors import AuthError, ContextOverflow, PromptError
+from lucepy.server import errors
+from lucepy.server.chat import render_chat
+from lucepy.server.schemas import ChatRequest, CompletionRequest, Reply
+from lucepy.server.status import placement
+from lucepy.server.worker import Delta, Failed, Job, Worker
+
+POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
+_GONE = 499  # nginx's "client closed request": nobody reads it
+
+
+class Served:
+    """What the handlers share: the worker, the model's name and limits, the API key."""
+
+    def __init__(self, worker: Worker, name: str, api_key: str | None):
+        engine, tok = worker.engine, worker.engine.tokenizer
+        self.worker, self.name, self.api_key = worker, name, api_key
+        self.n_ctx, self.n_vocab = engine.n_ctx, engine.params.n_vocab
+        self.tokenizer = tok
+        self.bos, self.eos = tok.token_text(tok.bos), tok.token_text(tok.eos)
+        self.placement = placement(engine)
+        self.created = int(time.time())
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        if not text:
+            raise _with_param(PromptError(f"{param} is empty; send some text"), param)
+        if self.tokenizer.add_bos and self.bos and text.startswith(self.bos):
+            text = text[len(self.bos) :]  # the tokenizer adds BOS itself
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
+    def job(self, tokens: list[int], body, limit: int | None, param: str) -> Job:
+        room = self.n_ctx - len(tokens)
+        if room < 1:
+            err = ContextOverflow(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx}; "
+                f"shorten it, or restart the server with a larger --max-ctx"
+            )
+            raise _with_param(err, param)
+        max_tokens = min(limit or room, room)
+        return Job(tokens, max_tokens, body.sampling(), tuple(body.stop))
+
+    def status(self) -> dict:
+        return {
+            "model": self.name,
+            "state": self.worker.state,
+            "n_ctx": self.n_ctx,
+            "placement": self.placement,
+            **self.worker.stats.snapshot(),
+        }
+
+
+def _with_param(err: Exception, param: str) -> Exception:
+    err.param = param
+    return err
+
+
+def served(request: Request) -> Served:
+    return request.app.state.served
+
+
+def authorized(request: Request) -> Served:
+    s = served(request)
+    if s.api_key:
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), s.api_key):
+            raise AuthError("missing or wrong API key; send `Authorization: Bearer KEY`")
+    return s
+
+
+PublicServed = Annotated[Served, Depends(served)]
+Authorized = Annotated[Served, Depends(authorized)]
+public = APIRouter()
+private = APIRouter()
+
+
+@public.get("/health")
+async def health(s: PublicServed):
+    state = s.worker.state
+    body = {"status": "ok" if state == "ready" else state, "model": s.name}
+    return JSONResponse(body, status_code=200 if state == "ready" else 503)
+
+
+@private.get("/v1/models")
+async def models(s: Authorized):
+    card = {"id": s.name, "object": "model", "created": s.created, "owned_by": "lucepy"}
+    return {"object": "list", "data": [card]}
+
+
+@private.get("/lucepy/status")
+async def status(s: Authorized):
+    return s.status()
+
+
+@private.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request, s: Authorized):
+    messages = [m.for_template() for m in body.messages]
+    text = render_chat(s.tokenizer.chat_template, messages, bos=s.bos, eos=s.eos)
+    tokens = await s.encode(text, "messages")
+    job = s.job(tokens, body, body.limit, "messages")
+    return await _answer(request, s, job, Reply("chat", s.name), body)
+
+
+@private.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, s: Authorized):
+    tokens = await _prompt_tokens(s, body.prompt)
+    job = s.job(tokens, body, body.limit, "prompt")
+    return await _answer(request, s, job, Reply("text", s.name), body)
+
+
+async def _prompt_tokens(s: Served, prompt) -> list[int]:
+    """A prompt as text or token ids; one prompt per request."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise _with_param(PromptError("send one prompt per request, not a batch"), "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return await s.encode(prompt, "prompt")
+    if not prompt:
+        raise _with_param(PromptError("prompt is empty; send text or token ids"), "prompt")
+    bad = [t for t in prompt if not 0 <= t < s.n_vocab]
+    if bad:
+        msg = f"token ids must be in [0, {s.n_vocab}); got {bad[:5]}"
+        raise _with_param(PromptError(msg), "prompt")
+    return list(prompt)
+
+
+async def _answer(request: Request, s: Served, job: Job, reply: Reply, body) -> Response:
+    s.worker.submit(job)
+    if not body.stream:
+        return await _collect(request, job, reply)
+    first = await _next(request, job)  # waits for its turn and the prefill: errors get a status
+    if first is None:
+        return Response(status_code=_GONE)
+    if isinstance(first, Failed):
+        raise first.error
+    events = _sse(job, reply, first, body.include_usage)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _next(request: Request, job: Job):
+    """The job's next event, or None once the client has gone (the job is then cancelled)."""
+    getter = asyncio.ensure_future(job.events.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=POLL_S)
+            if done:
+                return getter.result()
+            if await request.is_disconnected():
+                job.cancel.set()
+                return None
+    finally:
+        getter.cancel()  # a no-op once it holds its event
+
+
+async def _collect(request: Request, job: Job, reply: Reply) -> Response:
+    parts: list[str] = []
+    try:
+        while True:
+            event = await _next(request, job)
+            if event is None:
+                return Response(status_code=_GONE)
+            if isinstance(event, Failed):
+                raise event.error
+            if not isinstance(event, Delta):
+                return JSONResponse(reply.full("".join(parts), event))
+            parts.append(event.text)
+    finally:
+        job.cancel.set()  # no-op once done; stops the generation if this handler was cancelled
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _sse(job: Job, reply: Reply, event, include_usage: bool):
+    """Server-sent events; a client that leaves cancels the job (this generator is cancelled)."""
+    try:
+        if reply.kind == "chat":
+            yield _data(reply.chunk(first=True))
+        while True:
+            if isinstance(event, Delta):
+                yield _data(reply.chunk(event.text))
+            elif isinstance(event, Failed):
+                yield _data(errors.body_for(event.error)[1])
+                return
+            else:
+                yield _data(reply.chunk(done=event))
+                if include_usage:
+                    yield _data(reply.usage_chunk(event))
+                yield "data: [DONE]\n\n"
+                return
+            event = await job.events.get()
+    finally:
+        job.cancel.set()
+
+
+def create_app(worker: Worker, *, name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="lucepy", version=__version__, docs_url=None, redoc_url=None)
+    app.state.served = Served(worker, name, api_key)
+    errors.install(app)
+    app.include_router(public)
+    app.include_router(private)
+    return app

@@ -1,0 +1,145 @@
+"""unit tier: models.yaml, name resolution and the built-in tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lucepy import catalog
+from lucepy.cli import app
+from lucepy.errors import CatalogError, ModelFileNotFound, UnknownModel
+from lucepy.testing.tiny import write_qwen35
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty home and working directory, and a cache of our own."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LUCEPY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LUCEPY_MODELS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_without_models_yaml_only_the_builtin_is_known(home):
+    cat = catalog.load_catalog()
+    assert cat.path is None and cat.names == ["lucepy-tiny"] and cat.default == "lucepy-tiny"
+
+
+def test_lookup_order_env_then_cwd_then_config(home, monkeypatch):
+    entry = "models:\n  {name}:\n    file: x.gguf\n"
+    write(home / ".config/lucepy/models.yaml", entry.format(name="from-config"))
+    assert "from-config" in catalog.load_catalog().names
+    write(home / "models.yaml", entry.format(name="from-cwd"))
+    assert "from-cwd" in catalog.load_catalog().names
+    monkeypatch.setenv("LUCEPY_MODELS", str(write(home / "e.yaml", entry.format(name="from-env"))))
+    assert catalog.load_catalog().names == ["from-env", "lucepy-tiny"]
+    monkeypatch.setenv("LUCEPY_MODELS", str(home / "missing.yaml"))
+    with pytest.raises(CatalogError, match="LUCEPY_MODELS"):
+        catalog.load_catalog()
+
+
+def test_an_entry_resolves_to_the_first_match_with_its_defaults(home):
+    for name in ("b-00002-of-00002.gguf", "b-00001-of-00002.gguf"):
+        write(home / "conf/models" / name, "")
+    yaml = (
+        "default: big\n"
+        "models:\n"
+        "  big:\n"
+        "    file: models/b-*.gguf\n"
+        "    draft: models/d.gguf\n"
+        "    placement: cuda:0, cuda:1\n"
+        "    context: 32768\n"
+    )
+    cat = catalog.load_catalog(write(home / "conf/models.yaml", yaml))
+    found = catalog.resolve(None, cat)
+    assert found.name == "big" and found.path.name == "b-00001-of-00002.gguf"
+    assert found.entry.placement == ("cuda:0", "cuda:1") and found.entry.context == 32768
+    assert found.entry.draft == "models/d.gguf"
+
+
+def test_a_file_path_needs_no_entry(home):
+    path = write(home / "my-model.gguf", "")
+    found = catalog.resolve(str(path), catalog.load_catalog())
+    assert (found.name, found.path, found.entry) == ("my-model", path, None)
+
+
+def test_an_unknown_name_lists_the_known_ones(home):
+    cat = catalog.load_catalog(write(home / "models.yaml", "models:\n  qwen:\n    file: q.gguf\n"))
+    with pytest.raises(UnknownModel) as err:
+        catalog.resolve("qwen3.6-27b", cat)
+    message = str(err.value)
+    assert "\n" not in message and "known names: lucepy-tiny, qwen" in message
+    with pytest.raises(ModelFileNotFound, match="no file matches 'q.gguf'"):
+        catalog.resolve("qwen", cat)
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("models:\n  a:\n    file: a.gguf\n    devices: [cpu]\n", "unknown key"),
+        ("models:\n  a:\n    file: a.gguf\n    builtin: tiny\n", "exactly one of"),
+        ("models:\n  a:\n    builtin: huge\n", "builtin must be"),
+        ("models:\n  a:\n    file: a.gguf\n    context: -1\n", "context must be"),
+        ("default: nope\nmodels: {}\n", "default 'nope'"),
+        ("models: [a, b]\n", "expected a mapping"),
+        ("models:\n  a: [\n", "cannot read"),
+    ],
+)
+def test_a_bad_models_yaml_says_what_is_wrong(home, text, problem):
+    with pytest.raises(CatalogError, match=problem):
+        catalog.load_catalog(write(home / "models.yaml", text))
+
+
+def test_the_shipped_models_yaml_is_valid():
+    cat = catalog.load_catalog(REPO / "models.yaml")
+    assert cat.default == "lucepy-tiny" and cat.entries["lucepy-tiny"].builtin == "tiny"
+
+
+def test_the_builtin_model_is_written_once_deterministically(home, tmp_path):
+    path = catalog.ensure_tiny()
+    assert path == home / "cache" / "models" / catalog.TINY_FILE
+    assert path.read_bytes() == write_qwen35(tmp_path / "ref.gguf").read_bytes()
+    stamp = path.stat().st_mtime_ns
+    assert catalog.resolve(None, catalog.load_catalog()).path == path
+    assert path.stat().st_mtime_ns == stamp  # not written again
+    assert [p.name for p in path.parent.iterdir()] == [catalog.TINY_FILE]
+
+
+def test_an_interrupted_write_leaves_no_file(home, monkeypatch):
+    def crash(path, *a, **kw):
+        Path(path).write_bytes(b"GGUF half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lucepy.testing.tiny.write_qwen35", crash)
+    with pytest.raises(KeyboardInterrupt):
+        catalog.ensure_tiny()
+    assert list((home / "cache" / "models").iterdir()) == []
+
+
+def test_models_command_lists_entries_as_json(home):
+    write(home / "models.yaml", "models:\n  qwen:\n    file: q.gguf\n    placement: [cuda:0]\n")
+    result = CliRunner().invoke(app, ["models", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["default"] == "lucepy-tiny" and out["source"] == "models.yaml"
+    by_name = {m["name"]: m for m in out["models"]}
+    assert by_name["qwen"]["placement"] == ["cuda:0"] and by_name["qwen"]["path"] is None
+
+
+def test_serve_with_an_unknown_name_is_one_line(home):
+    result = CliRunner().invoke(app, ["serve", "qwen3.6-27b"])
+    assert result.exit_code == 1
+    assert "neither a model file nor a models.yaml entry" in result.output
+    assert "Traceback" not in result.output

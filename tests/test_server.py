@@ -1,0 +1,356 @@
+"""e2e tier: the OpenAI-compatible server through the official `openai` client.
+
+One real uvicorn server per module (port 0, background thread) on the tiny model. Answers are
+checked against the Engine itself, greedy, on a second Engine over the same file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from lucepy.decode.ar import generate
+from lucepy.errors import (
+    AuthError,
+    ContextOverflow,
+    GGMLError,
+    LucepyError,
+    ModelUnavailable,
+    PromptError,
+)
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.runtime.engine import Engine
+from lucepy.server.errors import classify
+from lucepy.server.run import Server
+from lucepy.server.text import Detokenizer, StopFilter
+
+KEY = "sk-lucepy-test"
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    engine = Engine(tiny_model(), RuntimeConfig(threads=1, max_ctx=CTX))
+    srv = Server(engine, name="tiny", port=0, api_key=KEY, log_level="warning").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_model):
+    """greedy(prompt_tokens, n) -> (text, finish_reason, n_tokens), straight from an Engine."""
+    engine = Engine(tiny_model(), RuntimeConfig(threads=1, max_ctx=CTX))
+
+    def run(tokens, max_tokens):
+        gen = generate(engine, tokens, max_tokens)
+        text = engine.tokenizer.decode([t for t in gen.tokens if not engine.tokenizer.is_end(t)])
+        return text, gen.finish_reason, len(gen.tokens)
+
+    run.encode = engine.tokenizer.encode
+    yield run
+    engine.close()
+
+
+def chatml(content: str) -> str:
+    return f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def chat(client, content: str, **kw):
+    messages = [{"role": "user", "content": content}]
+    return client.chat.completions.create(model="tiny", messages=messages, temperature=0, **kw)
+
+
+def wait_until(condition, what: str, limit: float = 20.0) -> None:
+    """Wait for a condition the server reaches on its own (a bound, not a timing assumption)."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def gated(server, at_call: int = 1):
+    """Hold the worker inside its ``at_call``-th decode step until the test releases it."""
+    engine = server.worker.engine
+    real, calls = engine.decode, [0]
+    reached, release = threading.Event(), threading.Event()
+
+    def decode(token):
+        calls[0] += 1
+        if calls[0] == at_call:
+            reached.set()
+            release.wait(30)
+        return real(token)
+
+    engine.decode = decode
+    try:
+        yield reached, release
+    finally:
+        release.set()
+        del engine.decode
+
+
+# --- endpoints ---
+
+
+def test_health_models_and_status(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "model": "tiny"}
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    status = httpx.get(server.url + "/lucepy/status", headers={"Authorization": f"Bearer {KEY}"})
+    body = status.json()
+    assert body["n_ctx"] == CTX and body["state"] == "ready"
+    [shard] = body["placement"]
+    assert shard["device"] == "cpu" and shard["layers"] == [0, 4] and shard["weight_bytes"] > 0
+
+
+def test_chat_is_the_engines_greedy_answer(client, greedy):
+    reply = chat(client, "Hello", max_tokens=12)
+    tokens = greedy.encode(chatml("Hello"))
+    text, finish, n = greedy(tokens, 12)
+    assert reply.choices[0].message.content == text
+    assert reply.choices[0].finish_reason == finish
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(tokens), n)
+    extras = reply.model_extra["lucepy"]
+    assert extras["accept"] is None and extras["cache"] is None
+    assert extras["timings"]["decode_tok_s"] > 0
+
+
+def test_streaming_chat_equals_the_plain_answer(client):
+    plain = chat(client, "Once upon a time", max_tokens=20).choices[0].message.content
+    chunks = list(
+        chat(
+            client,
+            "Once upon a time",
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
+    final, usage = chunks[-2], chunks[-1]
+    assert final.choices[0].finish_reason == "length"
+    assert final.model_extra["lucepy"]["timings"]["prefill_ms"] > 0
+    assert not usage.choices and usage.usage.completion_tokens == 20
+
+
+def test_completions_from_text_and_from_token_ids(client, greedy):
+    tokens = greedy.encode("The small model")
+    text, finish, _ = greedy(tokens, 10)
+    by_text = client.completions.create(model="tiny", prompt="The small model", max_tokens=10,
+                                        temperature=0)  # fmt: skip
+    by_ids = client.completions.create(model="tiny", prompt=tokens, max_tokens=10, temperature=0)
+    streamed = client.completions.create(
+        model="tiny", prompt=tokens, max_tokens=10, temperature=0, stream=True
+    )
+    assert by_text.choices[0].text == by_ids.choices[0].text == text
+    assert by_text.choices[0].finish_reason == finish
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def test_stop_sequences_cut_the_text_in_both_modes(client):
+    full = chat(client, "In the morning", max_tokens=40).choices[0].message.content
+    # a stop made of plain letters that first occurs after a few characters
+    at = next(m.start() for m in re.finditer(r"[a-z]{3}", full) if m.start() >= 3)
+    stop = full[at : at + 3]
+    expected = full[: full.index(stop)]
+    reply = chat(client, "In the morning", max_tokens=40, stop=["no such stop", stop])
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = list(chat(client, "In the morning", max_tokens=40, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_filter_holds_back_what_may_begin_a_stop():
+    f = StopFilter(["<|end|>"])
+    assert [f.feed(x) for x in ("ab", "c<", "|e", "x")] == ["ab", "c", "", "<|ex"]
+    assert [f.feed(x) for x in ("y<|", "en", "d|>z")] == ["y", "", ""]
+    assert f.stopped and f.flush() == ""
+    g = StopFilter(["abc"])
+    assert g.feed("xab") == "x" and g.flush() == "ab"
+
+
+def test_detokenizer_waits_for_whole_characters():
+    pieces = {1: b"\xc3", 2: b"\xa9", 3: b"!"}
+
+    def decode(tokens):
+        return b"".join(pieces[t] for t in tokens).decode("utf-8", errors="replace")
+
+    d = Detokenizer(decode)
+    assert [d.push(t) for t in (1, 2, 3)] == ["", "é", "!"]
+    d.push(1)
+    assert d.flush() == "\ufffd"
+
+
+# --- errors ---
+
+
+def test_prompt_longer_than_the_context_is_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=[5] * (CTX + 10), max_tokens=4)
+    assert err.value.status_code == 400
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert err.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, "word " * CTX, max_tokens=4)
+    assert err.value.body["param"] == "messages"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 2}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ],
+)
+def test_bad_fields_are_400_with_the_param(server, body, param):
+    request = {"messages": [{"role": "user", "content": "hi"}], **body}
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=request,
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_bad_api_key_is_401(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError) as err:
+            chat(c, "hi", max_tokens=2)
+    assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
+
+
+def test_exception_types_map_to_statuses():
+    assert classify(ContextOverflow("x"))[0] == 400
+    assert classify(PromptError("x"))[0] == 400
+    assert classify(AuthError("x"))[0] == 401
+    assert classify(GGMLError("x"))[0] == 503
+    assert classify(ModelUnavailable("x"))[0] == 503
+    assert classify(LucepyError("x"))[0] == 500
+    assert classify(RuntimeError("x"))[0] == 500
+
+
+def test_a_failed_model_is_503_until_restarted(server, client):
+    engine = server.worker.engine
+
+    def broken(token):
+        raise GGMLError("graph compute on cpu failed with status 1")
+
+    engine.decode = broken
+    try:
+        with pytest.raises(openai.InternalServerError) as err:
+            chat(client, "Hello", max_tokens=8)
+        assert err.value.status_code == 503 and err.value.body["code"] == "model_failed"
+        assert httpx.get(server.url + "/health").status_code == 503
+        with pytest.raises(openai.InternalServerError) as err:
+            chat(client, "Hello", max_tokens=8)
+        assert err.value.body["code"] == "model_unavailable"
+    finally:
+        del engine.decode
+        server.worker.failure = None  # only a test revives a failed model
+
+
+# --- cancellation and concurrency ---
+
+
+def test_a_disconnect_cancels_the_generation(server, greedy):
+    tokens = greedy.encode("Once upon a time")
+    assert greedy(tokens, 200)[1] == "length"  # left alone, it would make all 200 tokens
+    before = server.status()["requests"]["cancelled"]
+    body = {"prompt": tokens, "max_tokens": 200, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with gated(server, at_call=3) as (reached, release):
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            assert reached.wait(20)
+        job = server.worker.current
+        wait_until(job.cancel.is_set, "the server to notice the disconnect")
+        release.set()
+        wait_until(lambda: server.status()["requests"]["cancelled"] == before + 1, "the count")
+    last = server.status()["last"]
+    assert last["finish_reason"] == "cancelled"
+    assert last["completion_tokens"] == 4  # three decode steps, one more token, then it stopped
+
+
+def test_concurrent_clients_queue_and_get_their_own_answers(server, client):
+    prompts = ["Once upon a time", "The small model", "In the morning", "Children played"]
+    alone = [chat(client, p, max_tokens=16).choices[0].message.content for p in prompts]
+    assert len(set(alone)) == 4  # different answers, so a mix-up would show
+    with gated(server) as (reached, release), ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(chat, client, p, max_tokens=16) for p in prompts]
+        assert reached.wait(20)
+        wait_until(lambda: server.status()["queue"] == {"waiting": 3, "active": 1}, "the queue")
+        release.set()
+        together = [f.result().choices[0].message.content for f in futures]
+    assert together == alone
+
+
+def test_top_once_shows_the_placement(server):
+    from typer.testing import CliRunner
+
+    from lucepy.cli import app
+
+    result = CliRunner().invoke(app, ["top", server.url, "--once", "--api-key", KEY])
+    assert result.exit_code == 0, result.output
+    assert "tiny" in result.output and "cpu" in result.output and "tokens/s" in result.output
+
+
+# --- the command, as a user runs it ---
+
+
+def test_serve_with_no_model_uses_the_builtin_tiny_one(tmp_path):
+    env = {**os.environ, "LUCEPY_CACHE_DIR": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+    env.pop("LUCEPY_MODELS", None)
+    cmd = [sys.executable, "-m", "lucepy", "serve", "--port", "0", "--threads", "1"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = _served_url(proc)
+        assert httpx.get(url + "/health").json() == {"status": "ok", "model": "lucepy-tiny"}
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
+            reply = chat(c, "Hello", max_tokens=5)
+        assert reply.model == "lucepy-tiny" and reply.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in err
+    assert (tmp_path / "cache" / "models" / "lucepy-tiny-qwen35-v1.gguf").is_file()
+
+
+def _served_url(proc: subprocess.Popen) -> str:
+    seen = []
+    while line := proc.stderr.readline():
+        seen.append(line)
+        m = re.search(r"serving \S+ on (http://\S+)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("lucepy serve exited before serving:\n" + "".join(seen))
