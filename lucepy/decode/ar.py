@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lucepy.decode import speculative
+from lucepy.decode.prefill import begin, end
 from lucepy.decode.sampling import Sampler, SamplingParams
 
 
@@ -28,6 +29,7 @@ class Generation:
     timings: Timings = field(default_factory=Timings)
     finish_reason: str = "length"  # "length", "stop" (end token) or "cancelled"
     accept: Any = None  # speculative.AcceptStats when a draft ran
+    cache: dict | None = None  # the prefix cache's report, when there is a cache
     t_prefilled: float = 0.0  # perf_counter when the prompt was in
 
     def to_dict(self) -> dict:
@@ -44,6 +46,8 @@ class Generation:
                 "decode_tok_s": t.decode_tok_s,
             },
             "accept": self.accept.to_dict() if self.accept is not None else None,
+            "cache": self.cache,
+            "cache": getattr(self, "cache", None),  # the prefix cache's outcome, when one ran
         }
 
 
@@ -53,9 +57,7 @@ def _rate(n: int, ms: float) -> float:
 
 def _plain(engine, prompt_tokens, max_tokens, *, sampler, gen, chunk, stop_at_end, cancelled):
     engine.capture = ()
-    engine.reset()
-    logits = engine.prefill(prompt_tokens, chunk=chunk)
-    gen.t_prefilled = time.perf_counter()
+    logits = begin(engine, prompt_tokens, gen, chunk=chunk)
     while len(gen.tokens) < max_tokens:
         token = sampler.sample(logits)
         gen.tokens.append(token)
@@ -100,6 +102,7 @@ def stream(
             yield from _plain(engine, prompt_tokens, max_tokens, **kw)
         else:
             yield from loop(engine, engine.draft, prompt_tokens, max_tokens, **kw)
+        end(engine, gen)
     finally:
         t1 = gen.t_prefilled or time.perf_counter()
         t2 = time.perf_counter()

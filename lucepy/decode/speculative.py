@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lucepy.decode.prefill import begin
 from lucepy.decode.sampling import Sampler
 
 
@@ -102,14 +103,12 @@ def stream(
     stats = gen.accept = AcceptStats(draft.block)
     layers = draft.p.target_layers
     engine.capture = layers
-    engine.reset()
     draft.reset()
 
     def inject(out, pos0: int) -> None:
         draft.inject([out.features[L] for L in layers], pos0)
 
-    logits = engine.prefill(prompt_tokens, chunk=chunk, on_chunk=inject)
-    gen.t_prefilled = time.perf_counter()
+    logits = begin(engine, prompt_tokens, gen, chunk=chunk, on_chunk=inject)
     pending = [sampler.sample(logits)]
     while True:
         for token in pending:

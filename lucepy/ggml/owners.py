@@ -106,3 +106,20 @@ class Allocator(Owner):
     @property
     def nbytes(self) -> int:
         return self.lib.ggml_gallocr_get_buffer_size(self.ptr, 0)
+
+
+def alias_tensor(
+    lib: Lib, ctx: Any, src: Any, shape: tuple[int, ...], strides: tuple[int, ...], offset: int
+) -> Any:
+    """A new tensor header in ``ctx`` over ``src``'s memory: ``shape`` with byte ``strides`` for
+    dims 1.. (dim 0 is contiguous), starting ``offset`` bytes in. Not a view: it has no op and no
+    source, so graphs and copies treat it as plain data."""
+    ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
+    t = lib.ggml_new_tensor(ctx, src.type, len(shape), ne)
+    for i, nb in enumerate(strides):
+        t.nb[i + 1] = nb
+    for i in range(len(strides) + 1, 4):
+        t.nb[i] = t.nb[i - 1] * t.ne[i - 1]
+    t.buffer = src.buffer
+    t.data = ffi.cast("char *", src.data) + offset
+    return t

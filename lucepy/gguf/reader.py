@@ -7,6 +7,7 @@ the tensor infos, then the data section at the next multiple of ``general.alignm
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -188,6 +189,13 @@ class GGUFFile:
             return self.metadata[key]
         except KeyError:
             raise MissingMetadata(f"{self.path}: metadata key {key!r} is missing") from None
+
+    def identity(self) -> str:
+        """A digest of the file's header (metadata and tensor index) and size: it changes when
+        the model changes, and costs no read of the weights."""
+        h = hashlib.sha256(memoryview(self._map)[: self.data_offset])
+        h.update(str(self.size).encode())
+        return h.hexdigest()
 
     # tensor data
     def data(self, name: str) -> memoryview:

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from lucepy.errors import MissingTensor, TensorShapeMismatch, UnsupportedArchitecture
-from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_I32, GGML_TYPE_I64, Lib, ffi
+from lucepy.ggml import (
+    GGML_TYPE_F16,
+    GGML_TYPE_F32,
+    GGML_TYPE_I32,
+    GGML_TYPE_I64,
+    Lib,
+    alias_tensor,
+    ffi,
+)
 from lucepy.gguf import GGUFFile
 
 Tensor = Any  # a cffi ``struct ggml_tensor *``
@@ -60,15 +68,7 @@ class Builder:
 
         Unlike a view, it carries no link to ``src``'s ops, so nothing upstream is recomputed.
         """
-        ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
-        t = self.lib.ggml_new_tensor(self.ctx, src.type, len(shape), ne)
-        for i, nb in enumerate(strides):
-            t.nb[i + 1] = nb
-        for i in range(len(strides) + 1, 4):
-            t.nb[i] = t.nb[i - 1] * t.ne[i - 1]
-        t.buffer = src.buffer
-        t.data = ffi.cast("char *", src.data) + offset
-        return t
+        return alias_tensor(self.lib, self.ctx, src, shape, strides, offset)
 
     def input_f32(self, name: str, *shape: int) -> Tensor:
         return self.input(name, GGML_TYPE_F32, *shape)

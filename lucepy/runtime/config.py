@@ -24,12 +24,19 @@ class RuntimeConfig:
     draft: str | None = None  # a DFlash draft GGUF
     draft_device: str | None = None  # None: the last target shard's device if local, else cpu
     draft_block: int | None = None  # None: the draft's trained block size
+    prefix_cache_slots: int = 0  # RAM prefix snapshots kept (LRU); 0: no RAM cache
+    prefix_cache_mb: int = 4096  # byte budget of the RAM snapshots
+    kv_cache_dir: str | None = None  # disk prefix snapshots live here; None: no disk cache
+    kv_cache_budget_mb: int = 8192  # the disk cache is evicted (LRU) to stay under this
+    disk_prefix_cache: str = "auto:256"  # off | full | auto:N | N (docs/prefix-cache.md)
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
             raise ConfigError(f"--chunk must be at least 1, got {self.chunk}")
         if self.max_ctx is not None and self.max_ctx < 1:
             raise ConfigError(f"--max-ctx must be at least 1, got {self.max_ctx}")
+        if self.prefix_cache_slots < 0 or self.prefix_cache_mb < 1 or self.kv_cache_budget_mb < 1:
+            raise ConfigError("prefix cache slots and budgets must be positive")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
 

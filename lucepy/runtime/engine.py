@@ -13,12 +13,13 @@ from lucepy import ggml
 from lucepy.errors import ConfigError, ContextOverflow, DeviceError, PromptError
 from lucepy.gguf import GGUFFile
 from lucepy.models import architecture_for
-from lucepy.runtime import backends, workers
+from lucepy.runtime import backends, state, workers
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.devices import local_backends, open_backend
 from lucepy.runtime.pipeline import Pipeline, Step, StepOutput
 from lucepy.runtime.placement import DeviceSpec, LoadPlan, parse_devices, parse_split, plan_load
 from lucepy.runtime.shard import Shard
+from lucepy.runtime.state import StateCopy
 from lucepy.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class Engine:
     ):
         self.config = config or RuntimeConfig()
         self.path = Path(model_path)
-        self.pipeline = self.tokenizer = self.draft = None
+        self.pipeline = self.tokenizer = self.draft = self.prefix_cache = None
         self.file = GGUFFile(self.path)
         try:
             self.model = architecture_for(self.file).from_gguf(self.file)
@@ -129,6 +130,8 @@ class Engine:
     def _recover(self) -> None:
         """After a worker died: drop the broken pipeline and load again from the plan."""
         log.warning("reloading after: %s", self.pipeline.broken)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget()  # RAM slots of the dead workers went with them
         self.pipeline.close()
         self.pipeline = None
         self._load()
@@ -191,6 +194,64 @@ class Engine:
         self.pipeline.rollback(keep)
         self.n_past = pos0 + keep
 
+    # state snapshots (the prefix cache speaks these; decision 6)
+    def _states(self) -> list[tuple[str, object, dict, bool]]:
+        """(key, backend, live state tensors, remote?) for every shard and the draft."""
+        out = [
+            (f"shard{i}", s.backend, s.state.t, s.process != "local")
+            for i, s in enumerate(self.shards)
+        ]
+        if self.draft is not None:
+            out.append(("draft", self.draft.backend, self.draft.kv.t, False))
+        return out
+
+    def _run(self, remote: bool, fn):
+        return self.pipeline.call(fn) if remote else fn()
+
+    def snapshot(self) -> dict[str, StateCopy]:
+        """Copies of every shard's (and the draft's) state for the tokens held, each kept on its
+        own backend: nothing crosses for a worker shard."""
+        n, out = self.n_past, {}
+        try:
+            for key, backend, live, remote in self._states():
+                out[key] = self._run(remote, lambda b=backend, t=live: StateCopy(self.lib, b, t, n))
+        except BaseException:
+            self.drop_snapshot(out)
+            raise
+        return out
+
+    def restore(self, copies: dict[str, StateCopy], n: int) -> None:
+        for key, _, live, remote in self._states():
+            self._run(remote, lambda c=copies[key], t=live: c.restore(t))
+        self.n_past = n
+
+    def drop_snapshot(self, copies: dict[str, StateCopy]) -> None:
+        remote = {key for key, _, _, r in self._states() if r}
+        for key, copy in copies.items():
+            if key in remote and self.pipeline.broken:
+                copy.abandon()
+            else:
+                self._run(key in remote, copy.close)
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """Host arrays of all state for the tokens held (a worker's come over RPC)."""
+        out = {}
+        for key, _, live, remote in self._states():
+            arrays = self._run(remote, lambda t=live: state.export(self.lib, t, self.n_past))
+            out.update({f"{key}/{name}": a for name, a in arrays.items()})
+        return out
+
+    def load_state(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        for key, _, live, remote in self._states():
+            mine = {
+                name.split("/", 1)[1]: a for name, a in arrays.items() if name.startswith(key + "/")
+            }
+            self._run(remote, lambda t=live, m=mine: state.load(self.lib, t, m, n))
+        self.n_past = n
+
+    def state_names(self) -> list[str]:
+        return [f"{key}/{name}" for key, _, live, _ in self._states() for name in live]
+
     def _checked(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.size == 0:
@@ -211,7 +272,7 @@ class Engine:
             )
 
     def close(self) -> None:
-        for name in ("draft", "pipeline", "tokenizer", "file"):
+        for name in ("prefix_cache", "draft", "pipeline", "tokenizer", "file"):
             owner = getattr(self, name, None)
             if owner is not None:
                 owner.close()

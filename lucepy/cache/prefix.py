@@ -1,0 +1,168 @@
+"""The prefix cache: restore the longest cached prefix of a prompt, prefill only the rest.
+
+Snapshots are taken at chat-turn boundaries: at the end of each prompt (with its last logits, so
+an identical prompt needs no prefill at all) and at the end of each generation (the next turn's
+prompt starts with this turn's prompt and answer). The disk policy ``N`` adds a snapshot every N
+prompt tokens, for long prompts edited near their end. Turn boundaries are where chat clients
+resend from; intervals cost a state copy each, so they are opt-in.
+
+RAM slots hold copies on each state's own backend (inside the worker for worker shards); disk
+files hold host copies of the same tensors. Both are keyed by the exact token prefix and guarded
+by a fingerprint of model, architecture, layout, dtypes, context and draft (decision 6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from lucepy.cache.disk import VERSION, DiskCache
+from lucepy.cache.policy import DiskPolicy, parse_policy
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint(engine) -> str:
+    """What a snapshot must match to be restored into ``engine``."""
+    draft = engine.draft.file.identity() if engine.draft is not None else None
+    ident = {
+        "format": VERSION,
+        "model": engine.file.identity(),
+        "arch": engine.file.architecture,
+        "layout": [[s.layers.start, s.layers.stop] for s in engine.shards],
+        "state": sorted(engine.state_names()),
+        "kv_dtype": "f16",
+        "n_ctx": engine.n_ctx,
+        "draft": draft,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Slot:
+    tokens: tuple[int, ...]
+    copies: dict
+    logits: np.ndarray | None
+    nbytes: int
+
+
+class PrefixCache:
+    def __init__(
+        self, engine, slots: int, ram_budget: int, disk: DiskCache | None, policy: DiskPolicy
+    ):
+        self.engine, self.max_slots, self.ram_budget = engine, slots, ram_budget
+        self.disk, self.policy = disk, policy
+        self.slots: OrderedDict[tuple[int, ...], Slot] = OrderedDict()
+
+    @classmethod
+    def for_engine(cls, engine) -> PrefixCache | None:
+        cfg = engine.config
+        policy = parse_policy(cfg.disk_prefix_cache)
+        disk = None
+        if cfg.kv_cache_dir and policy.enabled:
+            disk = DiskCache(cfg.kv_cache_dir, fingerprint(engine), cfg.kv_cache_budget_mb << 20)
+        if not cfg.prefix_cache_slots and disk is None:
+            return None
+        return cls(engine, cfg.prefix_cache_slots, cfg.prefix_cache_mb << 20, disk, policy)
+
+    # lookup and restore
+    def _ram_hit(self, prompt: list[int]) -> Slot | None:
+        best = None
+        for slot in self.slots.values():
+            n = len(slot.tokens)
+            usable = n < len(prompt) or (n == len(prompt) and slot.logits is not None)
+            if (
+                usable
+                and (best is None or n > len(best.tokens))
+                and tuple(prompt[:n]) == slot.tokens
+            ):
+                best = slot
+        return best
+
+    def _restore(self, prompt: list[int]) -> tuple[str, int, np.ndarray | None]:
+        ram = self._ram_hit(prompt)
+        entry = self.disk.find(prompt) if self.disk else None
+        if ram is not None and (entry is None or len(ram.tokens) >= len(entry.tokens)):
+            self.engine.restore(ram.copies, len(ram.tokens))
+            self.slots.move_to_end(ram.tokens)
+            return "ram", len(ram.tokens), ram.logits
+        if entry is not None:
+            arrays = self.disk.load(entry)
+            if arrays is not None:
+                logits = arrays.pop("logits", None)
+                try:
+                    self.engine.load_state(arrays, len(entry.tokens))
+                except (KeyError, ValueError) as err:
+                    log.warning("prefix cache: %s does not fit this engine: %s", entry.path, err)
+                    self.engine.reset()
+                    return "none", 0, None
+                return "disk", len(entry.tokens), None if logits is None else logits[0]
+        return "none", 0, None
+
+    def start(self, prompt: list[int], chunk: int | None, on_chunk=None):
+        """Fill the engine with ``prompt`` from the best snapshot and prefill the rest.
+        Returns the last logits and the report for ``generate --json``'s ``cache``."""
+        engine = self.engine
+        engine.reset()
+        hit, n, logits = self._restore(prompt)
+        for end in self._boundaries(n, len(prompt)):
+            logits = engine.prefill(prompt[engine.n_past : end], chunk=chunk, on_chunk=on_chunk)
+            if end < len(prompt):
+                self._save(prompt[:end], logits, ram=False)
+        if n < len(prompt) or hit == "none":
+            self._save(prompt, logits)
+        return logits, {"hit": hit, "restored_tokens": n, "prefilled_tokens": len(prompt) - n}
+
+    def _boundaries(self, start: int, end: int) -> list[int]:
+        step = self.policy.interval if self.disk else 0
+        marks = list(range((start // step + 1) * step, end, step)) if step else []
+        return [*marks, end] if start < end else []
+
+    def finish(self, tokens: list[int]) -> None:
+        """After a generation: keep the state of every token the engine processed."""
+        n = self.engine.n_past
+        if n > 0 and not self.engine.pipeline.broken:
+            self._save(tokens[:n], None)
+
+    # saving
+    def _save(self, tokens, logits: np.ndarray | None, ram: bool = True) -> None:
+        tokens = tuple(int(t) for t in tokens)
+        if ram and self.max_slots:
+            self._save_ram(tokens, logits)
+        if self.disk is not None and self.policy.wants(len(tokens)):
+            arrays = self.engine.export_state()
+            if logits is not None:
+                arrays["logits"] = np.asarray(logits, dtype=np.float32)[None]
+            self.disk.save(tokens, arrays)
+
+    def _save_ram(self, tokens: tuple[int, ...], logits) -> None:
+        old = self.slots.pop(tokens, None)
+        if old is not None:
+            self.engine.drop_snapshot(old.copies)
+        copies = self.engine.snapshot()
+        nbytes = sum(c.nbytes for c in copies.values())
+        kept = None if logits is None else np.array(logits, dtype=np.float32)
+        self.slots[tokens] = Slot(tokens, copies, kept, nbytes)
+        while self.slots and (len(self.slots) > self.max_slots or self.ram_bytes > self.ram_budget):
+            _, slot = self.slots.popitem(last=False)
+            self.engine.drop_snapshot(slot.copies)
+
+    @property
+    def ram_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slots.values())
+
+    def forget(self) -> None:
+        """Drop every RAM slot; those on a dead worker are abandoned, not freed."""
+        for slot in self.slots.values():
+            self.engine.drop_snapshot(slot.copies)
+        self.slots.clear()
+
+    def close(self) -> None:
+        while self.slots:
+            _, slot = self.slots.popitem()
+            self.engine.drop_snapshot(slot.copies)
