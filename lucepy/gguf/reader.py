@@ -190,11 +190,17 @@ class GGUFFile:
         except KeyError:
             raise MissingMetadata(f"{self.path}: metadata key {key!r} is missing") from None
 
-    def identity(self) -> str:
-        """A digest of the file's header (metadata and tensor index) and size: it changes when
-        the model changes, and costs no read of the weights."""
-        h = hashlib.sha256(memoryview(self._map)[: self.data_offset])
+    def identity(self, samples: int = 64, width: int = 4096) -> str:
+        """A digest of the header (metadata, tensor index), the size, and ``samples`` slices of
+        the weights spread over the file: fine-tunes share headers, so the data must count too,
+        but reading it all would cost seconds per GB."""
+        view = memoryview(self._map)
+        h = hashlib.sha256(view[: self.data_offset])
         h.update(str(self.size).encode())
+        span = max(self.size - self.data_offset - width, 0)
+        for i in range(samples):
+            at = self.data_offset + span * i // max(samples - 1, 1)
+            h.update(view[at : at + width])
         return h.hexdigest()
 
     # tensor data
