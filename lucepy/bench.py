@@ -1,7 +1,8 @@
 """Benchmarks: lucepy against llama.cpp (llama-cpp-python) on the same GGUF, in one process and run.
 
 Both sides get the same prompt, batch size, thread count, flash attention and f16 KV cache. Each
-figure is the median of ``repeats`` timed runs after one untimed warm-up run.
+figure is the median of ``repeats`` timed runs after one untimed warm-up run. lucepy runs with the
+config as given: its prefix cache is off unless the config turns it on.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lucepy.cache import open_engine
 from lucepy.gguf import GGUFFile
 from lucepy.models import architecture_for
 from lucepy.runtime.config import RuntimeConfig
-from lucepy.runtime.engine import Engine
 
 
 @dataclass
@@ -64,7 +65,7 @@ def _median_rate(n: int, run, repeats: int) -> float:
 
 
 def _lucepy(path: Path, prompt: list[int], gen: int, cfg: RuntimeConfig, repeats: int) -> Figures:
-    with Engine(path, cfg, tokenizer=False) as engine:
+    with open_engine(path, cfg, tokenizer=False) as engine:
 
         def prefill():
             engine.reset()

@@ -63,6 +63,19 @@ class ResolvedModel:
     name: str
     path: Path
     entry: ModelEntry | None = None  # None: MODEL was a plain file path
+    draft: Path | None = None  # the entry's `draft:` file, when it names one that exists
+
+    def draft_path(self, override: Path | None = None) -> Path | None:
+        """The DFlash draft to load: ``override`` (``--draft``), else the entry's ``draft:``."""
+        if override is not None or self.entry is None or self.entry.draft is None:
+            return override
+        if self.draft is None:
+            raise ModelFileNotFound(
+                f"models.yaml entry {self.name!r}: no file matches its draft "
+                f"{self.entry.draft!r} (from {self.entry.source}); download the draft, fix its "
+                f"`draft:`, or pass --draft"
+            )
+        return self.draft
 
 
 BUILTIN_ENTRY = ModelEntry(
@@ -162,7 +175,11 @@ def locate(entry: ModelEntry, catalog: Catalog) -> Path | None:
     if entry.builtin:
         path = cache_dir() / "models" / TINY_FILE
         return path if path.is_file() else None
-    pattern = os.path.expanduser(entry.file)
+    return _match(entry.file, catalog)
+
+
+def _match(pattern: str, catalog: Catalog) -> Path | None:
+    pattern = os.path.expanduser(pattern)
     if not os.path.isabs(pattern):
         pattern = str(catalog.base / pattern)
     matches = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
@@ -184,15 +201,16 @@ def resolve(
             f"(see docs/models.md)"
         )
     entry = catalog.entries[name or catalog.default]
+    draft = _match(entry.draft, catalog) if entry.draft else None
     if entry.builtin:
-        return ResolvedModel(entry.name, ensure_tiny(progress), entry)
+        return ResolvedModel(entry.name, ensure_tiny(progress), entry, draft)
     path = locate(entry, catalog)
     if path is None:
         raise ModelFileNotFound(
             f"models.yaml entry {entry.name!r}: no file matches {entry.file!r} "
             f"(from {entry.source}); download the model or fix its `file:`"
         )
-    return ResolvedModel(entry.name, path, entry)
+    return ResolvedModel(entry.name, path, entry, draft)
 
 
 def ensure_tiny(progress: Progress = lambda _: contextlib.nullcontext()) -> Path:

@@ -1,17 +1,21 @@
-"""The ``lucepy`` command. Each command parses flags, calls the Engine API, and renders via tui."""
+"""The ``lucepy`` command. Each command parses flags, calls the Engine API, and renders via tui.
+
+This module holds the app, the shared options and generate/bench/plan/devices; serve/models/top
+live in ``cli_serve`` and worker/backends in ``cli_backends``, registered on the same app.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 
 from lucepy import tui
 from lucepy.errors import LucepyError, PromptError
+from lucepy.runtime.config import RuntimeConfig
 
 app = typer.Typer(
     add_completion=False,
@@ -21,7 +25,7 @@ app = typer.Typer(
 )
 
 
-def _run(fn):
+def run_body(fn):
     """Run a command body; a LucepyError becomes one line on stderr and exit status 1."""
     try:
         return fn()
@@ -52,7 +56,7 @@ def devices(as_json: Annotated[bool, typer.Option("--json", help="print JSON")] 
         else:
             tui.show(tui.devices_table(found))
 
-    _run(body)
+    run_body(body)
 
 
 TargetDevices = Annotated[
@@ -82,6 +86,32 @@ Temperature = Annotated[float, typer.Option(min=0.0, help="sampling temperature;
 TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="nucleus sampling mass")]
 TopK = Annotated[int, typer.Option(min=0, help="sample among the k most likely; 0: all")]
 Seed = Annotated[int | None, typer.Option(help="sampling seed")]
+# prefix snapshots (lucepy/cache); the defaults are RuntimeConfig's
+CacheSlots = Annotated[
+    int, typer.Option("--prefix-cache-slots", min=0, help="RAM prefix snapshots kept; 0: off")
+]
+CacheMB = Annotated[int, typer.Option("--prefix-cache-mb", min=1, help="RAM snapshot budget, MB")]
+KVCacheDir = Annotated[
+    Path | None, typer.Option("--kv-cache-dir", help="keep prefix snapshots on disk here")
+]
+KVCacheBudget = Annotated[
+    int, typer.Option("--kv-cache-budget", min=1, help="disk snapshot budget, MB (LRU)")
+]
+DiskPolicy = Annotated[
+    str,
+    typer.Option(
+        "--disk-prefix-cache", help="which prefixes go to disk: off, full, auto:N or N tokens"
+    ),
+]
+DEFAULTS = RuntimeConfig()
+
+
+class CacheFlags(NamedTuple):
+    slots: int = DEFAULTS.prefix_cache_slots
+    mb: int = DEFAULTS.prefix_cache_mb
+    kv_dir: Path | None = DEFAULTS.kv_cache_dir
+    kv_budget_mb: int = DEFAULTS.kv_cache_budget_mb
+    disk: str = DEFAULTS.disk_prefix_cache
 
 
 def runtime_config(
@@ -93,10 +123,12 @@ def runtime_config(
     draft: Path | None = None,
     draft_device: str | None = None,
     draft_block: int | None = None,
-):
+    cache: CacheFlags = CacheFlags(),  # noqa: B008 (an immutable tuple)
+) -> RuntimeConfig:
     """The one place CLI flags become a RuntimeConfig (generate, bench, plan, serve)."""
-    from lucepy.runtime.config import RuntimeConfig
+    from lucepy.cache.policy import parse_policy
 
+    parse_policy(cache.disk)  # a bad --disk-prefix-cache fails before any weights load
     return RuntimeConfig(
         device=target_devices,
         layer_split=layer_split,
@@ -106,6 +138,11 @@ def runtime_config(
         draft=str(draft) if draft else None,
         draft_device=draft_device,
         draft_block=draft_block,
+        prefix_cache_slots=cache.slots,
+        prefix_cache_mb=cache.mb,
+        kv_cache_dir=str(cache.kv_dir) if cache.kv_dir else None,
+        kv_cache_budget_mb=cache.kv_budget_mb,
+        disk_prefix_cache=cache.disk,
     )
 
 
@@ -137,14 +174,22 @@ def generate(
     top_p: TopP = 1.0,
     top_k: TopK = 0,
     seed: Seed = None,
+    prefix_cache_slots: CacheSlots = DEFAULTS.prefix_cache_slots,
+    prefix_cache_mb: CacheMB = DEFAULTS.prefix_cache_mb,
+    kv_cache_dir: KVCacheDir = None,
+    kv_cache_budget: KVCacheBudget = DEFAULTS.kv_cache_budget_mb,
+    disk_prefix_cache: DiskPolicy = DEFAULTS.disk_prefix_cache,
     as_json: AsJson = False,
 ):
     """Generate from a prompt: greedy by default, speculative with --draft."""
+    cache = CacheFlags(
+        prefix_cache_slots, prefix_cache_mb, kv_cache_dir, kv_cache_budget, disk_prefix_cache
+    )
 
     def body():
+        from lucepy.cache import open_engine
         from lucepy.decode.ar import generate as run_generate
         from lucepy.decode.sampling import SamplingParams
-        from lucepy.runtime.engine import Engine
 
         if (prompt is None) == (prompt_tokens is None):
             raise PromptError("give exactly one of --prompt TEXT or --prompt-tokens 1,2,3")
@@ -158,8 +203,9 @@ def generate(
             draft,
             draft_device,
             draft_block,
+            cache,
         )
-        with Engine(model, config) as engine:
+        with open_engine(model, config) as engine:
             if prompt is not None:
                 tokens = engine.tokenizer.encode(prompt)
             else:
@@ -170,7 +216,7 @@ def generate(
         else:
             tui.generation(gen)
 
-    _run(body)
+    run_body(body)
 
 
 @app.command()
@@ -186,15 +232,23 @@ def bench(
     vs_llama_cpp: Annotated[
         bool, typer.Option("--vs-llama-cpp/--no-llama-cpp", help="measure llama.cpp too")
     ] = True,
+    prefix_cache_slots: CacheSlots = DEFAULTS.prefix_cache_slots,
+    prefix_cache_mb: CacheMB = DEFAULTS.prefix_cache_mb,
+    kv_cache_dir: KVCacheDir = None,
+    kv_cache_budget: KVCacheBudget = DEFAULTS.kv_cache_budget_mb,
+    disk_prefix_cache: DiskPolicy = DEFAULTS.disk_prefix_cache,
     as_json: AsJson = False,
 ):
     """Prefill and decode tokens/s, side by side with llama.cpp on the same GGUF."""
+    cache = CacheFlags(
+        prefix_cache_slots, prefix_cache_mb, kv_cache_dir, kv_cache_budget, disk_prefix_cache
+    )
 
     def body():
         from lucepy import bench as bench_mod
 
         config = runtime_config(
-            target_devices, target_layer_split, prompt_len + gen + 1, chunk, threads
+            target_devices, target_layer_split, prompt_len + gen + 1, chunk, threads, cache=cache
         )
         result = bench_mod.run(
             model,
@@ -209,7 +263,7 @@ def bench(
         else:
             tui.show(tui.bench_table(result))
 
-    _run(body)
+    run_body(body)
 
 
 @app.command()
@@ -236,195 +290,13 @@ def plan(
         else:
             tui.show(tui.plan_table(result))
 
-    _run(body)
+    run_body(body)
 
 
-@app.command()
-def worker(
-    device: Annotated[str, typer.Option(help="the device to serve, e.g. cpu or cuda:0")] = "cpu",
-    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="port to listen on")] = 50052,
-    ggml: Annotated[Path | None, typer.Option(help="ggml build directory to use")] = None,
-    threads: Threads = None,
-):
-    """Serve a device of this (or --ggml's) ggml build over ggml-rpc, until stopped."""
+# Importing these registers their commands on `app` (they import `app` from here).
+from lucepy import cli_backends, cli_serve  # noqa: E402, F401
 
-    def body():
-        import os
+if __name__ == "__main__":  # `python -m lucepy.cli`: the app the other modules registered on
+    from lucepy.cli import app as registered
 
-        if ggml is not None:
-            os.environ["LUCEPY_GGML_LIB"] = str(ggml)
-        from lucepy.ggml import load
-        from lucepy.runtime.workers import serve
-
-        serve(load(), device, host, port, threads or os.cpu_count() or 1)
-
-    _run(body)
-
-
-backends_app = typer.Typer(help="ggml builds, one per backend.", no_args_is_help=True)
-app.add_typer(backends_app, name="backends")
-
-
-@backends_app.command("build")
-def backends_build(
-    backend: Annotated[str, typer.Argument(help="cpu, cuda, hip or vulkan")],
-    prefix: Annotated[Path | None, typer.Option(help="install directory")] = None,
-    arch: Annotated[str | None, typer.Option(help="GPU architectures, e.g. 90 or gfx1100")] = None,
-    sdist: Annotated[Path | None, typer.Option(help="the pinned sdist, if offline")] = None,
-    with_llama_bench: Annotated[bool, typer.Option(help="also build llama-bench")] = False,
-    dry_run: Annotated[bool, typer.Option(help="print the commands only")] = False,
-):
-    """Build the pinned ggml for BACKEND (with RPC) into its own directory."""
-
-    def body():
-        from lucepy.runtime import backends
-
-        bplan = backends.plan_build(backend, prefix, arch, with_llama_bench)
-        tui.show(tui.build_plan(bplan))
-        if not dry_run:
-            with tui.status(f"building ggml for {backend} ({bplan.jobs} jobs)"):
-                backends.build(bplan, sdist)
-            tui.show(f"built into {bplan.prefix}; use it with LUCEPY_GGML_LIB={bplan.prefix}")
-
-    _run(body)
-
-
-@backends_app.command("list")
-def backends_list(as_json: AsJson = False):
-    """List the ggml builds lucepy finds."""
-
-    def body():
-        from lucepy.runtime import backends
-
-        builds = backends.list_builds()
-        if as_json:
-            tui.print_json(
-                json.dumps({"builds": [{"backend": b, "path": str(p)} for b, p in builds]})
-            )
-        else:
-            tui.show(tui.builds_table(builds, backends.cache_root() / "ggml"))
-
-    _run(body)
-
-
-ApiKey = Annotated[
-    str | None, typer.Option(envvar="LUCEPY_API_KEY", help="API key clients send as Bearer")
-]
-
-
-@app.command()
-def serve(
-    model: Annotated[
-        str | None,
-        typer.Argument(help="a GGUF file or a models.yaml name; default: the built-in tiny model"),
-    ] = None,
-    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on")] = 8080,
-    api_key: ApiKey = None,
-    live: Annotated[bool, typer.Option("--tui", help="show a live status view")] = False,
-    target_devices: TargetDevices = None,
-    target_layer_split: LayerSplit = None,
-    max_ctx: MaxCtx = None,
-    chunk: Chunk = 512,
-    threads: Threads = None,
-):
-    """Serve MODEL with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
-
-    def body():
-        from lucepy import catalog
-        from lucepy.server.run import Server
-
-        found = catalog.resolve(model, catalog.load_catalog(), progress=tui.status)
-        flags = (target_devices, target_layer_split, max_ctx, chunk, threads)
-        engine = _open_engine(found, *flags)
-        level = "warning" if live else "info"
-        server = Server(
-            engine, name=found.name, host=host, port=port, api_key=api_key, log_level=level
-        )
-        tui.note(f"serving {found.name} on {server.url} (Ctrl-C stops)")
-        if live:
-            _serve_live(server)
-        else:
-            with contextlib.suppress(KeyboardInterrupt):
-                server.run()
-
-    _run(body)
-
-
-def _open_engine(found, target_devices, target_layer_split, max_ctx, chunk, threads):
-    """The Engine for a resolved model; flags win over its models.yaml entry's defaults."""
-    from lucepy.runtime.engine import Engine
-
-    entry = found.entry
-    devices = target_devices or (",".join(entry.placement) if entry else "") or "cpu"
-    context = max_ctx or (entry.context if entry else None)
-    config = runtime_config(devices, target_layer_split, context, chunk, threads)
-    with tui.status(f"loading {found.name} ({found.path.name}) on {config.device}"):
-        return Engine(found.path, config)
-
-
-def _serve_live(server) -> None:
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
-    server.start()
-    url = server.url
-    try:
-        tui.watch(lambda: tui.status_view(server.status(), url))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-
-
-@app.command()
-def models(as_json: AsJson = False):
-    """List the named models (models.yaml and the built-in tiny one)."""
-
-    def body():
-        from lucepy import catalog
-
-        cat = catalog.load_catalog()
-        rows = catalog.listing(cat)
-        source = str(cat.path) if cat.path else None
-        if as_json:
-            tui.print_json(json.dumps({"source": source, "default": cat.default, "models": rows}))
-        else:
-            tui.show(tui.models_table(rows, source))
-
-    _run(body)
-
-
-@app.command()
-def top(
-    url: Annotated[str, typer.Argument(help="a lucepy server")] = "http://127.0.0.1:8080",
-    api_key: ApiKey = None,
-    interval: Annotated[float, typer.Option(min=0.1, help="seconds between updates")] = 1.0,
-    once: Annotated[bool, typer.Option("--once", help="print one view and exit")] = False,
-):
-    """Watch a running `lucepy serve`: placement, tokens/s, queue, requests."""
-
-    def body():
-        from lucepy.errors import ServerUnreachable
-        from lucepy.server.client import fetch_status
-
-        first = tui.status_view(fetch_status(url, api_key), url)  # fails in one line if down
-        if once:
-            tui.show(first)
-            return
-
-        def frame():
-            try:
-                return tui.status_view(fetch_status(url, api_key), url)
-            except ServerUnreachable as err:
-                return tui.unreachable_view(str(err), url)
-
-        with contextlib.suppress(KeyboardInterrupt):
-            tui.watch(frame, interval)
-
-    _run(body)
-
-
-if __name__ == "__main__":
-    app()
+    registered()

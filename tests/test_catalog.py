@@ -67,6 +67,13 @@ def test_an_entry_resolves_to_the_first_match_with_its_defaults(home):
     assert found.name == "big" and found.path.name == "b-00001-of-00002.gguf"
     assert found.entry.placement == ("cuda:0", "cuda:1") and found.entry.context == 32768
     assert found.entry.draft == "models/d.gguf"
+    assert found.draft is None  # no such file yet: an error only when it is used
+    with pytest.raises(ModelFileNotFound, match="no file matches its draft 'models/d.gguf'"):
+        found.draft_path()
+    assert found.draft_path(Path("flag.gguf")) == Path("flag.gguf")  # --draft wins
+    draft = write(home / "conf/models/d.gguf", "")
+    found = catalog.resolve(None, cat)
+    assert found.draft_path() == found.draft and found.draft.samefile(draft)
 
 
 def test_a_file_path_needs_no_entry(home):

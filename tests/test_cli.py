@@ -39,8 +39,9 @@ def test_generate_json_matches_the_engine(tiny_model):
             "2",
         ).stdout
     )
-    assert set(out) == {"prompt_tokens", "tokens", "text", "timings", "accept"}
+    assert set(out) == {"prompt_tokens", "tokens", "text", "timings", "accept", "cache"}
     assert out["accept"] is None  # no draft
+    assert out["cache"] is None or out["cache"]["hit"] == "none"  # no prefix cache asked for
     assert set(out["timings"]) == {"prefill_ms", "decode_ms", "prefill_tok_s", "decode_tok_s"}
     assert out["prompt_tokens"] == [5, 6, 7, 8, 9]
     with Engine(path, RuntimeConfig(threads=2)) as engine:
@@ -91,3 +92,18 @@ def test_prompt_longer_than_context_is_refused(tiny_model):
 def test_token_ids_outside_the_vocabulary_are_refused(tiny_model):
     run = lucepy("generate", tiny_model(), "--prompt-tokens", "1,99999", check=False)
     assert run.returncode == 1 and "token id 99999 is outside the vocabulary" in run.stderr
+
+
+def test_generate_restores_the_prompt_from_the_disk_cache(tiny_model, tmp_path):
+    args = ["generate", tiny_model(), "--prompt-tokens", "5,6,7,8,9", "--max-tokens", "8"]
+    cache = ["--kv-cache-dir", tmp_path / "kv", "--disk-prefix-cache", "full", "--json"]
+    first, second = (json.loads(lucepy(*args, *cache).stdout) for _ in range(2))
+    assert first["cache"] == {"hit": "none", "restored_tokens": 0, "prefilled_tokens": 5}
+    assert second["cache"] == {"hit": "disk", "restored_tokens": 5, "prefilled_tokens": 0}
+    assert second["tokens"] == first["tokens"]
+
+
+def test_a_bad_disk_cache_policy_is_one_line(tiny_model):
+    run = lucepy("generate", tiny_model(), "--prompt", "a", "--disk-prefix-cache", "x", check=False)
+    assert run.returncode == 1 and "--disk-prefix-cache takes off, full" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -34,6 +34,8 @@ from lucepy.runtime.engine import Engine
 from lucepy.server.errors import classify
 from lucepy.server.run import Server
 from lucepy.server.text import Detokenizer, StopFilter
+from lucepy.testing.tiny import Qwen35Spec, write_qwen35
+from lucepy.testing.tiny_draft import write_dflash
 
 KEY = "sk-lucepy-test"
 CTX = 256
@@ -325,17 +327,16 @@ def test_top_once_shows_the_placement(server):
 # --- the command, as a user runs it ---
 
 
-def test_serve_with_no_model_uses_the_builtin_tiny_one(tmp_path):
-    env = {**os.environ, "LUCEPY_CACHE_DIR": str(tmp_path / "cache"), "HOME": str(tmp_path)}
-    env.pop("LUCEPY_MODELS", None)
-    cmd = [sys.executable, "-m", "lucepy", "serve", "--port", "0", "--threads", "1"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def lucepy_serve(cwd, *args: str, env: dict | None = None):
+    """`lucepy serve ARGS --port 0` in a subprocess; yields its URL; Ctrl-C must stop it cleanly."""
+    base = {**os.environ, "LUCEPY_CACHE_DIR": str(cwd / "cache"), "HOME": str(cwd)}
+    base.pop("LUCEPY_MODELS", None)
+    env = {**base, **(env or {})}
+    cmd = [sys.executable, "-m", "lucepy", "serve", *args, "--port", "0", "--threads", "1"]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        url = _served_url(proc)
-        assert httpx.get(url + "/health").json() == {"status": "ok", "model": "lucepy-tiny"}
-        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
-            reply = chat(c, "Hello", max_tokens=5)
-        assert reply.model == "lucepy-tiny" and reply.usage.completion_tokens >= 1
+        yield _served_url(proc)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:
@@ -343,7 +344,48 @@ def test_serve_with_no_model_uses_the_builtin_tiny_one(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0 and "Traceback" not in err
+
+
+def test_serve_with_no_model_uses_the_builtin_tiny_one(tmp_path):
+    with lucepy_serve(tmp_path) as url:
+        assert httpx.get(url + "/health").json() == {"status": "ok", "model": "lucepy-tiny"}
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
+            reply = chat(c, "Hello", max_tokens=5)
+        assert reply.model == "lucepy-tiny" and reply.usage.completion_tokens >= 1
     assert (tmp_path / "cache" / "models" / "lucepy-tiny-qwen35-v1.gguf").is_file()
+
+
+def test_a_draft_changes_no_greedy_text_and_reports_acceptance(tmp_path):
+    # a target that favours token 300 and a draft that agrees: partial acceptances (speculative.py)
+    spec = Qwen35Spec(n_layer=4, favor_token=300, favor_scale=2.5)
+    target = write_qwen35(tmp_path / "target.gguf", spec)
+    draft = write_dflash(
+        tmp_path / "draft.gguf",
+        spec,
+        block_size=8,
+        target_layers=(1, 3),
+        favor_token=300,
+        favor_scale=3.0,
+    )
+    yaml = tmp_path / "models.yaml"
+    yaml.write_text(f"models:\n  drafted:\n    file: {target}\n    draft: {draft}\n")
+    runs = {
+        "plain": (str(target),),
+        "--draft": (str(target), "--draft", str(draft)),
+        "models.yaml": ("drafted",),
+    }
+    answers = {}
+    for how, args in runs.items():
+        with lucepy_serve(tmp_path, *args, env={"LUCEPY_MODELS": str(yaml)}) as url:
+            with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
+                reply = chat(c, "Hello", max_tokens=24)
+        answers[how] = reply.choices[0].message.content, reply.model_extra["lucepy"]["accept"]
+    text, accept = answers.pop("plain")
+    assert accept is None and text
+    for how, (spec_text, stats) in answers.items():
+        assert spec_text == text, how
+        assert stats["steps"] > 0 and sum(stats["histogram"]) == stats["steps"], (how, stats)
+        assert stats["accepted"] > 0, (how, stats)  # some drafted tokens kept, some rolled back
 
 
 def _served_url(proc: subprocess.Popen) -> str:
@@ -354,3 +396,18 @@ def _served_url(proc: subprocess.Popen) -> str:
         if m:
             return m.group(1)
     raise AssertionError("lucepy serve exited before serving:\n" + "".join(seen))
+
+
+def test_served_prefix_cache_reports_ram_then_disk_hits(tiny_model, tmp_path):
+    disk = ["--kv-cache-dir", str(tmp_path / "kv"), "--disk-prefix-cache", "full"]
+    replies = []
+    # the second server has no RAM slots: its hit can only come from the first one's disk files
+    for slots, n_requests in (("2", 2), ("0", 1)):
+        with lucepy_serve(tmp_path, str(tiny_model()), "--prefix-cache-slots", slots, *disk) as url:
+            with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
+                replies += [chat(c, "Hello", max_tokens=6) for _ in range(n_requests)]
+    n = replies[0].usage.prompt_tokens
+    caches = [r.model_extra["lucepy"]["cache"] for r in replies]
+    hits = [(x["hit"], x["restored_tokens"], x["prefilled_tokens"]) for x in caches]
+    assert hits == [("none", 0, n), ("ram", n, 0), ("disk", n, 0)]
+    assert len({r.choices[0].message.content for r in replies}) == 1  # restored == fresh

@@ -47,7 +47,6 @@ class Generation:
             },
             "accept": self.accept.to_dict() if self.accept is not None else None,
             "cache": self.cache,
-            "cache": getattr(self, "cache", None),  # the prefix cache's outcome, when one ran
         }
 
 

@@ -99,10 +99,10 @@ def usage(done) -> dict:
 
 
 def extras(done) -> dict:
-    """lucepy's own numbers; ``accept`` is null without a draft, ``cache`` until prefix
-    snapshots land."""
+    """lucepy's own numbers; ``accept`` is null without a draft, ``cache`` without a prefix
+    cache's answer for this request."""
     timings, queue_ms = done.timings, done.queue_ms
-    return {"timings": timings, "queue_ms": queue_ms, "accept": done.accept, "cache": None}
+    return {"timings": timings, "queue_ms": queue_ms, "accept": done.accept, "cache": done.cache}
 
 
 @dataclass

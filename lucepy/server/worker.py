@@ -38,6 +38,7 @@ class Done:
     timings: dict
     queue_ms: float
     accept: dict | None = None  # DFlash acceptance, when the engine drafted
+    cache: dict | None = None  # prefix-cache outcome: hit, restored_tokens, prefilled_tokens
 
 
 @dataclass
@@ -167,12 +168,12 @@ def run_job(engine, job: Job, on_token=lambda: None) -> Done:
         job.emit(Delta(tail))
     if stops.stopped:
         gen.finish_reason = "stop"
-    accept = getattr(gen, "accept", None)
     return Done(
         gen.finish_reason,
         len(gen.prompt_tokens),
         len(gen.tokens),
         asdict(gen.timings),
         queue_ms,
-        accept.to_dict() if accept is not None else None,
+        gen.accept.to_dict() if gen.accept is not None else None,
+        gen.cache,
     )

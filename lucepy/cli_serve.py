@@ -1,0 +1,176 @@
+"""``lucepy serve``, ``lucepy models`` and ``lucepy top``: serving named models over HTTP.
+
+Registered on :data:`lucepy.cli.app` when that module is imported."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Annotated
+
+import typer
+
+from lucepy import tui
+from lucepy.cli import (
+    DEFAULTS,
+    AsJson,
+    CacheFlags,
+    CacheMB,
+    CacheSlots,
+    Chunk,
+    DiskPolicy,
+    Draft,
+    DraftBlock,
+    DraftDevice,
+    KVCacheBudget,
+    KVCacheDir,
+    LayerSplit,
+    MaxCtx,
+    TargetDevices,
+    Threads,
+    app,
+    run_body,
+    runtime_config,
+)
+
+ApiKey = Annotated[
+    str | None, typer.Option(envvar="LUCEPY_API_KEY", help="API key clients send as Bearer")
+]
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        str | None,
+        typer.Argument(help="a GGUF file or a models.yaml name; default: the built-in tiny model"),
+    ] = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on")] = 8080,
+    api_key: ApiKey = None,
+    live: Annotated[bool, typer.Option("--tui", help="show a live status view")] = False,
+    target_devices: TargetDevices = None,
+    target_layer_split: LayerSplit = None,
+    max_ctx: MaxCtx = None,
+    chunk: Chunk = 512,
+    threads: Threads = None,
+    draft: Draft = None,
+    draft_device: DraftDevice = None,
+    draft_block: DraftBlock = None,
+    prefix_cache_slots: CacheSlots = DEFAULTS.prefix_cache_slots,
+    prefix_cache_mb: CacheMB = DEFAULTS.prefix_cache_mb,
+    kv_cache_dir: KVCacheDir = None,
+    kv_cache_budget: KVCacheBudget = DEFAULTS.kv_cache_budget_mb,
+    disk_prefix_cache: DiskPolicy = DEFAULTS.disk_prefix_cache,
+):
+    """Serve MODEL with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
+    cache = CacheFlags(
+        prefix_cache_slots, prefix_cache_mb, kv_cache_dir, kv_cache_budget, disk_prefix_cache
+    )
+
+    def body():
+        from lucepy import catalog
+        from lucepy.server.run import Server
+
+        found = catalog.resolve(model, catalog.load_catalog(), progress=tui.status)
+        placement = (target_devices, target_layer_split, max_ctx, chunk, threads)
+        engine = _open_engine(found, placement, (draft, draft_device, draft_block), cache)
+        level = "warning" if live else "info"
+        server = Server(
+            engine, name=found.name, host=host, port=port, api_key=api_key, log_level=level
+        )
+        tui.note(f"serving {found.name} on {server.url} (Ctrl-C stops)")
+        if live:
+            _serve_live(server)
+        else:
+            with contextlib.suppress(KeyboardInterrupt):
+                server.run()
+
+    run_body(body)
+
+
+def _open_engine(found, placement: tuple, drafting: tuple, cache: CacheFlags):
+    """The Engine for a resolved model; flags win over its models.yaml entry's defaults."""
+    from lucepy.cache import open_engine
+
+    target_devices, target_layer_split, max_ctx, chunk, threads = placement
+    draft, draft_device, draft_block = drafting
+    entry = found.entry
+    devices = target_devices or (",".join(entry.placement) if entry else "") or "cpu"
+    context = max_ctx or (entry.context if entry else None)
+    draft = found.draft_path(draft)
+    config = runtime_config(
+        devices,
+        target_layer_split,
+        context,
+        chunk,
+        threads,
+        draft,
+        draft_device,
+        draft_block,
+        cache,
+    )
+    what = f"{found.path.name} + draft {draft.name}" if draft else found.path.name
+    with tui.status(f"loading {found.name} ({what}) on {config.device}"):
+        return open_engine(found.path, config)
+
+
+def _serve_live(server) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops as Ctrl-C does
+    server.start()
+    url = server.url
+    try:
+        tui.watch(lambda: tui.status_view(server.status(), url))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+@app.command()
+def models(as_json: AsJson = False):
+    """List the named models (models.yaml and the built-in tiny one)."""
+
+    def body():
+        from lucepy import catalog
+
+        cat = catalog.load_catalog()
+        rows = catalog.listing(cat)
+        source = str(cat.path) if cat.path else None
+        if as_json:
+            tui.print_json(json.dumps({"source": source, "default": cat.default, "models": rows}))
+        else:
+            tui.show(tui.models_table(rows, source))
+
+    run_body(body)
+
+
+@app.command()
+def top(
+    url: Annotated[str, typer.Argument(help="a lucepy server")] = "http://127.0.0.1:8080",
+    api_key: ApiKey = None,
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between updates")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="print one view and exit")] = False,
+):
+    """Watch a running `lucepy serve`: placement, tokens/s, queue, requests."""
+
+    def body():
+        from lucepy.errors import ServerUnreachable
+        from lucepy.server.client import fetch_status
+
+        first = tui.status_view(fetch_status(url, api_key), url)  # fails in one line if down
+        if once:
+            tui.show(first)
+            return
+
+        def frame():
+            try:
+                return tui.status_view(fetch_status(url, api_key), url)
+            except ServerUnreachable as err:
+                return tui.unreachable_view(str(err), url)
+
+        with contextlib.suppress(KeyboardInterrupt):
+            tui.watch(frame, interval)
+
+    run_body(body)
