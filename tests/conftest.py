@@ -67,9 +67,10 @@ def copy_model(tmp_path, tiny_model):
 
 
 class Reference:
-    """llama.cpp (llama-cpp-python) on the same file, prompts processed in ``chunk`` batches."""
+    """llama.cpp (llama-cpp-python) on the same file, prompts processed in ``chunk`` batches;
+    ``gpu`` offloads every layer (to the GPU of the libllama that llama_cpp loaded)."""
 
-    def __init__(self, path, chunk: int, n_ctx: int = 512):
+    def __init__(self, path, chunk: int, n_ctx: int = 512, gpu: bool = False):
         import llama_cpp
 
         with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
@@ -78,6 +79,7 @@ class Reference:
                 n_ctx=n_ctx,
                 n_batch=chunk,
                 n_ubatch=chunk,
+                n_gpu_layers=-1 if gpu else 0,
                 logits_all=True,
                 flash_attn=True,
                 n_threads=THREADS,
@@ -101,8 +103,8 @@ class Reference:
 def reference():
     made = []
 
-    def make(path, chunk, n_ctx=512):
-        made.append(Reference(path, chunk, n_ctx))
+    def make(path, chunk, n_ctx=512, gpu=False):
+        made.append(Reference(path, chunk, n_ctx, gpu))
         return made[-1]
 
     yield make

@@ -141,9 +141,12 @@ class PrefixCache:
             self.disk.save(tokens, arrays)
 
     def _save_ram(self, tokens: tuple[int, ...], logits) -> None:
-        old = self.slots.pop(tokens, None)
-        if old is not None:
-            self.engine.drop_snapshot(old.copies)
+        old = self.slots.get(tokens)
+        if old is not None:  # the same tokens give the same state: keep it, and its logits
+            if old.logits is None and logits is not None:
+                old.logits = np.array(logits, dtype=np.float32)
+            self.slots.move_to_end(tokens)
+            return
         copies = self.engine.snapshot()
         nbytes = sum(c.nbytes for c in copies.values())
         kept = None if logits is None else np.array(logits, dtype=np.float32)

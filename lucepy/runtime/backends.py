@@ -133,9 +133,12 @@ def fetch_source(work: Path, sdist: Path | None) -> Path:
 
 
 def build(plan: BuildPlan, sdist: Path | None = None) -> Path:
-    """Configure, compile and install the build into ``plan.prefix``; returns the prefix."""
+    """Configure, compile and install the build into ``plan.prefix``; returns the prefix.
+    ``LUCEPY_BUILD_DIR`` keeps the build tree there, so that a build cut short resumes."""
+    keep = os.environ.get("LUCEPY_BUILD_DIR")
     with tempfile.TemporaryDirectory(prefix="lucepy-build-") as tmp:
-        work = Path(tmp)
+        work = Path(keep).expanduser() if keep else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         src = fetch_source(work, sdist)
         out = work / "build"
         _run(["cmake", "-S", str(src), "-B", str(out), *plan.cmake_args], "configure")

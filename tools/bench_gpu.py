@@ -1,0 +1,244 @@
+"""lucepy's side of the GPU benchmark (tools/gpu_run.sh), through the Engine API, and the report
+that sets it beside llama-bench's JSON from the same ggml build, model and GPU.
+
+    python tools/bench_gpu.py measure MODEL --device cuda:0 --json lucepy.json
+    python tools/bench_gpu.py report lucepy.json --llama-bench llama.json --md bench.md
+
+``measure`` writes its JSON after every figure, so a run cut short keeps what it measured. Figures
+follow llama-bench: prefill in chunks of 512 (its default ubatch) from an empty context; decode of
+fixed random tokens (no sampling), at an empty context and after ``--depth`` tokens; each is the
+median of ``--repeats`` runs after a warm-up. ``verify`` is the 16-token forward of a DFlash
+step (``Engine.verify`` then ``rollback``), set against one decode step at the same depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.runtime.engine import Engine
+
+CHUNK = 512
+PREFILL_LENS = (512, 4096)
+DECODE_TOKENS = 128
+VERIFY_BLOCK = 16
+
+
+def median_s(run: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``run`` after one untimed warm-up (graph builds, first touches)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Bench:
+    def __init__(self, engine: Engine, repeats: int, out: Path):
+        self.engine, self.repeats, self.out = engine, repeats, out
+        self.rng = np.random.default_rng(0)
+        self.results: dict = {"chunk": CHUNK, "repeats": repeats}
+
+    def tokens(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.engine.params.n_vocab, n).tolist()
+
+    def record(self, key: str, value: dict) -> None:
+        self.results[key] = value
+        self.out.write_text(json.dumps(self.results, indent=1))
+        print(f"{key}: {json.dumps(value)}", flush=True)
+
+    def prefill(self, n: int) -> None:
+        tokens = self.tokens(n)
+
+        def run():
+            self.engine.reset()
+            self.engine.prefill(tokens, chunk=CHUNK)
+
+        s = median_s(run, self.repeats)
+        self.record(f"pp{n}", {"tokens": n, "depth": 0, "ms": 1e3 * s, "tok_s": n / s})
+
+    def decode(self, depth: int) -> None:
+        """``DECODE_TOKENS`` decode steps from the current position (which must be ``depth``)."""
+        engine = self.engine
+        tokens = self.tokens(DECODE_TOKENS)
+        for t in tokens[:8]:  # warm-up: the decode graph of this window
+            engine.decode(t)
+        rates = []
+        for _ in range(self.repeats):
+            t0 = time.perf_counter()
+            for t in tokens:
+                engine.decode(t)
+            rates.append(DECODE_TOKENS / (time.perf_counter() - t0))
+        tok_s = statistics.median(rates)
+        self.record(
+            f"tg{DECODE_TOKENS}@d{depth}",
+            {"tokens": DECODE_TOKENS, "depth": depth, "tok_s": tok_s, "ms_per_token": 1e3 / tok_s},
+        )
+
+    def verify(self, depth: int) -> None:
+        """A 16-token verify forward and a 1-token decode, each at the current position."""
+        engine = self.engine
+        block = self.tokens(VERIFY_BLOCK)
+
+        def verify():
+            engine.verify(block, greedy=True)
+            engine.rollback(1)  # keeps one token: the position creeps by one per run
+
+        verify_s = median_s(verify, max(self.repeats, 5))
+        decode_s = median_s(lambda: engine.decode(block[0]), max(self.repeats, 5))
+        self.record(
+            f"verify{VERIFY_BLOCK}@d{depth}",
+            {
+                "tokens": VERIFY_BLOCK,
+                "depth": depth,
+                "verify_ms": 1e3 * verify_s,
+                "decode_ms": 1e3 * decode_s,
+                "ratio": verify_s / decode_s,
+            },
+        )
+
+    def fill(self, depth: int) -> None:
+        """Reset and prefill ``depth`` tokens (timed once: a long prefill of its own)."""
+        self.engine.reset()
+        t0 = time.perf_counter()
+        self.engine.prefill(self.tokens(depth), chunk=CHUNK)
+        s = time.perf_counter() - t0
+        self.record(f"fill{depth}", {"tokens": depth, "ms": 1e3 * s, "tok_s": depth / s})
+
+
+def plan(bench: Bench, depth: int) -> list[tuple[str, Callable[[], object]]]:
+    """The figures in order; those after ``fill`` run at ``depth`` and need it to have run."""
+    engine = bench.engine
+    return [
+        *((f"pp{n}", lambda n=n: bench.prefill(n)) for n in PREFILL_LENS),
+        ("tg@d0", lambda: (engine.reset(), bench.decode(0))),
+        ("verify@d0", lambda: (engine.reset(), bench.verify(0))),
+        ("fill", lambda: bench.fill(depth)),
+        (f"tg@d{depth}", lambda: bench.decode(depth)),
+        (f"verify@d{depth}", lambda: bench.verify(depth)),
+    ]
+
+
+def measure(args: argparse.Namespace) -> int:
+    max_ctx = max(args.depth, *PREFILL_LENS) + 1024  # + decode runs and creeping verifies
+    cfg = RuntimeConfig(device=args.device, max_ctx=max_ctx, chunk=CHUNK)
+    t0 = time.perf_counter()
+    failed = []
+    with Engine(args.model, cfg, tokenizer=False) as engine:
+        bench = Bench(engine, args.repeats, Path(args.json))
+        load_s = time.perf_counter() - t0
+        bench.record("setup", {"model": str(args.model), "device": args.device, "load_s": load_s})
+        for name, run in plan(bench, args.depth):
+            if "fill" in failed and name.endswith(f"@d{args.depth}"):
+                continue
+            try:
+                run()
+            except Exception as err:  # one broken figure must not cost the others
+                failed.append(name)
+                bench.record(f"error {name}", {"error": f"{type(err).__name__}: {err}"})
+                engine.reset()
+    return 1 if failed else 0
+
+
+# --- the report: lucepy beside llama-bench ---
+
+
+def llama_rows(paths: list[str]) -> dict[tuple[str, int], float]:
+    """llama-bench JSON entries as {(test, depth): tokens/s}, e.g. ("pp512", 0)."""
+    rows = {}
+    for path in paths:
+        for e in json.loads(Path(path).read_text() or "[]"):
+            test = f"pp{e['n_prompt']}" if e.get("n_gen", 0) == 0 else f"tg{e['n_gen']}"
+            rows[(test, int(e.get("n_depth", 0)))] = float(e["avg_ts"])
+    return rows
+
+
+def _row(name: str, ours: float | None, ref: float | None, unit: str) -> str:
+    def cell(x):
+        return "—" if x is None else f"{x:,.1f}"
+
+    better = None
+    if ours and ref:
+        better = ours / ref if unit == "tok/s" else ref / ours
+    ratio = "—" if better is None else f"{better:.2f}×"
+    return f"| {name} | {cell(ref)} | {cell(ours)} | {unit} | {ratio} |"
+
+
+def report_lines(ours: dict, ref: dict[tuple[str, int], float], depth: int) -> list[str]:
+    lines = [
+        "| test | llama.cpp | lucepy | unit | lucepy/llama.cpp speed |",
+        "|---|---|---|---|---|",
+    ]
+    for n in PREFILL_LENS:
+        lines.append(
+            _row(f"pp{n}", ours.get(f"pp{n}", {}).get("tok_s"), ref.get((f"pp{n}", 0)), "tok/s")
+        )
+    for d in (0, depth):
+        got = ours.get(f"tg{DECODE_TOKENS}@d{d}", {}).get("tok_s")
+        lines.append(
+            _row(f"tg{DECODE_TOKENS} @ d{d}", got, ref.get((f"tg{DECODE_TOKENS}", d)), "tok/s")
+        )
+    for d in (0, depth):
+        v = ours.get(f"verify{VERIFY_BLOCK}@d{d}", {})
+        pp16 = ref.get((f"pp{VERIFY_BLOCK}", d))
+        ref_ms = 1e3 * VERIFY_BLOCK / pp16 if pp16 else None
+        lines.append(_row(f"16-token forward @ d{d}", v.get("verify_ms"), ref_ms, "ms"))
+        tg = ref.get((f"tg{DECODE_TOKENS}", d))
+        lines.append(
+            _row(f"1-token decode @ d{d}", v.get("decode_ms"), 1e3 / tg if tg else None, "ms")
+        )
+    return lines
+
+
+def report(args: argparse.Namespace) -> int:
+    ours = json.loads(Path(args.lucepy).read_text()) if Path(args.lucepy).exists() else {}
+    ref = llama_rows([p for p in args.llama_bench if Path(p).exists()])
+    setup = ours.get("setup", {})
+    fill = ours.get(f"fill{args.depth}", {}).get("tok_s", float("nan"))
+    lines = [
+        f"# GPU benchmark: {setup.get('model', '?')} on {setup.get('device', '?')}",
+        "",
+        *report_lines(ours, ref, args.depth),
+        "",
+        f"lucepy: load {setup.get('load_s', float('nan')):.1f} s, prefill of {args.depth} tokens "
+        f"{fill:,.0f} tok/s. llama.cpp's 16-token forward is its pp16 at that depth, its decode "
+        "step 1 / tg128.",
+        *(f"- lucepy {k}: {v['error']}" for k, v in ours.items() if k.startswith("error")),
+    ]
+    text = "\n".join(lines) + "\n"
+    if args.md:
+        Path(args.md).write_text(text)
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/bench_gpu.py", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="time lucepy on one device")
+    m.add_argument("model")
+    m.add_argument("--device", default="cuda:0")
+    m.add_argument("--json", required=True, help="results, rewritten after every figure")
+    m.add_argument("--depth", type=int, default=8192)
+    m.add_argument("--repeats", type=int, default=3)
+    r = sub.add_parser("report", help="lucepy beside llama-bench, as markdown")
+    r.add_argument("lucepy", help="measure's JSON")
+    r.add_argument("--llama-bench", nargs="*", default=[], help="llama-bench -o json outputs")
+    r.add_argument("--md", help="write the markdown here too")
+    r.add_argument("--depth", type=int, default=8192)
+    args = ap.parse_args(argv)
+    return measure(args) if args.cmd == "measure" else report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

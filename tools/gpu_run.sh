@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# One GPU run (issue 7) on a fresh H200 machine that cannot reach a package registry, inside the
+# device tool's 10 minutes: install the carried wheels, build the pinned ggml for CUDA (sm_90) with
+# libllama and llama-bench, generate a random Qwen3.6-27B-shaped Q4_0 GGUF (in the background,
+# during the build), run the GPU tests, then llama-bench and lucepy on that model.
+#
+#   tools/prepare_gpu_carry.sh          # here, once: .whl/ and .sdist/
+#   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".sdist"]
+#
+# OUTDIR gets 7 files: setup.log build.log pytest.txt bench.log llama-bench.json lucepy-bench.json
+# summary.md. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
+# since start); a step that runs out is stopped and the run goes on. The build and the model stay
+# in /tmp: a second call on the still-warm machine (30 s) skips them, or resumes the build.
+# Knobs: GPU_RUN_LAYERS (64), GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest
+# llama"), GPU_RUN_DEVICE (cuda:0), GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit).
+set -euo pipefail
+
+OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+
+export NAME=llama_cpp_python-0.3.36
+export LAYERS=${GPU_RUN_LAYERS:-64}
+DEADLINE=${GPU_RUN_DEADLINE:-570}
+SKIP=" ${GPU_RUN_SKIP:-} "
+DEPTH=8192
+DEVICE=${GPU_RUN_DEVICE:-cuda:0}
+CUDA_ROOT=${GPU_RUN_CUDA:-/usr/local/cuda}
+if [[ ! -x $CUDA_ROOT/bin/nvcc ]] && command -v nvcc >/dev/null; then
+    CUDA_ROOT=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+fi
+export LUCEPY_CACHE_DIR=${GPU_RUN_CACHE:-/tmp/lucepy-cache}
+export BUILD=$LUCEPY_CACHE_DIR/ggml/cuda
+export LUCEPY_BUILD_DIR=/tmp/lucepy-build # kept: a build cut short resumes on the next call
+export MODEL=/tmp/lucepy-qwen36-27b-L$LAYERS-q4_0.gguf
+SITE=/tmp/site
+export PYTHONUNBUFFERED=1
+if command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
+export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
+export LUCEPY_GGML_LIB=$BUILD LLAMA_CPP_LIB_PATH=$BUILD
+SETUP=$OUTDIR/setup.log
+BENCHLOG=$OUTDIR/bench.log
+SUMMARY=()
+
+say() { echo "[$(printf '%3d' "$SECONDS")s] $*"; }
+
+noted() { # noted NAME OUTCOME SECONDS [BUDGET]
+    SUMMARY+=("$(printf '%-10s %-12s %5s %s' "$1" "$2" "${3}s" "${4:+of ${4}s}")")
+    say "$1: $2 after $3s"
+}
+
+skipping() { # skipping NAME: whether GPU_RUN_SKIP names the step, or no time is left
+    if [[ $SKIP == *" $1 "* ]] || ((DEADLINE - SECONDS < 15)); then
+        noted "$1" skipped 0
+        return 0
+    fi
+    return 1
+}
+
+# inline NAME LOG CMD...: CMD in this shell (what it exports stays), with no timeout
+inline() {
+    local name=$1 log=$2 t0=$SECONDS how=ok
+    shift 2
+    skipping "$name" && return 1
+    say "$name: start"
+    "$@" >>"$log" 2>&1 || how=failed
+    noted "$name" "$how" $((SECONDS - t0))
+    [[ $how == ok ]]
+}
+
+# step NAME BUDGET LOG CMD...: CMD (a program or an exported function) under a timeout of BUDGET
+# seconds, or of what is left before the deadline; output to LOG. Returns CMD's status.
+step() {
+    local name=$1 budget=$2 log=$3 left rc=0 t0=$SECONDS how=ok
+    shift 3
+    skipping "$name" && return 1
+    left=$((DEADLINE - SECONDS))
+    if ((budget > left)); then budget=$left; fi
+    say "$name: start, budget ${budget}s"
+    echo "== $name: $* (budget ${budget}s)" >>"$log"
+    timeout -k 10 "$budget" bash -c '"$@"' "$name" "$@" >>"$log" 2>&1 || rc=$?
+    if ((rc == 124 || rc == 137)); then how="timed out"; elif ((rc != 0)); then how="failed $rc"; fi
+    noted "$name" "$how" $((SECONDS - t0)) "$budget"
+    return $rc
+}
+
+install_wheels() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl/*.whl
+    # llama-cpp-python's Python side, as source; LLAMA_CPP_LIB_PATH points it at our libllama
+    cp -r ".sdist/$NAME/llama_cpp" "$SITE/"
+    python3 -c "import cffi, gguf, typer, fastapi; print('python packages ok')"
+}
+
+# ggml-cuda links cuBLAS and libcuda. The image's toolkit may lack both (cuBLAS may live only in
+# the PyTorch venv's nvidia wheels, libcuda in the driver's mount): put them where CMake looks.
+# Runs in this shell (not through step): what it exports must reach the build.
+ensure_cuda_libs() {
+    local root=$CUDA_ROOT hdr lib driver n
+    if [[ ! -w $root/include ]]; then # a read-only toolkit: work on a copy
+        cp -rL "$root/." /tmp/cuda && root=/tmp/cuda
+    fi
+    export CUDACXX=$root/bin/nvcc CUDAToolkit_ROOT=$root PATH=$root/bin:$PATH
+    if [[ ! -f $root/include/cublas_v2.h ]]; then
+        hdr=$(find / \( -path /proc -o -path /sys -o -path /dev -o -path "$root" \) -prune \
+            -o -name cublas_v2.h -print -quit 2>/dev/null)
+        if [[ -z $hdr ]]; then echo "no cublas_v2.h here: ggml-cuda cannot build" && return 1; fi
+        lib=$(find "$(dirname "$(dirname "$hdr")")" -name 'libcublas.so*' -print -quit)
+        cp -n "$(dirname "$hdr")"/cublas*.h "$root/include/"
+        cp -an "$(dirname "$lib")"/libcublas*.so* "$root/lib64/"
+        echo "cuBLAS from $(dirname "$hdr") and $(dirname "$lib")"
+    fi
+    for n in cublas cublasLt; do
+        if [[ ! -e $root/lib64/lib$n.so ]]; then
+            ln -s "$(cd "$root/lib64" && ls lib$n.so.* | head -1)" "$root/lib64/lib$n.so"
+        fi
+    done
+    if [[ ! -e $root/lib64/libcuda.so && ! -e $root/lib64/stubs/libcuda.so ]]; then
+        driver=$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')
+        driver=${driver:-$(find /usr/local/nvidia /usr/lib* -name libcuda.so.1 -print -quit)}
+        ln -s "$driver" "$root/lib64/libcuda.so" && echo "libcuda from $driver"
+    fi
+    export LD_LIBRARY_PATH=$root/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
+
+build_cuda() {
+    if [[ -f $BUILD/libggml-cuda.so && -x $BUILD/llama-bench && -f $BUILD/libllama.so ]]; then
+        echo "reusing $BUILD" && return 0
+    fi
+    # a copy outside any git checkout (ggml's CMake would stamp an enclosing repo's commit), with
+    # its times kept, so that a resumed build recompiles nothing
+    if [[ ! -d /tmp/lucepy-sdist/$NAME ]]; then
+        mkdir -p /tmp/lucepy-sdist && cp -a ".sdist/$NAME" /tmp/lucepy-sdist/
+    fi
+    python3 -m lucepy -v backends build cuda --arch 90 --sdist "/tmp/lucepy-sdist/$NAME" \
+        --with-llama-bench
+    ls -la "$BUILD"
+}
+
+generate_model() {
+    if [[ -f $MODEL ]]; then echo "reusing $MODEL" && return 0; fi
+    python3 -m lucepy.testing.big "$MODEL.part" --type q4_0 --layers "$LAYERS" --threads 4
+    mv "$MODEL.part" "$MODEL"
+}
+
+wait_model() { # the generator is this script's child: poll it, then look for its file
+    while kill -0 "$GEN_PID" 2>/dev/null; do sleep 1; done
+    cat /tmp/lucepy-model.log
+    test -f "$MODEL"
+}
+
+export -f build_cuda wait_model
+
+# --- the run ---
+say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
+{ nvidia-smi; python3 --version; nproc; free -g; df -h /tmp; } >>"$SETUP" 2>&1 || true
+inline wheels "$SETUP" install_wheels || true
+inline cuda-libs "$SETUP" ensure_cuda_libs || true
+
+generate_model >/tmp/lucepy-model.log 2>&1 &
+export GEN_PID=$!
+built=0
+step build 480 "$OUTDIR/build.log" build_cuda && built=1
+step devices 30 "$SETUP" python3 -m lucepy devices --json || true
+if ((built)); then
+    tests=$(grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')
+    # shellcheck disable=SC2086
+    step pytest 120 "$OUTDIR/pytest.txt" python3 -m pytest -m gpu $tests -v -rfEs \
+        -p no:cacheprovider || true
+fi
+step model 240 "$SETUP" wait_model || true
+
+if ((built)) && [[ -f $MODEL ]]; then
+    step llama 150 "$BENCHLOG" sh -c "exec '$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
+        -p 16,512,4096 -n 128 -d 0,$DEPTH -r 3 -o json >'$OUTDIR/llama-bench.json'" || true
+    step lucepy 200 "$BENCHLOG" python3 tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" \
+        --depth $DEPTH --json "$OUTDIR/lucepy-bench.json" || true
+fi
+
+python3 tools/bench_gpu.py report "$OUTDIR/lucepy-bench.json" --depth $DEPTH \
+    --llama-bench "$OUTDIR/llama-bench.json" --md "$OUTDIR/summary.md" >/dev/null 2>&1 || true
+{
+    echo
+    echo '## Steps (time used of budget)'
+    echo '```'
+    printf '%s\n' "${SUMMARY[@]}"
+    echo '```'
+    echo
+    grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|error)' "$OUTDIR/pytest.txt" | tail -20
+} >>"$OUTDIR/summary.md" 2>/dev/null || true
+cat "$OUTDIR/summary.md"
+say "gpu_run: done"

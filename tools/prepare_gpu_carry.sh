@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Prepare what tools/gpu_run.sh needs on the GPU machine, which cannot reach a package registry:
+#   .whl/    wheels of tools/gpu_wheels.txt for CPython 3.12 on x86-64
+#   .sdist/  the pinned llama-cpp-python sdist, trimmed: its llama_cpp/ Python package and
+#            vendor/llama.cpp without models, docs, tests, examples and the server's web UI
+# Both are ignored through .git/info/exclude and carried with the run: carry [".whl", ".sdist"].
+# Usage: tools/prepare_gpu_carry.sh [SDIST.tar.gz]   (default: /tmp/sdist/..., else pip download)
+set -euo pipefail
+
+cd "$(git rev-parse --show-toplevel)"
+VERSION=0.3.36
+NAME=llama_cpp_python-$VERSION
+SDIST=${1:-/tmp/sdist/$NAME.tar.gz}
+LIMIT_MIB=60
+
+for path in /.whl/ /.sdist/; do
+    grep -qxF "$path" .git/info/exclude || echo "$path" >>.git/info/exclude
+done
+
+# --- wheels: one version of each, or the --no-deps install there refuses ---
+rm -rf .whl && mkdir .whl
+grep -v '^\s*\(#\|$\)' tools/gpu_wheels.txt | xargs python3 -m pip download -q --no-deps \
+    --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl
+echo "wheels: $(ls .whl | wc -l) files, $(du -sh .whl | cut -f1)"
+
+# --- the sdist, trimmed ---
+if [[ ! -f $SDIST ]]; then
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tmp"
+    SDIST=$tmp/$NAME.tar.gz
+fi
+rm -rf .sdist && mkdir .sdist
+tar -xzf "$SDIST" -C .sdist \
+    --exclude="$NAME/vendor/llama.cpp/models" --exclude="$NAME/vendor/llama.cpp/docs" \
+    --exclude="$NAME/vendor/llama.cpp/media" --exclude="$NAME/vendor/llama.cpp/benches" \
+    --exclude="$NAME/vendor/llama.cpp/tests" --exclude="$NAME/vendor/llama.cpp/examples" \
+    --exclude="$NAME/vendor/llama.cpp/.github" --exclude="$NAME/vendor/llama.cpp/gguf-py" \
+    --exclude="$NAME/vendor/llama.cpp/tools/ui" --exclude="$NAME/vendor/llama.cpp/tools/server" \
+    --exclude="$NAME/vendor/llama.cpp/.devops" --exclude="$NAME/vendor/llama.cpp/conversion" \
+    --exclude="$NAME/docs" --exclude="$NAME/examples" --exclude="$NAME/tests" \
+    --exclude="$NAME/docker" --exclude="$NAME/.git" --exclude="$NAME/.github"
+test -f ".sdist/$NAME/vendor/llama.cpp/CMakeLists.txt"
+test -f ".sdist/$NAME/llama_cpp/llama_cpp.py"
+echo "sdist: $(du -sh .sdist | cut -f1)"
+
+total=$(du -sm .whl .sdist | awk '{s += $1} END {print s}')
+tree=$(git ls-files -co --exclude-standard | xargs -d '\n' du -cm 2>/dev/null | tail -1 | cut -f1)
+echo "carry: ${total} MiB (.whl + .sdist) + ${tree} MiB working tree; the limit is 64 MiB a call"
+if ((total + tree > LIMIT_MIB)); then
+    echo "error: over ${LIMIT_MIB} MiB; trim .sdist further" >&2
+    exit 1
+fi
