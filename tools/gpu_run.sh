@@ -40,6 +40,8 @@ export PYTHONUNBUFFERED=1
 if command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
 export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
 export LUCEPY_GGML_LIB=$BUILD LLAMA_CPP_LIB_PATH=$BUILD
+# llama.cpp reference logits made on the CPU machine (tools/make_gpu_ref.py), when carried
+if [[ -d $REPO/.gpuref ]]; then export LUCEPY_GPU_REF=$REPO/.gpuref; fi
 SETUP=$OUTDIR/setup.log
 BENCHLOG=$OUTDIR/bench.log
 SUMMARY=()

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from lucepy.errors import GGMLError
+from lucepy.errors import ConfigError, GGMLError
 from lucepy.ggml import Allocator, Backend, Buffer, Context, Lib, ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import Builder
@@ -49,11 +49,24 @@ def compile_graph(
     if out is not None:
         lib.ggml_set_output(out)
         lib.ggml_build_forward_expand(b.gf, out)
+    _check_support(lib, backend, b.gf, ctx)
     # a uid lets ggml-rpc re-run a graph it has already received instead of re-sending it
     b.gf.uid = lib.ggml_graph_next_uid()
     alloc = Allocator(lib, backend)
     alloc.alloc(b.gf)
     return CompiledGraph(ctx, alloc, b.gf, b.inputs, b.outputs, out)
+
+
+def _check_support(lib: Lib, backend: Backend, gf: Any, ctx: Context) -> None:
+    """Refuse a graph with an op the backend cannot run, before ggml aborts on it mid-compute."""
+    for i in range(lib.ggml_graph_n_nodes(gf)):
+        node = lib.ggml_graph_node(gf, i)
+        if not lib.ggml_backend_supports_op(backend.ptr, node):
+            op = ffi.string(lib.ggml_op_desc(node)).decode()
+            shape = [int(node.ne[d]) for d in range(4)]
+            ctx.close()
+            raise ConfigError(f"{backend.name} cannot run {op} {shape} (in a graph of this model); "
+                              f"place these layers on another device")
 
 
 def compute(lib: Lib, backend: Backend, g: CompiledGraph) -> None:

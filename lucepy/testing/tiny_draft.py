@@ -24,7 +24,7 @@ class DraftSpec:
     n_layer: int = 1
     n_head: int = 4
     n_head_kv: int = 2
-    head_dim: int = 32
+    head_dim: int = 64  # CUDA's flash attention has no kernel for 32
     n_ff: int = 128
     target_layers: tuple[int, ...] = (1, 3)  # capture the residual entering these target layers
     block_size: int = 8

@@ -1,0 +1,43 @@
+"""llama.cpp (llama-cpp-python) in a process of its own: the prompt's logits at every position,
+then a greedy continuation with the logits of each step. The GPU tests use it so that libllama's
+CUDA context and lucepy's never share a process.
+
+    python tests/llama_ref.py MODEL CHUNK N_GEN TOKENS_JSON OUT.npz [--gpu]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+
+def main(model: str, chunk: int, n_gen: int, tokens: list[int], out: str, gpu: bool) -> None:
+    import llama_cpp
+
+    # n_batch stays at its default: passing n_batch/n_ubatch made llama-cpp-python's CUDA build
+    # crash here on the H200; feeding CHUNK tokens per eval call chunks the prompt the same way
+    llm = llama_cpp.Llama(
+        model_path=model,
+        n_ctx=256,
+        n_gpu_layers=-1 if gpu else 0,
+        logits_all=True,
+        flash_attn=True,
+        verbose=False,
+    )
+    for start in range(0, len(tokens), chunk):
+        llm.eval(tokens[start : start + chunk])
+    prompt = np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    last, steps, greedy = prompt[-1], [], []
+    for _ in range(n_gen):
+        greedy.append(int(np.argmax(last)))
+        steps.append(last)
+        llm.eval([greedy[-1]])
+        last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    np.savez(out, prompt=prompt, steps=np.array(steps), tokens=np.array(greedy))
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(a[0], int(a[1]), int(a[2]), json.loads(a[3]), a[4], "--gpu" in a)
