@@ -2,7 +2,7 @@
 then a greedy continuation with the logits of each step. The GPU tests use it so that libllama's
 CUDA context and lucepy's never share a process.
 
-    python tests/llama_ref.py MODEL CHUNK N_GEN TOKENS_JSON OUT.npz [--gpu]
+    python tests/llama_ref.py MODEL CHUNK N_GEN TOKENS_JSON OUT.npz [--gpu] [--force TOKENS_JSON]
 """
 
 from __future__ import annotations
@@ -13,11 +13,19 @@ import sys
 import numpy as np
 
 
-def main(model: str, chunk: int, n_gen: int, tokens: list[int], out: str, gpu: bool) -> None:
+def main(
+    model: str,
+    chunk: int,
+    n_gen: int,
+    tokens: list[int],
+    out: str,
+    gpu: bool,
+    force: list[int] | None = None,
+) -> None:
+    """``force``: feed these tokens after the prompt instead of the greedy ones."""
     import llama_cpp
 
-    # n_batch stays at its default: passing n_batch/n_ubatch made llama-cpp-python's CUDA build
-    # crash here on the H200; feeding CHUNK tokens per eval call chunks the prompt the same way
+    # one eval call per CHUNK tokens: llama.cpp processes each call as one batch
     llm = llama_cpp.Llama(
         model_path=model,
         n_ctx=256,
@@ -31,7 +39,7 @@ def main(model: str, chunk: int, n_gen: int, tokens: list[int], out: str, gpu: b
     prompt = np.array(llm.scores[: len(tokens)], dtype=np.float32)
     last, steps, greedy = prompt[-1], [], []
     for _ in range(n_gen):
-        greedy.append(int(np.argmax(last)))
+        greedy.append(int(np.argmax(last)) if force is None else force[len(greedy)])
         steps.append(last)
         llm.eval([greedy[-1]])
         last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
@@ -40,4 +48,5 @@ def main(model: str, chunk: int, n_gen: int, tokens: list[int], out: str, gpu: b
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0], int(a[1]), int(a[2]), json.loads(a[3]), a[4], "--gpu" in a)
+    forced = json.loads(a[a.index("--force") + 1]) if "--force" in a else None
+    main(a[0], int(a[1]), int(a[2]), json.loads(a[3]), a[4], "--gpu" in a, forced)

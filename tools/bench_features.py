@@ -137,24 +137,19 @@ def main() -> None:
             favor_token=300,
             favor_scale=3.0,
         )
+        drafts = draft_rows(
+            [
+                ("bench 106M q8_0 / random 1-layer draft", model, rand),
+                ("tiny favoured / agreeing draft", tiny, agree),
+            ],
+            args.threads,
+        )
         lines = [
-            "### Split (decode tok/s, 256-token prompt, 64 generated)",
-            "",
-            "| devices | decode tok/s | vs unsplit |",
-            "|---|---|---|",
-            *split_rows(model, args.threads),
-            "",
             "### DFlash (greedy, 128 generated)",
             "",
             "| target / draft | plain tok/s | with draft tok/s | ratio | tau |",
             "|---|---|---|---|---|",
-            *draft_rows(
-                [
-                    ("bench 106M q8_0 / random 1-layer draft", model, rand),
-                    ("tiny favoured / agreeing draft", tiny, agree),
-                ],
-                args.threads,
-            ),
+            *drafts,
             "",
             "### Verify cost (bench model, context 512)",
             "",
@@ -167,6 +162,12 @@ def main() -> None:
             "| case | TTFT | hit | restored | prefilled |",
             "|---|---|---|---|---|",
             *ttft_rows(model, args.threads, d),
+            "",
+            "### Split (decode tok/s, 256-token prompt, 64 generated)",
+            "",
+            "| devices | decode tok/s | vs unsplit |",
+            "|---|---|---|",
+            *split_rows(model, args.threads),
         ]
     text = "\n".join(lines)
     print(text)

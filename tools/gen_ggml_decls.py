@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import sys
 import tarfile
 import tempfile
 import tomllib
@@ -42,22 +41,9 @@ def pin() -> dict:
 def include_dir(sdist: Path | None, work: Path) -> Path:
     version = pin()["llama_cpp_python"]["version"]
     if sdist is None:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                f"llama-cpp-python=={version}",
-                "-d",
-                str(work),
-            ],
-            check=True,
-        )
-        sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
+        from lucepy.runtime.backends import download_sdist
+
+        sdist = download_sdist(work, version)
     if sdist.is_file():
         with tarfile.open(sdist) as tar:
             members = [

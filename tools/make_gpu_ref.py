@@ -22,15 +22,22 @@ from conftest import HPARAMS  # noqa: E402
 from test_reference import CHUNK, N_GEN, prompt  # noqa: E402
 
 from lucepy.gguf import GGUFFile  # noqa: E402
-from lucepy.testing.tiny import write_qwen35  # noqa: E402
+from lucepy.testing.tiny import write_dequantized_twin, write_qwen35  # noqa: E402
 
 
-def reference(path: Path, chunk: int, tokens: list[int], dst: Path) -> dict:
-    script = ROOT / "tests" / "llama_ref.py"
-    subprocess.run(
-        [sys.executable, str(script), str(path), str(chunk), str(N_GEN), str(tokens), str(dst)],
-        check=True,
-    )
+def reference(path: Path, tokens: list[int], dst: Path, force=None) -> dict:
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "llama_ref.py"),
+        str(path),
+        str(CHUNK),
+        str(N_GEN),
+        str(tokens),
+        str(dst),
+    ]
+    if force is not None:
+        cmd += ["--force", str([int(t) for t in force])]
+    subprocess.run(cmd, check=True)
     return dict(np.load(dst))
 
 
@@ -43,14 +50,12 @@ def main(out: Path) -> None:
                 with GGUFFile(path) as f:
                     ident, n_vocab = f.identity(), len(f.get("tokenizer.ggml.tokens"))
                 tokens = prompt(n_vocab)
-                runs = {}
-                for chunk in (CHUNK, len(tokens)):  # the second: llama.cpp against itself
-                    runs[chunk] = reference(path, chunk, tokens, Path(tmp) / f"ref-{chunk}.npz")
-                np.savez(
-                    out / f"{ident}.npz",
-                    **runs[CHUNK],
-                    prompt_one_batch=runs[len(tokens)]["prompt"],
-                )
+                ref = reference(path, tokens, Path(tmp) / "ref.npz")
+                if wtype != "f32":  # the exact math of the same rounded weights, same tokens
+                    twin = write_dequantized_twin(Path(tmp) / "twin.gguf", weight_type=wtype, **hp)
+                    exact = reference(twin, tokens, Path(tmp) / "exact.npz", ref["tokens"])
+                    ref.update(prompt_exact=exact["prompt"], steps_exact=exact["steps"])
+                np.savez(out / f"{ident}.npz", **ref)
                 print(f"{name}-{wtype}: {ident[:16]}")
 
 

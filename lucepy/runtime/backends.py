@@ -95,26 +95,30 @@ def plan_build(
     )
 
 
+def download_sdist(work: Path, version: str = _decls.LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """The pinned llama-cpp-python sdist, fetched with pip into ``work``."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"llama-cpp-python=={version}",
+            "-d",
+            str(work),
+        ],
+        check=True,
+    )
+    return next(work.glob("llama_cpp_python-*.tar.gz"))
+
+
 def fetch_source(work: Path, sdist: Path | None) -> Path:
     """vendor/llama.cpp of the pinned sdist (downloaded with pip unless ``sdist`` is given)."""
-    version = _decls.LLAMA_CPP_PYTHON_VERSION
     if sdist is None:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                f"llama-cpp-python=={version}",
-                "-d",
-                str(work),
-            ],
-            check=True,
-        )
-        sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
+        sdist = download_sdist(work)
     if sdist.is_dir():
         found = list(sdist.glob("**/vendor/llama.cpp/CMakeLists.txt"))
         if not found:

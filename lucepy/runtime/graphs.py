@@ -65,8 +65,10 @@ def _check_support(lib: Lib, backend: Backend, gf: Any, ctx: Context) -> None:
             op = ffi.string(lib.ggml_op_desc(node)).decode()
             shape = [int(node.ne[d]) for d in range(4)]
             ctx.close()
-            raise ConfigError(f"{backend.name} cannot run {op} {shape} (in a graph of this model); "
-                              f"place these layers on another device")
+            raise ConfigError(
+                f"{backend.name} cannot run {op} {shape} (in a graph of this model); "
+                f"place these layers on another device"
+            )
 
 
 def compute(lib: Lib, backend: Backend, g: CompiledGraph) -> None:

@@ -302,11 +302,38 @@ def _add_tensor_info(w: gguf.GGUFWriter, t: TensorPlan, qtype: QType) -> None:
 def write_qwen35(path: str | Path, spec: Qwen35Spec | None = None, **overrides: object) -> Path:
     """Write a random-weight qwen35 GGUF to ``path``; the same spec gives the same bytes."""
     spec = dataclasses.replace(spec if spec is not None else Qwen35Spec(), **overrides)
-    path = Path(path)
+    qtypes = [tensor_type(t, spec) for t in plan_tensors(spec)]
+    return _write(Path(path), spec, spec, qtypes, encode)
+
+
+def write_dequantized_twin(
+    path: str | Path, spec: Qwen35Spec | None = None, **overrides: object
+) -> Path:
+    """The weights ``write_qwen35`` stores for this (quantized) spec, rounded through their type
+    and stored as f32: llama.cpp on this file is the exact math that the quantized one
+    approximates, a yardstick for comparing two quantized kernels."""
+    spec = dataclasses.replace(spec if spec is not None else Qwen35Spec(), **overrides)
+    qtypes = [tensor_type(t, spec) for t in plan_tensors(spec)]
+
+    def rounded(values: np.ndarray, qtype: QType) -> np.ndarray:
+        if qtype in (QType.F32, QType.F16):
+            return values.astype(np.float16).astype(np.float32) if qtype == QType.F16 else values
+        return gguf.quants.dequantize(encode(values, qtype), qtype).reshape(values.shape)
+
+    as_f32 = dataclasses.replace(spec, weight_type="f32")
+    return _write(
+        Path(path),
+        spec,
+        as_f32,
+        [QType.F32] * len(qtypes),
+        lambda values, i: rounded(values, qtypes[i]),
+    )
+
+
+def _write(path: Path, spec: Qwen35Spec, header: Qwen35Spec, qtypes: list, store) -> Path:
     plans = plan_tensors(spec)
-    qtypes = [tensor_type(t, spec) for t in plans]
     w = gguf.GGUFWriter(None, ARCH)
-    _add_hparams(w, spec)
+    _add_hparams(w, header)
     add_vocab(w, build_vocab(spec.n_vocab))
     for t, qtype in zip(plans, qtypes, strict=True):
         _add_tensor_info(w, t, qtype)
@@ -315,7 +342,8 @@ def write_qwen35(path: str | Path, spec: Qwen35Spec | None = None, **overrides: 
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for i, (t, qtype) in enumerate(zip(plans, qtypes, strict=True)):
-        w.write_tensor_data(encode(tensor_values(t, spec, i), qtype))
+        values = tensor_values(t, spec, i)
+        w.write_tensor_data(store(values, qtype) if store is encode else store(values, i))
     w.close()
     return path
 
