@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "lucepy-tiny"
 TINY_FILE = "lucepy-tiny-qwen35-v1.gguf"  # bump the version when the built-in spec changes
+TINY_DRAFT_FILE = "lucepy-tiny-dflash-v1.gguf"
 BUILTINS = ("tiny",)
 _KEYS = {"file", "builtin", "draft", "placement", "context", "description"}
 
@@ -66,10 +67,11 @@ class ResolvedModel:
     draft: Path | None = None  # the entry's `draft:` file, when it names one that exists
 
     def draft_path(self, override: Path | None = None) -> Path | None:
-        """The DFlash draft to load: ``override`` (``--draft``), else the entry's ``draft:``."""
-        if override is not None or self.entry is None or self.entry.draft is None:
+        """The DFlash draft to load: ``override`` (``--draft``), else the entry's ``draft:`` (or
+        the built-in tiny model's own draft)."""
+        if override is not None:
             return override
-        if self.draft is None:
+        if self.entry is not None and self.entry.draft is not None and self.draft is None:
             raise ModelFileNotFound(
                 f"models.yaml entry {self.name!r}: no file matches its draft "
                 f"{self.entry.draft!r} (from {self.entry.source}); download the draft, fix its "
@@ -203,7 +205,9 @@ def resolve(
     entry = catalog.entries[name or catalog.default]
     draft = _match(entry.draft, catalog) if entry.draft else None
     if entry.builtin:
-        return ResolvedModel(entry.name, ensure_tiny(progress), entry, draft)
+        return ResolvedModel(
+            entry.name, ensure_tiny(progress), entry, draft or ensure_tiny_draft(progress)
+        )
     path = locate(entry, catalog)
     if path is None:
         raise ModelFileNotFound(
@@ -214,24 +218,36 @@ def resolve(
 
 
 def ensure_tiny(progress: Progress = lambda _: contextlib.nullcontext()) -> Path:
-    """The built-in tiny model, written on first use: to a temp file, then renamed into place, so
-    that a crash or a second process never sees half a file."""
-    folder = cache_dir() / "models"
-    path = folder / TINY_FILE
-    if path.is_file():
-        return path
+    """The built-in tiny model, written on first use."""
     from lucepy.testing.tiny import write_qwen35
 
+    return _ensure(TINY_FILE, "the built-in tiny model", write_qwen35, progress)
+
+
+def ensure_tiny_draft(progress: Progress = lambda _: contextlib.nullcontext()) -> Path:
+    """The built-in tiny model's DFlash draft (random: it rarely agrees), written on first use."""
+    from lucepy.testing.tiny_draft import write_dflash
+
+    return _ensure(TINY_DRAFT_FILE, "the built-in tiny draft", write_dflash, progress)
+
+
+def _ensure(name: str, what: str, write, progress: Progress) -> Path:
+    """``write(path)`` once into the cache: to a temp file, then renamed into place, so that a
+    crash or a second process never sees half a file."""
+    folder = cache_dir() / "models"
+    path = folder / name
+    if path.is_file():
+        return path
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{TINY_FILE}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+    tmp = folder / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
     try:
-        with progress(f"creating the built-in tiny model in {folder} (first use)"):
-            write_qwen35(tmp)
+        with progress(f"creating {what} in {folder} (first use)"):
+            write(tmp)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    log.info("wrote the built-in tiny model to %s", path)
+    log.info("wrote %s to %s", what, path)
     return path
 
 

@@ -12,6 +12,7 @@ from lucepy import catalog
 from lucepy.cli import app
 from lucepy.errors import CatalogError, ModelFileNotFound, UnknownModel
 from lucepy.testing.tiny import write_qwen35
+from lucepy.testing.tiny_draft import write_dflash
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,9 +120,16 @@ def test_the_builtin_model_is_written_once_deterministically(home, tmp_path):
     assert path == home / "cache" / "models" / catalog.TINY_FILE
     assert path.read_bytes() == write_qwen35(tmp_path / "ref.gguf").read_bytes()
     stamp = path.stat().st_mtime_ns
-    assert catalog.resolve(None, catalog.load_catalog()).path == path
+    resolved = catalog.resolve(None, catalog.load_catalog())
+    assert resolved.path == path
     assert path.stat().st_mtime_ns == stamp  # not written again
-    assert [p.name for p in path.parent.iterdir()] == [catalog.TINY_FILE]
+    # and its draft, which serve loads unless --draft names another
+    draft = home / "cache" / "models" / catalog.TINY_DRAFT_FILE
+    assert resolved.draft_path() == draft
+    assert draft.read_bytes() == write_dflash(tmp_path / "draft.gguf").read_bytes()
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(
+        [catalog.TINY_FILE, catalog.TINY_DRAFT_FILE]
+    )
 
 
 def test_an_interrupted_write_leaves_no_file(home, monkeypatch):
