@@ -94,6 +94,13 @@ class Builder:
         return self.lib.ggml_row_size(t.type, n)
 
 
+def rope_args(n_ctx_train: int, theta: float) -> tuple:
+    """The arguments after ``mode`` of ggml's rope calls, without YaRN: n_ctx_orig, freq_base,
+    freq_scale 1, ext_factor 0, attn_factor 1, beta_fast 32, beta_slow 1 (llama.cpp's values
+    when a model has no rope scaling)."""
+    return (n_ctx_train, theta, 1.0, 0.0, 1.0, 32.0, 1.0)
+
+
 def check_tensors(f: GGUFFile, expected: dict[str, tuple[int, ...]]) -> None:
     """Every expected tensor is in the file with the shape the metadata implies."""
     for name, shape in expected.items():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from lucepy.errors import ConfigError, ModelFileError
 from lucepy.ggml import GGML_TYPE_F16, ffi
 from lucepy.gguf import GGUFFile
-from lucepy.models.base import Builder, Tensor, check_tensors
+from lucepy.models.base import Builder, Tensor, check_tensors, rope_args
 
 GGML_ROPE_TYPE_NEOX = 2
 GGML_ROPE_TYPE_MROPE = 8
@@ -176,39 +176,13 @@ class DFlash:
 
     def _rope(self, g: Builder, t: Tensor) -> Tensor:
         p, L, pos = self.p, g.lib, g.inputs["pos"]
+        tail = rope_args(p.n_ctx_train, p.rope_theta)
         if p.mrope:
             sections = ffi.new("int[4]", list(p.rope_sections))
             return L.ggml_rope_multi(
-                g.ctx,
-                t,
-                pos,
-                ffi.NULL,
-                p.rope_dim,
-                sections,
-                GGML_ROPE_TYPE_MROPE,
-                p.n_ctx_train,
-                p.rope_theta,
-                1.0,
-                0.0,
-                1.0,
-                32.0,
-                1.0,
+                g.ctx, t, pos, ffi.NULL, p.rope_dim, sections, GGML_ROPE_TYPE_MROPE, *tail
             )
-        return L.ggml_rope_ext(
-            g.ctx,
-            t,
-            pos,
-            ffi.NULL,
-            p.rope_dim,
-            GGML_ROPE_TYPE_NEOX,
-            p.n_ctx_train,
-            p.rope_theta,
-            1.0,
-            0.0,
-            1.0,
-            32.0,
-            1.0,
-        )
+        return L.ggml_rope_ext(g.ctx, t, pos, ffi.NULL, p.rope_dim, GGML_ROPE_TYPE_NEOX, *tail)
 
     def _kv(self, g: Builder, w: dict, i: int, x: Tensor, T: int) -> tuple[Tensor, Tensor]:
         """K (normed, roped) and V of ``x`` [n_embd, T] for layer i, as [hd, n_head_kv, T]."""

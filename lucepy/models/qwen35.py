@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from lucepy.errors import ConfigError
 from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32, ffi
 from lucepy.gguf import GGUFFile
-from lucepy.models.base import Architecture, Builder, GraphSpec, Tensor, check_tensors
+from lucepy.models.base import (
+    Architecture,
+    Builder,
+    GraphSpec,
+    Tensor,
+    check_tensors,
+    rope_args,
+)
 
 GGML_ROPE_TYPE_IMROPE = 40
 KV_TYPE = GGML_TYPE_F16  # llama.cpp's default cache type; same rounding, same logits
@@ -279,13 +286,7 @@ class Qwen35(Architecture):
             p.rope_dim,
             sections,
             GGML_ROPE_TYPE_IMROPE,
-            p.n_ctx_train,
-            p.rope_theta,
-            1.0,
-            0.0,
-            1.0,
-            32.0,
-            1.0,
+            *rope_args(p.n_ctx_train, p.rope_theta),
         )
 
     def _attend(self, g: Builder, st: dict, il: int, q, k, v, T: int) -> Tensor:
