@@ -144,3 +144,31 @@ def test_placement_errors(device, split, error, words, tiny_model, tmp_path, mon
     monkeypatch.setenv("LUCEPY_CACHE_DIR", str(tmp_path))
     with pytest.raises(error, match=words):
         Engine(tiny_model("odd", "f32"), RuntimeConfig(device=device, layer_split=split))
+
+
+def test_cli_prints_placement_errors_verbatim(tiny_model):
+    """Messages with square brackets are text, not rich markup."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lucepy",
+            "generate",
+            str(tiny_model("odd", "f32")),
+            "--prompt-tokens",
+            "1",
+            "--target-devices",
+            "cpu,gpu:x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "error: unknown device 'gpu:x'; write cpu, BACKEND:N (cuda:0, hip:1), DEVICE@worker, "
+        "or rpc://HOST:PORT[/N]"
+    ]
