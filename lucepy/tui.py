@@ -150,6 +150,8 @@ def _server_stats(s: dict) -> Table:
     )
     table.add_row("tokens", f"{tokens['prompt']:,} prompt · {tokens['completion']:,} generated")
     table.add_row("cache hits", f"{_dash(cache.get('hits'))} / misses {_dash(cache.get('misses'))}")
+    accept = s.get("accept") or {}
+    table.add_row("draft τ", _dash(accept.get("tau"), "{:.2f} tokens per verify"))
     return table
 
 

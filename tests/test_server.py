@@ -379,7 +379,9 @@ def test_a_draft_changes_no_greedy_text_and_reports_acceptance(tmp_path):
         with lucepy_serve(tmp_path, *args, env={"LUCEPY_MODELS": str(yaml)}) as url:
             with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
                 reply = chat(c, "Hello", max_tokens=24)
+            status = httpx.get(url + "/lucepy/status").json()["accept"]
         answers[how] = reply.choices[0].message.content, reply.model_extra["lucepy"]["accept"]
+        assert (status["tau"] is None) == (how == "plain")
     text, accept = answers.pop("plain")
     assert accept is None and text
     for how, (spec_text, stats) in answers.items():
@@ -400,13 +402,18 @@ def _served_url(proc: subprocess.Popen) -> str:
 
 def test_served_prefix_cache_reports_ram_then_disk_hits(tiny_model, tmp_path):
     disk = ["--kv-cache-dir", str(tmp_path / "kv"), "--disk-prefix-cache", "full"]
-    replies = []
+    replies, statuses = [], []
     # the second server has no RAM slots: its hit can only come from the first one's disk files
     for slots, n_requests in (("2", 2), ("0", 1)):
         with lucepy_serve(tmp_path, str(tiny_model()), "--prefix-cache-slots", slots, *disk) as url:
             with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
                 replies += [chat(c, "Hello", max_tokens=6) for _ in range(n_requests)]
+            statuses.append(httpx.get(url + "/lucepy/status").json()["cache"])
     n = replies[0].usage.prompt_tokens
+    assert statuses == [
+        {"hits": 1, "misses": 1, "restored_tokens": n},
+        {"hits": 1, "misses": 0, "restored_tokens": n},
+    ]
     caches = [r.model_extra["lucepy"]["cache"] for r in replies]
     hits = [(x["hit"], x["restored_tokens"], x["prefilled_tokens"]) for x in caches]
     assert hits == [("none", 0, n), ("ram", n, 0), ("disk", n, 0)]

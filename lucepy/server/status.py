@@ -22,6 +22,8 @@ class Stats:
         self.active = 0
         self.tokens = {"prompt": 0, "completion": 0}
         self.last: dict | None = None  # the last finished generation
+        self.cache = {"hits": 0, "misses": 0, "restored_tokens": 0}
+        self.accept = {"steps": 0, "accepted": 0}  # DFlash, over all requests
         self._bins: deque[list[int]] = deque(maxlen=WINDOW_BINS + 1)
 
     def queued(self) -> None:
@@ -60,6 +62,25 @@ class Stats:
                 self.tokens["prompt"] += last["prompt_tokens"]
                 self.tokens["completion"] += last["completion_tokens"]
                 self.last = last
+                self._count(last)
+
+    def _count(self, last: dict) -> None:
+        cache, accept = last.get("cache"), last.get("accept")
+        if cache is not None:
+            self.cache["hits" if cache["hit"] != "none" else "misses"] += 1
+            self.cache["restored_tokens"] += cache["restored_tokens"]
+        if accept is not None:
+            self.accept["steps"] += accept["steps"]
+            self.accept["accepted"] += accept["accepted"]
+
+    @property
+    def _cache_on(self) -> bool:
+        return self.cache["hits"] + self.cache["misses"] > 0
+
+    def _accept_summary(self) -> dict:
+        steps, accepted = self.accept["steps"], self.accept["accepted"]
+        tau = round((accepted + steps) / steps, 3) if steps else None
+        return {"steps": steps, "accepted": accepted, "tau": tau}
 
     def tokens_per_s(self) -> float:
         lo = int(time.monotonic() / BIN_S) - WINDOW_BINS
@@ -77,7 +98,8 @@ class Stats:
                 "requests": dict(self.requests),
                 "tokens": dict(self.tokens),
                 "last": self.last,
-                "cache": {"hits": None, "misses": None},  # prefix snapshots come later
+                "cache": dict(self.cache) if self._cache_on else {"hits": None, "misses": None},
+                "accept": self._accept_summary(),
             }
 
 
