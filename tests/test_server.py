@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -418,3 +419,33 @@ def test_served_prefix_cache_reports_ram_then_disk_hits(tiny_model, tmp_path):
     hits = [(x["hit"], x["restored_tokens"], x["prefilled_tokens"]) for x in caches]
     assert hits == [("none", 0, n), ("ram", n, 0), ("disk", n, 0)]
     assert len({r.choices[0].message.content for r in replies}) == 1  # restored == fresh
+
+
+def _served_workers() -> list[int]:
+    """Pids of `lucepy worker` processes whose parent is a `lucepy serve`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            cmd = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"worker" in cmd and b"lucepy" in cmd and b"serve" in parent:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_dead_worker_is_brought_back_by_the_next_request(tiny_model, tmp_path):
+    with lucepy_serve(tmp_path, str(tiny_model()), "--device", "cpu,cpu@worker") as url:
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
+            first = chat(c, "Hello", max_tokens=8).choices[0].message.content
+            workers = _served_workers()
+            assert len(workers) == 1
+            os.kill(workers[0], signal.SIGKILL)
+            time.sleep(0.2)
+            again = chat(c, "Hello", max_tokens=8).choices[0].message.content
+            assert httpx.get(url + "/health").json()["status"] == "ok"
+        respawned = _served_workers()
+    assert again == first
+    assert len(respawned) == 1 and respawned != workers

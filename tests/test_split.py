@@ -124,6 +124,12 @@ def test_killed_worker_fails_the_request_then_restarts(tiny_model):
         fresh = engine.pipeline.workers[0]
         assert fresh.alive and fresh.proc.pid != victim.proc.pid
         assert engine.prefill(PROMPT).shape == (engine.params.n_vocab,)
+        # a worker that dies between requests is noticed before the next one touches it
+        os.kill(fresh.proc.pid, signal.SIGKILL)
+        fresh.proc.wait()
+        engine.reset()
+        assert engine.pipeline.workers[0].alive
+        assert engine.prefill(PROMPT).shape == (engine.params.n_vocab,)
 
 
 @pytest.mark.parametrize(

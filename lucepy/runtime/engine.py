@@ -137,7 +137,8 @@ class Engine:
         self._load()
 
     def reset(self) -> None:
-        if self.pipeline is None or self.pipeline.broken:
+        """Start a new sequence; first bring back workers that died since the last one."""
+        if self.pipeline is None or self.pipeline.broken or self.pipeline.check_workers():
             self._recover()
         self.pipeline.reset()
         self.n_past = 0

@@ -109,6 +109,13 @@ class Pipeline:
         """Undo all but the first ``keep`` tokens of the last (verify) step on every shard."""
         self.call(lambda: [shard.rollback(g, spec, keep) for shard, spec, g in self._last])
 
+    def check_workers(self) -> str | None:
+        """Mark the pipeline broken if a worker we started has exited; says which."""
+        dead = [w for w in self.workers if not w.alive]
+        if dead and not self.broken:
+            self.broken = f"{dead[0].describe()} exited"
+        return self.broken
+
     def _problem(self) -> str | None:
         failures = rpc_failures()
         if len(failures) > self._failures_seen:

@@ -16,13 +16,15 @@ from dataclasses import asdict, dataclass, field
 
 from lucepy.decode.ar import Generation, stream
 from lucepy.decode.sampling import SamplingParams
-from lucepy.errors import GGMLError, ModelFileError, ModelUnavailable, WorkerError
+from lucepy.errors import GGMLError, ModelFileError, ModelUnavailable
 from lucepy.server.status import Stats
 from lucepy.server.text import Detokenizer, StopFilter
 
 log = logging.getLogger(__name__)
 
-FATAL = (GGMLError, ModelFileError, WorkerError)  # after these the model serves no one
+# after these the model serves no one; a dead worker fails only its request, and the next one
+# brings it back (Engine.reset)
+FATAL = (GGMLError, ModelFileError)
 
 
 @dataclass
