@@ -174,3 +174,16 @@ def test_draft_block_is_bounded_by_training(models):
     cfg = RuntimeConfig(threads=THREADS, max_ctx=256, draft=str(models["agree"]), draft_block=9)
     with pytest.raises(ConfigError, match="--draft-block must be 2..8"):
         Engine(models["favoured"], cfg, tokenizer=False)
+
+
+def test_generation_runs_to_the_end_of_the_context(models):
+    """Near the context's end the block shrinks to what fits, and greedy still equals greedy."""
+    prompt = list(range(3, 40))
+    n_ctx = len(prompt) + 30  # not a multiple of the block: the last blocks are short
+    outs, expected = [], n_ctx - len(prompt) + 1  # the last token is never fed back
+    for draft in (None, models["agree"]):
+        cfg = RuntimeConfig(threads=THREADS, max_ctx=n_ctx, draft=str(draft) if draft else None)
+        with Engine(models["favoured"], cfg, tokenizer=False) as engine:
+            outs.append(generate(engine, prompt, 100).tokens)
+    assert outs[0] == outs[1]
+    assert len(outs[0]) == expected

@@ -69,6 +69,8 @@ def _plain(engine, prompt_tokens, max_tokens, *, sampler, gen, chunk, stop_at_en
         if cancelled():
             gen.finish_reason = "cancelled"
             return
+        if engine.n_past >= engine.n_ctx:
+            return  # the context is full: stop as at max_tokens ("length")
         logits = engine.decode(token)
 
 

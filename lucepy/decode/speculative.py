@@ -81,8 +81,8 @@ def accept_sampled(
 def _propose(draft, sampler: Sampler, last: int, pos: int, block: int):
     """Draft tokens d_1..d_{B-1}, and their distributions q when sampling."""
     if sampler.params.greedy:
-        return draft.propose(last, pos, "argmax")[1:block].astype(np.int64), None
-    logits = draft.propose(last, pos, "out")
+        return draft.propose(last, pos, "argmax", block)[1:].astype(np.int64), None
+    logits = draft.propose(last, pos, "out", block)
     q = [sampler.probs(logits[i]) for i in range(1, block)]
     return np.array([sampler.draw(qi) for qi in q], dtype=np.int64), q
 
@@ -126,8 +126,11 @@ def stream(
             return
         pos, last = engine.n_past, gen.tokens[-1]
         block = min(draft.block, engine.n_ctx - pos)
-        if block < 2:
-            return  # the context is full
+        if block == 0:
+            return  # the context is full: stop as at max_tokens ("length")
+        if block == 1:  # room for one more token only: decode it as plain greedy would
+            pending = [sampler.sample(engine.decode(last))]
+            continue
         pending = _step(engine, draft, sampler, stats, last, pos, block)
 
 

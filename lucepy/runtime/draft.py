@@ -119,9 +119,11 @@ class Draft:
         self._put_positions(g, pos0, T)
         compute(self.lib, self.backend, g)
 
-    def propose(self, last: int, pos0: int, want: str) -> np.ndarray:
-        """Run the block [last, mask...] at pos0; argmax [B] or logits [B, n_vocab] per row."""
-        T, n_kv = self.block, kv_bucket(pos0 + self.block, self.n_ctx)
+    def propose(self, last: int, pos0: int, want: str, block: int | None = None) -> np.ndarray:
+        """Run the block [last, mask...] of ``block`` (default: the draft's) tokens at pos0;
+        argmax [B] or logits [B, n_vocab] per row."""
+        T = block or self.block
+        n_kv = kv_bucket(pos0 + T, self.n_ctx)
         g = self._graph(
             ("propose", T, n_kv), lambda b: self.model.build_propose(b, self.w, self.kv.t, T, n_kv)
         )
