@@ -243,3 +243,25 @@ def test_generation_end_snapshot_is_reused(models, cold, tmp_path):
     with open_engine(models["target"], config(), tokenizer=False) as engine:
         assert gen.tokens == generate(engine, follow, 4).tokens
     assert np.all(np.asarray(first.tokens) == np.asarray(cold[False][0]))
+
+
+def test_restored_equals_fresh_with_the_draft_in_a_worker(models, cold, tmp_path):
+    """The draft's KV is snapshotted inside its worker (RAM) and read over RPC (disk)."""
+    cfg = config(
+        draft=models["draft"],
+        prefix_cache_slots=2,
+        kv_cache_dir=str(tmp_path),
+        disk_prefix_cache="full",
+        draft_device="cpu@worker",
+    )
+    with open_engine(models["target"], cfg, tokenizer=False) as engine:
+        assert engine.draft.remote
+        first, second = generate(engine, TURN1, N_GEN), generate(engine, TURN2, N_GEN)
+    with open_engine(models["target"], cfg, tokenizer=False) as engine:
+        restarted = generate(engine, TURN2, N_GEN)
+    assert [first.cache["hit"], second.cache["hit"], restarted.cache["hit"]] == [
+        "none",
+        "ram",
+        "disk",
+    ]
+    assert [first.tokens, second.tokens, restarted.tokens] == [*cold[True], cold[True][1]]

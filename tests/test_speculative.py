@@ -41,13 +41,23 @@ def models(tmp_path_factory):
     }
 
 
-def run(path, device="cpu", split=None, draft=None, n=N_GEN, sampling=None, prompt=PROMPT):
+def run(
+    path,
+    device="cpu",
+    split=None,
+    draft=None,
+    n=N_GEN,
+    sampling=None,
+    prompt=PROMPT,
+    draft_device=None,
+):
     cfg = RuntimeConfig(
         device=device,
         layer_split=split,
         threads=THREADS,
         max_ctx=256,
         draft=str(draft) if draft else None,
+        draft_device=draft_device,
     )
     with Engine(path, cfg, tokenizer=False) as engine:
         return generate(engine, prompt, n, sampling=sampling)
@@ -187,3 +197,48 @@ def test_generation_runs_to_the_end_of_the_context(models):
             outs.append(generate(engine, prompt, 100).tokens)
     assert outs[0] == outs[1]
     assert len(outs[0]) == expected
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu,cpu@worker"])
+def test_a_draft_in_a_worker(device, models):
+    """--draft-device cpu@worker: the draft's weights, KV and steps live in a worker."""
+    plain = run(models["favoured"], device, "1,1" if "," in device else None)
+    spec = run(
+        models["favoured"],
+        device,
+        "1,1" if "," in device else None,
+        draft=models["agree"],
+        draft_device="cpu@worker",
+    )
+    assert spec.tokens == plain.tokens and spec.accept.mean_len > 2.0
+
+
+def test_a_dead_draft_worker_fails_the_request_then_comes_back(models):
+    import os
+    import signal
+
+    from lucepy.errors import WorkerError
+
+    cfg = RuntimeConfig(
+        threads=THREADS, max_ctx=256, draft=str(models["agree"]), draft_device="cpu@worker"
+    )
+    with Engine(models["favoured"], cfg, tokenizer=False) as engine:
+        first = generate(engine, PROMPT, 24).tokens
+        victim = engine.pipeline.workers[0]
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        again = generate(engine, PROMPT, 24).tokens  # noticed at reset, before any RPC
+        assert again == first and engine.draft.remote
+        assert engine.pipeline.workers[0].proc.pid != victim.proc.pid
+        stream = iter_generate(engine)
+        next(stream)
+        os.kill(engine.pipeline.workers[0].proc.pid, signal.SIGKILL)  # mid-generation
+        with pytest.raises(WorkerError):
+            list(stream)
+        assert generate(engine, PROMPT, 24).tokens == first
+
+
+def iter_generate(engine):
+    from lucepy.decode.ar import stream
+
+    return stream(engine, PROMPT, 200)

@@ -102,7 +102,7 @@ def stream(
         if loop is None:
             yield from _plain(engine, prompt_tokens, max_tokens, **kw)
         else:
-            yield from loop(engine, engine.draft, prompt_tokens, max_tokens, **kw)
+            yield from loop(engine, prompt_tokens, max_tokens, **kw)
         end(engine, gen)
     finally:
         t1 = gen.t_prefilled or time.perf_counter()

@@ -89,7 +89,6 @@ def _propose(draft, sampler: Sampler, last: int, pos: int, block: int):
 
 def stream(
     engine,
-    draft,
     prompt_tokens: list[int],
     max_tokens: int,
     *,
@@ -99,16 +98,20 @@ def stream(
     stop_at_end: bool = True,
     cancelled: Callable[[], bool] = lambda: False,
 ) -> Iterator[int]:
-    """Yield tokens from a fresh sequence; ``gen.accept`` collects the acceptance stats."""
-    stats = gen.accept = AcceptStats(draft.block)
-    layers = draft.p.target_layers
+    """Yield tokens from a fresh sequence; ``gen.accept`` collects the acceptance stats.
+
+    ``engine.draft`` is read after the prefill: starting the sequence may have replaced a draft
+    whose worker died."""
+    layers = engine.draft.p.target_layers
     engine.capture = layers
-    draft.reset()
 
     def inject(out, pos0: int) -> None:
-        draft.inject([out.features[L] for L in layers], pos0)
+        engine.draft.inject([out.features[L] for L in layers], pos0)
 
     logits = begin(engine, prompt_tokens, gen, chunk=chunk, on_chunk=inject)
+    draft = engine.draft
+    draft.reset()
+    stats = gen.accept = AcceptStats(draft.block)
     pending = [sampler.sample(logits)]
     while True:
         for token in pending:

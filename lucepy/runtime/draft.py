@@ -71,6 +71,9 @@ class Draft:
         self.ring = FeatureRing(len(self.p.target_layers), self.n_target_embd, capacity)
         self.graphs: dict[tuple, CompiledGraph] = {}
         self.block = self.p.block_size
+        # a draft in a worker runs its steps under the pipeline's supervision (Engine sets both)
+        self.remote = False
+        self.run = lambda fn: fn()
 
     def _load(self, target_file: GGUFFile) -> None:
         lib, backend = self.lib, self.backend
@@ -109,6 +112,9 @@ class Draft:
 
     def inject(self, features: list[np.ndarray], pos0: int) -> None:
         """Write K/V of the target features [T, n_embd] per target layer at positions pos0.."""
+        self.run(lambda: self._inject(features, pos0))
+
+    def _inject(self, features: list[np.ndarray], pos0: int) -> None:
         T = features[0].shape[0]
         g = self._graph(
             ("inject", T),
@@ -122,7 +128,9 @@ class Draft:
     def propose(self, last: int, pos0: int, want: str, block: int | None = None) -> np.ndarray:
         """Run the block [last, mask...] of ``block`` (default: the draft's) tokens at pos0;
         argmax [B] or logits [B, n_vocab] per row."""
-        T = block or self.block
+        return self.run(lambda: self._propose(last, pos0, want, block or self.block))
+
+    def _propose(self, last: int, pos0: int, want: str, T: int) -> np.ndarray:
         n_kv = kv_bucket(pos0 + T, self.n_ctx)
         g = self._graph(
             ("propose", T, n_kv), lambda b: self.model.build_propose(b, self.w, self.kv.t, T, n_kv)
@@ -147,6 +155,17 @@ class Draft:
 
     def reset(self) -> None:
         self.ring.n = 0  # KV rows are written before they are read; nothing else to clear
+
+    def abandon(self) -> None:
+        """Drop every device handle without freeing it: the draft's worker is gone."""
+        for g in self.graphs.values():
+            g.abandon()
+        self.graphs.clear()
+        for t in ("kv", "weights", "shared"):
+            if hasattr(self, t):
+                getattr(self, t).abandon()
+        self.backend.abandon()
+        self.file.close()
 
     def close(self) -> None:
         for g in self.graphs.values():

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lucepy import ggml
-from lucepy.errors import ConfigError, ContextOverflow, DeviceError, PromptError
+from lucepy.errors import ConfigError, ContextOverflow, DeviceError, PromptError, WorkerError
 from lucepy.gguf import GGUFFile
 from lucepy.models import architecture_for
 from lucepy.runtime import backends, state, workers
@@ -83,7 +83,10 @@ class Engine:
         return self.pipeline.shards[0]
 
     def _load(self) -> None:
-        remote = any(spec.where != "local" for spec in self.plan.devices)
+        draft = self._draft_spec()
+        remote = any(spec.where != "local" for spec in self.plan.devices) or (
+            draft is not None and draft.where != "local"
+        )
         self.pipeline = Pipeline(self.lib, [], remote)
         for spec, sp in zip(self.plan.devices, self.plan.shards, strict=True):
             backend = self._open(spec)
@@ -108,33 +111,61 @@ class Engine:
             endpoint = worker.endpoint
         return self.pipeline.call(lambda: workers.connect(self.lib, endpoint, index, spec.name))
 
-    def _load_draft(self) -> Draft:
-        from lucepy.runtime.draft import Draft
-
-        cfg = self.config
-        device = cfg.draft_device
+    def _draft_spec(self) -> DeviceSpec | None:
+        """Where the draft runs: --draft-device, else the last shard's device if local, else cpu."""
+        if not self.config.draft:
+            return None
+        device = self.config.draft_device
         if device is None:
             last = self.plan.devices[-1]
             device = last.device if last.where == "local" else "cpu"
-        backend = open_backend(self.lib, device, cfg.thread_count())
+        return parse_devices(device, local_backends(self.lib))[0]
+
+    def _load_draft(self) -> Draft:
+        from lucepy.runtime.draft import Draft
+
+        cfg, spec = self.config, self._draft_spec()
+        backend = self._open(spec)
         capacity = max(cfg.chunk, cfg.draft_block or 0, 64)
-        draft = Draft(self.lib, cfg.draft, self.file, self.model, backend, self.n_ctx, capacity)
+        remote = spec.where != "local"
+        run = self.pipeline.call if remote else (lambda fn: fn())
+        draft = run(
+            lambda: Draft(self.lib, cfg.draft, self.file, self.model, backend, self.n_ctx, capacity)
+        )
+        draft.remote, draft.run = remote, run
         if cfg.draft_block:
             try:
                 draft.set_block(cfg.draft_block)
             except BaseException:
-                draft.close()
+                self._close_draft(draft)
                 raise
         return draft
+
+    def _close_draft(self, draft: Draft) -> None:
+        if not draft.remote:
+            draft.close()
+        elif self.pipeline is None or self.pipeline.broken:
+            draft.abandon()
+        else:
+            try:
+                self.pipeline.call(draft.close)
+            except WorkerError:
+                draft.abandon()
 
     def _recover(self) -> None:
         """After a worker died: drop the broken pipeline and load again from the plan."""
         log.warning("reloading after: %s", self.pipeline.broken)
         if self.prefix_cache is not None:
             self.prefix_cache.forget()  # RAM slots of the dead workers went with them
+        remote_draft = self.draft is not None and self.draft.remote
+        if remote_draft:
+            self._close_draft(self.draft)
+            self.draft = None
         self.pipeline.close()
         self.pipeline = None
         self._load()
+        if remote_draft:
+            self.draft = self._load_draft()
 
     def reset(self) -> None:
         """Start a new sequence; first bring back workers that died since the last one."""
@@ -203,7 +234,7 @@ class Engine:
             for i, s in enumerate(self.shards)
         ]
         if self.draft is not None:
-            out.append(("draft", self.draft.backend, self.draft.kv.t, False))
+            out.append(("draft", self.draft.backend, self.draft.kv.t, self.draft.remote))
         return out
 
     def _run(self, remote: bool, fn):
@@ -273,7 +304,10 @@ class Engine:
             )
 
     def close(self) -> None:
-        for name in ("prefix_cache", "draft", "pipeline", "tokenizer", "file"):
+        if getattr(self, "draft", None) is not None:
+            self._close_draft(self.draft)  # before the pipeline stops the workers
+            self.draft = None
+        for name in ("prefix_cache", "pipeline", "tokenizer", "file"):
             owner = getattr(self, name, None)
             if owner is not None:
                 owner.close()
