@@ -27,30 +27,19 @@ from lucepy.cache.prefix import fingerprint
 from lucepy.decode.ar import generate
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.testing.tiny import Qwen35Spec, write_qwen35
-from lucepy.testing.tiny_draft import write_dflash
+from lucepy.testing.tiny_draft import write_agreeing_pair
 
 TURN1 = list(range(3, 60))
 TURN2 = TURN1 + list(range(100, 140))
 N_GEN = 16
-SPEC = Qwen35Spec(n_layer=4, favor_token=300, favor_scale=2.5)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("cache")
     other = write_qwen35(d / "other.gguf", Qwen35Spec(n_layer=4, seed=99))
-    return {
-        "target": write_qwen35(d / "target.gguf", SPEC),
-        "other": other,
-        "draft": write_dflash(
-            d / "draft.gguf",
-            SPEC,
-            block_size=8,
-            target_layers=(1, 3),
-            favor_token=300,
-            favor_scale=3.0,
-        ),
-    }
+    target, draft = write_agreeing_pair(d)
+    return {"target": target, "other": other, "draft": draft}
 
 
 def config(device="cpu", draft=None, **cache):

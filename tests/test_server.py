@@ -35,8 +35,7 @@ from lucepy.runtime.engine import Engine
 from lucepy.server.errors import classify
 from lucepy.server.run import Server
 from lucepy.server.text import Detokenizer, StopFilter
-from lucepy.testing.tiny import Qwen35Spec, write_qwen35
-from lucepy.testing.tiny_draft import write_dflash
+from lucepy.testing.tiny_draft import write_agreeing_pair
 
 KEY = "sk-lucepy-test"
 CTX = 256
@@ -358,16 +357,7 @@ def test_serve_with_no_model_uses_the_builtin_tiny_one(tmp_path):
 
 def test_a_draft_changes_no_greedy_text_and_reports_acceptance(tmp_path):
     # a target that favours token 300 and a draft that agrees: partial acceptances (speculative.py)
-    spec = Qwen35Spec(n_layer=4, favor_token=300, favor_scale=2.5)
-    target = write_qwen35(tmp_path / "target.gguf", spec)
-    draft = write_dflash(
-        tmp_path / "draft.gguf",
-        spec,
-        block_size=8,
-        target_layers=(1, 3),
-        favor_token=300,
-        favor_scale=3.0,
-    )
+    target, draft = write_agreeing_pair(tmp_path)
     yaml = tmp_path / "models.yaml"
     yaml.write_text(f"models:\n  drafted:\n    file: {target}\n    draft: {draft}\n")
     runs = {

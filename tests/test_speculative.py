@@ -13,31 +13,23 @@ from lucepy.errors import ConfigError
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 from lucepy.testing.tiny import Qwen35Spec, write_qwen35
-from lucepy.testing.tiny_draft import write_dflash
+from lucepy.testing.tiny_draft import AGREEING_TARGET, write_agreeing_pair, write_dflash
 
 PROMPT = list(range(3, 40))
 N_GEN = 72
-# a target that emits token 300 about two thirds of the time, and a draft that nearly always
-# drafts it: partial acceptances of every length, and a varied continuation (~20 distinct tokens)
-FAVOURED = Qwen35Spec(n_layer=4, favor_token=300, favor_scale=2.5)
+FAVOURED = AGREEING_TARGET
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("spec")
     plain = Qwen35Spec(n_layer=5, n_embd=96, full_attention_interval=3, n_ff=160, seed=7)
+    favoured, agree = write_agreeing_pair(d)
     return {
         "plain": write_qwen35(d / "plain.gguf", plain),
         "random": write_dflash(d / "random.gguf", plain, target_layers=(1, 3, 5), block_size=8),
-        "favoured": write_qwen35(d / "favoured.gguf", FAVOURED),
-        "agree": write_dflash(
-            d / "agree.gguf",
-            FAVOURED,
-            block_size=8,
-            target_layers=(1, 3),
-            favor_token=300,
-            favor_scale=3.0,
-        ),
+        "favoured": favoured,
+        "agree": agree,
     }
 
 

@@ -19,8 +19,8 @@ import numpy as np
 from lucepy.cache import open_engine
 from lucepy.decode.ar import generate
 from lucepy.runtime.config import RuntimeConfig
-from lucepy.testing.tiny import Qwen35Spec, bench_spec, write_qwen35
-from lucepy.testing.tiny_draft import write_dflash
+from lucepy.testing.tiny import bench_spec, write_qwen35
+from lucepy.testing.tiny_draft import write_agreeing_pair, write_dflash
 
 
 def median_ms(fn, repeats: int = 5) -> float:
@@ -127,16 +127,7 @@ def main() -> None:
             target_layers=(1, 6, 11),
             block_size=16,
         )
-        fav = Qwen35Spec(n_layer=4, favor_token=300, favor_scale=2.5)
-        tiny = write_qwen35(d / "fav.gguf", fav)
-        agree = write_dflash(
-            d / "agree.gguf",
-            fav,
-            block_size=8,
-            target_layers=(1, 3),
-            favor_token=300,
-            favor_scale=3.0,
-        )
+        tiny, agree = write_agreeing_pair(d)
         drafts = draft_rows(
             [
                 ("bench 106M q8_0 / random 1-layer draft", model, rand),

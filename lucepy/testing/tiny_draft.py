@@ -118,3 +118,25 @@ def write_dflash(
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+# A target that emits token 300 about two thirds of the time and a draft that nearly always drafts
+# it: partial acceptances of every length (tau ~2.35) over a varied continuation.
+AGREEING_TARGET = Qwen35Spec(n_layer=4, favor_token=300, favor_scale=2.5)
+
+
+def write_agreeing_pair(folder: str | Path) -> tuple[Path, Path]:
+    """(target, draft) GGUFs in ``folder`` built so that the draft agrees with the target often."""
+    folder = Path(folder)
+    from lucepy.testing.tiny import write_qwen35
+
+    target = write_qwen35(folder / "favoured.gguf", AGREEING_TARGET)
+    draft = write_dflash(
+        folder / "agree.gguf",
+        AGREEING_TARGET,
+        block_size=8,
+        target_layers=(1, 3),
+        favor_token=300,
+        favor_scale=3.0,
+    )
+    return target, draft
