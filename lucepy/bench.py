@@ -1,8 +1,8 @@
 """Benchmarks: lucepy against llama.cpp (llama-cpp-python) on the same GGUF, in one process and run.
 
-Both sides get the same prompt, batch size, thread count, flash attention and f16 KV cache. Each
-figure is the median of ``repeats`` timed runs after one untimed warm-up run. lucepy runs with the
-config as given: its prefix cache is off unless the config turns it on.
+Both sides get the same prompt, batch size, thread count, flash attention setting and f16 KV
+cache. Each figure is the median of ``repeats`` timed runs after one untimed warm-up run. lucepy
+runs with the config as given: its prefix cache is off unless the config turns it on.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _llama_cpp(
             n_ubatch=cfg.chunk,
             n_threads=cfg.thread_count(),
             n_threads_batch=cfg.thread_count(),
-            flash_attn=True,
+            flash_attn=cfg.flash_attn,
             verbose=False,
         )
     try:

@@ -75,6 +75,12 @@ LayerSplit = Annotated[
 MaxCtx = Annotated[int | None, typer.Option(min=1, help="context size in tokens")]
 Chunk = Annotated[int, typer.Option(min=1, help="prefill batch size")]
 Threads = Annotated[int | None, typer.Option(min=1, help="CPU threads")]
+FlashAttn = Annotated[
+    bool,
+    typer.Option(
+        "--flash-attn/--no-flash-attn", help="flash attention, as llama.cpp's -fa on (default)/off"
+    ),
+]
 AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object")]
 Draft = Annotated[Path | None, typer.Option(help="a DFlash draft GGUF: speculative decoding")]
 DraftDevice = Annotated[
@@ -124,6 +130,7 @@ def runtime_config(
     draft_device: str | None = None,
     draft_block: int | None = None,
     cache: CacheFlags = CacheFlags(),  # noqa: B008 (an immutable tuple)
+    flash_attn: bool = True,
 ) -> RuntimeConfig:
     """The one place CLI flags become a RuntimeConfig (generate, bench, plan, serve)."""
     from lucepy.cache.policy import parse_policy
@@ -135,6 +142,7 @@ def runtime_config(
         max_ctx=max_ctx,
         chunk=chunk,
         threads=threads,
+        flash_attn=flash_attn,
         draft=str(draft) if draft else None,
         draft_device=draft_device,
         draft_block=draft_block,
@@ -167,6 +175,7 @@ def generate(
     target_layer_split: LayerSplit = None,
     max_ctx: MaxCtx = None,
     threads: Threads = None,
+    flash_attn: FlashAttn = True,
     draft: Draft = None,
     draft_device: DraftDevice = None,
     draft_block: DraftBlock = None,
@@ -204,6 +213,7 @@ def generate(
             draft_device,
             draft_block,
             cache,
+            flash_attn,
         )
         with open_engine(model, config) as engine:
             if prompt is not None:
@@ -228,6 +238,7 @@ def bench(
     target_devices: TargetDevices = "cpu",
     target_layer_split: LayerSplit = None,
     threads: Threads = None,
+    flash_attn: FlashAttn = True,
     repeats: Annotated[int, typer.Option(min=1, help="timed runs; the median is reported")] = 3,
     vs_llama_cpp: Annotated[
         bool, typer.Option("--vs-llama-cpp/--no-llama-cpp", help="measure llama.cpp too")
@@ -248,7 +259,13 @@ def bench(
         from lucepy import bench as bench_mod
 
         config = runtime_config(
-            target_devices, target_layer_split, prompt_len + gen + 1, chunk, threads, cache=cache
+            target_devices,
+            target_layer_split,
+            prompt_len + gen + 1,
+            chunk,
+            threads,
+            cache=cache,
+            flash_attn=flash_attn,
         )
         result = bench_mod.run(
             model,

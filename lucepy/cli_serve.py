@@ -22,6 +22,7 @@ from lucepy.cli import (
     Draft,
     DraftBlock,
     DraftDevice,
+    FlashAttn,
     KVCacheBudget,
     KVCacheDir,
     LayerSplit,
@@ -53,6 +54,7 @@ def serve(
     max_ctx: MaxCtx = None,
     chunk: Chunk = 512,
     threads: Threads = None,
+    flash_attn: FlashAttn = True,
     draft: Draft = None,
     draft_device: DraftDevice = None,
     draft_block: DraftBlock = None,
@@ -72,7 +74,7 @@ def serve(
         from lucepy.server.run import Server
 
         found = catalog.resolve(model, catalog.load_catalog(), progress=tui.status)
-        placement = (target_devices, target_layer_split, max_ctx, chunk, threads)
+        placement = (target_devices, target_layer_split, max_ctx, chunk, threads, flash_attn)
         engine = _open_engine(found, placement, (draft, draft_device, draft_block), cache)
         level = "warning" if live else "info"
         server = Server(
@@ -92,7 +94,7 @@ def _open_engine(found, placement: tuple, drafting: tuple, cache: CacheFlags):
     """The Engine for a resolved model; flags win over its models.yaml entry's defaults."""
     from lucepy.cache import open_engine
 
-    target_devices, target_layer_split, max_ctx, chunk, threads = placement
+    target_devices, target_layer_split, max_ctx, chunk, threads, flash_attn = placement
     draft, draft_device, draft_block = drafting
     entry = found.entry
     devices = target_devices or (",".join(entry.placement) if entry else "") or "cpu"
@@ -108,6 +110,7 @@ def _open_engine(found, placement: tuple, drafting: tuple, cache: CacheFlags):
         draft_device,
         draft_block,
         cache,
+        flash_attn,
     )
     what = f"{found.path.name} + draft {draft.name}" if draft else found.path.name
     with tui.status(f"loading {found.name} ({what}) on {config.device}"):

@@ -70,7 +70,9 @@ class Reference:
     """llama.cpp (llama-cpp-python) on the same file, prompts processed in ``chunk`` batches;
     ``gpu`` offloads every layer (to the GPU of the libllama that llama_cpp loaded)."""
 
-    def __init__(self, path, chunk: int, n_ctx: int = 512, gpu: bool = False):
+    def __init__(
+        self, path, chunk: int, n_ctx: int = 512, gpu: bool = False, flash_attn: bool = True
+    ):
         import llama_cpp
 
         with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
@@ -81,7 +83,7 @@ class Reference:
                 n_ubatch=chunk,
                 n_gpu_layers=-1 if gpu else 0,
                 logits_all=True,
-                flash_attn=True,
+                flash_attn=flash_attn,
                 n_threads=THREADS,
                 verbose=False,
             )
@@ -103,8 +105,8 @@ class Reference:
 def reference():
     made = []
 
-    def make(path, chunk, n_ctx=512, gpu=False):
-        made.append(Reference(path, chunk, n_ctx, gpu))
+    def make(path, chunk, n_ctx=512, gpu=False, flash_attn=True):
+        made.append(Reference(path, chunk, n_ctx, gpu, flash_attn))
         return made[-1]
 
     yield make

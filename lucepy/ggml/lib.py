@@ -125,8 +125,22 @@ def load() -> Lib:
             lib = open_libraries(default_directory())
             check_pin(lib)
             install_abort_hook(lib)
+            lib.ggml_log_set(_on_log, ffi.NULL)
             _lib = lib
         return _lib
+
+
+# ggml's own log (e.g. one line per repacked weight) goes to Python logging, not to stderr
+_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+_last_level = [logging.DEBUG]  # GGML_LOG_LEVEL_CONT continues the previous message's level
+
+
+@ffi.callback("void(enum ggml_log_level, const char *, void *)")
+def _on_log(level, text, user_data) -> None:
+    if level != 5:
+        _last_level[0] = _LEVELS.get(level, logging.DEBUG)
+    if text != ffi.NULL:
+        log.log(_last_level[0], "%s", ffi.string(text).decode(errors="replace").rstrip())
 
 
 # ggml-rpc aborts the whole process when a worker's connection breaks. We catch that abort on the

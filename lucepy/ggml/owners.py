@@ -76,11 +76,15 @@ class Backend(Owner):
 
 
 class Buffer(Owner):
-    """A backend buffer holding every tensor of a context (weights, KV, state)."""
+    """A backend buffer holding every tensor of a context (weights, KV, state), of the backend's
+    own buffer type or of ``buft`` (a CPU extra type: repacked weights)."""
 
-    def __init__(self, lib: Lib, ctx: Context, backend: Backend, what: str):
+    def __init__(self, lib: Lib, ctx: Context, backend: Backend, what: str, buft: Any = None):
         self.lib = lib
-        ptr = lib.ggml_backend_alloc_ctx_tensors(ctx.ptr, backend.ptr)
+        if buft is None:
+            ptr = lib.ggml_backend_alloc_ctx_tensors(ctx.ptr, backend.ptr)
+        else:
+            ptr = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx.ptr, buft)
         self._own(ptr, lib.ggml_backend_buffer_free, f"ggml_backend_alloc_ctx_tensors({what})")
         self.nbytes = lib.ggml_backend_buffer_get_size(ptr)
 

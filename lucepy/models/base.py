@@ -27,6 +27,13 @@ Tensor = Any  # a cffi ``struct ggml_tensor *``
 
 
 @dataclass(frozen=True)
+class ModelOptions:
+    """How to compute, chosen at run time (not by the GGUF): llama.cpp's ``-fa on|off``."""
+
+    flash_attn: bool = True  # llama.cpp's own default (-fa auto) resolves to on, CPU and CUDA
+
+
+@dataclass(frozen=True)
 class GraphSpec:
     """The shape bucket a graph is built for; graphs are cached and reused per spec."""
 
@@ -89,6 +96,26 @@ class Builder:
         L, c = self.lib, self.ctx
         h = L.ggml_swiglu_split(c, L.ggml_mul_mat(c, gate, x), L.ggml_mul_mat(c, up, x))
         return L.ggml_mul_mat(c, down, h)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, flash: bool):
+        """Attention of ``q`` [hd, nh, T] over cache views ``k``, ``v`` [hd, nkv, n_kv] under
+        ``mask`` [n_kv, T]; returns [hd*nh, T]. Both paths are llama.cpp's (``build_attn_mha`` in
+        src/llama-graph.cpp): flash attention, or KQ at f32, ``soft_max_ext``, then V^T KQ."""
+        L, c = self.lib, self.ctx
+        hd, nh, T = q.ne[0], q.ne[1], q.ne[2]
+        q = L.ggml_permute(c, q, 0, 2, 1, 3)  # [hd, T, nh]
+        k = L.ggml_permute(c, k, 0, 2, 1, 3)  # [hd, n_kv, nkv]
+        v = L.ggml_permute(c, v, 0, 2, 1, 3)
+        if flash:
+            out = L.ggml_flash_attn_ext(c, q, k, v, mask, scale, 0.0, 0.0)  # [hd, nh, T]
+            L.ggml_flash_attn_ext_set_prec(out, L.GGML_PREC_F32)
+            return L.ggml_reshape_2d(c, out, hd * nh, T)
+        kq = L.ggml_mul_mat(c, k, q)  # [n_kv, T, nh]
+        L.ggml_mul_mat_set_prec(kq, L.GGML_PREC_F32)
+        kq = L.ggml_soft_max_ext(c, kq, mask, scale, 0.0)
+        vt = L.ggml_cont(c, L.ggml_transpose(c, v))  # [n_kv, hd, nkv]
+        out = L.ggml_permute(c, L.ggml_mul_mat(c, vt, kq), 0, 2, 1, 3)  # [hd, nh, T]
+        return L.ggml_cont_2d(c, out, hd * nh, T)
 
     def row_size(self, t: Tensor, n: int) -> int:
         return self.lib.ggml_row_size(t.type, n)

@@ -17,12 +17,17 @@ from lucepy.models.base import (
     Architecture,
     Builder,
     GraphSpec,
+    ModelOptions,
     Tensor,
     check_tensors,
     rope_args,
 )
 
 GGML_ROPE_TYPE_IMROPE = 40
+# the 2D weights that graphs use only as mul_mat's first operand (not norms, conv, get_rows)
+_MATMUL_SUFFIXES = ("_qkv.weight", "_gate.weight", "_q.weight", "_k.weight", "_v.weight")
+_MATMUL_SUFFIXES += ("_output.weight", "_beta.weight", "_alpha.weight", "ssm_out.weight")
+_MATMUL_SUFFIXES += ("ffn_up.weight", "ffn_down.weight")
 KV_TYPE = GGML_TYPE_F16  # llama.cpp's default cache type; same rounding, same logits
 
 
@@ -103,12 +108,12 @@ def _layer_kinds(key, n_layer: int) -> tuple[bool, ...]:
 class Qwen35(Architecture):
     gguf_name = "qwen35"
 
-    def __init__(self, params: Params):
-        self.p = params
+    def __init__(self, params: Params, options: ModelOptions = ModelOptions()):  # noqa: B008
+        self.p, self.options = params, options
 
     @classmethod
-    def from_gguf(cls, f: GGUFFile) -> Qwen35:
-        model = cls(Params.from_gguf(f))
+    def from_gguf(cls, f: GGUFFile, options: ModelOptions = ModelOptions()) -> Qwen35:  # noqa: B008
+        model = cls(Params.from_gguf(f), options)
         check_tensors(f, model.weight_shapes(range(model.p.n_layer), f))
         return model
 
@@ -123,6 +128,21 @@ class Qwen35(Architecture):
             out["output_norm.weight"] = (p.n_embd,)
             tied = f is not None and "output.weight" not in f.tensors
             out["token_embd.weight" if tied else "output.weight"] = (p.n_embd, p.n_vocab)
+        return out
+
+    def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str]:
+        """The weights of ``layers`` used only as mul_mat's first operand (graph key -> GGUF
+        tensor): the ones a CPU may keep repacked. A tied head reads ``token_embd`` as
+        ``output.weight``; where the embedding's get_rows needs it too, that is a second copy."""
+        out = {
+            n: n
+            for n in self.weight_shapes(layers, f)
+            if n.startswith("blk.") and n.endswith(_MATMUL_SUFFIXES)
+        }
+        if layers.stop == self.p.n_layer:
+            tied = "output.weight" not in f.tensors
+            head = "token_embd.weight" if tied else "output.weight"
+            out["output.weight" if tied and layers.start == 0 else head] = head
         return out
 
     def _layer_shapes(self, il: int) -> dict[str, tuple]:
@@ -302,12 +322,8 @@ class Qwen35(Architecture):
             written = L.ggml_set_rows(c, cache, cur2, rows)  # a view of cache, after the write
             row = written.nb[1]
             views.append(L.ggml_view_3d(c, written, hd, nkv, n_kv, g.row_size(written, hd), row, 0))
-        kv_k = L.ggml_permute(c, views[0], 0, 2, 1, 3)  # [hd, n_kv, nkv]
-        kv_v = L.ggml_permute(c, views[1], 0, 2, 1, 3)
-        q = L.ggml_permute(c, q, 0, 2, 1, 3)  # [hd, T, nh]
-        out = L.ggml_flash_attn_ext(c, q, kv_k, kv_v, mask, 1.0 / math.sqrt(hd), 0.0, 0.0)
-        L.ggml_flash_attn_ext_set_prec(out, L.GGML_PREC_F32)
-        return L.ggml_reshape_2d(c, out, hd * p.n_head, T)  # out: [hd, nh, T]
+        scale = 1.0 / math.sqrt(hd)
+        return g.attention(q, views[0], views[1], mask, scale, self.options.flash_attn)
 
     def _delta_net(
         self, g: Builder, w: dict, st: dict, il: int, x: Tensor, T: int, verify: bool

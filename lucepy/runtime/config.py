@@ -21,6 +21,7 @@ class RuntimeConfig:
     max_ctx: int | None = None  # None: the model's training context, capped at DEFAULT_CTX
     chunk: int = DEFAULT_CHUNK  # prefill batch size
     threads: int | None = None  # CPU threads; None: all cores
+    flash_attn: bool = True  # llama.cpp's -fa: off computes KQ, softmax and V^T KQ as its own ops
     draft: str | None = None  # a DFlash draft GGUF
     draft_device: str | None = None  # None: the last target shard's device if local, else cpu
     draft_block: int | None = None  # None: the draft's trained block size

@@ -12,7 +12,7 @@ import numpy as np
 from lucepy import ggml
 from lucepy.errors import ConfigError, ContextOverflow, DeviceError, PromptError, WorkerError
 from lucepy.gguf import GGUFFile
-from lucepy.models import architecture_for
+from lucepy.models import ModelOptions, architecture_for
 from lucepy.runtime import backends, state, workers
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.devices import local_backends, open_backend
@@ -58,7 +58,8 @@ class Engine:
         self.pipeline = self.tokenizer = self.draft = self.prefix_cache = None
         self.file = GGUFFile(self.path)
         try:
-            self.model = architecture_for(self.file).from_gguf(self.file)
+            options = ModelOptions(flash_attn=self.config.flash_attn)
+            self.model = architecture_for(self.file).from_gguf(self.file, options)
             self.params = self.model.p
             self.lib = ggml.load()
             self.plan = make_plan(self.file, self.model, self.config, self.lib)

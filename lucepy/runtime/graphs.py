@@ -14,6 +14,7 @@ import numpy as np
 
 from lucepy.errors import ConfigError, GGMLError
 from lucepy.ggml import Allocator, Backend, Buffer, Context, Lib, ffi
+from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import Builder
 
@@ -91,41 +92,80 @@ def get(lib: Lib, g: CompiledGraph, name: str, t: Any) -> np.ndarray:
 
 
 class Tensors:
-    """Named tensors in one backend buffer: a model's weights, or persistent state."""
+    """Named tensors in backend buffers: a model's weights, or persistent state. One buffer per
+    buffer type: the backend's own, and for CPU weights the repacked types that take them."""
 
-    def __init__(self, lib: Lib, backend: Backend, specs: dict[str, tuple[int, tuple]], what: str):
+    def __init__(
+        self,
+        lib: Lib,
+        backend: Backend,
+        specs: dict[str, tuple[int, tuple]],
+        what: str,
+        placement: dict[str, Any] | None = None,
+    ):
         self.lib = lib
-        self._ctx = Context(lib, len(specs) + 1)
         self.t: dict[str, Any] = {}
-        for name, (gtype, shape) in specs.items():
-            ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
-            t = lib.ggml_new_tensor(self._ctx.ptr, gtype, len(shape), ne)
-            lib.ggml_set_name(t, name.encode())
-            self.t[name] = t
-        self._buf = Buffer(lib, self._ctx, backend, what) if specs else None
+        groups: dict[Any, list[str]] = {}
+        for name in specs:
+            groups.setdefault((placement or {}).get(name), []).append(name)
+        self._parts: list[tuple[Context, Buffer | None]] = []
+        for buft, names in groups.items():
+            ctx = Context(lib, len(names) + 1)
+            for name in names:
+                gtype, shape = specs[name]
+                ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
+                t = lib.ggml_new_tensor(ctx.ptr, gtype, len(shape), ne)
+                lib.ggml_set_name(t, name.encode())
+                self.t[name] = t
+            self._parts.append((ctx, Buffer(lib, ctx, backend, what, buft)))
 
     @classmethod
-    def from_gguf(cls, lib: Lib, backend: Backend, f: GGUFFile, names, what: str) -> Tensors:
-        specs = {n: (int(f.tensors[n].type), f.tensors[n].shape) for n in names}
-        out = cls(lib, backend, specs, what)
+    def from_gguf(
+        cls,
+        lib: Lib,
+        backend: Backend,
+        f: GGUFFile,
+        names,
+        what: str,
+        matmul: dict[str, str] | None = None,
+    ) -> Tensors:
+        """Load ``names`` from ``f``. ``matmul`` maps the weights a graph uses only as mul_mat's
+        first operand to their GGUF source; on the CPU those go where llama.cpp puts them (a
+        repacked buffer type, ``lucepy.ggml.bufts``). A key that is not a file tensor (a tied head)
+        is the same tensor as its source unless it lands in another buffer type, then a copy."""
+        matmul = matmul or {}
+        source = {n: n for n in names} | matmul
+        specs = {k: (int(f.tensors[s].type), f.tensors[s].shape) for k, s in source.items()}
+        placement = matmul_placement(lib, backend, {k: specs[k] for k in matmul})
+        shared = {
+            k: src
+            for k, src in matmul.items()
+            if k != src and src in specs and placement.get(k) is placement.get(src)
+        }
+        out = cls(
+            lib, backend, {k: v for k, v in specs.items() if k not in shared}, what, placement
+        )
         for name, t in out.t.items():
-            lib.ggml_backend_tensor_set(t, ffi.from_buffer(f.data(name)), 0, f.tensors[name].nbytes)
+            info = f.tensors[source[name]]
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(f.data(source[name])), 0, info.nbytes)
+        for k, src in shared.items():
+            out.t[k] = out.t[src]
         return out
 
     @property
     def nbytes(self) -> int:
-        return self._buf.nbytes if self._buf else 0
+        return sum(buf.nbytes for _, buf in self._parts)
 
     def clear(self) -> None:
-        if self._buf:
-            self._buf.clear(0)
+        for _, buf in self._parts:
+            buf.clear(0)
 
     def close(self) -> None:
-        if self._buf:
-            self._buf.close()
-        self._ctx.close()
+        for ctx, buf in self._parts:
+            buf.close()
+            ctx.close()
 
     def abandon(self) -> None:
-        if self._buf:
-            self._buf.abandon()
-        self._ctx.close()
+        for ctx, buf in self._parts:
+            buf.abandon()
+            ctx.close()

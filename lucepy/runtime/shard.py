@@ -53,8 +53,14 @@ class Shard:
         self._rollbacks: dict[tuple[GraphSpec, int], CompiledGraph] = {}
         # False rebuilds every step: only to test that reuse changes nothing
         self.reuse_graphs = True
-        names = model.weight_shapes(layers, f)
-        self.weights = Tensors.from_gguf(lib, backend, f, names, f"weights of layers {layers}")
+        self.weights = Tensors.from_gguf(
+            lib,
+            backend,
+            f,
+            model.weight_shapes(layers, f),
+            f"weights of layers {layers}",
+            matmul=model.matmul_weights(layers, f),
+        )
         self.state = Tensors(
             lib, backend, model.state_shapes(layers, n_ctx), f"state of layers {layers}"
         )
