@@ -9,6 +9,8 @@ follow llama-bench: prefill in chunks of 512 (its default ubatch) from an empty 
 fixed random tokens (no sampling), at an empty context and after ``--depth`` tokens; each is the
 median of ``--repeats`` runs after a warm-up. ``verify`` is the 16-token forward of a DFlash
 step (``Engine.verify`` then ``rollback``), set against one decode step at the same depth.
+``report`` sets medians beside medians: llama-bench's is taken from its per-repetition
+``samples_ns``, never from its mean ``avg_ts``, which a slow first repetition pulls down.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -153,14 +156,35 @@ def measure(args: argparse.Namespace) -> int:
 # --- the report: lucepy beside llama-bench ---
 
 
-def llama_rows(paths: list[str]) -> dict[tuple[str, int], float]:
-    """llama-bench JSON entries as {(test, depth): tokens/s}, e.g. ("pp512", 0)."""
-    rows = {}
+class Sampled(NamedTuple):
+    tok_s: float  # the median over llama-bench's repetitions
+    n: int  # how many repetitions
+
+
+def llama_median(e: dict) -> Sampled | None:
+    """The median of llama-bench's per-repetition samples, like lucepy's figures: its mean
+    (``avg_ts``) is pulled down by a first repetition that is often slow, so it is never used."""
+    tokens = int(e.get("n_prompt", 0)) + int(e.get("n_gen", 0))
+    if e.get("samples_ns"):  # times, as lucepy takes the median of times
+        return Sampled(tokens * 1e9 / statistics.median(e["samples_ns"]), len(e["samples_ns"]))
+    if e.get("samples_ts"):
+        return Sampled(statistics.median(e["samples_ts"]), len(e["samples_ts"]))
+    return None
+
+
+def llama_rows(paths: list[str]) -> tuple[dict[tuple[str, int], Sampled], list[str]]:
+    """llama-bench JSON entries as {(test, depth): median}, e.g. ("pp512", 0), and the entries
+    left out for want of samples."""
+    rows, missing = {}, []
     for path in paths:
         for e in json.loads(Path(path).read_text() or "[]"):
             test = f"pp{e['n_prompt']}" if e.get("n_gen", 0) == 0 else f"tg{e['n_gen']}"
-            rows[(test, int(e.get("n_depth", 0)))] = float(e["avg_ts"])
-    return rows
+            key = (test, int(e.get("n_depth", 0)))
+            if (got := llama_median(e)) is None:
+                missing.append(f"{test} @ d{key[1]} in {path}")
+            else:
+                rows[key] = got
+    return rows, missing
 
 
 def _row(name: str, ours: float | None, ref: float | None, unit: str) -> str:
@@ -174,7 +198,8 @@ def _row(name: str, ours: float | None, ref: float | None, unit: str) -> str:
     return f"| {name} | {cell(ref)} | {cell(ours)} | {unit} | {ratio} |"
 
 
-def report_lines(ours: dict, ref: dict[tuple[str, int], float], depth: int) -> list[str]:
+def report_lines(ours: dict, llama: dict[tuple[str, int], Sampled], depth: int) -> list[str]:
+    ref = {key: got.tok_s for key, got in llama.items()}
     lines = [
         "| test | llama.cpp | lucepy | unit | lucepy/llama.cpp speed |",
         "|---|---|---|---|---|",
@@ -202,18 +227,24 @@ def report_lines(ours: dict, ref: dict[tuple[str, int], float], depth: int) -> l
 
 def report(args: argparse.Namespace) -> int:
     ours = json.loads(Path(args.lucepy).read_text()) if Path(args.lucepy).exists() else {}
-    ref = llama_rows([p for p in args.llama_bench if Path(p).exists()])
+    ref, missing = llama_rows([p for p in args.llama_bench if Path(p).exists()])
     setup = ours.get("setup", {})
     fill = ours.get(f"fill{args.depth}", {}).get("tok_s", float("nan"))
+    counts = "/".join(str(n) for n in sorted({got.n for got in ref.values()})) or "?"
     lines = [
         f"# GPU benchmark: {setup.get('model', '?')} on {setup.get('device', '?')}",
         "",
         *report_lines(ours, ref, args.depth),
         "",
+        f"Medians on both sides: lucepy's of {ours.get('repeats', '?')} timed runs, llama.cpp's of "
+        f"its {counts} samples per test (llama-bench's samples_ns; its mean, avg_ts, is not "
+        "used: its first repetition is often slow).",
+        "",
         f"lucepy: load {setup.get('load_s', float('nan')):.1f} s, prefill of {args.depth} tokens "
         f"{fill:,.0f} tok/s. llama.cpp's 16-token forward is its pp16 at that depth, its decode "
         "step 1 / tg128.",
         *(f"- lucepy {k}: {v['error']}" for k, v in ours.items() if k.startswith("error")),
+        *(f"- llama.cpp {m}: no samples_ns or samples_ts, left out" for m in missing),
     ]
     text = "\n".join(lines) + "\n"
     if args.md:

@@ -4,8 +4,12 @@
 # libllama and llama-bench, generate a random Qwen3.6-27B-shaped Q4_0 GGUF (in the background,
 # during the build), run the GPU tests, then llama-bench and lucepy on that model.
 #
-#   tools/prepare_gpu_carry.sh          # here, once: .whl/ and .sdist/
-#   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".sdist"]
+#   tools/prepare_gpu_carry.sh          # here: .whl/, .sdist/ and .gpuref/
+#   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".sdist", ".gpuref"]
+#
+# .gpuref holds llama.cpp's logits for the GPU tests, made here by tools/make_gpu_ref.py (its CUDA
+# Python path segfaults there). The run stops at once, saying what to run, if it is missing or made
+# for other tiny models than the tests write (unless GPU_RUN_SKIP names pytest).
 #
 # OUTDIR gets 7 files: setup.log build.log pytest.txt bench.log llama-bench.json lucepy-bench.json
 # summary.md. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
@@ -40,8 +44,7 @@ export PYTHONUNBUFFERED=1
 if command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
 export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
 export LUCEPY_GGML_LIB=$BUILD LLAMA_CPP_LIB_PATH=$BUILD
-# llama.cpp reference logits made on the CPU machine (tools/make_gpu_ref.py), when carried
-if [[ -d $REPO/.gpuref ]]; then export LUCEPY_GPU_REF=$REPO/.gpuref; fi
+export LUCEPY_GPU_REF=$REPO/.gpuref # read by tests/test_gpu.py
 SETUP=$OUTDIR/setup.log
 BENCHLOG=$OUTDIR/bench.log
 SUMMARY=()
@@ -86,6 +89,27 @@ step() {
     if ((rc == 124 || rc == 137)); then how="timed out"; elif ((rc != 0)); then how="failed $rc"; fi
     noted "$name" "$how" $((SECONDS - t0)) "$budget"
     return $rc
+}
+
+stop() { # stop MESSAGE: the run cannot do its job; say why and what to do, in the summary too
+    printf 'gpu_run: error: %s\n' "$*" | tee -a "$OUTDIR/summary.md" >&2
+    exit 2
+}
+
+# check_gpuref quick|full: without current references 4 of the 7 GPU tests fail; quick needs no
+# Python packages, full (after the wheels) writes the tests' tiny models again and compares
+check_gpuref() {
+    local found fix='on the CPU machine, run tools/prepare_gpu_carry.sh (or just python'
+    fix+=' tools/make_gpu_ref.py .gpuref), then carry [".whl", ".sdist", ".gpuref"]'
+    if [[ $SKIP == *" pytest "* ]]; then return 0; fi
+    if [[ ! -d $LUCEPY_GPU_REF ]]; then
+        stop "no .gpuref (llama.cpp's logits for the GPU tests) was carried: $fix; or set" \
+            "GPU_RUN_SKIP=pytest to run without the GPU tests"
+    fi
+    if [[ $1 == full ]]; then
+        found=$(python3 tools/make_gpu_ref.py --check "$LUCEPY_GPU_REF" 2>&1) || stop "$found"
+        echo "$found" >>"$SETUP"
+    fi
 }
 
 install_wheels() {
@@ -157,8 +181,10 @@ export -f build_cuda wait_model
 
 # --- the run ---
 say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
+check_gpuref quick
 { nvidia-smi; python3 --version; nproc; free -g; df -h /tmp; } >>"$SETUP" 2>&1 || true
 inline wheels "$SETUP" install_wheels || true
+check_gpuref full
 inline cuda-libs "$SETUP" ensure_cuda_libs || true
 
 generate_model >/tmp/lucepy-model.log 2>&1 &

@@ -3,7 +3,10 @@
 #   .whl/    wheels of tools/gpu_wheels.txt for CPython 3.12 on x86-64
 #   .sdist/  the pinned llama-cpp-python sdist, trimmed: its llama_cpp/ Python package and
 #            vendor/llama.cpp without models, docs, tests, examples and the server's web UI
-# Both are ignored through .git/info/exclude and carried with the run: carry [".whl", ".sdist"].
+#   .gpuref/ llama.cpp's logits for the GPU tests, from llama-cpp-python's CPU build here
+#            (tools/make_gpu_ref.py; this checkout installed with pip install -e .[dev])
+# All three are ignored through .git/info/exclude and carried with the run:
+# carry [".whl", ".sdist", ".gpuref"]. Run it again whenever the tiny test models change.
 # Usage: tools/prepare_gpu_carry.sh [SDIST.tar.gz]   (default: /tmp/sdist/..., else pip download)
 set -euo pipefail
 
@@ -13,9 +16,17 @@ NAME=llama_cpp_python-$VERSION
 SDIST=${1:-/tmp/sdist/$NAME.tar.gz}
 LIMIT_MIB=60
 
-for path in /.whl/ /.sdist/; do
-    grep -qxF "$path" .git/info/exclude || echo "$path" >>.git/info/exclude
+EXCLUDE=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$EXCLUDE")" && touch "$EXCLUDE"
+for path in /.whl/ /.sdist/ /.gpuref/; do
+    grep -qxF "$path" "$EXCLUDE" || echo "$path" >>"$EXCLUDE"
 done
+
+# --- the GPU tests' references: first, as a missing llama_cpp here is the likeliest failure ---
+rm -rf .gpuref
+python3 tools/make_gpu_ref.py .gpuref
+python3 tools/make_gpu_ref.py --check .gpuref
+echo "gpuref: $(du -sh .gpuref | cut -f1)"
 
 # --- wheels: one version of each, or the --no-deps install there refuses ---
 rm -rf .whl && mkdir .whl
@@ -23,7 +34,7 @@ grep -v '^\s*\(#\|$\)' tools/gpu_wheels.txt | xargs python3 -m pip download -q -
     --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl
-echo "wheels: $(ls .whl | wc -l) files, $(du -sh .whl | cut -f1)"
+echo "wheels: $(find .whl -name '*.whl' | wc -l) files, $(du -sh .whl | cut -f1)"
 
 # --- the sdist, trimmed ---
 if [[ ! -f $SDIST ]]; then
@@ -45,9 +56,10 @@ test -f ".sdist/$NAME/vendor/llama.cpp/CMakeLists.txt"
 test -f ".sdist/$NAME/llama_cpp/llama_cpp.py"
 echo "sdist: $(du -sh .sdist | cut -f1)"
 
-total=$(du -sm .whl .sdist | awk '{s += $1} END {print s}')
+total=$(du -sm .whl .sdist .gpuref | awk '{s += $1} END {print s}')
 tree=$(git ls-files -co --exclude-standard | xargs -d '\n' du -cm 2>/dev/null | tail -1 | cut -f1)
-echo "carry: ${total} MiB (.whl + .sdist) + ${tree} MiB working tree; the limit is 64 MiB a call"
+echo "carry: ${total} MiB (.whl + .sdist + .gpuref) + ${tree} MiB working tree;" \
+    "the limit is 64 MiB a call"
 if ((total + tree > LIMIT_MIB)); then
     echo "error: over ${LIMIT_MIB} MiB; trim .sdist further" >&2
     exit 1
