@@ -97,6 +97,10 @@ class ServerUnreachable(ServerError):
 
 
 # processes
+class StaleVerify(LucepyError):
+    """A verify step committed after another step ran: its rollback would undo the wrong one."""
+
+
 class WorkerError(LucepyError):
     """A worker process could not start, or died while serving a shard."""
 

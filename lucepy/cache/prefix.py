@@ -35,8 +35,7 @@ def fingerprint(engine) -> str:
         "model": engine.file.identity(),
         "arch": engine.file.architecture,
         "layout": [[s.layers.start, s.layers.stop] for s in engine.shards],
-        "state": sorted(engine.state_names()),
-        "kv_dtype": "f16",
+        "state": engine.state_dtypes(),
         "n_ctx": engine.n_ctx,
         "draft": draft,
     }

@@ -144,15 +144,13 @@ def _step(
     drafts, q = _propose(draft, sampler, last, pos, block)
     t1 = time.perf_counter()
     greedy = sampler.params.greedy
-    out = engine.verify(np.concatenate([[last], drafts]), greedy=greedy)
+    handle = engine.verify(np.concatenate([[last], drafts]), greedy=greedy)
     if greedy:
-        j, bonus = accept_greedy(drafts, out.values[0])
+        j, bonus = accept_greedy(drafts, handle.values[0])
     else:
-        j, bonus = accept_sampled(sampler, drafts, q, out.values)
-    draft.ring.push([out.features[L] for L in draft.p.target_layers], pos)
-    engine.rollback(j + 1)
-    features, start = draft.ring.take(j + 1)
-    draft.inject(features, start)
+        j, bonus = accept_sampled(sampler, drafts, q, handle.values)
+    engine.commit(handle, j + 1)
+    draft.inject([handle.features[L][: j + 1] for L in draft.p.target_layers], pos)
     t2 = time.perf_counter()
     stats.draft_ms += (t1 - t0) * 1e3
     stats.verify_ms += (t2 - t1) * 1e3

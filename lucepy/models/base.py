@@ -9,7 +9,9 @@ shape comment in ``models/`` uses ggml order, in square brackets. ``mul_mat(w, x
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
 
 from lucepy.errors import MissingTensor, TensorShapeMismatch, UnsupportedArchitecture
 from lucepy.ggml import (
@@ -22,6 +24,8 @@ from lucepy.ggml import (
     ffi,
 )
 from lucepy.gguf import GGUFFile
+from lucepy.models.batch import StepBatch
+from lucepy.models.state import LayerState
 
 Tensor = Any  # a cffi ``struct ggml_tensor *``
 
@@ -144,16 +148,46 @@ def check_tensors(f: GGUFFile, expected: dict[str, tuple[int, ...]]) -> None:
             )
 
 
+class ArchitectureProtocol(Protocol):
+    """All that runtime may ask of a model (decision 9). Shapes are ggml order."""
+
+    p: Any  # the frozen Params read from the GGUF; runtime reads only ``p.n_layer``, ``p.n_vocab``,
+    # ``p.n_embd`` and ``p.n_ctx_train``
+
+    def weight_shapes(self, layers: range, f: GGUFFile) -> dict[str, tuple[int, ...]]:
+        """The GGUF tensors ``layers`` need (the embedding with layer 0, the head with the last)."""
+
+    def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str]:
+        """Graph key -> GGUF tensor of the weights used only as mul_mat's first operand."""
+
+    def make_state(self, layers: range, n_ctx: int) -> list[LayerState]:
+        """The per-layer state of ``layers`` for a context of ``n_ctx`` tokens."""
+
+    def split_points(self) -> list[int]:
+        """The layer boundaries a split may cut at (b: layers < b on one shard, the rest after)."""
+
+    def build(self, g: Builder, w: dict, st: dict, layers: range, spec: GraphSpec) -> Tensor:
+        """The forward of ``layers`` for ``spec``: logits on the last shard, else the activation."""
+
+    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
+        """Host values of the graph inputs ``names`` for ``batch`` (tokens, positions, masks)."""
+
+
 class Architecture:
-    """Base of a model family; subclasses register themselves under their GGUF name."""
+    """Base of a model family; subclasses register themselves under their GGUF name, which is all
+    that registering an architecture takes."""
 
     registry: ClassVar[dict[str, type[Architecture]]] = {}
     gguf_name: ClassVar[str] = ""
+    p: Any
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         if cls.gguf_name:
             Architecture.registry[cls.gguf_name] = cls
+
+    def split_points(self) -> list[int]:
+        return list(range(1, self.p.n_layer))
 
 
 def architecture_for(f: GGUFFile) -> type[Architecture]:

@@ -22,6 +22,7 @@ from lucepy.errors import ConfigError, ModelFileError
 from lucepy.ggml import GGML_TYPE_F16, ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import Builder, Tensor, check_tensors, rope_args
+from lucepy.models.state import KVCache
 
 GGML_ROPE_TYPE_NEOX = 2
 GGML_ROPE_TYPE_MROPE = 8
@@ -163,12 +164,10 @@ class DFlash:
                 out[b + "attn_v.weight"] = (p.n_embd, hd * p.n_head_kv)
         return out
 
-    def kv_shapes(self, n_ctx: int) -> dict[str, tuple[int, tuple[int, ...]]]:
-        p, out = self.p, {}
-        for i in range(p.n_layer):
-            for kind in ("k", "v"):
-                out[f"{kind}.{i}"] = (GGML_TYPE_F16, (p.head_dim * p.n_head_kv, n_ctx))
-        return out
+    def make_state(self, n_ctx: int) -> list[KVCache]:
+        """The draft's KV per layer: rows are the target positions whose features it injected."""
+        width = self.p.head_dim * self.p.n_head_kv
+        return [KVCache(i, width, n_ctx, GGML_TYPE_F16) for i in range(self.p.n_layer)]
 
     # graphs
     def _positions(self, g: Builder, T: int) -> Tensor:

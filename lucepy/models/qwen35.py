@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from lucepy.errors import ConfigError
-from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32, ffi
+from lucepy.ggml import GGML_TYPE_F16, ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import (
     Architecture,
@@ -22,6 +24,8 @@ from lucepy.models.base import (
     check_tensors,
     rope_args,
 )
+from lucepy.models.batch import StepBatch
+from lucepy.models.state import DeltaNetState, KVCache, LayerState
 
 GGML_ROPE_TYPE_IMROPE = 40
 # the 2D weights that graphs use only as mul_mat's first operand (not norms, conv, get_rows)
@@ -183,43 +187,28 @@ class Qwen35(Architecture):
         )
         return s
 
-    def rollback(
-        self,
-        g: Builder,
-        st: dict[str, Tensor],
-        layers: range,
-        outputs: dict,
-        n_tokens: int,
-        keep: int,
-    ) -> None:
-        """Copy into ``st`` the recurrent state after the first ``keep`` of a verify pass's
-        ``n_tokens`` tokens, from that pass's snapshots (decision 4). KV needs nothing: the next
-        step's mask and cache rows are by position."""
-        p, L, c = self.p, g.lib, g.ctx
-        S, Hv, K1 = p.ssm_state, p.ssm_v_heads, p.ssm_conv_kernel - 1
-        for il in layers:
-            if not p.recurrent[il]:
-                continue
-            res, x = outputs[f"gdn.{il}"], outputs[f"conv.{il}"]
-            fs, n = L.ggml_element_size(res), S * S * Hv
-            slot = n_tokens - keep
-            snap = g.alias(res, (n,), (), fs * (S * Hv * n_tokens + slot * n))
-            state = L.ggml_reshape_1d(c, st[f"ssm.{il}"], n)
-            L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, snap, state))
-            tail = g.alias(x, (K1, x.ne[1]), (x.nb[1],), g.row_size(x, keep))
-            L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, st[f"conv.{il}"]))
-
-    def state_shapes(self, layers: range, n_ctx: int) -> dict[str, tuple[int, tuple[int, ...]]]:
-        """Per-layer persistent state: attention KV rows, or the delta net's conv and SSM state."""
-        p, out = self.p, {}
+    def make_state(self, layers: range, n_ctx: int) -> list[LayerState]:
+        """Per layer: the delta net's conv and recurrent state, or attention KV rows."""
+        p, out = self.p, []
         for il in layers:
             if p.recurrent[il]:
-                out[f"conv.{il}"] = (GGML_TYPE_F32, (p.ssm_conv_kernel - 1, p.conv_dim))
-                out[f"ssm.{il}"] = (GGML_TYPE_F32, (p.ssm_state, p.ssm_state, p.ssm_v_heads))
+                conv = DeltaNetState(
+                    il, p.ssm_conv_kernel - 1, p.conv_dim, p.ssm_state, p.ssm_v_heads
+                )
+                out.append(conv)
             else:
-                out[f"k.{il}"] = (KV_TYPE, (p.head_dim * p.n_head_kv, n_ctx))
-                out[f"v.{il}"] = (KV_TYPE, (p.head_dim * p.n_head_kv, n_ctx))
+                out.append(KVCache(il, p.head_dim * p.n_head_kv, n_ctx, KV_TYPE))
         return out
+
+    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
+        """IMROPE positions (4 sections, the last all 0), the causal mask and the cache rows."""
+        out = {"tokens": batch.tokens}
+        if "pos" in names:
+            pos = batch.pos
+            out["pos"] = np.concatenate([pos, pos, pos, np.zeros_like(pos)])
+            out["mask"] = batch.mask()
+            out["rows"] = batch.slots
+        return {k: v for k, v in out.items() if k in names}
 
     # graph
     def build(

@@ -1,7 +1,8 @@
 """A loaded DFlash draft on its device: weights, its KV cache, and the inject/propose graphs.
 
-The target's features arrive as host arrays from whichever shards captured them (local or worker),
-wait in the feature ring until the accepted length of a verify is known, and are then injected.
+The target's features arrive as host arrays from whichever shards captured them (local or worker):
+a prefill chunk's all at once, a verify block's once its accepted length is known, and only the
+accepted rows.
 """
 
 from __future__ import annotations
@@ -17,33 +18,10 @@ from lucepy.ggml import Backend, Lib
 from lucepy.gguf import GGUFFile
 from lucepy.models.dflash import DFlash
 from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
-from lucepy.runtime.shard import kv_bucket
+from lucepy.runtime.slots import kv_bucket
+from lucepy.runtime.state import StateSet
 
 log = logging.getLogger(__name__)
-
-
-class FeatureRing:
-    """Target features of positions not yet injected into the draft, oldest first.
-
-    Capacity: one prefill chunk or one verify block; ``push`` beyond it is a bug."""
-
-    def __init__(self, n_layers: int, n_embd: int, capacity: int):
-        self.data = np.zeros((n_layers, capacity, n_embd), dtype=np.float32)
-        self.capacity, self.pos0, self.n = capacity, 0, 0
-
-    def push(self, features: list[np.ndarray], pos0: int) -> None:
-        n = features[0].shape[0]
-        assert n <= self.capacity, f"{n} feature rows exceed the ring's {self.capacity}"
-        for j, f in enumerate(features):
-            self.data[j, :n] = f
-        self.pos0, self.n = pos0, n
-
-    def take(self, n: int) -> tuple[list[np.ndarray], int]:
-        """The oldest ``n`` rows and their first position; the ring is then empty."""
-        n = min(n, self.n)
-        out = [np.ascontiguousarray(self.data[j, :n]) for j in range(self.data.shape[0])]
-        pos0, self.n = self.pos0, 0
-        return out, pos0
 
 
 class Draft:
@@ -55,7 +33,6 @@ class Draft:
         target_model,
         backend: Backend,
         n_ctx: int,
-        capacity: int,
     ):
         self.lib, self.backend, self.n_ctx = lib, backend, n_ctx
         self.file = GGUFFile(Path(path))
@@ -67,8 +44,7 @@ class Draft:
         except BaseException:
             self.file.close()
             raise
-        self.kv = Tensors(lib, backend, self.model.kv_shapes(n_ctx), "draft KV")
-        self.ring = FeatureRing(len(self.p.target_layers), self.n_target_embd, capacity)
+        self.kv = StateSet(lib, backend, self.model.make_state(n_ctx), "draft KV")
         self.graphs: dict[tuple, CompiledGraph] = {}
         self.block = self.p.block_size
         # a draft in a worker runs its steps under the pipeline's supervision (Engine sets both)
@@ -154,7 +130,7 @@ class Draft:
         return mask
 
     def reset(self) -> None:
-        self.ring.n = 0  # KV rows are written before they are read; nothing else to clear
+        """Nothing to clear: KV rows are written (injected) before they are read."""
 
     def abandon(self) -> None:
         """Drop every device handle without freeing it: the draft's worker is gone."""

@@ -10,16 +10,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lucepy import ggml
-from lucepy.errors import ConfigError, ContextOverflow, DeviceError, PromptError, WorkerError
+from lucepy.errors import (
+    ConfigError,
+    ContextOverflow,
+    DeviceError,
+    PromptError,
+    StaleVerify,
+    WorkerError,
+)
 from lucepy.gguf import GGUFFile
 from lucepy.models import ModelOptions, architecture_for
 from lucepy.runtime import backends, state, workers
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.devices import local_backends, open_backend
-from lucepy.runtime.pipeline import Pipeline, Step, StepOutput
+from lucepy.runtime.pipeline import Pipeline, Step, VerifyHandle
 from lucepy.runtime.placement import DeviceSpec, LoadPlan, parse_devices, parse_split, plan_load
 from lucepy.runtime.shard import Shard
-from lucepy.runtime.state import StateCopy
+from lucepy.runtime.state import StateCopy, StateSet
 from lucepy.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -72,7 +79,7 @@ class Engine:
             raise
         self.n_past = 0
         self.capture: tuple[int, ...] = ()  # target layers a draft reads (set by the draft)
-        self._verify = (0, 0)
+        self._verified: VerifyHandle | None = None
 
     @property
     def shards(self) -> list[Shard]:
@@ -88,7 +95,7 @@ class Engine:
         remote = any(spec.where != "local" for spec in self.plan.devices) or (
             draft is not None and draft.where != "local"
         )
-        self.pipeline = Pipeline(self.lib, [], remote)
+        self.pipeline = Pipeline(self.lib, [], remote, self.n_ctx)
         for spec, sp in zip(self.plan.devices, self.plan.shards, strict=True):
             backend = self._open(spec)
             self.pipeline.add(
@@ -127,12 +134,9 @@ class Engine:
 
         cfg, spec = self.config, self._draft_spec()
         backend = self._open(spec)
-        capacity = max(cfg.chunk, cfg.draft_block or 0, 64)
         remote = spec.where != "local"
         run = self.pipeline.call if remote else (lambda fn: fn())
-        draft = run(
-            lambda: Draft(self.lib, cfg.draft, self.file, self.model, backend, self.n_ctx, capacity)
-        )
+        draft = run(lambda: Draft(self.lib, cfg.draft, self.file, self.model, backend, self.n_ctx))
         draft.remote, draft.run = remote, run
         if cfg.draft_block:
             try:
@@ -207,35 +211,41 @@ class Engine:
         self.n_past += 1
         return out.values[0]
 
-    def verify(self, tokens: list[int] | np.ndarray, *, greedy: bool) -> StepOutput:
-        """Run a draft block after the sequence, keeping what ``rollback`` needs. Returns the
-        argmax per position (``greedy``) or the logits of every position, and the features."""
+    def verify(self, tokens: list[int] | np.ndarray, *, greedy: bool) -> VerifyHandle:
+        """Run a draft block after the sequence, keeping what ``commit`` needs. The handle holds
+        the argmax per position (``greedy``) or the logits of every position, and the features."""
         tokens = self._checked(tokens)
         step = Step(
             logits="all", want="argmax" if greedy else "out", verify=True, capture=self.capture
         )
         out = self.pipeline.forward(tokens, self.n_past, step)
-        self._verify = (self.n_past, tokens.size)
+        self._verified = VerifyHandle(out, self.pipeline.steps, self.n_past, tokens.size)
         self.n_past += tokens.size
-        return out
+        return self._verified
+
+    def commit(self, handle: VerifyHandle, keep: int) -> None:
+        """Keep the first ``keep`` tokens of the verify ``handle`` came from and forget the rest,
+        on every shard. Raises StaleVerify if any step ran after that verify."""
+        if not 0 < keep <= handle.n_tokens:
+            raise ConfigError(f"commit keeps {keep} of {handle.n_tokens} verified tokens")
+        self.pipeline.rollback(handle.step, keep)
+        self.n_past = handle.pos0 + keep
 
     def rollback(self, keep: int) -> None:
-        """Keep the first ``keep`` tokens of the last ``verify`` and forget the rest."""
-        pos0, n = self._verify
-        if not 0 < keep <= n:
-            raise ConfigError(f"rollback keeps {keep} of {n} verified tokens")
-        self.pipeline.rollback(keep)
-        self.n_past = pos0 + keep
+        """``commit`` the latest verify."""
+        if self._verified is None:
+            raise StaleVerify("rollback without a verify to commit")
+        self.commit(self._verified, keep)
 
     # state snapshots (the prefix cache speaks these; decision 6)
-    def _states(self) -> list[tuple[str, object, dict, bool]]:
-        """(key, backend, live state tensors, remote?) for every shard and the draft."""
+    def _states(self) -> list[tuple[str, object, StateSet, bool]]:
+        """(key, backend, layer states, remote?) for every shard and the draft."""
         out = [
-            (f"shard{i}", s.backend, s.state.t, s.process != "local")
+            (f"shard{i}", s.backend, s.state, s.process != "local")
             for i, s in enumerate(self.shards)
         ]
         if self.draft is not None:
-            out.append(("draft", self.draft.backend, self.draft.kv.t, self.draft.remote))
+            out.append(("draft", self.draft.backend, self.draft.kv, self.draft.remote))
         return out
 
     def _run(self, remote: bool, fn):
@@ -270,7 +280,7 @@ class Engine:
         """Host arrays of all state for the tokens held (a worker's come over RPC)."""
         out = {}
         for key, _, live, remote in self._states():
-            arrays = self._run(remote, lambda t=live: state.export(self.lib, t, self.n_past))
+            arrays = self._run(remote, lambda t=live: state.export(t, self.n_past))
             out.update({f"{key}/{name}": a for name, a in arrays.items()})
         return out
 
@@ -279,11 +289,16 @@ class Engine:
             mine = {
                 name.split("/", 1)[1]: a for name, a in arrays.items() if name.startswith(key + "/")
             }
-            self._run(remote, lambda t=live, m=mine: state.load(self.lib, t, m, n))
+            self._run(remote, lambda t=live, m=mine: state.load(t, m, n))
         self.n_past = n
 
-    def state_names(self) -> list[str]:
-        return [f"{key}/{name}" for key, _, live, _ in self._states() for name in live]
+    def state_dtypes(self) -> dict[str, str]:
+        """Every state tensor, ``shard0/k.3``, with its ggml type (snapshot fingerprints)."""
+        return {
+            f"{key}/{name}": dtype
+            for key, _, states, _ in self._states()
+            for name, dtype in states.dtypes().items()
+        }
 
     def _checked(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int32)

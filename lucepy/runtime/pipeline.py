@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lucepy.errors import WorkerError
+from lucepy.errors import StaleVerify, WorkerError
 from lucepy.ggml import Lib
 from lucepy.ggml.lib import rpc_failures
 from lucepy.runtime.shard import Shard
+from lucepy.runtime.slots import IdentitySlots
 from lucepy.runtime.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,25 @@ class Step:
 class StepOutput:
     values: np.ndarray  # logits [rows, n_vocab] (float32) or argmax [1, rows] (int32)
     features: dict[int, np.ndarray]  # layer -> [rows, n_embd], host copies owned by the graphs
+
+
+@dataclass(frozen=True)
+class VerifyHandle:
+    """A verify step's output and what commits it (decision 11): ``Engine.commit(handle, keep)``
+    rolls back exactly this step, and refuses once another step has run."""
+
+    out: StepOutput
+    step: int
+    pos0: int
+    n_tokens: int
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.out.values
+
+    @property
+    def features(self) -> dict[int, np.ndarray]:
+        return self.out.features
 
 
 class _GuardThread:
@@ -69,10 +89,12 @@ class Pipeline:
     """Shards in layer order. With worker shards, every call that may touch a worker (load, step,
     reset) runs supervised on the guard thread."""
 
-    def __init__(self, lib: Lib, workers: list[Worker], remote: bool):
+    def __init__(self, lib: Lib, workers: list[Worker], remote: bool, n_ctx: int):
         self.lib, self.workers, self.remote = lib, workers, remote
+        self.slots = IdentitySlots(n_ctx)
         self.shards: list[Shard] = []
         self._last: list[tuple] = []  # (shard, spec, graph) of the last step, for rollback
+        self.steps = 0  # steps run; a verify's handle names its own
         self._guard = _GuardThread() if remote else None
         self._failures_seen = len(rpc_failures())
         self.broken: str | None = None
@@ -105,8 +127,14 @@ class Pipeline:
     def forward(self, tokens: np.ndarray, pos0: int, step: Step) -> StepOutput:
         return self.call(lambda: self._forward(tokens, pos0, step))
 
-    def rollback(self, keep: int) -> None:
-        """Undo all but the first ``keep`` tokens of the last (verify) step on every shard."""
+    def rollback(self, step: int, keep: int) -> None:
+        """Undo all but the first ``keep`` tokens of verify step ``step`` on every shard; only
+        while it is the last step, whose graphs hold its snapshots."""
+        if step != self.steps:
+            raise StaleVerify(
+                f"verify step {step} is committed after step {self.steps} ran; commit a verify "
+                f"before the next decode, prefill or verify"
+            )
         self.call(lambda: [shard.rollback(g, spec, keep) for shard, spec, g in self._last])
 
     def check_workers(self) -> str | None:
@@ -127,16 +155,16 @@ class Pipeline:
     def _forward(self, tokens: np.ndarray, pos0: int, step: Step) -> StepOutput:
         for shard, spec, _ in self._last:
             shard.release(spec)
+        self.steps += 1
         self._last, prev, features = [], None, {}
+        batch = self.slots.batch(tokens, pos0)
         for shard in self.shards:
-            spec = shard.spec(tokens.size, pos0, step.logits, step.verify, step.capture)
-            g = shard.prepare(spec, pos0)
-            if prev is None:
-                shard.put_tokens(g, tokens)
-            else:
+            spec = shard.spec(batch, step.logits, step.verify, step.capture)
+            g = shard.prepare(spec, batch)
+            if prev is not None:
                 self.lib.ggml_backend_tensor_copy(prev.output, g.inputs["x"])
             shard.compute(g)
-            features.update(shard.features(g))
+            features.update(shard.features(g, spec))
             self._last.append((shard, spec, g))
             prev = g
         last = self.shards[-1]

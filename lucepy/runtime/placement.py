@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from lucepy.errors import ConfigError, DeviceError
+from lucepy.models.state import state_specs
 
 _LOCAL = re.compile(r"^(cpu|[a-z][a-z0-9_-]*:\d+)(@worker)?$")
 _RPC = re.compile(r"^rpc://([^/:]+|\[[0-9a-fA-F:]+\]):(\d{1,5})(?:/(\d+))?$")
@@ -157,7 +158,8 @@ def plan_load(f, model, devices: list[DeviceSpec], split: list[float], max_ctx: 
     shards = []
     for spec, layers in zip(devices, ranges, strict=True):
         weights = sum(f.tensors[name].nbytes for name in model.weight_shapes(layers, f))
-        state = sum(_nbytes(t, s) for t, s in model.state_shapes(layers, max_ctx).values())
+        specs = state_specs(model.make_state(layers, max_ctx))
+        state = sum(_nbytes(t, s) for t, s in specs.values())
         shards.append(
             ShardPlan(
                 spec.name, spec.backend, (layers.start, layers.stop), weights, state, spec.process

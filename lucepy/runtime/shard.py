@@ -1,8 +1,9 @@
 """A shard: one contiguous layer range of a model on one backend, with its weights and state.
 
-Graphs are cached per ``GraphSpec`` (tokens, KV bucket, logits rows, verify, capture). A verify
-graph keeps per-token recurrent snapshots, and a small rollback graph per kept length copies the
-right snapshot back into the state (decision 4).
+Graphs are cached per ``GraphSpec`` (tokens, KV bucket, logits rows, verify, capture). Each step's
+inputs come from the model (``step_inputs`` of the step batch). A verify graph keeps per-token
+recurrent snapshots, and a small rollback graph per kept length, built by the layer states, copies
+the right snapshot back (decision 4).
 """
 
 from __future__ import annotations
@@ -12,28 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from lucepy.errors import ContextOverflow
 from lucepy.ggml import Backend, Lib
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import GraphSpec
+from lucepy.models.batch import StepBatch
 from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
+from lucepy.runtime.state import StateSet
 
 log = logging.getLogger(__name__)
-
-KV_BUCKET = 256  # attention windows grow in steps of this many rows, so decode graphs are reused
-_NEG_INF = np.float16(-np.inf)
-
-
-def kv_bucket(end: int, n_ctx: int) -> int:
-    return min(n_ctx, -(-end // KV_BUCKET) * KV_BUCKET)
-
-
-def causal_mask(pos0: int, n_tokens: int, n_kv: int) -> np.ndarray:
-    """[T, n_kv] f16: token t sees cache rows 0 .. pos0 + t."""
-    mask = np.zeros((n_tokens, n_kv), dtype=np.float16)
-    pos = np.arange(pos0, pos0 + n_tokens)
-    mask[np.arange(n_kv)[None, :] > pos[:, None]] = _NEG_INF
-    return mask
 
 
 class Shard:
@@ -61,8 +48,8 @@ class Shard:
             f"weights of layers {layers}",
             matmul=model.matmul_weights(layers, f),
         )
-        self.state = Tensors(
-            lib, backend, model.state_shapes(layers, n_ctx), f"state of layers {layers}"
+        self.state = StateSet(
+            lib, backend, model.make_state(layers, n_ctx), f"state of layers {layers}"
         )
         self.reset()
 
@@ -79,14 +66,8 @@ class Shard:
         self.state.clear()
 
     def spec(
-        self, n_tokens: int, pos0: int, logits: str, verify: bool, capture: tuple[int, ...]
+        self, batch: StepBatch, logits: str, verify: bool, capture: tuple[int, ...]
     ) -> GraphSpec:
-        end = pos0 + n_tokens
-        if end > self.n_ctx:
-            raise ContextOverflow(
-                f"position {end} is past the context of {self.n_ctx}; "
-                f"start a new sequence or raise --max-ctx"
-            )
         mine = tuple(
             L
             for L in capture
@@ -94,9 +75,7 @@ class Shard:
             or L == self.layers.stop == self.model.p.n_layer
         )
         last = self.layers.stop == self.model.p.n_layer
-        return GraphSpec(
-            n_tokens, kv_bucket(end, self.n_ctx), logits if last else "last", verify, mine
-        )
+        return GraphSpec(batch.n_tokens, batch.n_kv, logits if last else "last", verify, mine)
 
     def graph(self, spec: GraphSpec) -> CompiledGraph:
         g = self.graphs.get(spec)
@@ -117,18 +96,12 @@ class Shard:
             )
         return g
 
-    def prepare(self, spec: GraphSpec, pos0: int) -> CompiledGraph:
-        """The graph for this step, with positions, mask and cache rows written."""
+    def prepare(self, spec: GraphSpec, batch: StepBatch) -> CompiledGraph:
+        """The graph for this step, with the inputs the model derives from the batch written."""
         g = self.graph(spec)
-        if "pos" in g.inputs:
-            pos = np.arange(pos0, pos0 + spec.n_tokens, dtype=np.int32)
-            put(self.lib, g.inputs["pos"], np.concatenate([pos, pos, pos, np.zeros_like(pos)]))
-            put(self.lib, g.inputs["rows"], pos.astype(np.int64))
-            put(self.lib, g.inputs["mask"], causal_mask(pos0, spec.n_tokens, spec.n_kv))
+        for name, values in self.model.step_inputs(batch, g.inputs).items():
+            put(self.lib, g.inputs[name], values)
         return g
-
-    def put_tokens(self, g: CompiledGraph, tokens: np.ndarray) -> None:
-        put(self.lib, g.inputs["tokens"], np.ascontiguousarray(tokens, dtype=np.int32))
 
     def compute(self, g: CompiledGraph) -> None:
         compute(self.lib, self.backend, g)
@@ -138,12 +111,13 @@ class Shard:
         t = g.output if what == "out" else g.outputs[what]
         return get(self.lib, g, what, t)
 
-    def features(self, g: CompiledGraph) -> dict[int, np.ndarray]:
-        return {int(k[5:]): self.read(g, k) for k in g.outputs if k.startswith("feat.")}
+    def features(self, g: CompiledGraph, spec: GraphSpec) -> dict[int, np.ndarray]:
+        """The residual entering each captured layer this shard owns (outputs ``feat.L``)."""
+        return {L: self.read(g, f"feat.{L}") for L in spec.capture}
 
     def rollback(self, g: CompiledGraph, spec: GraphSpec, keep: int) -> None:
         """After a verify pass of ``spec.n_tokens``, keep only the first ``keep`` tokens' effect."""
-        if keep == spec.n_tokens or not any(k.startswith("gdn.") for k in g.outputs):
+        if keep == spec.n_tokens or not self.state.rolls_back:
             return
         rb = self._rollbacks.get((spec, keep))
         if rb is None:
@@ -151,11 +125,13 @@ class Shard:
                 self.lib,
                 self.backend,
                 8 * len(self.layers) + 16,
-                lambda b: self.model.rollback(
-                    b, self.state.t, self.layers, g.outputs, spec.n_tokens, keep
-                ),
+                lambda b: self._rollback(b, g, spec.n_tokens, keep),
             )
         compute(self.lib, self.backend, rb)
+
+    def _rollback(self, b, g: CompiledGraph, n_tokens: int, keep: int) -> None:
+        for state in self.state.states:
+            state.rollback(b, self.state.t, g.outputs, n_tokens, keep)
 
     def release(self, spec: GraphSpec) -> None:
         if not self.reuse_graphs:

@@ -1,8 +1,7 @@
-"""Per-layer state (attention KV, recurrent conv and SSM state) as one protocol: copies on the
-state's own backend (RAM slots; inside the worker for worker shards), and host arrays (disk).
-
-Only the first ``n`` KV rows matter for a snapshot of ``n`` tokens; recurrent state is whole.
-KV tensors are named ``k.*``/``v.*`` with shape [width, n_ctx] (rows = positions).
+"""Per-layer state in backend buffers, behind the protocol the model declares it with
+(``lucepy.models.state``): copies on the state's own backend (RAM slots; inside the worker for
+worker shards), and host arrays (disk). What a snapshot of ``rows`` cache rows holds is what each
+state's ``views(rows)`` says; nothing here reads a tensor's name to learn its kind.
 """
 
 from __future__ import annotations
@@ -12,30 +11,60 @@ from typing import Any
 import numpy as np
 
 from lucepy.ggml import Backend, Context, Lib, alias_tensor, ffi
+from lucepy.models.state import LayerState, state_specs
 from lucepy.runtime.graphs import Tensors
 
-_DTYPES = {0: np.float32, 1: np.float16}  # ggml type -> numpy, for the state types we use
+_DTYPES = {0: np.float32, 1: np.float16}  # ggml type -> numpy, for host copies of state
 
 
-def _is_kv(name: str) -> bool:
-    return name.startswith(("k.", "v."))
+class StateSet:
+    """The layer states of a shard (or of the draft) and their tensors, in one buffer."""
 
+    def __init__(self, lib: Lib, backend: Backend, states: list[LayerState], what: str):
+        self.lib, self.states = lib, states
+        self.tensors = Tensors(lib, backend, state_specs(states), what)
 
-def _shape(name: str, t: Any, n: int) -> tuple[int, ...]:
-    dims = [int(t.ne[i]) for i in range(4)]
-    while len(dims) > 1 and dims[-1] == 1:
-        dims.pop()
-    return (dims[0], n) if _is_kv(name) else tuple(dims)
+    @property
+    def t(self) -> dict[str, Any]:
+        return self.tensors.t
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors.nbytes
+
+    @property
+    def rolls_back(self) -> bool:
+        return any(s.rolls_back for s in self.states)
+
+    def views(self, rows: int) -> dict[str, tuple[int, ...]]:
+        return {name: shape for s in self.states for name, shape in s.views(rows).items()}
+
+    def dtypes(self) -> dict[str, str]:
+        """Each tensor's ggml type name (a snapshot's fingerprint includes them)."""
+        return {
+            name: ffi.string(self.lib.ggml_type_name(t.type)).decode() for name, t in self.t.items()
+        }
+
+    def clear(self) -> None:
+        self.tensors.clear()
+
+    def close(self) -> None:
+        self.tensors.close()
+
+    def abandon(self) -> None:
+        self.tensors.abandon()
 
 
 class Live:
-    """Aliases over the live state covering ``n`` tokens (KV rows 0..n-1, all of the rest)."""
+    """Aliases over the part of the live state that ``rows`` cache rows fill."""
 
-    def __init__(self, lib: Lib, state: dict[str, Any], n: int):
-        self._ctx = Context(lib, len(state) + 1)
+    def __init__(self, states: StateSet, rows: int):
+        lib = states.lib
+        views = states.views(rows)
+        self._ctx = Context(lib, len(views) + 1)
         self.t = {}
-        for name, src in state.items():
-            shape = _shape(name, src, n)
+        for name, shape in views.items():
+            src = states.t[name]
             strides = tuple(int(src.nb[i]) for i in range(1, len(shape)))
             self.t[name] = alias_tensor(lib, self._ctx.ptr, src, shape, strides, 0)
 
@@ -43,15 +72,22 @@ class Live:
         self._ctx.close()
 
 
-class StateCopy:
-    """A copy of some state for ``n`` tokens, kept on ``backend`` (a RAM slot's content)."""
+def _shape(t: Any) -> tuple[int, ...]:
+    dims = [int(t.ne[i]) for i in range(4)]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(dims)
 
-    def __init__(self, lib: Lib, backend: Backend, state: dict[str, Any], n: int):
-        self.lib, self.n = lib, n
-        live = Live(lib, state, n)
+
+class StateCopy:
+    """A copy of some state for ``rows`` cache rows, kept on ``backend`` (a RAM slot's content)."""
+
+    def __init__(self, lib: Lib, backend: Backend, states: StateSet, rows: int):
+        self.lib, self.rows = lib, rows
+        live = Live(states, rows)
         try:
-            specs = {k: (int(t.type), _shape(k, t, n)) for k, t in live.t.items()}
-            self.copy = Tensors(lib, backend, specs, f"snapshot of {n} tokens")
+            specs = {k: (int(t.type), _shape(t)) for k, t in live.t.items()}
+            self.copy = Tensors(lib, backend, specs, f"snapshot of {rows} rows")
             for name, t in live.t.items():
                 lib.ggml_backend_tensor_copy(t, self.copy.t[name])
         finally:
@@ -61,8 +97,8 @@ class StateCopy:
     def nbytes(self) -> int:
         return self.copy.nbytes
 
-    def restore(self, state: dict[str, Any]) -> None:
-        live = Live(self.lib, state, self.n)
+    def restore(self, states: StateSet) -> None:
+        live = Live(states, self.rows)
         try:
             for name, t in live.t.items():
                 self.lib.ggml_backend_tensor_copy(self.copy.t[name], t)
@@ -76,29 +112,29 @@ class StateCopy:
         self.copy.abandon()
 
 
-def export(lib: Lib, state: dict[str, Any], n: int) -> dict[str, np.ndarray]:
-    """Host copies of the state for ``n`` tokens (read over RPC for a worker's state)."""
-    live = Live(lib, state, n)
+def export(states: StateSet, rows: int) -> dict[str, np.ndarray]:
+    """Host copies of the state for ``rows`` cache rows (read over RPC for a worker's state)."""
+    live = Live(states, rows)
     try:
         out = {}
         for name, t in live.t.items():
-            arr = np.empty(_shape(name, t, n)[::-1], dtype=_DTYPES[int(t.type)])
-            lib.ggml_backend_tensor_get(t, ffi.from_buffer(arr), 0, arr.nbytes)
+            arr = np.empty(_shape(t)[::-1], dtype=_DTYPES[int(t.type)])
+            states.lib.ggml_backend_tensor_get(t, ffi.from_buffer(arr), 0, arr.nbytes)
             out[name] = arr
         return out
     finally:
         live.close()
 
 
-def load(lib: Lib, state: dict[str, Any], arrays: dict[str, np.ndarray], n: int) -> None:
+def load(states: StateSet, arrays: dict[str, np.ndarray], rows: int) -> None:
     """Write host arrays from ``export`` back into the live state."""
-    live = Live(lib, state, n)
+    live = Live(states, rows)
     try:
         for name, t in live.t.items():
             arr = np.ascontiguousarray(arrays[name])
-            want = _shape(name, t, n)[::-1]
+            want = _shape(t)[::-1]
             if arr.shape != want or arr.dtype != _DTYPES[int(t.type)]:
                 raise ValueError(f"state {name}: {arr.shape} {arr.dtype} does not fit {want}")
-            lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+            states.lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
     finally:
         live.close()

@@ -1,0 +1,42 @@
+"""The step batch (decision 8): every token of a step with its position, sequence and KV slot, and
+what the cache rows the step attends over hold. runtime builds it from its slot allocator; each
+model turns it into its own graph inputs (position layout, masks, rows), so runtime writes no
+model's input by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NEG_INF = np.float16(-np.inf)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    tokens: np.ndarray  # [T] int32
+    pos: np.ndarray  # [T] int32: each token's position in its sequence
+    seq: np.ndarray  # [T] int32: each token's sequence id
+    slots: np.ndarray  # [T] int64: the cache row each token's K/V is written to
+    cell_pos: np.ndarray  # [n_kv] int32: the position a cache row holds after the write; -1 empty
+    cell_seq: np.ndarray  # [n_kv] int32: the sequence a cache row belongs to
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def n_kv(self) -> int:
+        return int(self.cell_pos.size)
+
+    def mask(self, window: int = 0) -> np.ndarray:
+        """[T, n_kv] f16: 0 where a token may attend to a row (its own sequence, not after it,
+        and with ``window`` > 0 fewer than ``window`` positions back), -inf elsewhere."""
+        pos, cpos = self.pos[:, None], self.cell_pos[None, :]
+        ok = (cpos >= 0) & (self.cell_seq[None, :] == self.seq[:, None]) & (cpos <= pos)
+        if window > 0:
+            ok &= pos - cpos < window
+        out = np.zeros(ok.shape, dtype=np.float16)
+        out[~ok] = NEG_INF
+        return out

@@ -1,0 +1,112 @@
+"""Per-layer state, declared by the model (decision 7): what each layer keeps between steps.
+
+A model's ``make_state(layers, n_ctx)`` returns one object per stateful layer. runtime/ allocates
+their tensors (``specs``), and snapshots, restores, exports and imports them through ``views``:
+the part of each tensor that holds a given number of cached rows. It never reads a tensor name to
+learn what a tensor is.
+
+- ``KVCache``: attention keys and values, one cache row (a slot the step batch assigns) per token.
+- ``DeltaNetState``: Gated DeltaNet conv tail and recurrent matrix, whole at every length; a verify
+  step keeps per-token snapshots, and ``rollback`` copies the kept one back (decision 4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lucepy.ggml import GGML_TYPE_F32
+
+Tensor = Any
+Spec = tuple[int, tuple[int, ...]]  # (ggml type, shape in ggml order)
+
+
+class LayerState:
+    """The protocol every state kind implements. ``views(rows)`` names the part that a snapshot
+    of ``rows`` cache rows holds; ``rollback`` adds to a graph the copies that undo a verify step
+    past ``keep`` tokens (none where rows are masked by position)."""
+
+    layer: int
+    rolls_back = False  # whether a verify step must keep snapshots for ``rollback``
+
+    def specs(self) -> dict[str, Spec]:
+        raise NotImplementedError
+
+    def views(self, rows: int) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def nbytes(self, rows: int, lib) -> int:
+        """Bytes of a snapshot of ``rows`` cache rows."""
+        total = 0
+        for name, shape in self.views(rows).items():
+            gtype = self.specs()[name][0]
+            total += lib.ggml_row_size(gtype, shape[0]) * _prod(shape[1:])
+        return total
+
+    def trim(self, rows: int) -> int:
+        """The rows still meaningful after keeping ``rows`` tokens: all of them, for kinds whose
+        rows a mask hides past the end, and nothing to free."""
+        return rows
+
+    def rollback(self, g, st: dict[str, Tensor], outputs: dict, n_tokens: int, keep: int) -> None:
+        return None
+
+
+class KVCache(LayerState):
+    """Full attention: ``k.L`` and ``v.L`` [width, n_ctx], one row per cache slot."""
+
+    def __init__(self, layer: int, width: int, n_ctx: int, dtype: int):
+        self.layer, self.width, self.n_ctx, self.dtype = layer, width, n_ctx, dtype
+        self.k, self.v = f"k.{layer}", f"v.{layer}"
+
+    def specs(self) -> dict[str, Spec]:
+        return {name: (self.dtype, (self.width, self.n_ctx)) for name in (self.k, self.v)}
+
+    def views(self, rows: int) -> dict[str, tuple[int, ...]]:
+        return {self.k: (self.width, rows), self.v: (self.width, rows)}
+
+
+class DeltaNetState(LayerState):
+    """Gated DeltaNet: ``conv.L`` [K-1, channels] (the conv's last inputs) and ``ssm.L``
+    [S, S, H] (the recurrent matrix per value head). A verify graph outputs ``gdn.L`` (its
+    per-token state snapshots) and ``conv.L`` (the conv input with the saved tail)."""
+
+    rolls_back = True
+
+    def __init__(self, layer: int, conv_tail: int, channels: int, head_dim: int, heads: int):
+        self.layer, self.conv_tail, self.channels = layer, conv_tail, channels
+        self.head_dim, self.heads = head_dim, heads
+        self.conv, self.ssm = f"conv.{layer}", f"ssm.{layer}"
+
+    def specs(self) -> dict[str, Spec]:
+        S = self.head_dim
+        return {
+            self.conv: (GGML_TYPE_F32, (self.conv_tail, self.channels)),
+            self.ssm: (GGML_TYPE_F32, (S, S, self.heads)),
+        }
+
+    def views(self, rows: int) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (_, shape) in self.specs().items()}
+
+    def rollback(self, g, st: dict[str, Tensor], outputs: dict, n_tokens: int, keep: int) -> None:
+        """Copy back the state after the first ``keep`` of ``n_tokens`` verified tokens: slot
+        ``s`` of the snapshots is the state ``s`` tokens before the end."""
+        L, c, S, H, K1 = g.lib, g.ctx, self.head_dim, self.heads, self.conv_tail
+        res, x = outputs[f"gdn.{self.layer}"], outputs[f"conv.{self.layer}"]
+        fs, n = L.ggml_element_size(res), S * S * H
+        slot = n_tokens - keep
+        snap = g.alias(res, (n,), (), fs * (S * H * n_tokens + slot * n))
+        state = L.ggml_reshape_1d(c, st[self.ssm], n)
+        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, snap, state))
+        tail = g.alias(x, (K1, x.ne[1]), (x.nb[1],), g.row_size(x, keep))
+        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, st[self.conv]))
+
+
+def state_specs(states: list[LayerState]) -> dict[str, Spec]:
+    return {name: spec for s in states for name, spec in s.specs().items()}
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
