@@ -94,10 +94,13 @@ def placement_table(shards: list[dict], title: str = "placement") -> Table:
 
 
 def plan_table(plan) -> Table:
-    return placement_table(
+    table = placement_table(
         [s.to_dict() for s in plan.shards],
         title=f"{plan.model}: {plan.n_layer} layers, context {plan.max_ctx}",
     )
+    if plan.notes:
+        table.caption = "; ".join(plan.notes)
+    return table
 
 
 def _mib(n: int) -> str:

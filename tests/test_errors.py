@@ -62,14 +62,14 @@ def truncated_header(tmp_path, copy_model):
 
 
 def unsupported_arch(tmp_path, copy_model):
-    path = tmp_path / "llama.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
     w.add_block_count(1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     w.close()
-    return path, "'llama' is not supported; lucepy runs: qwen35"
+    return path, "'mamba' is not supported; lucepy runs: llama, qwen35"
 
 
 def missing_tensor(tmp_path, copy_model):

@@ -141,3 +141,16 @@ def test_worker_warns_beyond_loopback():
         proc.kill()
         proc.wait()
     assert "no authentication" in line
+
+
+def test_split_points_move_a_boundary_and_say_so():
+    from lucepy.runtime.placement import honour_split_points
+
+    ranges = layer_ranges([1, 1], 8)  # 0-4, 4-8
+    moved, notes = honour_split_points(ranges, [3, 6])
+    assert [(r.start, r.stop) for r in moved] == [(0, 3), (3, 8)]
+    assert notes == ["split at layer 4 moved to 3: the model's split points"]
+    same, none = honour_split_points(ranges, list(range(1, 8)))
+    assert same == ranges and none == []
+    with pytest.raises(ConfigError, match="no layer boundary"):
+        honour_split_points(layer_ranges([1, 1, 1], 6), [3])

@@ -25,7 +25,7 @@ from lucepy.ggml import (
 )
 from lucepy.gguf import GGUFFile
 from lucepy.models.batch import StepBatch
-from lucepy.models.state import LayerState
+from lucepy.models.state import KVCache, LayerState
 
 Tensor = Any  # a cffi ``struct ggml_tensor *``
 
@@ -121,6 +121,25 @@ class Builder:
         out = L.ggml_permute(c, L.ggml_mul_mat(c, vt, kq), 0, 2, 1, 3)  # [hd, nh, T]
         return L.ggml_cont_2d(c, out, hd * nh, T)
 
+    def cached_attention(self, cache: KVCache, st: dict, q, k, v, scale: float, flash: bool):
+        """Write this step's ``k``, ``v`` [hd, nkv, T] into ``cache``'s rows (input ``rows``),
+        then attend with ``q`` over the first n_kv rows under the input ``mask``."""
+        L, c = self.lib, self.ctx
+        hd, nkv, T = k.ne[0], k.ne[1], k.ne[2]
+        rows, mask = self.inputs["rows"], self.inputs["mask"]
+        views = []
+        for name, cur in ((cache.k, k), (cache.v, v)):  # st[name]: [hd*nkv, n_ctx]
+            written = L.ggml_set_rows(c, st[name], L.ggml_reshape_2d(c, cur, hd * nkv, T), rows)
+            row = written.nb[1]  # a view of the cache after the write
+            views.append(
+                L.ggml_view_3d(c, written, hd, nkv, mask.ne[0], self.row_size(written, hd), row, 0)
+            )
+        return self.attention(q, views[0], views[1], mask, scale, flash)
+
+    def last_row(self, t: Tensor) -> Tensor:
+        """The last column of ``t`` [n, T]: [n, 1]."""
+        return self.lib.ggml_view_2d(self.ctx, t, t.ne[0], 1, t.nb[1], t.nb[1] * (t.ne[1] - 1))
+
     def row_size(self, t: Tensor, n: int) -> int:
         return self.lib.ggml_row_size(t.type, n)
 
@@ -130,6 +149,17 @@ def rope_args(n_ctx_train: int, theta: float) -> tuple:
     freq_scale 1, ext_factor 0, attn_factor 1, beta_fast 32, beta_slow 1 (llama.cpp's values
     when a model has no rope scaling)."""
     return (n_ctx_train, theta, 1.0, 0.0, 1.0, 32.0, 1.0)
+
+
+def metadata(f: GGUFFile):
+    """``key(name, default=required)``: the file's ``{arch}.{name}`` value, or the default."""
+    arch = f.architecture
+
+    def key(name: str, default: object = ...) -> object:
+        full = f"{arch}.{name}"
+        return f.require(full) if default is ... else f.get(full, default)
+
+    return key
 
 
 def check_tensors(f: GGUFFile, expected: dict[str, tuple[int, ...]]) -> None:

@@ -22,6 +22,7 @@ from lucepy.models.base import (
     ModelOptions,
     Tensor,
     check_tensors,
+    metadata,
     rope_args,
 )
 from lucepy.models.batch import StepBatch
@@ -69,12 +70,7 @@ class Params:
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> Params:
-        arch = f.architecture
-
-        def key(name: str, default: object = ...) -> object:
-            full = f"{arch}.{name}"
-            return f.require(full) if default is ... else f.get(full, default)
-
+        key = metadata(f)
         n_layer = int(key("block_count")) - int(key("nextn_predict_layers", 0))
         n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
         head_dim = int(key("attention.key_length", n_embd // n_head))
@@ -114,6 +110,7 @@ class Qwen35(Architecture):
 
     def __init__(self, params: Params, options: ModelOptions = ModelOptions()):  # noqa: B008
         self.p, self.options = params, options
+        self._kv = {s.layer: s for s in self.make_state(range(params.n_layer), 0)}
 
     @classmethod
     def from_gguf(cls, f: GGUFFile, options: ModelOptions = ModelOptions()) -> Qwen35:  # noqa: B008
@@ -246,7 +243,7 @@ class Qwen35(Architecture):
         if p.n_layer in spec.capture:  # "entering" the layer after the last: the final residual
             g.output(f"feat.{p.n_layer}", x)
         if spec.logits == "last":
-            x = L.ggml_view_2d(c, x, p.n_embd, 1, x.nb[1], x.nb[1] * (T - 1))
+            x = g.last_row(x)
         x = g.rms_norm(x, w["output_norm.weight"], p.rms_eps)
         head = w.get("output.weight", w.get("token_embd.weight"))
         logits = L.ggml_mul_mat(c, head, x)  # [n_vocab, T or 1]
@@ -280,7 +277,8 @@ class Qwen35(Architecture):
         k = g.rms_norm(k, w[b + "attn_k_norm.weight"], p.rms_eps)
         v = L.ggml_reshape_3d(c, L.ggml_mul_mat(c, w[b + "attn_v.weight"], x), hd, nkv, T)
         q, k = self._rope(g, q), self._rope(g, k)
-        attn = self._attend(g, st, il, q, k, v, T)  # [hd*nh, T]
+        cache, scale = self._kv[il], 1.0 / math.sqrt(hd)
+        attn = g.cached_attention(cache, st, q, k, v, scale, self.options.flash_attn)  # [hd*nh, T]
         attn = L.ggml_mul(c, attn, L.ggml_sigmoid(c, gate))
         return L.ggml_mul_mat(c, w[b + "attn_output.weight"], attn)  # [n_embd, T]
 
@@ -297,22 +295,6 @@ class Qwen35(Architecture):
             GGML_ROPE_TYPE_IMROPE,
             *rope_args(p.n_ctx_train, p.rope_theta),
         )
-
-    def _attend(self, g: Builder, st: dict, il: int, q, k, v, T: int) -> Tensor:
-        """Write this step's K/V into the cache rows, then attend over the first n_kv rows."""
-        p, L, c = self.p, g.lib, g.ctx
-        hd, nkv = p.head_dim, p.n_head_kv
-        rows, mask = g.inputs["rows"], g.inputs["mask"]
-        n_kv = mask.ne[0]
-        views = []
-        for name, cur in ((f"k.{il}", k), (f"v.{il}", v)):
-            cache = st[name]  # [hd*nkv, n_ctx]
-            cur2 = L.ggml_reshape_2d(c, cur, hd * nkv, T)
-            written = L.ggml_set_rows(c, cache, cur2, rows)  # a view of cache, after the write
-            row = written.nb[1]
-            views.append(L.ggml_view_3d(c, written, hd, nkv, n_kv, g.row_size(written, hd), row, 0))
-        scale = 1.0 / math.sqrt(hd)
-        return g.attention(q, views[0], views[1], mask, scale, self.options.flash_attn)
 
     def _delta_net(
         self, g: Builder, w: dict, st: dict, il: int, x: Tensor, T: int, verify: bool

@@ -70,6 +70,8 @@ class Engine:
             self.params = self.model.p
             self.lib = ggml.load()
             self.plan = make_plan(self.file, self.model, self.config, self.lib)
+            for note in self.plan.notes:
+                log.warning("%s", note)
             self.n_ctx = self.plan.max_ctx
             self._load()
             self.draft = self._load_draft() if self.config.draft else None

@@ -110,6 +110,25 @@ def layer_ranges(weights: list[float], n_layer: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
+def honour_split_points(ranges: list[range], points: list[int]) -> tuple[list[range], list[str]]:
+    """Move each inner boundary to the nearest one the model allows (decision 9), keeping every
+    shard non-empty; say which moved."""
+    allowed = sorted(set(points))
+    bounds, notes = [r.start for r in ranges] + [ranges[-1].stop], []
+    for i in range(1, len(bounds) - 1):
+        ok = [b for b in allowed if bounds[i - 1] < b < bounds[i + 1]]
+        if not ok:
+            raise ConfigError(
+                f"no layer boundary between {bounds[i - 1]} and {bounds[i + 1]} that this model "
+                f"allows a split at ({allowed}); use fewer devices or another split"
+            )
+        best = min(ok, key=lambda b: (abs(b - bounds[i]), b))
+        if best != bounds[i]:
+            notes.append(f"split at layer {bounds[i]} moved to {best}: the model's split points")
+            bounds[i] = best
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)], notes
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     device: str
@@ -133,6 +152,7 @@ class LoadPlan:
     max_ctx: int
     shards: tuple[ShardPlan, ...]
     devices: tuple[DeviceSpec, ...]
+    notes: tuple[str, ...] = ()  # boundaries the model's split points moved
 
     def to_dict(self) -> dict:
         return {
@@ -141,6 +161,7 @@ class LoadPlan:
             "n_layer": self.n_layer,
             "max_ctx": self.max_ctx,
             "shards": [s.to_dict() for s in self.shards],
+            "notes": list(self.notes),
         }
 
 
@@ -154,7 +175,7 @@ def _nbytes(gtype: int, shape: tuple[int, ...]) -> int:
 
 def plan_load(f, model, devices: list[DeviceSpec], split: list[float], max_ctx: int) -> LoadPlan:
     """Pure: the shards a load would make, with their bytes. Reads only the GGUF index."""
-    ranges = layer_ranges(split, model.p.n_layer)
+    ranges, notes = honour_split_points(layer_ranges(split, model.p.n_layer), model.split_points())
     shards = []
     for spec, layers in zip(devices, ranges, strict=True):
         weights = sum(f.tensors[name].nbytes for name in model.weight_shapes(layers, f))
@@ -166,5 +187,11 @@ def plan_load(f, model, devices: list[DeviceSpec], split: list[float], max_ctx: 
             )
         )
     return LoadPlan(
-        str(f.path), f.architecture, model.p.n_layer, max_ctx, tuple(shards), tuple(devices)
+        str(f.path),
+        f.architecture,
+        model.p.n_layer,
+        max_ctx,
+        tuple(shards),
+        tuple(devices),
+        tuple(notes),
     )
