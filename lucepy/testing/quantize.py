@@ -9,7 +9,11 @@ from pathlib import Path
 
 from lucepy.errors import ConfigError
 
-FTYPES = {"q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S"}
+FTYPES = {
+    "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+}
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str = "q4_K_M") -> Path:
