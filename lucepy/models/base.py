@@ -25,16 +25,23 @@ from lucepy.ggml import (
 )
 from lucepy.gguf import GGUFFile
 from lucepy.models.batch import StepBatch
-from lucepy.models.state import KVCache, LayerState
+from lucepy.models.state import KVCache, LayerState, hadamard
 
 Tensor = Any  # a cffi ``struct ggml_tensor *``
 
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """How to compute, chosen at run time (not by the GGUF): llama.cpp's ``-fa on|off``."""
+    """How to compute, chosen at run time (not by the GGUF): llama.cpp's ``-fa`` and
+    ``-ctk``/``-ctv``."""
 
     flash_attn: bool = True  # llama.cpp's own default (-fa auto) resolves to on, CPU and CUDA
+    cache_type_k: int = GGML_TYPE_F16  # KV cache types: f16 (llama.cpp's default) or q8_0
+    cache_type_v: int = GGML_TYPE_F16
+
+    def kv_cache(self, layer: int, head_dim: int, n_head_kv: int, n_ctx: int) -> KVCache:
+        width = head_dim * n_head_kv
+        return KVCache(layer, width, n_ctx, self.cache_type_k, self.cache_type_v, head_dim)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Builder:
         self.gf = lib.ggml_new_graph_custom(ctx, max_nodes, False)
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
+        self.constants: dict[str, np.ndarray] = {}  # inputs whose value never changes
 
     def input(self, name: str, gtype: int, *shape: int) -> Tensor:
         ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
@@ -64,6 +72,27 @@ class Builder:
         self.lib.ggml_set_input(t)
         self.inputs[name] = t
         return t
+
+    def constant(self, name: str, value: np.ndarray) -> Tensor:
+        """An f32 input holding ``value`` (written with every step's inputs)."""
+        if name not in self.inputs:
+            self.input(name, GGML_TYPE_F32, *value.shape[::-1])
+            self.constants[name] = value
+        return self.inputs[name]
+
+    def rotate(self, t: Tensor, n: int) -> Tensor:
+        """``t`` with every n-long run of ``ne[0]`` turned by the n x n Walsh-Hadamard matrix, as
+        llama.cpp's ``llama_mul_mat_hadamard`` computes it (a hinted mul_mat)."""
+        L, c = self.lib, self.ctx
+        rot = self.constant(f"hadamard.{n}", hadamard(n))
+        rows = L.ggml_nelements(t) // n
+        if L.ggml_is_contiguous(t):
+            flat = L.ggml_reshape_2d(c, t, n, rows)
+        else:
+            flat = L.ggml_cont_2d(c, t, n, rows)
+        out = L.ggml_mul_mat(c, rot, flat)
+        L.ggml_mul_mat_set_hint(out, L.GGML_HINT_SRC0_IS_HADAMARD)
+        return L.ggml_reshape_4d(c, out, t.ne[0], t.ne[1], t.ne[2], t.ne[3])
 
     def output(self, name: str, t: Tensor) -> Tensor:
         """Keep ``t`` readable after compute (the allocator will not reuse its memory)."""
@@ -127,6 +156,10 @@ class Builder:
         L, c = self.lib, self.ctx
         hd, nkv, T = k.ne[0], k.ne[1], k.ne[2]
         rows, mask = self.inputs["rows"], self.inputs["mask"]
+        if cache.k_rot:
+            q, k = self.rotate(q, cache.k_rot), self.rotate(k, cache.k_rot)
+        if cache.v_rot:
+            v = self.rotate(v, cache.v_rot)
         views = []
         for name, cur in ((cache.k, k), (cache.v, v)):  # st[name]: [hd*nkv, n_ctx]
             written = L.ggml_set_rows(c, st[name], L.ggml_reshape_2d(c, cur, hd * nkv, T), rows)
@@ -134,7 +167,8 @@ class Builder:
             views.append(
                 L.ggml_view_3d(c, written, hd, nkv, mask.ne[0], self.row_size(written, hd), row, 0)
             )
-        return self.attention(q, views[0], views[1], mask, scale, flash)
+        out = self.attention(q, views[0], views[1], mask, scale, flash)
+        return self.rotate(out, cache.v_rot) if cache.v_rot else out  # V turned back
 
     def last_row(self, t: Tensor) -> Tensor:
         """The last column of ``t`` [n, T]: [n, 1]."""

@@ -167,7 +167,8 @@ class DFlash:
     def make_state(self, n_ctx: int) -> list[KVCache]:
         """The draft's KV per layer: rows are the target positions whose features it injected."""
         width = self.p.head_dim * self.p.n_head_kv
-        return [KVCache(i, width, n_ctx, GGML_TYPE_F16) for i in range(self.p.n_layer)]
+        f16 = GGML_TYPE_F16
+        return [KVCache(i, width, n_ctx, f16, f16) for i in range(self.p.n_layer)]
 
     # graphs
     def _positions(self, g: Builder, T: int) -> Tensor:

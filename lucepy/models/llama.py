@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lucepy.errors import ConfigError
-from lucepy.ggml import GGML_TYPE_F16, ffi
+from lucepy.ggml import ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import (
     Architecture,
@@ -28,7 +28,7 @@ from lucepy.models.base import (
     metadata,
 )
 from lucepy.models.batch import StepBatch
-from lucepy.models.state import KVCache, LayerState
+from lucepy.models.state import LayerState
 
 ROPE_NORMAL = 0  # LLAMA_ROPE_TYPE_NORM: rotate adjacent pairs
 _MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -143,8 +143,8 @@ class Llama(Architecture):
         return out
 
     def make_state(self, layers: range, n_ctx: int) -> list[LayerState]:
-        width = self.p.head_dim * self.p.n_head_kv
-        return [KVCache(il, width, n_ctx, GGML_TYPE_F16) for il in layers]
+        p = self.p
+        return [self.options.kv_cache(il, p.head_dim, p.n_head_kv, n_ctx) for il in layers]
 
     def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
         out = {"tokens": batch.tokens, "pos": batch.pos, "rows": batch.slots}
@@ -210,7 +210,7 @@ class Llama(Architecture):
         k = L.ggml_reshape_3d(c, self._proj(g, w, b + "attn_k", x), hd, nkv, T)
         v = L.ggml_reshape_3d(c, self._proj(g, w, b + "attn_v", x), hd, nkv, T)
         q, k = self._rope(g, w, q), self._rope(g, w, k)
-        cache = KVCache(il, hd * nkv, 0, GGML_TYPE_F16)  # names only: the tensors are in st
+        cache = self.options.kv_cache(il, hd, nkv, 0)  # names and rotations; tensors are in st
         scale = p.attn_scale or 1.0 / math.sqrt(hd)
         out = g.cached_attention(cache, st, q, k, v, scale, self.options.flash_attn)
         return self._proj(g, w, b + "attn_output", out)  # [n_embd, T]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lucepy.errors import ConfigError
-from lucepy.ggml import GGML_TYPE_F16, ffi
+from lucepy.ggml import ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import (
     Architecture,
@@ -26,14 +26,13 @@ from lucepy.models.base import (
     rope_args,
 )
 from lucepy.models.batch import StepBatch
-from lucepy.models.state import DeltaNetState, KVCache, LayerState
+from lucepy.models.state import DeltaNetState, LayerState
 
 GGML_ROPE_TYPE_IMROPE = 40
 # the 2D weights that graphs use only as mul_mat's first operand (not norms, conv, get_rows)
 _MATMUL_SUFFIXES = ("_qkv.weight", "_gate.weight", "_q.weight", "_k.weight", "_v.weight")
 _MATMUL_SUFFIXES += ("_output.weight", "_beta.weight", "_alpha.weight", "ssm_out.weight")
 _MATMUL_SUFFIXES += ("ffn_up.weight", "ffn_down.weight")
-KV_TYPE = GGML_TYPE_F16  # llama.cpp's default cache type; same rounding, same logits
 
 
 @dataclass(frozen=True)
@@ -194,7 +193,7 @@ class Qwen35(Architecture):
                 )
                 out.append(conv)
             else:
-                out.append(KVCache(il, p.head_dim * p.n_head_kv, n_ctx, KV_TYPE))
+                out.append(self.options.kv_cache(il, p.head_dim, p.n_head_kv, n_ctx))
         return out
 
     def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:

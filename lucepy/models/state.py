@@ -12,9 +12,12 @@ learn what a tensor is.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
-from lucepy.ggml import GGML_TYPE_F32
+import numpy as np
+
+from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32
 
 Tensor = Any
 Spec = tuple[int, tuple[int, ...]]  # (ggml type, shape in ggml order)
@@ -52,14 +55,23 @@ class LayerState:
 
 
 class KVCache(LayerState):
-    """Full attention: ``k.L`` and ``v.L`` [width, n_ctx], one row per cache slot."""
+    """Full attention: ``k.L`` and ``v.L`` [width, n_ctx], one row per cache slot, of the cache
+    types the run asks for (llama.cpp's -ctk/-ctv; f16 by default)."""
 
-    def __init__(self, layer: int, width: int, n_ctx: int, dtype: int):
-        self.layer, self.width, self.n_ctx, self.dtype = layer, width, n_ctx, dtype
+    def __init__(
+        self, layer: int, width: int, n_ctx: int, k_type: int, v_type: int, head_dim: int = 0
+    ):
+        self.layer, self.width, self.n_ctx = layer, width, n_ctx
         self.k, self.v = f"k.{layer}", f"v.{layer}"
+        self.types = {self.k: k_type, self.v: v_type}
+        # A quantized cache stores rotated heads, as llama.cpp's does (llama-kv-cache.cpp): Q and K
+        # turned by the largest Walsh-Hadamard matrix (64, 128, ...) that divides the head, V by
+        # the 64 one and turned back after attention. 0: no rotation.
+        self.k_rot = _largest_rotation(head_dim) if k_type not in _FLOAT and head_dim else 0
+        self.v_rot = 64 if v_type not in _FLOAT and head_dim and head_dim % 64 == 0 else 0
 
     def specs(self) -> dict[str, Spec]:
-        return {name: (self.dtype, (self.width, self.n_ctx)) for name in (self.k, self.v)}
+        return {name: (gtype, (self.width, self.n_ctx)) for name, gtype in self.types.items()}
 
     def views(self, rows: int) -> dict[str, tuple[int, ...]]:
         return {self.k: (self.width, rows), self.v: (self.width, rows)}
@@ -99,6 +111,30 @@ class DeltaNetState(LayerState):
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, snap, state))
         tail = g.alias(x, (K1, x.ne[1]), (x.nb[1],), g.row_size(x, keep))
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, st[self.conv]))
+
+
+_FLOAT = (GGML_TYPE_F32, GGML_TYPE_F16)
+
+
+def _largest_rotation(head_dim: int) -> int:
+    """The largest power of two from 64 up that divides ``head_dim``; 0 if 64 does not."""
+    if head_dim % 64:
+        return 0
+    n = 64
+    while head_dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+@cache
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal n x n Walsh-Hadamard matrix (Sylvester's), f32: symmetric, its own
+    inverse."""
+    h = np.ones((1, 1), dtype=np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    scale = np.float32(1.0 / float(np.sqrt(np.float32(n))))
+    return (h.astype(np.float32) * scale).astype(np.float32)
 
 
 def state_specs(states: list[LayerState]) -> dict[str, Spec]:

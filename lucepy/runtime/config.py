@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from lucepy.errors import ConfigError
 
 DEFAULT_CTX = 4096
+CACHE_TYPES = ("f16", "q8_0")  # KV cache types, as llama.cpp's -ctk/-ctv spell them
 DEFAULT_CHUNK = 512
 
 
@@ -22,6 +23,8 @@ class RuntimeConfig:
     chunk: int = DEFAULT_CHUNK  # prefill batch size
     threads: int | None = None  # CPU threads; None: all cores
     flash_attn: bool = True  # llama.cpp's -fa: off computes KQ, softmax and V^T KQ as its own ops
+    cache_type_k: str = "f16"  # KV cache types (llama.cpp's -ctk/-ctv)
+    cache_type_v: str = "f16"
     draft: str | None = None  # a DFlash draft GGUF
     draft_device: str | None = None  # None: the last target shard's device if local, else cpu
     draft_block: int | None = None  # None: the draft's trained block size
@@ -40,6 +43,14 @@ class RuntimeConfig:
             raise ConfigError("prefix cache slots and budgets must be positive")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+        for flag, value in (("k", self.cache_type_k), ("v", self.cache_type_v)):
+            if value not in CACHE_TYPES:
+                raise ConfigError(f"--cache-type-{flag} {value!r}: use one of {list(CACHE_TYPES)}")
+        if self.cache_type_v != "f16" and not self.flash_attn:
+            raise ConfigError(
+                "a quantized V cache needs flash attention (as in llama.cpp); drop "
+                "--no-flash-attn or use --cache-type-v f16"
+            )
 
     def context_for(self, n_ctx_train: int) -> int:
         return self.max_ctx or min(n_ctx_train, DEFAULT_CTX)

@@ -50,6 +50,15 @@ def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
     return plan_load(f, model, specs, split, config.context_for(model.p.n_ctx_train))
 
 
+def model_options(config: RuntimeConfig) -> ModelOptions:
+    types = {"f16": ggml.GGML_TYPE_F16, "q8_0": ggml.GGML_TYPE_Q8_0}
+    return ModelOptions(
+        flash_attn=config.flash_attn,
+        cache_type_k=types[config.cache_type_k],
+        cache_type_v=types[config.cache_type_v],
+    )
+
+
 class Engine:
     """A model on its device(s) and one sequence's state. Not thread-safe: one request at a time."""
 
@@ -65,7 +74,7 @@ class Engine:
         self.pipeline = self.tokenizer = self.draft = self.prefix_cache = None
         self.file = GGUFFile(self.path)
         try:
-            options = ModelOptions(flash_attn=self.config.flash_attn)
+            options = model_options(self.config)
             self.model = architecture_for(self.file).from_gguf(self.file, options)
             self.params = self.model.p
             self.lib = ggml.load()

@@ -29,6 +29,7 @@ class CompiledGraph:
     inputs: dict[str, Any]
     outputs: dict[str, Any]
     output: Any
+    constants: dict[str, np.ndarray] = field(default_factory=dict)  # inputs written every step
     host: dict[str, np.ndarray] = field(default_factory=dict)  # read buffers, made on first read
 
     def close(self) -> None:
@@ -55,7 +56,7 @@ def compile_graph(
     b.gf.uid = lib.ggml_graph_next_uid()
     alloc = Allocator(lib, backend)
     alloc.alloc(b.gf)
-    return CompiledGraph(ctx, alloc, b.gf, b.inputs, b.outputs, out)
+    return CompiledGraph(ctx, alloc, b.gf, b.inputs, b.outputs, out, b.constants)
 
 
 def _check_support(lib: Lib, backend: Backend, gf: Any, ctx: Context) -> None:

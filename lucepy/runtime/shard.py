@@ -101,6 +101,8 @@ class Shard:
         g = self.graph(spec)
         for name, values in self.model.step_inputs(batch, g.inputs).items():
             put(self.lib, g.inputs[name], values)
+        for name, values in g.constants.items():
+            put(self.lib, g.inputs[name], values)
         return g
 
     def compute(self, g: CompiledGraph) -> None:

@@ -17,6 +17,15 @@ from lucepy.runtime.graphs import Tensors
 _DTYPES = {0: np.float32, 1: np.float16}  # ggml type -> numpy, for host copies of state
 
 
+def _host(t: Any) -> np.ndarray:
+    """An empty host array for ``t``: float arrays, and quantized rows as bytes [rows, bytes]."""
+    dims = _shape(t)
+    if int(t.type) in _DTYPES:
+        return np.empty(dims[::-1], dtype=_DTYPES[int(t.type)])
+    rows = int(np.prod(dims[1:], dtype=np.int64))
+    return np.empty((rows, int(t.nb[1])), dtype=np.uint8)
+
+
 class StateSet:
     """The layer states of a shard (or of the draft) and their tensors, in one buffer."""
 
@@ -118,7 +127,7 @@ def export(states: StateSet, rows: int) -> dict[str, np.ndarray]:
     try:
         out = {}
         for name, t in live.t.items():
-            arr = np.empty(_shape(t)[::-1], dtype=_DTYPES[int(t.type)])
+            arr = _host(t)
             states.lib.ggml_backend_tensor_get(t, ffi.from_buffer(arr), 0, arr.nbytes)
             out[name] = arr
         return out
@@ -131,10 +140,9 @@ def load(states: StateSet, arrays: dict[str, np.ndarray], rows: int) -> None:
     live = Live(states, rows)
     try:
         for name, t in live.t.items():
-            arr = np.ascontiguousarray(arrays[name])
-            want = _shape(t)[::-1]
-            if arr.shape != want or arr.dtype != _DTYPES[int(t.type)]:
-                raise ValueError(f"state {name}: {arr.shape} {arr.dtype} does not fit {want}")
+            arr, want = np.ascontiguousarray(arrays[name]), _host(t)
+            if arr.shape != want.shape or arr.dtype != want.dtype:
+                raise ValueError(f"state {name}: {arr.shape} {arr.dtype} does not fit {want.shape}")
             states.lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
     finally:
         live.close()
