@@ -188,9 +188,7 @@ class Llama(Architecture):
         h = g.rms_norm(x, w[b + "attn_norm.weight"], p.rms_eps)
         h = self._attention(g, w, st, il, h)
         if pick:
-            h, x = (
-                L.ggml_view_2d(c, t, p.n_embd, 1, t.nb[1], t.nb[1] * (t.ne[1] - 1)) for t in (h, x)
-            )
+            h, x = g.last_row(h), g.last_row(x)
         x = L.ggml_add(c, h, x)
         h = g.rms_norm(x, w[b + "ffn_norm.weight"], p.rms_eps)
         h = g.swiglu_ffn(
