@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lucepy.cache import open_engine
+from lucepy.engine import open_engine
 from lucepy.gguf import GGUFFile
 from lucepy.models import architecture_for
 from lucepy.runtime.config import RuntimeConfig
@@ -71,12 +71,9 @@ def _lucepy(path: Path, prompt: list[int], gen: int, cfg: RuntimeConfig, repeats
             engine.reset()
             return engine.prefill(prompt)
 
-        def decode():
-            logits = prefill()
-            t0 = time.perf_counter()
-            for _ in range(gen):
-                logits = engine.decode(int(np.argmax(logits)))
-            decode.elapsed = time.perf_counter() - t0
+        def decode():  # greedy through the engine's generate: gen decode steps after the prompt
+            out = engine.generate(prompt, gen + 1, stop_at_end=False)
+            decode.elapsed = out.timings.decode_ms / 1e3
 
         pre = _median_rate(len(prompt), prefill, repeats)
         dec = _median_decode(gen, decode, repeats)

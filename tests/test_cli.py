@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import numpy as np
 
+from lucepy import catalog
+from lucepy.decode.ar import generate
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 
 
-def lucepy(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def lucepy(*args: str, check: bool = True, home=None) -> subprocess.CompletedProcess:
+    """``python -m lucepy ARGS``; with ``home``, run there as a user with no models.yaml and an
+    empty cache."""
+    env, cwd = None, None
+    if home is not None:
+        env = {**os.environ, "HOME": str(home), "LUCEPY_CACHE_DIR": str(home / "cache")}
+        env.pop("LUCEPY_MODELS", None)
+        cwd = home
     return subprocess.run(
         [sys.executable, "-m", "lucepy", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,
         check=check,
+        env=env,
+        cwd=cwd,
     )
 
 
@@ -107,3 +119,35 @@ def test_a_bad_disk_cache_policy_is_one_line(tiny_model):
     run = lucepy("generate", tiny_model(), "--prompt", "a", "--disk-prefix-cache", "x", check=False)
     assert run.returncode == 1 and "--disk-prefix-cache takes off, full" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_generate_with_no_model_answers_with_smollm2(tmp_path):
+    prompt = "The capital of France is"
+    args = ["generate", "--prompt", prompt, "--max-tokens", "6", "--threads", "2", "--json"]
+    out = json.loads(lucepy(*args, home=tmp_path).stdout)
+    assert out["text"].startswith(" Paris") and out["accept"] is None  # raw prompt, no draft
+    with Engine(catalog.smollm2_file(), RuntimeConfig(threads=2)) as engine:
+        assert out["prompt_tokens"] == engine.tokenizer.encode(prompt)  # no chat template
+        assert out["tokens"] == generate(engine, out["prompt_tokens"], 6).tokens
+    assert not (tmp_path / "cache").exists()  # nothing written, nothing downloaded
+
+
+def test_generate_takes_a_models_yaml_name_with_its_defaults(tiny_model, tmp_path):
+    (tmp_path / "models.yaml").write_text(
+        f"models:\n  mine:\n    file: {tiny_model()}\n    context: 16\n"
+    )
+    args = ["--prompt-tokens", "5,6,7,8,9", "--max-tokens", "6", "--json"]
+    by_name = json.loads(lucepy("generate", "mine", *args, home=tmp_path).stdout)
+    by_path = json.loads(lucepy("generate", tiny_model(), *args, home=tmp_path).stdout)
+    assert by_name["tokens"] == by_path["tokens"]
+    too_long = ",".join(["3"] * 20)
+    run = lucepy("generate", "mine", "--prompt-tokens", too_long, check=False, home=tmp_path)
+    assert run.returncode == 1 and "exceed the context of 16" in run.stderr  # the entry's context
+
+
+def test_generate_lucepy_tiny_decodes_with_its_draft(tmp_path):
+    args = ["generate", "lucepy-tiny", "--prompt-tokens", "5,6,7", "--max-tokens", "8", "--json"]
+    out = json.loads(lucepy(*args, home=tmp_path).stdout)
+    assert out["accept"]["steps"] > 0  # the built-in draft, as `serve lucepy-tiny` uses it
+    with Engine(tmp_path / "cache" / "models" / catalog.TINY_FILE, RuntimeConfig()) as engine:
+        assert out["tokens"] == generate(engine, [5, 6, 7], 8).tokens  # speculative == greedy

@@ -13,8 +13,8 @@ from conftest import THREADS
 from test_llama import FIXTURES, PROMPT
 from test_parity_sweep import BOUND
 
-from lucepy.cache import open_engine
 from lucepy.decode.ar import generate
+from lucepy.engine import open_engine
 from lucepy.errors import ConfigError
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine

@@ -12,8 +12,8 @@ import pytest
 from conftest import THREADS
 from test_parity_sweep import BOUND
 
-from lucepy.cache import open_engine
 from lucepy.decode.ar import generate
+from lucepy.engine import open_engine
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 from lucepy.testing.tiny import Qwen35Spec

@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from lucepy.decode.ar import generate
+from lucepy.engine import Engine
 from lucepy.errors import (
     AuthError,
     ContextOverflow,
@@ -31,7 +32,6 @@ from lucepy.errors import (
     PromptError,
 )
 from lucepy.runtime.config import RuntimeConfig
-from lucepy.runtime.engine import Engine
 from lucepy.server.errors import classify
 from lucepy.server.run import Server
 from lucepy.server.text import Detokenizer, StopFilter
@@ -346,12 +346,32 @@ def lucepy_serve(cwd, *args: str, env: dict | None = None):
     assert proc.returncode == 0 and "Traceback" not in err
 
 
-def test_serve_with_no_model_uses_the_builtin_tiny_one(tmp_path):
+def test_serve_with_no_model_answers_with_smollm2(tmp_path):
+    """The README's quick start: the default model, through the official client, greedy."""
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     with lucepy_serve(tmp_path) as url:
+        health = httpx.get(url + "/health").json()
+        assert health == {"status": "ok", "model": "smollm2-135m-instruct"}
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
+            reply = c.chat.completions.create(
+                model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=32
+            )
+    text = reply.choices[0].message.content
+    assert reply.model == "smollm2-135m-instruct" and reply.choices[0].finish_reason == "stop"
+    assert "Paris" in text and text.rstrip().endswith(".") and len(text.split()) >= 3, text
+    assert not (tmp_path / "cache").exists()  # nothing written, nothing downloaded
+
+
+def test_serve_lucepy_tiny_writes_the_builtin_on_first_use(tmp_path):
+    with lucepy_serve(tmp_path, "lucepy-tiny") as url:
         assert httpx.get(url + "/health").json() == {"status": "ok", "model": "lucepy-tiny"}
         with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
             reply = chat(c, "Hello", max_tokens=5)
         assert reply.model == "lucepy-tiny" and reply.usage.completion_tokens >= 1
+        assert reply.model_extra["lucepy"]["accept"] is not None  # with its built-in draft
     assert (tmp_path / "cache" / "models" / "lucepy-tiny-qwen35-v1.gguf").is_file()
 
 

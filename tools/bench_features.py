@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lucepy.cache import open_engine
 from lucepy.decode.ar import generate
+from lucepy.engine import open_engine
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.testing.tiny import bench_spec, write_qwen35
 from lucepy.testing.tiny_draft import write_agreeing_pair, write_dflash

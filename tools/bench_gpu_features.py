@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lucepy.cache import open_engine
 from lucepy.decode.ar import generate
+from lucepy.engine import open_engine
 from lucepy.gguf import GGUFFile
 from lucepy.models import architecture_for
 from lucepy.runtime.config import RuntimeConfig

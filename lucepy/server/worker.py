@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from lucepy.decode.ar import Generation, stream
+from lucepy.decode.ar import Generation
 from lucepy.decode.sampling import SamplingParams
 from lucepy.errors import GGMLError, ModelFileError, ModelUnavailable
 from lucepy.server.status import Stats
@@ -148,8 +148,7 @@ def run_job(engine, job: Job, on_token=lambda: None) -> Done:
     gen = Generation(prompt_tokens=list(job.prompt_tokens))
     queue_ms = round((time.perf_counter() - job.queued_at) * 1e3, 3)
     detok, stops = Detokenizer(engine.tokenizer.decode), StopFilter(job.stop)
-    tokens = stream(
-        engine,
+    tokens = engine.stream(
         job.prompt_tokens,
         job.max_tokens,
         sampling=job.sampling,
