@@ -7,53 +7,27 @@ one entry point, ``generate``/``stream``. It sits above all three rooms, beside 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from lucepy.cache.prefix import PrefixCache
 from lucepy.decode import ar
-from lucepy.decode.sampling import SamplingParams
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine as RuntimeEngine
 
 
 class Engine(RuntimeEngine):
-    def stream(
-        self,
-        prompt_tokens: list[int],
-        max_tokens: int,
-        *,
-        sampling: SamplingParams | None = None,
-        chunk: int | None = None,
-        stop_at_end: bool = True,
-        cancelled: Callable[[], bool] = lambda: False,
-        gen: ar.Generation | None = None,
-    ) -> Iterator[int]:
+    """A runtime Engine with the generation entry point. Keyword arguments are those of
+    ``decode.ar.stream`` and ``decode.ar.generate``: ``sampling``, ``chunk``, ``stop_at_end``, and
+    for ``stream`` also ``cancelled`` and ``gen``."""
+
+    def stream(self, prompt_tokens: list[int], max_tokens: int, **kw) -> Iterator[int]:
         """Tokens one by one from a fresh sequence (through the prefix cache and the draft when
         there are); ``gen`` collects the finish reason, timings and acceptance stats."""
-        return ar.stream(
-            self,
-            prompt_tokens,
-            max_tokens,
-            sampling=sampling,
-            chunk=chunk,
-            stop_at_end=stop_at_end,
-            cancelled=cancelled,
-            gen=gen,
-        )
+        return ar.stream(self, prompt_tokens, max_tokens, **kw)
 
-    def generate(
-        self,
-        prompt_tokens: list[int],
-        max_tokens: int,
-        *,
-        sampling: SamplingParams | None = None,
-        chunk: int | None = None,
-        stop_at_end: bool = True,
-    ) -> ar.Generation:
+    def generate(self, prompt_tokens: list[int], max_tokens: int, **kw) -> ar.Generation:
         """Up to ``max_tokens`` tokens (greedy unless ``sampling`` says otherwise), with text."""
-        return ar.generate(
-            self, prompt_tokens, max_tokens, sampling=sampling, chunk=chunk, stop_at_end=stop_at_end
-        )
+        return ar.generate(self, prompt_tokens, max_tokens, **kw)
 
 
 def open_engine(model_path: str | os.PathLike, config: RuntimeConfig | None = None, **kw) -> Engine:

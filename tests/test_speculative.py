@@ -9,7 +9,7 @@ from conftest import THREADS
 from lucepy.decode.ar import generate
 from lucepy.decode.sampling import Sampler, SamplingParams
 from lucepy.decode.speculative import accept_sampled
-from lucepy.errors import ConfigError
+from lucepy.errors import ConfigError, StaleVerify
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 from lucepy.testing.tiny import Qwen35Spec, write_qwen35
@@ -234,3 +234,22 @@ def iter_generate(engine):
     from lucepy.decode.ar import stream
 
     return stream(engine, PROMPT, 200)
+
+
+def test_a_verify_is_committed_only_before_the_next_step(models):
+    """Decision 11: a commit after another step would roll back the wrong step, and a second
+    commit of the same verify would roll back twice; both are refused."""
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256)
+    with Engine(models["plain"], cfg, tokenizer=False) as engine:
+        engine.prefill(PROMPT)
+        done = engine.verify([50, 60, 70], greedy=True)
+        engine.commit(done, 3)
+        with pytest.raises(StaleVerify, match="committed already"):
+            engine.commit(done, 2)
+        late = engine.verify([80, 90], greedy=True)
+        engine.decode(5)
+        with pytest.raises(StaleVerify, match="commit a verify before the next"):
+            engine.commit(late, 1)
+        fresh = engine.verify([100, 110], greedy=True)
+        engine.commit(fresh, 1)
+        assert engine.n_past == len(PROMPT) + 3 + 2 + 1 + 1

@@ -253,6 +253,28 @@ class Architecture:
     def split_points(self) -> list[int]:
         return list(range(1, self.p.n_layer))
 
+    def end_shapes(self, layers: range, f: GGUFFile | None) -> dict[str, tuple]:
+        """The embedding (with layer 0) and the final norm and head (with the last layer); a file
+        without ``output.weight`` ties the head to the embedding."""
+        p, out = self.p, {}
+        if layers.start == 0:
+            out["token_embd.weight"] = (p.n_embd, p.n_vocab)
+        if layers.stop == p.n_layer:
+            out["output_norm.weight"] = (p.n_embd,)
+            tied = f is not None and "output.weight" not in f.tensors
+            out["token_embd.weight" if tied else "output.weight"] = (p.n_embd, p.n_vocab)
+        return out
+
+    def head_matmul(self, layers: range, f: GGUFFile) -> dict[str, str]:
+        """The head as a matmul weight (graph key -> GGUF tensor), on the last shard. A tied head
+        where layer 0's get_rows also reads the embedding is ``output.weight``: the loader keeps
+        one tensor for both unless the head lands in a repacked buffer type."""
+        if layers.stop != self.p.n_layer:
+            return {}
+        tied = "output.weight" not in f.tensors
+        head = "token_embd.weight" if tied else "output.weight"
+        return {"output.weight" if tied and layers.start == 0 else head: head}
+
 
 def architecture_for(f: GGUFFile) -> type[Architecture]:
     arch = f.architecture

@@ -101,17 +101,11 @@ class Llama(Architecture):
 
     # what a layer range owns
     def weight_shapes(self, layers: range, f: GGUFFile | None = None) -> dict[str, tuple]:
-        p, out = self.p, {}
-        if layers.start == 0:
-            out["token_embd.weight"] = (p.n_embd, p.n_vocab)
+        out = self.end_shapes(layers, f)
         if "rope_freqs.weight" in self.optional:
-            out["rope_freqs.weight"] = (p.rope_dim // 2,)
+            out["rope_freqs.weight"] = (self.p.rope_dim // 2,)
         for il in layers:
             out.update(self._layer_shapes(il))
-        if layers.stop == p.n_layer:
-            out["output_norm.weight"] = (p.n_embd,)
-            tied = f is not None and "output.weight" not in f.tensors
-            out["token_embd.weight" if tied else "output.weight"] = (p.n_embd, p.n_vocab)
         return out
 
     def _layer_shapes(self, il: int) -> dict[str, tuple]:
@@ -136,11 +130,7 @@ class Llama(Architecture):
 
     def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str]:
         out = {f"blk.{il}.{m}.weight": f"blk.{il}.{m}.weight" for il in layers for m in _MATMULS}
-        if layers.stop == self.p.n_layer:
-            tied = "output.weight" not in f.tensors
-            head = "token_embd.weight" if tied else "output.weight"
-            out["output.weight" if tied and layers.start == 0 else head] = head
-        return out
+        return out | self.head_matmul(layers, f)
 
     def make_state(self, layers: range, n_ctx: int) -> list[LayerState]:
         p = self.p

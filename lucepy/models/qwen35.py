@@ -119,15 +119,9 @@ class Qwen35(Architecture):
 
     # what a layer range owns
     def weight_shapes(self, layers: range, f: GGUFFile | None = None) -> dict[str, tuple]:
-        p, out = self.p, {}
-        if layers.start == 0:
-            out["token_embd.weight"] = (p.n_embd, p.n_vocab)
+        out = self.end_shapes(layers, f)
         for il in layers:
             out.update(self._layer_shapes(il))
-        if layers.stop == p.n_layer:
-            out["output_norm.weight"] = (p.n_embd,)
-            tied = f is not None and "output.weight" not in f.tensors
-            out["token_embd.weight" if tied else "output.weight"] = (p.n_embd, p.n_vocab)
         return out
 
     def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str]:
@@ -139,11 +133,7 @@ class Qwen35(Architecture):
             for n in self.weight_shapes(layers, f)
             if n.startswith("blk.") and n.endswith(_MATMUL_SUFFIXES)
         }
-        if layers.stop == self.p.n_layer:
-            tied = "output.weight" not in f.tensors
-            head = "token_embd.weight" if tied else "output.weight"
-            out["output.weight" if tied and layers.start == 0 else head] = head
-        return out
+        return out | self.head_matmul(layers, f)
 
     def _layer_shapes(self, il: int) -> dict[str, tuple]:
         p, b = self.p, f"blk.{il}."

@@ -239,7 +239,10 @@ class Engine:
         on every shard. Raises StaleVerify if any step ran after that verify."""
         if not 0 < keep <= handle.n_tokens:
             raise ConfigError(f"commit keeps {keep} of {handle.n_tokens} verified tokens")
+        if handle is not self._verified:
+            raise StaleVerify("this verify was committed already; each handle commits once")
         self.pipeline.rollback(handle.step, keep)
+        self._verified = None
         self.n_past = handle.pos0 + keep
 
     def rollback(self, keep: int) -> None:
