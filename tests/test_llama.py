@@ -131,3 +131,28 @@ def test_llama_speculative_equals_greedy_with_a_random_draft(tmp_path):
         gen = generate(engine, PROMPT, 40, stop_at_end=False)
     assert gen.accept is not None and gen.accept.steps > 0
     assert gen.tokens == plain
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu,cpu@worker"])
+def test_the_draft_gets_every_prompt_row_of_the_final_residual(device, tmp_path):
+    """A draft reading the final residual (layer n_layer) gets every row of a prompt, though
+    llama picks the last token's row inside its last layer when only the last logits are wanted:
+    its KV after the prompt equals the one made from an all-logits prefill. The features reach it
+    by backend copies, across processes too."""
+    path = FIXTURES / "llama-tied-f32.gguf"
+    shape = Qwen35Spec(n_vocab=384, n_embd=64, n_layer=4, context_length=2048, rms_eps=1e-5)
+    draft = write_dflash(tmp_path / "draft.gguf", shape, target_layers=(2, 4), block_size=6)
+    with Engine(path, cfg(device=device, draft=str(draft)), tokenizer=False) as engine:
+        engine.capture = engine.draft.p.target_layers
+        kv = []
+        for all_logits in (False, True):
+            engine.reset()
+
+            def inject(out, pos0):
+                engine.draft.inject([out.features[L] for L in engine.capture], pos0)
+
+            engine.prefill(PROMPT, chunk=16, all_logits=all_logits, on_chunk=inject)
+            kv.append({k: v for k, v in engine.export_state().items() if k.startswith("draft/")})
+    assert kv[0].keys() == kv[1].keys() and kv[0]
+    for name in kv[0]:
+        np.testing.assert_array_equal(kv[0][name], kv[1][name])

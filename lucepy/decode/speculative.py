@@ -150,7 +150,7 @@ def _step(
     else:
         j, bonus = accept_sampled(sampler, drafts, q, handle.values)
     engine.commit(handle, j + 1)
-    draft.inject([handle.features[L][: j + 1] for L in draft.p.target_layers], pos)
+    draft.inject([handle.features[L] for L in draft.p.target_layers], pos, j + 1)
     t2 = time.perf_counter()
     stats.draft_ms += (t1 - t0) * 1e3
     stats.verify_ms += (t2 - t1) * 1e3

@@ -157,7 +157,10 @@ class Llama(Architecture):
         g.input_i32("pos", T)
         g.input_f16("mask", spec.n_kv, T)  # 0 where a token may attend, -inf elsewhere
         g.input_i64("rows", T)
-        last_only = spec.logits == "last" and layers.stop == p.n_layer
+        last = spec.logits == "last" and layers.stop == p.n_layer
+        # llama.cpp picks the output row inside the last layer; a draft that reads the final
+        # residual needs every row, so then the row is picked after it
+        last_only = last and p.n_layer not in spec.capture
         for il in layers:
             if il in spec.capture:
                 g.output(f"feat.{il}", x)
@@ -166,6 +169,8 @@ class Llama(Architecture):
             return x
         if p.n_layer in spec.capture:
             g.output(f"feat.{p.n_layer}", x)
+        if last and not last_only:
+            x = g.last_row(x)
         x = g.rms_norm(x, w["output_norm.weight"], p.rms_eps)
         logits = L.ggml_mul_mat(c, w.get("output.weight", w.get("token_embd.weight")), x)
         g.output("argmax", L.ggml_argmax(c, logits))  # [T or 1] i32

@@ -1,8 +1,8 @@
 """A loaded DFlash draft on its device: weights, its KV cache, and the inject/propose graphs.
 
-The target's features arrive as host arrays from whichever shards captured them (local or worker):
-a prefill chunk's all at once, a verify block's once its accepted length is known, and only the
-accepted rows.
+The target's features come straight from the graph outputs of whichever shards captured them
+(local or worker), by ggml_backend_tensor_copy: a prefill chunk's all at once, a verify block's
+once its accepted length is known, and only the accepted rows.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from lucepy.errors import ConfigError
-from lucepy.ggml import Backend, Lib
+from lucepy.ggml import Backend, Context, Lib, alias_tensor
 from lucepy.gguf import GGUFFile
 from lucepy.models.dflash import DFlash
 from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
@@ -86,18 +87,24 @@ class Draft:
         put(self.lib, g.inputs["pos"], pos)
         put(self.lib, g.inputs["rows"], np.arange(pos0, pos0 + T, dtype=np.int64))
 
-    def inject(self, features: list[np.ndarray], pos0: int) -> None:
-        """Write K/V of the target features [T, n_embd] per target layer at positions pos0.."""
-        self.run(lambda: self._inject(features, pos0))
+    def inject(self, features: list[Any], pos0: int, n: int | None = None) -> None:
+        """Write K/V of the first ``n`` (default: all) rows of the target's features, one
+        captured ``feat.L`` output [n_embd, T] per target layer, at positions pos0.. They are
+        copied backend to backend (ggml stages the copy when the backends differ)."""
+        self.run(lambda: self._inject(features, pos0, n or int(features[0].ne[1])))
 
-    def _inject(self, features: list[np.ndarray], pos0: int) -> None:
-        T = features[0].shape[0]
+    def _inject(self, features: list[Any], pos0: int, T: int) -> None:
         g = self._graph(
             ("inject", T),
             lambda b: self.model.build_inject(b, self.w, self.kv.t, self.n_target_embd, T),
         )
-        for j, f in enumerate(features):
-            put(self.lib, g.inputs[f"feat.{j}"], f)
+        rows = Context(self.lib, len(features) + 1)
+        try:
+            for j, f in enumerate(features):
+                first = alias_tensor(self.lib, rows.ptr, f, (int(f.ne[0]), T), (int(f.nb[1]),), 0)
+                self.lib.ggml_backend_tensor_copy(first, g.inputs[f"feat.{j}"])
+        finally:
+            rows.close()
         self._put_positions(g, pos0, T)
         compute(self.lib, self.backend, g)
 

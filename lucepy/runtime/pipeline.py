@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class Step:
 @dataclass
 class StepOutput:
     values: np.ndarray  # logits [rows, n_vocab] (float32) or argmax [1, rows] (int32)
-    features: dict[int, np.ndarray]  # layer -> [rows, n_embd], host copies owned by the graphs
+    features: dict[int, Any]  # layer -> its shard's feat.L output [n_embd, rows], until next step
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class VerifyHandle:
         return self.out.values
 
     @property
-    def features(self) -> dict[int, np.ndarray]:
+    def features(self) -> dict[int, Any]:
         return self.out.features
 
 

@@ -113,9 +113,10 @@ class Shard:
         t = g.output if what == "out" else g.outputs[what]
         return get(self.lib, g, what, t)
 
-    def features(self, g: CompiledGraph, spec: GraphSpec) -> dict[int, np.ndarray]:
-        """The residual entering each captured layer this shard owns (outputs ``feat.L``)."""
-        return {L: self.read(g, f"feat.{L}") for L in spec.capture}
+    def features(self, g: CompiledGraph, spec: GraphSpec) -> dict[int, Any]:
+        """The graph outputs holding the residual entering each captured layer this shard owns
+        (``feat.L`` [n_embd, T]), on this shard's backend, valid until its next step."""
+        return {L: g.outputs[f"feat.{L}"] for L in spec.capture}
 
     def rollback(self, g: CompiledGraph, spec: GraphSpec, keep: int) -> None:
         """After a verify pass of ``spec.n_tokens``, keep only the first ``keep`` tokens' effect."""
