@@ -30,10 +30,12 @@ class StepBatch:
     def n_kv(self) -> int:
         return int(self.cell_pos.size)
 
-    def mask(self, window: int = 0) -> np.ndarray:
+    def mask(self, window: int = 0, causal: bool = True) -> np.ndarray:
         """[T, n_kv] f16: 0 where a token may attend to a row (its own sequence, not after it,
-        and with ``window`` > 0 fewer than ``window`` positions back), -inf elsewhere."""
-        pos, cpos = self.pos[:, None], self.cell_pos[None, :]
+        and with ``window`` > 0 fewer than ``window`` positions back), -inf elsewhere. Not
+        ``causal``: every token also sees the rest of the step (a DFlash block)."""
+        pos = self.pos[:, None] if causal else np.full((self.n_tokens, 1), self.pos.max())
+        cpos = self.cell_pos[None, :]
         ok = (cpos >= 0) & (self.cell_seq[None, :] == self.seq[:, None]) & (cpos <= pos)
         if window > 0:
             ok &= pos - cpos < window

@@ -18,10 +18,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from lucepy.errors import ConfigError, ModelFileError
 from lucepy.ggml import GGML_TYPE_F16, ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import Builder, Tensor, check_tensors, rope_args
+from lucepy.models.batch import StepBatch
 from lucepy.models.state import KVCache
 
 GGML_ROPE_TYPE_NEOX = 2
@@ -169,6 +172,18 @@ class DFlash:
         width = self.p.head_dim * self.p.n_head_kv
         f16 = GGML_TYPE_F16
         return [KVCache(i, width, n_ctx, f16, f16) for i in range(self.p.n_layer)]
+
+    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
+        """Positions (IMROPE's 4 sections when the draft uses them), the KV rows, and the block
+        mask: every block row sees the context and the whole block (causal drafts: the block up
+        to itself)."""
+        pos = batch.pos
+        if self.p.mrope:
+            pos = np.concatenate([pos, pos, pos, np.zeros_like(pos)])
+        out = {"tokens": batch.tokens, "pos": pos, "rows": batch.slots}
+        if "mask" in names:
+            out["mask"] = batch.mask(causal=self.p.causal)
+        return {k: v for k, v in out.items() if k in names}
 
     # graphs
     def _positions(self, g: Builder, T: int) -> Tensor:

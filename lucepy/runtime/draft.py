@@ -19,7 +19,7 @@ from lucepy.ggml import Backend, Context, Lib, alias_tensor
 from lucepy.gguf import GGUFFile
 from lucepy.models.dflash import DFlash
 from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
-from lucepy.runtime.slots import kv_bucket
+from lucepy.runtime.slots import IdentitySlots
 from lucepy.runtime.state import StateSet
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class Draft:
             self.file.close()
             raise
         self.kv = StateSet(lib, backend, self.model.make_state(n_ctx), "draft KV")
+        self.slots = IdentitySlots(n_ctx)  # the draft's KV rows are the target's positions
         self.graphs: dict[tuple, CompiledGraph] = {}
         self.block = self.p.block_size
         # a draft in a worker runs its steps under the pipeline's supervision (Engine sets both)
@@ -80,12 +81,10 @@ class Draft:
             g = self.graphs[key] = compile_graph(self.lib, self.backend, nodes, build)
         return g
 
-    def _put_positions(self, g: CompiledGraph, pos0: int, T: int) -> None:
-        pos = np.arange(pos0, pos0 + T, dtype=np.int32)
-        if self.p.mrope:
-            pos = np.concatenate([pos, pos, pos, np.zeros_like(pos)])
-        put(self.lib, g.inputs["pos"], pos)
-        put(self.lib, g.inputs["rows"], np.arange(pos0, pos0 + T, dtype=np.int64))
+    def _put_inputs(self, g: CompiledGraph, batch) -> None:
+        """What the draft model derives from the step batch (positions, rows, its mask)."""
+        for name, values in self.model.step_inputs(batch, g.inputs).items():
+            put(self.lib, g.inputs[name], values)
 
     def inject(self, features: list[Any], pos0: int, n: int | None = None) -> None:
         """Write K/V of the first ``n`` (default: all) rows of the target's features, one
@@ -105,7 +104,7 @@ class Draft:
                 self.lib.ggml_backend_tensor_copy(first, g.inputs[f"feat.{j}"])
         finally:
             rows.close()
-        self._put_positions(g, pos0, T)
+        self._put_inputs(g, self.slots.batch(np.zeros(T, dtype=np.int32), pos0))
         compute(self.lib, self.backend, g)
 
     def propose(self, last: int, pos0: int, want: str, block: int | None = None) -> np.ndarray:
@@ -114,27 +113,18 @@ class Draft:
         return self.run(lambda: self._propose(last, pos0, want, block or self.block))
 
     def _propose(self, last: int, pos0: int, want: str, T: int) -> np.ndarray:
-        n_kv = kv_bucket(pos0 + T, self.n_ctx)
+        tokens = np.full(T, self.p.mask_token, dtype=np.int32)
+        tokens[0] = last
+        batch = self.slots.batch(tokens, pos0)
+        n_kv = batch.n_kv
         g = self._graph(
             ("propose", T, n_kv), lambda b: self.model.build_propose(b, self.w, self.kv.t, T, n_kv)
         )
-        tokens = np.full(T, self.p.mask_token, dtype=np.int32)
-        tokens[0] = last
-        put(self.lib, g.inputs["tokens"], tokens)
-        self._put_positions(g, pos0, T)
-        put(self.lib, g.inputs["mask"], self._mask(pos0, T, n_kv))
+        self._put_inputs(g, batch)
         compute(self.lib, self.backend, g)
         if want == "argmax":
             return get(self.lib, g, "argmax", g.outputs["argmax"])[0]
         return get(self.lib, g, "out", g.output)
-
-    def _mask(self, pos0: int, T: int, n_kv: int) -> np.ndarray:
-        """Every block row sees the context and the whole block (or the block causally)."""
-        rows = np.arange(T)[:, None]
-        end = pos0 + (rows + 1 if self.p.causal else np.full_like(rows, T))
-        mask = np.zeros((T, n_kv), dtype=np.float16)
-        mask[np.arange(n_kv)[None, :] >= end] = np.float16(-np.inf)
-        return mask
 
     def reset(self) -> None:
         """Nothing to clear: KV rows are written (injected) before they are read."""

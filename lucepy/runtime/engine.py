@@ -268,7 +268,7 @@ class Engine:
     def snapshot(self) -> dict[str, StateCopy]:
         """Copies of every shard's (and the draft's) state for the tokens held, each kept on its
         own backend: nothing crosses for a worker shard."""
-        n, out = self.n_past, {}
+        n, out = self.pipeline.slots.rows(self.n_past), {}
         try:
             for key, backend, live, remote in self._states():
                 out[key] = self._run(remote, lambda b=backend, t=live: StateCopy(self.lib, b, t, n))
@@ -294,7 +294,8 @@ class Engine:
         """Host arrays of all state for the tokens held (a worker's come over RPC)."""
         out = {}
         for key, _, live, remote in self._states():
-            arrays = self._run(remote, lambda t=live: state.export(t, self.n_past))
+            rows = self.pipeline.slots.rows(self.n_past)
+            arrays = self._run(remote, lambda t=live, r=rows: state.export(t, r))
             out.update({f"{key}/{name}": a for name, a in arrays.items()})
         return out
 
@@ -303,7 +304,8 @@ class Engine:
             mine = {
                 name.split("/", 1)[1]: a for name, a in arrays.items() if name.startswith(key + "/")
             }
-            self._run(remote, lambda t=live, m=mine: state.load(t, m, n))
+            rows = self.pipeline.slots.rows(n)
+            self._run(remote, lambda t=live, m=mine, r=rows: state.load(t, m, r))
         self.n_past = n
 
     def state_dtypes(self) -> dict[str, str]:

@@ -23,6 +23,10 @@ class IdentitySlots:
     def __init__(self, n_ctx: int):
         self.n_ctx = n_ctx
 
+    def rows(self, n_tokens: int) -> int:
+        """How many cache rows hold a sequence's first ``n_tokens`` (what a snapshot copies)."""
+        return n_tokens
+
     def batch(self, tokens: np.ndarray, pos0: int) -> StepBatch:
         end = pos0 + tokens.size
         if end > self.n_ctx:
