@@ -167,6 +167,18 @@ class DFlash:
                 out[b + "attn_v.weight"] = (p.n_embd, hd * p.n_head_kv)
         return out
 
+    def own_weights(self, f: GGUFFile) -> list[str]:
+        """The draft file's tensors that its graphs read."""
+        return [n for n in f.tensors if n != "d2t"]
+
+    def target_weights(self, target: GGUFFile) -> list[str]:
+        """The target's tensors the draft reads: its embedding, and its head unless the draft
+        has its own (a tied target's head is its embedding)."""
+        out = [] if self.own_embd else ["token_embd.weight"]
+        if not self.own_head and "output.weight" in target.tensors:
+            out.append("output.weight")
+        return out
+
     def make_state(self, n_ctx: int) -> list[KVCache]:
         """The draft's KV per layer: rows are the target positions whose features it injected."""
         width = self.p.head_dim * self.p.n_head_kv

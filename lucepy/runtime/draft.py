@@ -55,14 +55,10 @@ class Draft:
 
     def _load(self, target_file: GGUFFile) -> None:
         lib, backend = self.lib, self.backend
-        own = [n for n in self.file.tensors if n != "d2t"]
+        own = self.model.own_weights(self.file)
         self.weights = Tensors.from_gguf(lib, backend, self.file, own, "draft weights")
-        shared = []
-        if not self.model.own_embd:
-            shared.append("token_embd.weight")
-        if not self.model.own_head and "output.weight" in target_file.tensors:
-            shared.append("output.weight")
-        # the target's embedding and head, copied onto the draft's device
+        # the target's tensors the draft reads (embedding, head), copied onto the draft's device
+        shared = self.model.target_weights(target_file)
         self.shared = Tensors.from_gguf(lib, backend, target_file, shared, "draft's target tensors")
         self.w = {**self.shared.t, **self.weights.t}
 
