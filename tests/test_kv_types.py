@@ -57,7 +57,7 @@ def test_a_q8_0_cache_matches_llama_cpp(name, k, v):
 
 
 def test_snapshots_of_a_q8_0_cache_restore_exactly(tmp_path):
-    path = FIXTURES / "llama-tied-q8_0.gguf"
+    path = FIXTURES / "llama-untied-q8_0.gguf"
     turn1, turn2 = PROMPT[:30], PROMPT[:30] + list(range(100, 120))
     cache = {"prefix_cache_slots": 4, "kv_cache_dir": str(tmp_path), "disk_prefix_cache": "full"}
     cfg = RuntimeConfig(threads=THREADS, max_ctx=256, **Q8)
@@ -74,7 +74,7 @@ def test_snapshots_of_a_q8_0_cache_restore_exactly(tmp_path):
 
 
 def test_a_f16_snapshot_is_not_restored_into_a_q8_0_cache(tmp_path):
-    path = FIXTURES / "llama-tied-q8_0.gguf"
+    path = FIXTURES / "llama-untied-q8_0.gguf"
     cache = {"kv_cache_dir": str(tmp_path), "disk_prefix_cache": "full"}
     with open_engine(path, RuntimeConfig(threads=THREADS, max_ctx=256, **cache)) as engine:
         generate(engine, PROMPT, 4, stop_at_end=False)
@@ -88,3 +88,11 @@ def test_bad_cache_types_are_refused():
         RuntimeConfig(cache_type_k="q4_0")
     with pytest.raises(ConfigError, match="needs flash attention"):
         RuntimeConfig(cache_type_v="q8_0", flash_attn=False)
+
+
+def test_a_q8_0_cache_needs_heads_of_whole_blocks():
+    """llama-tied has 16-wide heads: a q8_0 row would split blocks, so it is refused up front
+    (ggml would abort the process)."""
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256, cache_type_k="q8_0")
+    with pytest.raises(ConfigError, match="multiple of 32; this model's is 16"):
+        Engine(FIXTURES / "llama-tied-q8_0.gguf", cfg, tokenizer=False)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from lucepy.errors import MissingTensor, TensorShapeMismatch, UnsupportedArchitecture
+from lucepy.errors import ConfigError, MissingTensor, TensorShapeMismatch, UnsupportedArchitecture
 from lucepy.ggml import (
     GGML_TYPE_F16,
     GGML_TYPE_F32,
@@ -41,6 +41,12 @@ class ModelOptions:
 
     def kv_cache(self, layer: int, head_dim: int, n_head_kv: int, n_ctx: int) -> KVCache:
         width = head_dim * n_head_kv
+        quantized = {self.cache_type_k, self.cache_type_v} - {GGML_TYPE_F16, GGML_TYPE_F32}
+        if quantized and head_dim % 32:  # q8_0 rows are whole 32-value blocks, per head
+            raise ConfigError(
+                f"a q8_0 KV cache needs a head size that is a multiple of 32; this model's is "
+                f"{head_dim}; use --cache-type-k/-v f16"
+            )
         return KVCache(layer, width, n_ctx, self.cache_type_k, self.cache_type_v, head_dim)
 
 
