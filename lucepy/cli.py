@@ -170,6 +170,16 @@ def runtime_config(
     )
 
 
+def chat_prompt(tokenizer, prompt: str, system: str | None) -> str:
+    """``prompt`` as a user turn (after ``system``) through the model's own chat template."""
+    from lucepy.server.chat import chat_text
+
+    messages = [{"role": "user", "content": prompt}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return chat_text(tokenizer, messages)
+
+
 def _parse_tokens(text: str) -> list[int]:
     try:
         tokens = [int(x) for x in text.replace(" ", "").split(",") if x]
@@ -186,7 +196,11 @@ def generate(
         str | None,
         typer.Argument(help="a GGUF file or a models.yaml name; default: smollm2-135m-instruct"),
     ] = None,
-    prompt: Annotated[str | None, typer.Option(help="raw prompt text (no chat template)")] = None,
+    prompt: Annotated[str | None, typer.Option(help="prompt text, raw unless --chat")] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="send --prompt as a user turn of the chat template")
+    ] = False,
+    system: Annotated[str | None, typer.Option(help="a system message (implies --chat)")] = None,
     prompt_tokens: Annotated[str | None, typer.Option(help="prompt as token ids: 1,2,3")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate")] = 64,
     chunk: Chunk = 512,
@@ -228,7 +242,9 @@ def generate(
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         _, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)
         with engine:
-            if prompt is not None:
+            if prompt is not None and (chat or system is not None):
+                tokens = engine.tokenizer.encode(chat_prompt(engine.tokenizer, prompt, system))
+            elif prompt is not None:
                 tokens = engine.tokenizer.encode(prompt)
             else:
                 tokens = _parse_tokens(prompt_tokens)

@@ -132,6 +132,16 @@ def test_generate_with_no_model_answers_with_smollm2(tmp_path):
     assert not (tmp_path / "cache").exists()  # nothing written, nothing downloaded
 
 
+def test_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path):
+    """--chat/--system: the model's own template, as the server renders a chat request; the raw
+    question gets nothing from SmolLM2 (its first token ends the text)."""
+    args = ["generate", "--prompt", "What is the capital of France?", "--max-tokens", "24"]
+    chat = json.loads(lucepy(*args, "--system", "You are a helpful assistant.", "--json").stdout)
+    raw = json.loads(lucepy(*args, "--json").stdout)
+    assert chat["text"] == "The capital of France is Paris."
+    assert len(chat["prompt_tokens"]) > len(raw["prompt_tokens"]) and raw["text"] == ""
+
+
 def test_generate_takes_a_models_yaml_name_with_its_defaults(tiny_model, tmp_path):
     (tmp_path / "models.yaml").write_text(
         f"models:\n  mine:\n    file: {tiny_model()}\n    context: 16\n"

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lucepy import __version__
 from lucepy.errors import AuthError, ContextOverflow, PromptError
 from lucepy.server import errors
-from lucepy.server.chat import render_chat
+from lucepy.server.chat import chat_text
 from lucepy.server.schemas import ChatRequest, CompletionRequest, Reply
 from lucepy.server.status import placement
 from lucepy.server.worker import Delta, Failed, Job, Worker
@@ -109,7 +109,7 @@ async def status(s: Authorized):
 @private.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, s: Authorized):
     messages = [m.for_template() for m in body.messages]
-    text = render_chat(s.tokenizer.chat_template, messages, bos=s.bos, eos=s.eos)
+    text = chat_text(s.tokenizer, messages)
     tokens = await s.encode(text, "messages")
     job = s.job(tokens, body, body.limit, "messages")
     return await _answer(request, s, job, Reply("chat", s.name), body)

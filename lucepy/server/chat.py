@@ -35,6 +35,16 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+def chat_text(tokenizer, messages: list[dict]) -> str:
+    """The text to encode for ``messages`` with the model's own template: less a leading BOS,
+    which the tokenizer adds itself where the model wants one."""
+    bos, eos = tokenizer.token_text(tokenizer.bos), tokenizer.token_text(tokenizer.eos)
+    text = render_chat(tokenizer.chat_template, messages, bos=bos, eos=eos)
+    if tokenizer.add_bos and bos and text.startswith(bos):
+        text = text[len(bos) :]
+    return text
+
+
 def render_chat(template: str | None, messages: list[dict], *, bos: str, eos: str) -> str:
     """The prompt text for ``messages``, ending with the assistant's turn opened."""
     from jinja2 import TemplateError
