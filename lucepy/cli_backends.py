@@ -21,6 +21,8 @@ def worker(
     port: Annotated[int, typer.Option(min=1, max=65535, help="port to listen on")] = 50052,
     ggml: Annotated[Path | None, typer.Option(help="ggml build directory to use")] = None,
     threads: Threads = None,
+    parent_fd: Annotated[int | None, typer.Option(hidden=True)] = None,
+    log_file: Annotated[Path | None, typer.Option(hidden=True)] = None,
 ):
     """Serve a device of this (or --ggml's) ggml build over ggml-rpc, until stopped."""
 
@@ -30,7 +32,10 @@ def worker(
         if ggml is not None:
             os.environ["LUCEPY_GGML_LIB"] = str(ggml)
         from lucepy.ggml import load
-        from lucepy.runtime.workers import serve
+        from lucepy.runtime.workers import exit_with_parent, serve
+
+        if parent_fd is not None:  # spawned by lucepy: end with the spawning process
+            exit_with_parent(parent_fd, log_file)
 
         serve(load(), device, host, port, threads or os.cpu_count() or 1)
 

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,26 @@ from lucepy.ggml import Backend, Lib, ffi
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0
+KEEP_LOGS = "LUCEPY_KEEP_WORKER_LOGS"  # set to 1 to keep a spawned worker's log after it ends
+
+
+def keep_logs() -> bool:
+    return os.environ.get(KEEP_LOGS, "") not in ("", "0")
+
+
+def exit_with_parent(fd: int, log_path: Path | None) -> None:
+    """In a spawned worker: exit as soon as the process that spawned it is gone, however it
+    died. It holds the write end of a pipe whose read end is ``fd``; its death closes that end,
+    and the read returns. The worker's log goes too, unless logs are kept."""
+
+    def watch() -> None:
+        while os.read(fd, 1):
+            pass
+        if log_path is not None and not keep_logs():
+            log_path.unlink(missing_ok=True)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="lucepy-parent-watch", daemon=True).start()
 
 
 def is_loopback(host: str) -> bool:
@@ -66,6 +87,7 @@ class Worker:
     endpoint: str
     proc: subprocess.Popen
     log_path: Path
+    lifeline: int = -1  # write end of the pipe the worker watches; closed, it exits
     closed: bool = field(default=False)
 
     @property
@@ -93,7 +115,11 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log_path.unlink(missing_ok=True)
+        if self.lifeline >= 0:
+            os.close(self.lifeline)
+            self.lifeline = -1
+        if not keep_logs():
+            self.log_path.unlink(missing_ok=True)
 
 
 def spawn(
@@ -120,16 +146,26 @@ def spawn(
         cmd += ["--threads", str(threads)]
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     log_path = log_dir / f"lucepy-worker-{os.getpid()}-{port}.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    worker = Worker(device, f"127.0.0.1:{port}", proc, log_path)
+    watched, lifeline = os.pipe()  # the worker exits when this process, holding lifeline, dies
+    cmd += ["--parent-fd", str(watched), "--log-file", str(log_path)]
+    try:
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(watched,),
+            )
+    except BaseException:
+        os.close(lifeline)
+        raise
+    finally:
+        os.close(watched)
+    os.set_inheritable(lifeline, False)
+    worker = Worker(device, f"127.0.0.1:{port}", proc, log_path, lifeline)
     _wait_ready(worker)
     return worker
 
