@@ -459,3 +459,26 @@ def test_a_dead_worker_is_brought_back_by_the_next_request(tiny_model, tmp_path)
         respawned = _served_workers()
     assert again == first
     assert len(respawned) == 1 and respawned != workers
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
+            "messages",
+        ),
+        ("/v1/completions", '{"prompt": "x\\udfff y"}', "prompt"),
+    ],
+)
+def test_text_that_cannot_be_encoded_is_400_and_the_server_stays_up(
+    server, client, path, body, param
+):
+    """A lone surrogate (valid JSON, not UTF-8) names its field; the next request is served."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(server.url + path, content=body, headers=headers)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == param and "lone surrogate" in error["message"]
+    assert chat(client, "hello", max_tokens=2).choices[0].finish_reason in ("length", "stop")

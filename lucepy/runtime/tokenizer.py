@@ -25,7 +25,14 @@ class Tokenizer:
     def encode(self, text: str, special: bool = True) -> list[int]:
         if not text:
             raise PromptError("the prompt is empty; pass --prompt TEXT or --prompt-tokens 1,2,3")
-        return self._llama.tokenize(text.encode(), add_bos=self.add_bos, special=special)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise PromptError(
+                f"the text is not valid Unicode: character {err.start} is a lone surrogate "
+                f"({text[err.start]!r}); send UTF-8 text"
+            ) from None
+        return self._llama.tokenize(data, add_bos=self.add_bos, special=special)
 
     def decode(self, tokens: list[int]) -> str:
         return self._llama.detokenize(tokens).decode("utf-8", errors="replace")

@@ -41,7 +41,10 @@ class Served:
             raise _with_param(PromptError(f"{param} is empty; send some text"), param)
         if self.tokenizer.add_bos and self.bos and text.startswith(self.bos):
             text = text[len(self.bos) :]  # the tokenizer adds BOS itself
-        return await asyncio.to_thread(self.tokenizer.encode, text)
+        try:
+            return await asyncio.to_thread(self.tokenizer.encode, text)
+        except PromptError as err:  # text the tokenizer cannot take
+            raise _with_param(PromptError(f"{param}: {err}"), param) from None
 
     def job(self, tokens: list[int], body, limit: int | None, param: str) -> Job:
         room = self.n_ctx - len(tokens)
