@@ -58,3 +58,54 @@ def test_workers_exit_within_2_s_of_a_kill_9_of_their_parent(keep, tiny_model, m
         parent.kill()
         if keep:
             log.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(
+    "source, seed",
+    [("tiny q8_0", 1), ("fixtures/hf/llama-untied-q4_k_m.gguf", 2)],
+)
+def test_mutated_gguf_files_give_one_line_errors(source, seed, tiny_model, tmp_path):
+    """600 seeded mutants (header field edits, byte flips, truncations) each load or fail with
+    one line: no signal, no traceback, no hang. docs/BENCHMARKS.md has the 5,000-mutant runs."""
+    from lucepy.testing.fuzz import fuzz
+
+    model = tiny_model("base", "q8_0") if source == "tiny q8_0" else Path(__file__).parent / source
+    outcomes = fuzz(Path(model), 600, seed, tmp_path)
+    bad = [o for o in outcomes if o.result not in ("ok", "error")]
+    assert len(outcomes) == 600 and not bad, bad[:3]
+    assert sum(o.result == "error" for o in outcomes) > 300  # the mutations do break files
+
+
+def _with_tensor_type(src: Path, dst: Path, name: str, gtype: int) -> Path:
+    from lucepy.gguf import GGUFFile
+    from lucepy.testing.fuzz import fields
+
+    data = bytearray(src.read_bytes())
+    with GGUFFile(src) as f:
+        index = list(f.tensors).index(name)
+    pos = [p for kind, p, _ in fields(bytes(data)) if kind == "type"][index]
+    data[pos : pos + 4] = gtype.to_bytes(4, "little")
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def test_a_tensor_whose_rows_are_not_whole_blocks_is_refused(tiny_model, tmp_path):
+    """ssm_conv1d [4, 128] retyped q4_0 holds 512 values, whole 32-blocks in all, but rows of 4:
+    ggml would abort writing it."""
+    from lucepy.errors import ModelFileError
+    from lucepy.gguf import GGUFFile
+
+    bad = _with_tensor_type(
+        tiny_model("base", "f32"), tmp_path / "bad.gguf", "blk.0.ssm_conv1d.weight", 2
+    )
+    with pytest.raises(ModelFileError, match="rows that are not whole Q4_0 blocks of 32"):
+        GGUFFile(bad)
+
+
+def test_a_vocabulary_with_a_repeated_token_is_refused():
+    from lucepy.errors import ModelFileError
+    from lucepy.runtime.tokenizer import check_vocabulary
+
+    check_vocabulary("m.gguf", ["a", "b", "c"])
+    with pytest.raises(ModelFileError, match="tokens 0 and 2 of the vocabulary are the same"):
+        check_vocabulary("m.gguf", ["a", "b", "a"])

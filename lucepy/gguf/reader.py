@@ -163,9 +163,10 @@ class GGUFFile:
         except (ValueError, KeyError):
             raise ModelFileError(f"{self.path}: tensor {name!r} has unknown type {ttype}") from None
         n = int(np.prod(shape, dtype=np.int64))
-        if n % block:
+        if not shape or shape[0] % block:  # ggml stores each row as whole blocks
             raise ModelFileError(
-                f"{self.path}: tensor {name!r} {shape} is not whole {qtype.name} blocks of {block}"
+                f"{self.path}: tensor {name!r} {shape} has rows that are not whole {qtype.name} "
+                f"blocks of {block}"
             )
         nbytes = n // block * type_size
         if offset + nbytes > self.size:

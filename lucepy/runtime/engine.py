@@ -84,7 +84,8 @@ class Engine:
             self.n_ctx = self.plan.max_ctx
             self._load()
             self.draft = self._load_draft() if self.config.draft else None
-            self.tokenizer = Tokenizer(self.path) if tokenizer else None
+            tokens = self.file.get("tokenizer.ggml.tokens")
+            self.tokenizer = Tokenizer(self.path, tokens) if tokenizer else None
         except BaseException:
             self.close()
             raise

@@ -5,17 +5,46 @@ from __future__ import annotations
 import contextlib
 import os
 
-from lucepy.errors import PromptError
+from lucepy.errors import ModelFileError, PromptError
+
+
+def check_vocabulary(path: str | os.PathLike, tokens: list[str] | None) -> None:
+    """What llama.cpp asserts of a vocabulary (aborting the process), checked first: every token
+    string is distinct (src/llama-vocab.cpp)."""
+    if not tokens:
+        return
+    seen: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if token in seen:
+            raise ModelFileError(
+                f"{path}: tokens {seen[token]} and {i} of the vocabulary are the same string "
+                f"{token!r}; the file is damaged"
+            )
+        seen[token] = i
 
 
 class Tokenizer:
-    def __init__(self, model_path: str | os.PathLike):
+    def __init__(self, model_path: str | os.PathLike, tokens: list[str] | None = None):
+        """``tokens``: the file's ``tokenizer.ggml.tokens``, checked before llama.cpp reads them."""
         import llama_cpp  # imported here: loading libllama costs time the plan and CLI help skip
+        from jinja2 import TemplateError
 
-        with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
-            self._llama = llama_cpp.Llama(
-                model_path=str(model_path), vocab_only=True, verbose=False
-            )
+        check_vocabulary(model_path, tokens)
+        try:
+            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+                self._llama = llama_cpp.Llama(
+                    model_path=str(model_path), vocab_only=True, verbose=False
+                )
+        except ValueError:  # llama.cpp refused the file: it says no more than that
+            raise ModelFileError(
+                f"{model_path}: llama.cpp cannot load this file's vocabulary (tokenizer.* "
+                f"metadata); the file is damaged or was converted wrongly"
+            ) from None
+        except TemplateError as err:  # llama_cpp compiles every chat template it finds
+            raise ModelFileError(
+                f"{model_path}: the chat template (tokenizer.chat_template) does not parse: "
+                f"{err.message}"
+            ) from None
         self.eos = self._llama.token_eos()
         self.bos = self._llama.token_bos()
         meta = self._llama.metadata
