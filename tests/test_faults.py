@@ -109,3 +109,47 @@ def test_a_vocabulary_with_a_repeated_token_is_refused():
     check_vocabulary("m.gguf", ["a", "b", "c"])
     with pytest.raises(ModelFileError, match="tokens 0 and 2 of the vocabulary are the same"):
         check_vocabulary("m.gguf", ["a", "b", "a"])
+
+
+def snapshot_fuzz(model: Path, folder: Path, n: int, seed: int) -> dict[str, int]:
+    """Mutants of one prompt snapshot, each the only file of a disk cache: a resent longer prompt
+    must give exactly the fresh logits, whether the mutant was restored or refused, and nothing
+    may raise. Returns how often each happened."""
+    import numpy as np
+
+    from lucepy.cache.disk import DiskCache
+    from lucepy.engine import open_engine
+    from lucepy.runtime.config import RuntimeConfig
+    from lucepy.testing.fuzz import mutate_snapshot
+
+    prompt, longer = list(range(3, 40)), list(range(3, 40)) + [7, 8, 9]
+    cache_dir = folder / "cache"
+    cfg = RuntimeConfig(
+        threads=2, max_ctx=128, kv_cache_dir=str(cache_dir), disk_prefix_cache="full"
+    )
+    counts = {"disk": 0, "none": 0}
+    with open_engine(model, cfg, tokenizer=False) as engine:
+        engine.reset()
+        fresh = engine.prefill(longer).copy()
+        engine.prefix_cache.start(prompt, None)  # writes the prompt's snapshot
+        (good,) = [p for p in cache_dir.glob("*.lsnap") if len(p.read_bytes()) > 0][:1]
+        name, data = good.name, good.read_bytes()
+        rng = np.random.default_rng(seed)
+        for _ in range(n):
+            for old in cache_dir.iterdir():
+                old.unlink()
+            (cache_dir / name).write_bytes(mutate_snapshot(data, rng))
+            engine.prefix_cache.disk = DiskCache(
+                cache_dir, engine.prefix_cache.disk.fingerprint, 2**30
+            )
+            logits, report = engine.prefix_cache.start(longer, None)
+            np.testing.assert_array_equal(logits, fresh)
+            counts[report["hit"]] += 1
+    return counts
+
+
+def test_mutated_snapshot_files_are_refused_or_restore_exactly(tiny_model, tmp_path):
+    """400 mutants (header field types and values, byte flips, truncations); docs/faults.md has
+    the 5,000-mutant run."""
+    counts = snapshot_fuzz(tiny_model("base", "q8_0"), tmp_path, 400, seed=3)
+    assert counts["none"] > 200 and sum(counts.values()) == 400

@@ -113,14 +113,51 @@ def read_header(path: Path, fingerprint: str) -> dict:
             header = json.loads(f.read(n))
         except ValueError:
             raise BadSnapshot("unreadable header (truncated or corrupted)") from None
-    if header.get("fingerprint") != fingerprint:
+    _check_types(header)
+    if header["fingerprint"] != fingerprint:
         raise BadSnapshot("made for another model, layout or context")
-    if token_hash(header["tokens"]) != header.get("token_hash"):
+    if token_hash(header["tokens"]) != header["token_hash"]:
         raise BadSnapshot("token hash mismatch (corrupted)")
     end = max((t["offset"] + t["nbytes"] for t in header["tensors"]), default=0)
     if end > size:
         raise BadSnapshot(f"truncated: {size} bytes of {end}")
     return header
+
+
+def _is_int(x: object, low: int = 0, high: int = 2**62) -> bool:
+    return type(x) is int and low <= x < high
+
+
+def _check_types(header: object) -> None:
+    """Every field this reader uses has its type and range, or the file is refused."""
+    ok = (
+        isinstance(header, dict)
+        and isinstance(header.get("fingerprint"), str)
+        and isinstance(header.get("token_hash"), str)
+        and isinstance(header.get("tokens"), list)
+        and all(_is_int(t, 0, 2**31) for t in header["tokens"])
+        and isinstance(header.get("tensors"), list)
+    )
+    if not ok or not all(_tensor_entry_ok(t) for t in header["tensors"]):
+        raise BadSnapshot("malformed header (a field has the wrong type or range)")
+
+
+def _tensor_entry_ok(t: object) -> bool:
+    if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+        return False
+    if not isinstance(t.get("dtype"), str) or t["dtype"] not in _DTYPES:
+        return False
+    shape = t.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d, 0, 2**40) for d in shape):
+        return False
+    fields = (t.get("offset"), t.get("nbytes"), t.get("crc32"))
+    if not all(_is_int(v) for v in fields):
+        return False
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return t["nbytes"] == n * np.dtype(t["dtype"]).itemsize
+
+
+_DTYPES = {"<f4", "<f2", "|u1", "<i4", "<i8"}  # what export writes: f32/f16 state, quantized rows
 
 
 def read_arrays(path: Path, header: dict) -> dict[str, np.ndarray]:

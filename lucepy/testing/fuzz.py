@@ -84,6 +84,34 @@ def mutate(data: bytes, rng: np.random.Generator, where: list[tuple[str, int, in
     return bytes(buf)
 
 
+_BAD_VALUES = [None, "x", -1, 0, 1, 2**70, 1.5, [], {}, [1, "a"], True]
+
+
+def mutate_snapshot(data: bytes, rng: np.random.Generator) -> bytes:
+    """One mutant of a ``.lsnap`` file: a header field set to a wrong type or value (the header
+    re-padded to its length when it fits, so the data offsets may still hold), bytes flipped, or
+    a cut."""
+    kind = rng.integers(3)
+    if kind == 1:
+        buf = bytearray(data)
+        for _ in range(int(rng.integers(1, 9))):
+            buf[int(rng.integers(len(buf)))] ^= 1 << int(rng.integers(8))
+        return bytes(buf)
+    if kind == 2:
+        return data[: int(rng.integers(len(data)))]
+    start = 16  # magic, version, header length
+    n = struct.unpack_from("<I", data, 12)[0]
+    header = json.loads(data[start : start + n])
+    spots = [(header, k) for k in header]
+    spots += [(t, k) for t in header["tensors"] for k in t]
+    spots += [(header["tokens"], i) for i in range(len(header["tokens"]))]
+    box, key = spots[rng.integers(len(spots))]
+    box[key] = _BAD_VALUES[rng.integers(len(_BAD_VALUES))]
+    body = json.dumps(header).encode()
+    body += b" " * max(n - len(body), 0)
+    return data[:12] + struct.pack("<I", len(body)) + body + data[start + n :]
+
+
 @dataclass
 class Outcome:
     index: int
