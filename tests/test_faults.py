@@ -153,3 +153,46 @@ def test_mutated_snapshot_files_are_refused_or_restore_exactly(tiny_model, tmp_p
     the 5,000-mutant run."""
     counts = snapshot_fuzz(tiny_model("base", "q8_0"), tmp_path, 400, seed=3)
     assert counts["none"] > 200 and sum(counts.values()) == 400
+
+
+def test_a_frozen_worker_fails_its_request_within_the_deadline_then_is_replaced(tiny_model):
+    """SIGSTOP of a worker mid-generation: the stream fails within its deadline (a 2 s floor
+    here), /health is 503 while the worker is replaced and 200 after, the next request is
+    served, and the frozen worker is gone."""
+    import httpx
+    import openai
+
+    from lucepy.engine import Engine
+    from lucepy.runtime.config import RuntimeConfig
+    from lucepy.server.run import Server
+
+    cfg = RuntimeConfig(device="cpu,cpu@worker", threads=1, max_ctx=512, step_deadline_s=2.0)
+    srv = Server(Engine(tiny_model("odd", "f32"), cfg), name="tiny", port=0, log_level="warning")
+    srv.start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        frozen = srv.worker.engine.pipeline.workers[0].proc
+        messages = [{"role": "user", "content": "hello"}]
+        stream = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=400, stream=True, temperature=0
+        )
+        t0 = None
+        with pytest.raises(openai.APIError):
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    os.kill(frozen.pid, signal.SIGSTOP)
+                    t0 = time.monotonic()
+        assert t0 is not None and time.monotonic() - t0 < 6.0
+        seen = set()
+        while time.monotonic() - t0 < 60:
+            code = httpx.get(srv.url + "/health").status_code
+            seen.add(code)
+            if code == 200 and 503 in seen:
+                break
+            time.sleep(0.02)
+        assert seen == {200, 503}
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        assert frozen.poll() is not None  # killed, not left stopped
+    finally:
+        srv.stop()

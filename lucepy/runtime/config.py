@@ -22,6 +22,7 @@ class RuntimeConfig:
     max_ctx: int | None = None  # None: the model's training context, capped at DEFAULT_CTX
     chunk: int = DEFAULT_CHUNK  # prefill batch size
     threads: int | None = None  # CPU threads; None: all cores
+    step_deadline_s: float = 30.0  # least time a remote step gets before its worker is replaced
     flash_attn: bool = True  # llama.cpp's -fa: off computes KQ, softmax and V^T KQ as its own ops
     cache_type_k: str = "f16"  # KV cache types (llama.cpp's -ctk/-ctv)
     cache_type_v: str = "f16"

@@ -107,7 +107,9 @@ class Engine:
         remote = any(spec.where != "local" for spec in self.plan.devices) or (
             draft is not None and draft.where != "local"
         )
-        self.pipeline = Pipeline(self.lib, [], remote, self.n_ctx)
+        self.pipeline = Pipeline(
+            self.lib, [], remote, self.n_ctx, deadline_s=self.config.step_deadline_s
+        )
         for spec, sp in zip(self.plan.devices, self.plan.shards, strict=True):
             backend = self._open(spec)
             self.pipeline.add(
@@ -147,7 +149,8 @@ class Engine:
         cfg, spec = self.config, self._draft_spec()
         backend = self._open(spec)
         remote = spec.where != "local"
-        run = self.pipeline.call if remote else (lambda fn: fn())
+        pipeline = self.pipeline
+        run = (lambda fn: pipeline.call(fn, step=True)) if remote else (lambda fn: fn())
         draft = run(lambda: Draft(self.lib, cfg.draft, self.file, self.model, backend, self.n_ctx))
         draft.remote, draft.run = remote, run
         if cfg.draft_block:
@@ -184,10 +187,23 @@ class Engine:
         if remote_draft:
             self.draft = self._load_draft()
 
+    @property
+    def broken(self) -> str | None:
+        """Why the model is not whole (a worker died or froze), until ``recover``."""
+        if self.pipeline is None:
+            return "not loaded"
+        return self.pipeline.broken or self.pipeline.check_workers()
+
+    def recover(self) -> bool:
+        """Bring back workers that died or froze, now; whether there was anything to do."""
+        if not self.broken:
+            return False
+        self._recover()
+        return True
+
     def reset(self) -> None:
         """Start a new sequence; first bring back workers that died since the last one."""
-        if self.pipeline is None or self.pipeline.broken or self.pipeline.check_workers():
-            self._recover()
+        self.recover()
         self.pipeline.reset()
         self.n_past = 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from lucepy.runtime.workers import Worker
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
+DEADLINE_FACTOR = 20  # a remote step may take this many times the slowest step seen so far
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,12 @@ class Pipeline:
     """Shards in layer order. With worker shards, every call that may touch a worker (load, step,
     reset) runs supervised on the guard thread."""
 
-    def __init__(self, lib: Lib, workers: list[Worker], remote: bool, n_ctx: int):
+    def __init__(
+        self, lib: Lib, workers: list[Worker], remote: bool, n_ctx: int, deadline_s: float = 30.0
+    ):
         self.lib, self.workers, self.remote = lib, workers, remote
+        self.deadline_floor_s = deadline_s  # the least a step may take before it is given up
+        self._slowest_s = 0.0
         self.slots = IdentitySlots(n_ctx)
         self.shards: list[Shard] = []
         self._last: list[tuple] = []  # (shard, spec, graph) of the last step, for rollback
@@ -100,25 +106,40 @@ class Pipeline:
         self._failures_seen = len(rpc_failures())
         self.broken: str | None = None
 
-    def call(self, fn: Callable):
-        """Run ``fn``; if a worker breaks meanwhile, raise WorkerError instead of hanging."""
+    def call(self, fn: Callable, step: bool = False):
+        """Run ``fn``; if a worker breaks meanwhile, raise WorkerError instead of hanging. A
+        ``step`` also has a deadline, from the slowest step so far with a floor; a worker that
+        misses it is killed (a frozen one would block forever) and the pipeline is broken."""
         if self.broken:
             raise WorkerError(self.broken)
         if self._guard is None:
             return fn()
+        t0 = time.monotonic()
+        deadline = max(self.deadline_floor_s, DEADLINE_FACTOR * self._slowest_s)
         box, done = self._guard.submit(fn)
         while not done.wait(POLL_S):
             problem = self._problem()
+            if step and problem is None and time.monotonic() - t0 > deadline:
+                problem = self._missed(deadline)
             if problem:
                 self.broken = (
                     f"{problem}; the request failed. The next request restarts the workers"
                 )
                 log.error("%s", self.broken)
                 raise WorkerError(self.broken)
+        if step:
+            self._slowest_s = max(self._slowest_s, time.monotonic() - t0)
         ok, value = box[0]
         if not ok:
             raise value
         return value
+
+    def _missed(self, deadline: float) -> str:
+        """Kill the workers of a step that outlived its deadline; say so."""
+        for worker in self.workers:
+            worker.kill()
+        names = ", ".join(w.describe() for w in self.workers) or "a remote device"
+        return f"{names} did not answer within {deadline:.1f} s (frozen or unreachable)"
 
     def add(self, make_shard: Callable[[], Shard]) -> Shard:
         shard = self.call(make_shard)
@@ -126,7 +147,7 @@ class Pipeline:
         return shard
 
     def forward(self, tokens: np.ndarray, pos0: int, step: Step) -> StepOutput:
-        return self.call(lambda: self._forward(tokens, pos0, step))
+        return self.call(lambda: self._forward(tokens, pos0, step), step=True)
 
     def rollback(self, step: int, keep: int) -> None:
         """Undo all but the first ``keep`` tokens of verify step ``step`` on every shard; only
@@ -136,7 +157,9 @@ class Pipeline:
                 f"verify step {step} is committed after step {self.steps} ran; commit a verify "
                 f"before the next decode, prefill or verify"
             )
-        self.call(lambda: [shard.rollback(g, spec, keep) for shard, spec, g in self._last])
+        self.call(
+            lambda: [shard.rollback(g, spec, keep) for shard, spec, g in self._last], step=True
+        )
 
     def check_workers(self) -> str | None:
         """Mark the pipeline broken if a worker we started has exited; says which."""

@@ -104,6 +104,11 @@ class Worker:
             return ""
         return " | ".join(lines[-n:])
 
+    def kill(self) -> None:
+        """Stop it now, frozen (SIGSTOP) or not; ``close`` then only reaps and cleans up."""
+        if self.alive:
+            self.proc.kill()
+
     def close(self) -> None:
         if self.closed:
             return

@@ -70,6 +70,7 @@ class Worker:
         self.engine = engine
         self.stats = Stats()
         self.failure: BaseException | None = None
+        self.recovering = False  # a worker died or froze: the engine is reloading it
         self.current: Job | None = None
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -79,7 +80,9 @@ class Worker:
 
     @property
     def state(self) -> str:
-        return "closed" if self._closed else "failed" if self.failure else "ready"
+        if self._closed:
+            return "closed"
+        return "failed" if self.failure else "recovering" if self.recovering else "ready"
 
     def submit(self, job: Job) -> None:
         job.loop = asyncio.get_running_loop()
@@ -113,6 +116,7 @@ class Worker:
                 log.error("the model failed: %s", err)
             self.stats.finished("failed")
             job.emit(Failed(err))
+            self._recover()
             return
         outcome = "cancelled" if done.finish_reason == "cancelled" else "completed"
         self.stats.finished(outcome, asdict(done))
@@ -120,6 +124,19 @@ class Worker:
             job.emit(Failed(ModelUnavailable("the server shut down during this generation")))
         else:
             job.emit(done)
+
+    def _recover(self) -> None:
+        """After a failure that broke the model (a worker died or missed its deadline), reload it
+        at once, so /health reports "recovering" and then "ready" before the next request."""
+        if self.failure is not None or not getattr(self.engine, "broken", None):
+            return
+        self.recovering = True
+        try:
+            self.engine.recover()
+        except Exception as err:  # the reload failed: the next request tries again
+            log.error("bringing the workers back failed: %s", err)
+        finally:
+            self.recovering = False
 
     def close(self) -> None:
         """Refuse new jobs, fail queued ones, stop the running one, then close the Engine."""
