@@ -202,6 +202,45 @@ def metadata(f: GGUFFile):
     return key
 
 
+@dataclass(frozen=True)
+class DecoderParams:
+    """The hyperparameters every decoder here reads the same way from its GGUF; an architecture's
+    ``Params`` adds its own."""
+
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rms_eps: float
+    rope_dim: int
+    rope_theta: float
+    n_ctx_train: int
+
+    @staticmethod
+    def common(f: GGUFFile, n_layer: int) -> dict[str, Any]:
+        """The fields above, from ``f``'s metadata (``n_layer`` as the architecture counts it)."""
+        key = metadata(f)
+        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", n_embd // n_head))
+        tokens = f.get("tokenizer.ggml.tokens", [])
+        return {
+            "n_vocab": len(tokens) or f.tensors["token_embd.weight"].shape[1],
+            "n_embd": n_embd,
+            "n_layer": n_layer,
+            "n_ff": int(key("feed_forward_length")),
+            "n_head": n_head,
+            "n_head_kv": int(key("attention.head_count_kv", n_head)),
+            "head_dim": head_dim,
+            "rms_eps": float(key("attention.layer_norm_rms_epsilon")),
+            "rope_dim": int(key("rope.dimension_count", head_dim)),
+            "rope_theta": float(key("rope.freq_base", 10000.0)),
+            "n_ctx_train": int(key("context_length", 4096)),
+        }
+
+
 def check_tensors(f: GGUFFile, expected: dict[str, tuple[int, ...]]) -> None:
     """Every expected tensor is in the file with the shape the metadata implies."""
     for name, shape in expected.items():

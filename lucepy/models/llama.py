@@ -21,6 +21,7 @@ from lucepy.gguf import GGUFFile
 from lucepy.models.base import (
     Architecture,
     Builder,
+    DecoderParams,
     GraphSpec,
     ModelOptions,
     Tensor,
@@ -36,44 +37,20 @@ _BIASES = ("attn_q", "attn_k", "attn_v", "attn_output")
 
 
 @dataclass(frozen=True)
-class Params:
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    rms_eps: float
-    rope_dim: int
-    rope_theta: float
+class Params(DecoderParams):
     rope_freq_scale: float  # 1 / linear scaling factor
-    n_ctx_train: int
     attn_scale: float  # 0: 1/sqrt(head_dim)
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> Params:
         key = metadata(f)
-        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
         scaling = key("rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise ConfigError(f"{f.path}: rope scaling {scaling!r} is not supported yet")
         factor = float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-        n_vocab = len(f.get("tokenizer.ggml.tokens", [])) or f.tensors["token_embd.weight"].shape[1]
         return cls(
-            n_vocab=n_vocab,
-            n_embd=n_embd,
-            n_layer=int(key("block_count")),
-            n_ff=int(key("feed_forward_length")),
-            n_head=n_head,
-            n_head_kv=int(key("attention.head_count_kv", n_head)),
-            head_dim=head_dim,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope_dim=int(key("rope.dimension_count", head_dim)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
+            **DecoderParams.common(f, int(key("block_count"))),
             rope_freq_scale=1.0 / factor if factor else 1.0,
-            n_ctx_train=int(key("context_length", 4096)),
             attn_scale=float(key("attention.scale", 0.0)),
         )
 

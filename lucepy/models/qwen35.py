@@ -18,6 +18,7 @@ from lucepy.gguf import GGUFFile
 from lucepy.models.base import (
     Architecture,
     Builder,
+    DecoderParams,
     GraphSpec,
     ModelOptions,
     Tensor,
@@ -36,19 +37,8 @@ _MATMUL_SUFFIXES += ("ffn_up.weight", "ffn_down.weight")
 
 
 @dataclass(frozen=True)
-class Params:
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    rms_eps: float
-    rope_dim: int
+class Params(DecoderParams):
     rope_sections: tuple[int, int, int, int]
-    rope_theta: float
-    n_ctx_train: int
     ssm_conv_kernel: int
     ssm_state: int  # key and value head dim of the delta net
     ssm_k_heads: int  # ssm.group_count
@@ -70,24 +60,11 @@ class Params:
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> Params:
         key = metadata(f)
-        n_layer = int(key("block_count")) - int(key("nextn_predict_layers", 0))
-        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
+        n_layer = int(key("block_count")) - int(key("nextn_predict_layers", 0))  # less MTP
         sections = list(key("rope.dimension_sections", [0, 0, 0, 0]))[:4]
-        n_vocab = len(f.get("tokenizer.ggml.tokens", [])) or f.tensors["token_embd.weight"].shape[1]
         return cls(
-            n_vocab=n_vocab,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_ff=int(key("feed_forward_length")),
-            n_head=n_head,
-            n_head_kv=int(key("attention.head_count_kv", n_head)),
-            head_dim=head_dim,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope_dim=int(key("rope.dimension_count", head_dim)),
+            **DecoderParams.common(f, n_layer),
             rope_sections=tuple(sections + [0] * (4 - len(sections))),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            n_ctx_train=int(key("context_length", 4096)),
             ssm_conv_kernel=int(key("ssm.conv_kernel")),
             ssm_state=int(key("ssm.state_size")),
             ssm_k_heads=int(key("ssm.group_count")),
