@@ -9,6 +9,7 @@ shape comment in ``models/`` uses ggml order, in square brackets. ``mul_mat(w, x
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -25,7 +26,7 @@ from lucepy.ggml import (
 )
 from lucepy.gguf import GGUFFile
 from lucepy.models.batch import StepBatch
-from lucepy.models.state import KVCache, LayerState, hadamard
+from lucepy.models.state import KVCache, LayerState, hadamard, quantized
 
 Tensor = Any  # a cffi ``struct ggml_tensor *``
 
@@ -41,8 +42,8 @@ class ModelOptions:
 
     def kv_cache(self, layer: int, head_dim: int, n_head_kv: int, n_ctx: int) -> KVCache:
         width = head_dim * n_head_kv
-        quantized = {self.cache_type_k, self.cache_type_v} - {GGML_TYPE_F16, GGML_TYPE_F32}
-        if quantized and head_dim % 32:  # q8_0 rows are whole 32-value blocks, per head
+        blocks = quantized(self.cache_type_k) or quantized(self.cache_type_v)
+        if blocks and head_dim % 32:  # q8_0 rows are whole 32-value blocks, per head
             raise ConfigError(
                 f"a q8_0 KV cache needs a head size that is a multiple of 32; this model's is "
                 f"{head_dim}; use --cache-type-k/-v f16"
@@ -297,6 +298,16 @@ class Architecture:
 
     def split_points(self) -> list[int]:
         return list(range(1, self.p.n_layer))
+
+    def kv_state(self, il: int) -> KVCache:
+        """Layer ``il``'s KV cache as ``make_state`` declares it (its tensor names, types and
+        rotations), for graph code; the tensors themselves come with the state dict."""
+        return self._kv_states[il]
+
+    @cached_property
+    def _kv_states(self) -> dict[int, KVCache]:
+        states = self.make_state(range(self.p.n_layer), 0)
+        return {s.layer: s for s in states if isinstance(s, KVCache)}
 
     def end_shapes(self, layers: range, f: GGUFFile | None) -> dict[str, tuple]:
         """The embedding (with layer 0) and the final norm and head (with the last layer); a file

@@ -180,7 +180,7 @@ class Llama(Architecture):
         k = L.ggml_reshape_3d(c, self._proj(g, w, b + "attn_k", x), hd, nkv, T)
         v = L.ggml_reshape_3d(c, self._proj(g, w, b + "attn_v", x), hd, nkv, T)
         q, k = self._rope(g, w, q), self._rope(g, w, k)
-        cache = self.options.kv_cache(il, hd, nkv, 0)  # names and rotations; tensors are in st
+        cache = self.kv_state(il)
         scale = p.attn_scale or 1.0 / math.sqrt(hd)
         out = g.cached_attention(cache, st, q, k, v, scale, self.options.flash_attn)
         return self._proj(g, w, b + "attn_output", out)  # [n_embd, T]

@@ -86,7 +86,6 @@ class Qwen35(Architecture):
 
     def __init__(self, params: Params, options: ModelOptions = ModelOptions()):  # noqa: B008
         self.p, self.options = params, options
-        self._kv = {s.layer: s for s in self.make_state(range(params.n_layer), 0)}
 
     @classmethod
     def from_gguf(cls, f: GGUFFile, options: ModelOptions = ModelOptions()) -> Qwen35:  # noqa: B008
@@ -243,7 +242,7 @@ class Qwen35(Architecture):
         k = g.rms_norm(k, w[b + "attn_k_norm.weight"], p.rms_eps)
         v = L.ggml_reshape_3d(c, L.ggml_mul_mat(c, w[b + "attn_v.weight"], x), hd, nkv, T)
         q, k = self._rope(g, q), self._rope(g, k)
-        cache, scale = self._kv[il], 1.0 / math.sqrt(hd)
+        cache, scale = self.kv_state(il), 1.0 / math.sqrt(hd)
         attn = g.cached_attention(cache, st, q, k, v, scale, self.options.flash_attn)  # [hd*nh, T]
         attn = L.ggml_mul(c, attn, L.ggml_sigmoid(c, gate))
         return L.ggml_mul_mat(c, w[b + "attn_output.weight"], attn)  # [n_embd, T]

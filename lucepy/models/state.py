@@ -67,8 +67,8 @@ class KVCache(LayerState):
         # A quantized cache stores rotated heads, as llama.cpp's does (llama-kv-cache.cpp): Q and K
         # turned by the largest Walsh-Hadamard matrix (64, 128, ...) that divides the head, V by
         # the 64 one and turned back after attention. 0: no rotation.
-        self.k_rot = _largest_rotation(head_dim) if k_type not in _FLOAT and head_dim else 0
-        self.v_rot = 64 if v_type not in _FLOAT and head_dim and head_dim % 64 == 0 else 0
+        self.k_rot = _largest_rotation(head_dim) if quantized(k_type) and head_dim else 0
+        self.v_rot = 64 if quantized(v_type) and head_dim and head_dim % 64 == 0 else 0
 
     def specs(self) -> dict[str, Spec]:
         return {name: (gtype, (self.width, self.n_ctx)) for name, gtype in self.types.items()}
@@ -113,7 +113,9 @@ class DeltaNetState(LayerState):
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, st[self.conv]))
 
 
-_FLOAT = (GGML_TYPE_F32, GGML_TYPE_F16)
+def quantized(gtype: int) -> bool:
+    """Whether a cache of this ggml type stores blocks (q8_0), not floats."""
+    return gtype not in (GGML_TYPE_F32, GGML_TYPE_F16)
 
 
 def _largest_rotation(head_dim: int) -> int:

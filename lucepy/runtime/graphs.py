@@ -109,7 +109,7 @@ class Tensors:
         groups: dict[Any, list[str]] = {}
         for name in specs:
             groups.setdefault((placement or {}).get(name), []).append(name)
-        self._parts: list[tuple[Context, Buffer | None]] = []
+        self._parts: list[tuple[Context, Buffer]] = []
         for buft, names in groups.items():
             ctx = Context(lib, len(names) + 1)
             for name in names:
@@ -141,7 +141,7 @@ class Tensors:
         shared = {
             k: src
             for k, src in matmul.items()
-            if k != src and src in specs and placement.get(k) is placement.get(src)
+            if k != src and src in specs and placement.get(k) == placement.get(src)
         }
         out = cls(
             lib, backend, {k: v for k, v in specs.items() if k not in shared}, what, placement

@@ -128,7 +128,7 @@ class Worker:
     def _recover(self) -> None:
         """After a failure that broke the model (a worker died or missed its deadline), reload it
         at once, so /health reports "recovering" and then "ready" before the next request."""
-        if self.failure is not None or not getattr(self.engine, "broken", None):
+        if self.failure is not None or not self.engine.broken:
             return
         self.recovering = True
         try:
