@@ -179,7 +179,7 @@ WRITER = """
 import os, sys, time, numpy as np
 from lucepy.cache import disk
 os.fsync = lambda fd: (print("writing", flush=True), time.sleep(60))
-disk.write(disk.Path(sys.argv[1]), "f" * 64, [1, 2, 3], {"a": np.ones(1 << 22, np.float32)})
+disk.write(disk.Path(sys.argv[1]), "f" * 64, [1, 2, 3], {"a": np.ones(1 << 22, np.float32)}, set())
 """
 
 
@@ -213,12 +213,16 @@ def test_disk_budget_is_kept(models, tmp_path):
 
 
 def test_interval_snapshots_serve_an_edited_prompt(models, tmp_path):
-    cfg = config(kv_cache_dir=str(tmp_path), disk_prefix_cache="16", prefix_cache_slots=0)
+    """On this hybrid model the interval of 16 widens to 48 tokens, over which the KV (512 bytes
+    a token) grows by at least the recurrent state's 16,896 (with a chunk of 16; see
+    tests/test_chains.py)."""
+    cfg = config(kv_cache_dir=str(tmp_path), disk_prefix_cache="16", prefix_cache_slots=0, chunk=16)
     with open_engine(models["target"], cfg, tokenizer=False) as engine:
+        assert engine.state_growth() == (512, 16896)
         generate(engine, TURN2, 2)
-        edited = TURN2[:40] + [9, 9, 9]  # the head up to token 40 is unchanged
+        edited = TURN2[:60] + [9, 9, 9]  # the head up to token 60 is unchanged
         gen = generate(engine, edited, 2)
-    assert gen.cache == {"hit": "disk", "restored_tokens": 32, "prefilled_tokens": 11}
+    assert gen.cache == {"hit": "disk", "restored_tokens": 48, "prefilled_tokens": 15}
 
 
 def test_generation_end_snapshot_is_reused(models, cold, tmp_path):

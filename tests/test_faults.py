@@ -111,10 +111,11 @@ def test_a_vocabulary_with_a_repeated_token_is_refused():
         check_vocabulary("m.gguf", ["a", "b", "a"])
 
 
-def snapshot_fuzz(model: Path, folder: Path, n: int, seed: int) -> dict[str, int]:
-    """Mutants of one prompt snapshot, each the only file of a disk cache: a resent longer prompt
+def snapshot_fuzz(model: Path, folder: Path, n: int, seed: int, chain: bool = False) -> dict:
+    """Mutants of a prompt's snapshot, or of one file of its chain (``chain``: links at 48 and
+    96 and the prompt's end at 112), in an otherwise intact disk cache: a resent longer prompt
     must give exactly the fresh logits, whether the mutant was restored or refused, and nothing
-    may raise. Returns how often each happened."""
+    may raise. Returns how often each restore point was used."""
     import numpy as np
 
     from lucepy.cache.disk import DiskCache
@@ -122,29 +123,38 @@ def snapshot_fuzz(model: Path, folder: Path, n: int, seed: int) -> dict[str, int
     from lucepy.runtime.config import RuntimeConfig
     from lucepy.testing.fuzz import mutate_snapshot
 
-    prompt, longer = list(range(3, 40)), list(range(3, 40)) + [7, 8, 9]
+    prompt = [3 + i % 300 for i in range(112 if chain else 37)]
+    longer = prompt + [7, 8, 9]
     cache_dir = folder / "cache"
+    # a chunk of 16 keeps every restore point on the fresh prefill's schedule
     cfg = RuntimeConfig(
-        threads=2, max_ctx=128, kv_cache_dir=str(cache_dir), disk_prefix_cache="full"
+        threads=2,
+        max_ctx=128,
+        chunk=16,
+        kv_cache_dir=str(cache_dir),
+        disk_prefix_cache="16" if chain else "full",
     )
-    counts = {"disk": 0, "none": 0}
+    counts: dict[int, int] = {}
     with open_engine(model, cfg, tokenizer=False) as engine:
         engine.reset()
         fresh = engine.prefill(longer).copy()
-        engine.prefix_cache.start(prompt, None)  # writes the prompt's snapshot
-        (good,) = [p for p in cache_dir.glob("*.lsnap") if len(p.read_bytes()) > 0][:1]
-        name, data = good.name, good.read_bytes()
+        engine.prefix_cache.start(prompt, None)  # writes the prompt's snapshot (or chain)
+        files = {p.name: p.read_bytes() for p in cache_dir.glob("*.lsnap")}
+        assert len(files) == (3 if chain else 1)
         rng = np.random.default_rng(seed)
         for _ in range(n):
             for old in cache_dir.iterdir():
                 old.unlink()
-            (cache_dir / name).write_bytes(mutate_snapshot(data, rng))
+            victim = sorted(files)[rng.integers(len(files))]
+            for name, data in files.items():
+                damaged = mutate_snapshot(data, rng) if name == victim else data
+                (cache_dir / name).write_bytes(damaged)
             engine.prefix_cache.disk = DiskCache(
                 cache_dir, engine.prefix_cache.disk.fingerprint, 2**30
             )
             logits, report = engine.prefix_cache.start(longer, None)
             np.testing.assert_array_equal(logits, fresh)
-            counts[report["hit"]] += 1
+            counts[report["restored_tokens"]] = counts.get(report["restored_tokens"], 0) + 1
     return counts
 
 
@@ -152,7 +162,15 @@ def test_mutated_snapshot_files_are_refused_or_restore_exactly(tiny_model, tmp_p
     """400 mutants (header field types and values, byte flips, truncations); docs/faults.md has
     the 5,000-mutant run."""
     counts = snapshot_fuzz(tiny_model("base", "q8_0"), tmp_path, 400, seed=3)
-    assert counts["none"] > 200 and sum(counts.values()) == 400
+    assert counts[0] > 200 and sum(counts.values()) == 400
+
+
+def test_a_mutated_link_leaves_its_intact_prefix(tiny_model, tmp_path):
+    """300 mutants of one file of a three-file chain: the restore uses the longest prefix whose
+    files all pass, and each of the three restore points below the prompt's end is seen."""
+    counts = snapshot_fuzz(tiny_model("base", "q8_0"), tmp_path, 300, seed=4, chain=True)
+    assert sum(counts.values()) == 300
+    assert {0, 48, 96} <= set(counts) <= {0, 48, 96, 112}
 
 
 def test_a_frozen_worker_fails_its_request_within_the_deadline_then_is_replaced(tiny_model):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lucepy.cache.disk import VERSION, DiskCache
+from lucepy.cache.disk import VERSION, DiskCache, Link, token_hash
 from lucepy.cache.policy import DiskPolicy, parse_policy
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,20 @@ class PrefixCache:
         self.engine, self.max_slots, self.ram_budget = engine, slots, ram_budget
         self.disk, self.policy = disk, policy
         self.slots: OrderedDict[tuple[int, ...], Slot] = OrderedDict()
+        # the disk snapshot the engine's state continues (its token hash): the next one written
+        # along the same sequence links to it and stores only what came after
+        self.lineage: str | None = None
+        self.per_row, self.whole = engine.state_growth()
+        self.appended = engine.appended_state()
+        if disk is not None and policy.interval:
+            every = self._interval(engine.config.chunk)
+            if every != policy.interval:
+                log.info(
+                    "prefix cache: interval snapshots every %d tokens, not %d: this model keeps "
+                    "%d bytes of recurrent state whole, %d bytes of KV a token "
+                    "(docs/prefix-cache.md)",
+                    every, policy.interval, self.whole, self.per_row,
+                )  # fmt: skip
 
     @classmethod
     def for_engine(cls, engine) -> PrefixCache | None:
@@ -84,24 +98,34 @@ class PrefixCache:
         return best
 
     def _restore(self, prompt: list[int]) -> tuple[str, int, np.ndarray | None]:
-        ram = self._ram_hit(prompt)
-        entry = self.disk.find(prompt) if self.disk else None
-        if ram is not None and (entry is None or len(ram.tokens) >= len(entry.tokens)):
-            self.engine.restore(ram.copies, len(ram.tokens))
-            self.slots.move_to_end(ram.tokens)
-            return "ram", len(ram.tokens), ram.logits
-        if entry is not None:
+        self.lineage = None
+        while True:
+            ram = self._ram_hit(prompt)
+            entry = self.disk.find(prompt) if self.disk else None
+            if ram is not None and (entry is None or len(ram.tokens) >= len(entry.tokens)):
+                self.engine.restore(ram.copies, len(ram.tokens))
+                self.slots.move_to_end(ram.tokens)
+                self._continue(ram.tokens)
+                return "ram", len(ram.tokens), ram.logits
+            if entry is None:
+                return "none", 0, None
             arrays = self.disk.load(entry)
-            if arrays is not None:
-                logits = arrays.pop("logits", None)
-                try:
-                    self.engine.load_state(arrays, len(entry.tokens))
-                except (KeyError, ValueError) as err:
-                    log.warning("prefix cache: %s does not fit this engine: %s", entry.path, err)
-                    self.engine.reset()
-                    return "none", 0, None
-                return "disk", len(entry.tokens), None if logits is None else logits[0]
-        return "none", 0, None
+            if arrays is None:  # a bad file, gone with what hung from it: look again
+                continue
+            logits = arrays.pop("logits", None)
+            try:
+                self.engine.load_state(arrays, len(entry.tokens))
+            except (KeyError, ValueError) as err:
+                log.warning("prefix cache: %s does not fit this engine: %s", entry.path, err)
+                self.engine.reset()
+                return "none", 0, None
+            self.lineage = entry.key
+            return "disk", len(entry.tokens), None if logits is None else logits[0]
+
+    def _continue(self, tokens) -> None:
+        """The engine now holds ``tokens``: links go on from their disk snapshot, if any."""
+        key = token_hash(tokens)
+        self.lineage = key if self.disk is not None and key in self.disk.entries else None
 
     def start(self, prompt: list[int], chunk: int | None, on_chunk=None):
         """Fill the engine with ``prompt`` from the best snapshot and prefill the rest.
@@ -109,35 +133,85 @@ class PrefixCache:
         engine = self.engine
         engine.reset()
         hit, n, logits = self._restore(prompt)
-        for end in self._boundaries(n, len(prompt)):
-            logits = engine.prefill(prompt[engine.n_past : end], chunk=chunk, on_chunk=on_chunk)
-            if end < len(prompt):
-                self._save(prompt[:end], logits, ram=False)
+        points = self._interval_points(n, len(prompt), chunk or engine.config.chunk)
+        # whole (recurrent) state can only be read where the prefill stands: stop at each point;
+        # appending state alone can be read for any earlier point after a longer prefill
+        stops = points if self.whole else []
+        done = n
+        for stop in [*stops, len(prompt)]:
+            if stop > engine.n_past:
+                tail = prompt[engine.n_past : stop]
+                logits = engine.prefill(tail, chunk=chunk, on_chunk=on_chunk)
+            for t in (p for p in points if done < p <= stop):
+                self._save_disk(prompt[:t], None)
+            done = stop
         if n < len(prompt) or hit == "none":
             self._save(prompt, logits)
         return logits, {"hit": hit, "restored_tokens": n, "prefilled_tokens": len(prompt) - n}
 
-    def _boundaries(self, start: int, end: int) -> list[int]:
+    def _interval_points(self, start: int, end: int, chunk: int) -> list[int]:
+        """The interval snapshots after ``start`` and before ``end``."""
+        step = self._interval(chunk)
+        return list(range((start // step + 1) * step, end, step)) if step else []
+
+    def _interval(self, chunk: int) -> int:
+        """Tokens between interval snapshots (``--disk-prefix-cache N``; 0: none).
+
+        N when all state appends (attention KV). State kept whole (recurrent) is stored in every
+        link and can only be read where the prefill stops, so with it the interval widens to a
+        multiple of N that is at least a prefill chunk (stopping more often tripled a hybrid
+        model's prefill time; docs/prefix-cache.md), and over which the KV grows by at least the
+        whole state's bytes: a prompt's chain then costs at most twice one snapshot of it."""
         step = self.policy.interval if self.disk else 0
-        marks = list(range((start // step + 1) * step, end, step)) if step else []
-        return [*marks, end] if start < end else []
+        if step and self.whole:
+            widest = max(chunk, -(-self.whole // max(self.per_row, 1)))
+            step *= -(-widest // step)
+        return step
 
     def finish(self, tokens: list[int]) -> None:
-        """After a generation: keep the state of every token the engine processed."""
+        """After a generation: keep the state of every token the engine processed. A speculative
+        step cut short by a stop or the token limit has processed accepted tokens the
+        generation does not keep; only appending state (KV rows) can then be kept for the
+        tokens kept, since whole (recurrent) state has taken in the others too."""
         n = self.engine.n_past
+        if n > len(tokens):
+            if self.whole:
+                self.lineage = None
+                return
+            n = len(tokens)
         if n > 0 and not self.engine.pipeline.broken:
             self._save(tokens[:n], None)
 
     # saving
-    def _save(self, tokens, logits: np.ndarray | None, ram: bool = True) -> None:
+    def _save(self, tokens, logits: np.ndarray | None) -> None:
         tokens = tuple(int(t) for t in tokens)
-        if ram and self.max_slots:
+        if self.max_slots:
             self._save_ram(tokens, logits)
-        if self.disk is not None and self.policy.wants(len(tokens)):
-            arrays = self.engine.export_state()
-            if logits is not None:
-                arrays["logits"] = np.asarray(logits, dtype=np.float32)[None]
-            self.disk.save(tokens, arrays)
+        self._save_disk(tokens, logits)
+
+    def _save_disk(self, tokens, logits: np.ndarray | None) -> None:
+        """Write the state of the first ``len(tokens)`` tokens held: a link when the engine
+        continues a kept snapshot, else (or when its chain leaves no room) a root."""
+        if self.disk is None or not self.policy.wants(len(tokens)):
+            return
+        tokens = tuple(int(t) for t in tokens)
+        parent = self.disk.entries.get(self.lineage) if self.lineage else None
+        link = None
+        n = len(parent.tokens) if parent is not None else 0
+        if parent is not None and n < len(tokens) and tokens[:n] == parent.tokens:
+            link = Link(parent.key, n, self.engine.pipeline.slots.rows(n))
+        appended = self.appended
+        path = self.disk.save(tokens, self._export(tokens, link, logits), appended, link)
+        if path is None and link is not None:  # its chain leaves no room: a root may fit
+            path = self.disk.save(tokens, self._export(tokens, None, logits), appended)
+        if path is not None:
+            self.lineage = token_hash(tokens)
+
+    def _export(self, tokens, link: Link | None, logits) -> dict[str, np.ndarray]:
+        arrays = self.engine.export_state(len(tokens), link.start if link else 0)
+        if logits is not None:
+            arrays["logits"] = np.asarray(logits, dtype=np.float32)[None]
+        return arrays
 
     def _save_ram(self, tokens: tuple[int, ...], logits) -> None:
         old = self.slots.get(tokens)
@@ -146,7 +220,7 @@ class PrefixCache:
                 old.logits = np.array(logits, dtype=np.float32)
             self.slots.move_to_end(tokens)
             return
-        copies = self.engine.snapshot()
+        copies = self.engine.snapshot(len(tokens))
         nbytes = sum(c.nbytes for c in copies.values())
         kept = None if logits is None else np.array(logits, dtype=np.float32)
         self.slots[tokens] = Slot(tokens, copies, kept, nbytes)
@@ -160,6 +234,7 @@ class PrefixCache:
 
     def forget(self) -> None:
         """Drop every RAM slot; those on a dead worker are abandoned, not freed."""
+        self.lineage = None
         for slot in self.slots.values():
             self.engine.drop_snapshot(slot.copies)
         self.slots.clear()

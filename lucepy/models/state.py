@@ -6,6 +6,8 @@ the part of each tensor that holds a given number of cached rows. It never reads
 learn what a tensor is.
 
 - ``KVCache``: attention keys and values, one cache row (a slot the step batch assigns) per token.
+  It *appends*: a snapshot of more rows holds a shorter one's rows unchanged, so a chained disk
+  snapshot stores only the rows added since its parent.
 - ``DeltaNetState``: Gated DeltaNet conv tail and recurrent matrix, whole at every length; a verify
   step keeps per-token snapshots, and ``rollback`` copies the kept one back (decision 4).
 """
@@ -30,6 +32,9 @@ class LayerState:
 
     layer: int
     rolls_back = False  # whether a verify step must keep snapshots for ``rollback``
+    # whether the views only grow, one row (their outermost dimension) per cache row, with the
+    # rows of a shorter view unchanged in a longer one; otherwise a snapshot stores them whole
+    appends = False
 
     def specs(self) -> dict[str, Spec]:
         raise NotImplementedError
@@ -57,6 +62,8 @@ class LayerState:
 class KVCache(LayerState):
     """Full attention: ``k.L`` and ``v.L`` [width, n_ctx], one row per cache slot, of the cache
     types the run asks for (llama.cpp's -ctk/-ctv; f16 by default)."""
+
+    appends = True
 
     def __init__(
         self, layer: int, width: int, n_ctx: int, k_type: int, v_type: int, head_dim: int = 0

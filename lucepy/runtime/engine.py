@@ -282,10 +282,12 @@ class Engine:
     def _run(self, remote: bool, fn):
         return self.pipeline.call(fn) if remote else fn()
 
-    def snapshot(self) -> dict[str, StateCopy]:
-        """Copies of every shard's (and the draft's) state for the tokens held, each kept on its
-        own backend: nothing crosses for a worker shard."""
-        n, out = self.pipeline.slots.rows(self.n_past), {}
+    def snapshot(self, n: int | None = None) -> dict[str, StateCopy]:
+        """Copies of every shard's (and the draft's) state for the first ``n`` tokens held
+        (default: all; fewer only without whole state), each kept on its own backend: nothing
+        crosses for a worker shard."""
+        self._check_readable(n)
+        n, out = self.pipeline.slots.rows(self.n_past if n is None else n), {}
         try:
             for key, backend, live, remote in self._states():
                 out[key] = self._run(remote, lambda b=backend, t=live: StateCopy(self.lib, b, t, n))
@@ -307,14 +309,36 @@ class Engine:
             else:
                 self._run(key in remote, copy.close)
 
-    def export_state(self) -> dict[str, np.ndarray]:
-        """Host arrays of all state for the tokens held (a worker's come over RPC)."""
+    def export_state(self, n: int | None = None, since: int = 0) -> dict[str, np.ndarray]:
+        """Host arrays of all state for the first ``n`` tokens held (default: all), a worker's
+        over RPC. With ``since``, the appending tensors hold only the rows of tokens
+        ``since..n``; the others are whole, so ``n`` below the tokens held needs none of them."""
+        self._check_readable(n)
+        n = self.n_past if n is None else n
+        rows, first = self.pipeline.slots.rows(n), self.pipeline.slots.rows(since)
         out = {}
         for key, _, live, remote in self._states():
-            rows = self.pipeline.slots.rows(self.n_past)
-            arrays = self._run(remote, lambda t=live, r=rows: state.export(t, r))
+            arrays = self._run(remote, lambda t=live: state.export(t, rows, first))
             out.update({f"{key}/{name}": a for name, a in arrays.items()})
         return out
+
+    def _check_readable(self, n: int | None) -> None:
+        if n is not None and not 0 < n <= self.n_past:
+            raise ValueError(f"the state of {n} tokens is not held ({self.n_past} are)")
+        if n is not None and n < self.n_past and self.state_growth()[1]:
+            raise ValueError("whole (recurrent) state holds every token: not readable at fewer")
+
+    def appended_state(self) -> set[str]:
+        """The names in ``export_state`` of tensors that append one row per cache row."""
+        return {f"{key}/{name}" for key, _, live, _ in self._states() for name in live.appended()}
+
+    def state_growth(self) -> tuple[int, int]:
+        """(bytes each token adds to an exported state, bytes exported whole at any length)."""
+        per_row = whole = 0
+        for _, _, live, _ in self._states():
+            a, w = live.growth()
+            per_row, whole = per_row + a, whole + w
+        return per_row, whole
 
     def load_state(self, arrays: dict[str, np.ndarray], n: int) -> None:
         for key, _, live, remote in self._states():

@@ -17,9 +17,9 @@ from lucepy.runtime.graphs import Tensors
 _DTYPES = {0: np.float32, 1: np.float16}  # ggml type -> numpy, for host copies of state
 
 
-def _host(t: Any) -> np.ndarray:
-    """An empty host array for ``t``: float arrays, and quantized rows as bytes [rows, bytes]."""
-    dims = _shape(t)
+def _host(t: Any, dims: tuple[int, ...]) -> np.ndarray:
+    """An empty host array for ``t`` of view shape ``dims`` (ggml order): float arrays, and
+    quantized rows as bytes [rows, bytes]."""
     if int(t.type) in _DTYPES:
         return np.empty(dims[::-1], dtype=_DTYPES[int(t.type)])
     rows = int(np.prod(dims[1:], dtype=np.int64))
@@ -48,6 +48,16 @@ class StateSet:
     def views(self, rows: int) -> dict[str, tuple[int, ...]]:
         return {name: shape for s in self.states for name, shape in s.views(rows).items()}
 
+    def appended(self) -> set[str]:
+        """The tensors of states that append (``LayerState.appends``): one row per cache row."""
+        return {name for s in self.states if s.appends for name in s.views(0)}
+
+    def growth(self) -> tuple[int, int]:
+        """(bytes that each cache row adds, bytes stored whole at every length)."""
+        per_row = sum(s.nbytes(1, self.lib) for s in self.states if s.appends)
+        whole = sum(s.nbytes(0, self.lib) for s in self.states if not s.appends)
+        return per_row, whole
+
     def dtypes(self) -> dict[str, str]:
         """Each tensor's ggml type name (a snapshot's fingerprint includes them)."""
         return {
@@ -65,27 +75,26 @@ class StateSet:
 
 
 class Live:
-    """Aliases over the part of the live state that ``rows`` cache rows fill."""
+    """Aliases over the part of the live state that ``rows`` cache rows fill; with ``since``,
+    only rows ``since..rows`` of the appending tensors (the others whole)."""
 
-    def __init__(self, states: StateSet, rows: int):
+    def __init__(self, states: StateSet, rows: int, since: int = 0):
         lib = states.lib
-        views = states.views(rows)
+        views, appended = states.views(rows), states.appended() if since else set()
         self._ctx = Context(lib, len(views) + 1)
-        self.t = {}
+        self.t, self.shapes = {}, {}
         for name, shape in views.items():
             src = states.t[name]
             strides = tuple(int(src.nb[i]) for i in range(1, len(shape)))
-            self.t[name] = alias_tensor(lib, self._ctx.ptr, src, shape, strides, 0)
+            offset = 0
+            if name in appended:  # the row is the outermost dimension
+                shape = (*shape[:-1], shape[-1] - since)
+                offset = since * int(src.nb[len(shape) - 1])
+            self.t[name] = alias_tensor(lib, self._ctx.ptr, src, shape, strides, offset)
+            self.shapes[name] = shape
 
     def close(self) -> None:
         self._ctx.close()
-
-
-def _shape(t: Any) -> tuple[int, ...]:
-    dims = [int(t.ne[i]) for i in range(4)]
-    while len(dims) > 1 and dims[-1] == 1:
-        dims.pop()
-    return tuple(dims)
 
 
 class StateCopy:
@@ -95,7 +104,7 @@ class StateCopy:
         self.lib, self.rows = lib, rows
         live = Live(states, rows)
         try:
-            specs = {k: (int(t.type), _shape(t)) for k, t in live.t.items()}
+            specs = {k: (int(t.type), live.shapes[k]) for k, t in live.t.items()}
             self.copy = Tensors(lib, backend, specs, f"snapshot of {rows} rows")
             for name, t in live.t.items():
                 lib.ggml_backend_tensor_copy(t, self.copy.t[name])
@@ -121,13 +130,14 @@ class StateCopy:
         self.copy.abandon()
 
 
-def export(states: StateSet, rows: int) -> dict[str, np.ndarray]:
-    """Host copies of the state for ``rows`` cache rows (read over RPC for a worker's state)."""
-    live = Live(states, rows)
+def export(states: StateSet, rows: int, since: int = 0) -> dict[str, np.ndarray]:
+    """Host copies of the state for ``rows`` cache rows (read over RPC for a worker's state);
+    with ``since``, of the appending tensors only rows ``since..rows``."""
+    live = Live(states, rows, since)
     try:
         out = {}
         for name, t in live.t.items():
-            arr = _host(t)
+            arr = _host(t, live.shapes[name])
             states.lib.ggml_backend_tensor_get(t, ffi.from_buffer(arr), 0, arr.nbytes)
             out[name] = arr
         return out
@@ -140,7 +150,7 @@ def load(states: StateSet, arrays: dict[str, np.ndarray], rows: int) -> None:
     live = Live(states, rows)
     try:
         for name, t in live.t.items():
-            arr, want = np.ascontiguousarray(arrays[name]), _host(t)
+            arr, want = np.ascontiguousarray(arrays[name]), _host(t, live.shapes[name])
             if arr.shape != want.shape or arr.dtype != want.dtype:
                 raise ValueError(f"state {name}: {arr.shape} {arr.dtype} does not fit {want.shape}")
             states.lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
