@@ -10,7 +10,7 @@ from typing import Any
 
 from lucepy.decode import speculative
 from lucepy.decode.prefill import begin, end
-from lucepy.decode.sampling import Sampler, SamplingParams
+from lucepy.decode.sampling import Sampler, SamplingParams, token_logprob
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Generation:
     accept: Any = None  # speculative.AcceptStats when a draft ran
     cache: dict | None = None  # the prefix cache's report, when there is a cache
     t_prefilled: float = 0.0  # perf_counter when the prompt was in
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per token, when asked for
 
     def to_dict(self) -> dict:
         """The stable ``generate --json`` object."""
@@ -54,12 +55,16 @@ def _rate(n: int, ms: float) -> float:
     return round(n / (ms / 1000.0), 3) if ms > 0 else 0.0
 
 
-def _plain(engine, prompt_tokens, max_tokens, *, sampler, gen, chunk, stop_at_end, cancelled):
+def _plain(
+    engine, prompt_tokens, max_tokens, *, sampler, gen, chunk, stop_at_end, cancelled, logprobs
+):
     engine.capture = ()
     logits = begin(engine, prompt_tokens, gen, chunk=chunk)
     while len(gen.tokens) < max_tokens:
         token = sampler.sample(logits)
         gen.tokens.append(token)
+        if logprobs is not None:
+            gen.logprobs.append(token_logprob(logits, token, logprobs))
         if stop_at_end and engine.tokenizer is not None and engine.tokenizer.is_end(token):
             gen.finish_reason = "stop"
             return
@@ -84,10 +89,12 @@ def stream(
     stop_at_end: bool = True,
     cancelled: Callable[[], bool] = lambda: False,
     gen: Generation | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[int]:
     """Yield generated tokens one by one from a fresh sequence; ``gen`` collects tokens, the
     finish reason, timings and acceptance stats as it goes. ``cancelled`` is polled between
-    steps."""
+    steps. ``logprobs`` (the number of top tokens, 0 for none) collects each token's
+    ``TokenLogprob`` in ``gen.logprobs``."""
     gen = gen if gen is not None else Generation(prompt_tokens=list(prompt_tokens))
     loop = speculative.stream if getattr(engine, "draft", None) is not None else None
     kw = dict(
@@ -96,6 +103,7 @@ def stream(
         chunk=chunk,
         stop_at_end=stop_at_end,
         cancelled=cancelled,
+        logprobs=logprobs,
     )
     t0 = time.perf_counter()
     try:

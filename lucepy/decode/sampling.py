@@ -37,6 +37,29 @@ def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the model (the log-softmax of its logits, before
+    temperature and truncation, as OpenAI reports it), and the ``top`` most likely tokens'."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
+    z = logits.astype(np.float64)
+    m = z.max()
+    lp = z - (m + np.log(np.exp(z - m).sum()))
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        k = min(top, lp.size)
+        idx = np.argpartition(-lp, k - 1)[:k]
+        idx = idx[np.argsort(-lp[idx], kind="stable")]
+        best = tuple((int(i), float(lp[i])) for i in idx)
+    return TokenLogprob(int(token), float(lp[token]), best)
+
+
 class Sampler:
     def __init__(self, params: SamplingParams | None = None):
         self.params = params or SamplingParams()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lucepy.decode.prefill import begin
-from lucepy.decode.sampling import Sampler
+from lucepy.decode.sampling import Sampler, token_logprob
 
 
 @dataclass
@@ -97,8 +97,10 @@ def stream(
     chunk: int | None = None,
     stop_at_end: bool = True,
     cancelled: Callable[[], bool] = lambda: False,
+    logprobs: int | None = None,
 ) -> Iterator[int]:
-    """Yield tokens from a fresh sequence; ``gen.accept`` collects the acceptance stats.
+    """Yield tokens from a fresh sequence; ``gen.accept`` collects the acceptance stats, and
+    ``gen.logprobs`` each kept token's log-probability under the target when asked for.
 
     ``engine.draft`` is read after the prefill: starting the sequence may have replaced a draft
     whose worker died."""
@@ -113,11 +115,14 @@ def stream(
     draft.reset()
     stats = gen.accept = AcceptStats(draft.block)
     pending = [sampler.sample(logits)]
+    notes = _notes(logits[None], pending, logprobs)
     while True:
-        for token in pending:
+        for i, token in enumerate(pending):
             if len(gen.tokens) >= max_tokens:
                 return
             gen.tokens.append(token)
+            if notes:
+                gen.logprobs.append(notes[i])
             if stop_at_end and engine.tokenizer is not None and engine.tokenizer.is_end(token):
                 gen.finish_reason = "stop"
                 return
@@ -132,27 +137,49 @@ def stream(
         if block == 0:
             return  # the context is full: stop as at max_tokens ("length")
         if block == 1:  # room for one more token only: decode it as plain greedy would
-            pending = [sampler.sample(engine.decode(last))]
+            logits = engine.decode(last)
+            pending = [sampler.sample(logits)]
+            notes = _notes(logits[None], pending, logprobs)
             continue
-        pending = _step(engine, draft, sampler, stats, last, pos, block)
+        pending, notes = _step(engine, draft, sampler, stats, last, pos, block, logprobs)
+
+
+def _notes(rows: np.ndarray, tokens: list[int], top: int | None) -> list:
+    """Each token's TokenLogprob under the logits row that chose it (none unless asked)."""
+    if top is None:
+        return []
+    return [token_logprob(rows[i], t, top) for i, t in enumerate(tokens)]
 
 
 def _step(
-    engine, draft, sampler: Sampler, stats: AcceptStats, last: int, pos: int, block: int
-) -> list[int]:
+    engine,
+    draft,
+    sampler: Sampler,
+    stats: AcceptStats,
+    last: int,
+    pos: int,
+    block: int,
+    logprobs: int | None,
+) -> tuple[list[int], list]:
     t0 = time.perf_counter()
     drafts, q = _propose(draft, sampler, last, pos, block)
     t1 = time.perf_counter()
     greedy = sampler.params.greedy
-    handle = engine.verify(np.concatenate([[last], drafts]), greedy=greedy)
-    if greedy:
+    # greedy verification needs only the argmax per row, unless log-probabilities are wanted
+    argmax_only = greedy and logprobs is None
+    handle = engine.verify(np.concatenate([[last], drafts]), greedy=argmax_only)
+    if argmax_only:
         j, bonus = accept_greedy(drafts, handle.values[0])
+    elif greedy:
+        j, bonus = accept_greedy(drafts, np.argmax(handle.values, axis=-1))
     else:
         j, bonus = accept_sampled(sampler, drafts, q, handle.values)
+    kept = [int(t) for t in drafts[:j]] + [bonus]
+    notes = [] if argmax_only else _notes(handle.values, kept, logprobs)
     engine.commit(handle, j + 1)
     draft.inject([handle.features[L] for L in draft.p.target_layers], pos, j + 1)
     t2 = time.perf_counter()
     stats.draft_ms += (t1 - t0) * 1e3
     stats.verify_ms += (t2 - t1) * 1e3
     stats.record(block - 1, j)
-    return [int(t) for t in drafts[:j]] + [bonus]
+    return kept, notes

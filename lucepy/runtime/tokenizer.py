@@ -51,7 +51,7 @@ class Tokenizer:
         self.chat_template = meta.get("tokenizer.chat_template")
         self.add_bos = meta.get("tokenizer.ggml.add_bos_token", "false") == "true"
 
-    def encode(self, text: str, special: bool = True) -> list[int]:
+    def encode(self, text: str, special: bool = True, add_bos: bool | None = None) -> list[int]:
         if not text:
             raise PromptError("the prompt is empty; pass --prompt TEXT or --prompt-tokens 1,2,3")
         try:
@@ -61,7 +61,8 @@ class Tokenizer:
                 f"the text is not valid Unicode: character {err.start} is a lone surrogate "
                 f"({text[err.start]!r}); send UTF-8 text"
             ) from None
-        return self._llama.tokenize(data, add_bos=self.add_bos, special=special)
+        bos = self.add_bos if add_bos is None else add_bos and self.add_bos
+        return self._llama.tokenize(data, add_bos=bos, special=special)
 
     def decode(self, tokens: list[int]) -> str:
         return self._llama.detokenize(tokens).decode("utf-8", errors="replace")
@@ -71,6 +72,10 @@ class Tokenizer:
         if token < 0:
             return ""
         return self._llama.detokenize([token], special=True).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes (a piece of a UTF-8 character for some byte tokens)."""
+        return self._llama.detokenize([token], special=True)
 
     def is_end(self, token: int) -> bool:
         import llama_cpp

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible app: /v1/chat/completions, /v1/completions, /v1/models, /health and
-/lucepy/status. Handlers validate and tokenize; the worker thread generates."""
+"""The OpenAI-compatible app: /v1/chat/completions, /v1/completions, /v1/models, /health,
+/metrics (Prometheus), /tokenize, /detokenize and /lucepy/status. Handlers validate and tokenize;
+the worker thread generates."""
 
 from __future__ import annotations
 
@@ -16,8 +17,14 @@ from lucepy import __version__
 from lucepy.errors import AuthError, ContextOverflow, PromptError
 from lucepy.server import errors
 from lucepy.server.chat import chat_text
-from lucepy.server.schemas import ChatRequest, CompletionRequest, Reply
-from lucepy.server.status import placement
+from lucepy.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Reply,
+    TokenizeRequest,
+)
+from lucepy.server.status import placement, prometheus
 from lucepy.server.worker import Delta, Failed, Job, Worker
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
@@ -47,6 +54,9 @@ class Served:
             raise _with_param(PromptError(f"{param}: {err}"), param) from None
 
     def job(self, tokens: list[int], body, limit: int | None, param: str) -> Job:
+        problem = body.problem()
+        if problem:
+            raise _with_param(PromptError(problem[1]), problem[0])
         room = self.n_ctx - len(tokens)
         if room < 1:
             err = ContextOverflow(
@@ -55,7 +65,9 @@ class Served:
             )
             raise _with_param(err, param)
         max_tokens = min(limit or room, room)
-        return Job(tokens, max_tokens, body.sampling(), tuple(body.stop))
+        return Job(
+            tokens, max_tokens, body.sampling(), tuple(body.stop), body.n, body.want_logprobs
+        )
 
     def status(self) -> dict:
         return {
@@ -107,6 +119,37 @@ async def models(s: Authorized):
 @private.get("/lucepy/status")
 async def status(s: Authorized):
     return s.status()
+
+
+@private.get("/metrics")
+async def metrics(s: Authorized):
+    text = prometheus(s.worker.stats, s.worker.state == "ready")
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@private.post("/tokenize")
+async def tokenize(body: TokenizeRequest, s: Authorized):
+    if not body.content:
+        return {"tokens": []}
+    try:
+        tokens = await asyncio.to_thread(
+            s.tokenizer.encode, body.content, body.parse_special, body.add_special
+        )
+    except PromptError as err:
+        raise _with_param(PromptError(f"content: {err}"), "content") from None
+    if not body.with_pieces:
+        return {"tokens": tokens}
+    pieces = [s.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in tokens]
+    return {"tokens": [{"id": t, "piece": p} for t, p in zip(tokens, pieces, strict=True)]}
+
+
+@private.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, s: Authorized):
+    bad = [t for t in body.tokens if not 0 <= t < s.n_vocab]
+    if bad:
+        msg = f"token ids must be in [0, {s.n_vocab}); got {bad[:5]}"
+        raise _with_param(PromptError(msg), "tokens")
+    return {"content": s.tokenizer.decode(body.tokens)}
 
 
 @private.post("/v1/chat/completions")
@@ -172,7 +215,9 @@ async def _next(request: Request, job: Job):
 
 
 async def _collect(request: Request, job: Job, reply: Reply) -> Response:
-    parts: list[str] = []
+    texts: dict[int, str] = {}
+    notes: dict[int, list] | None = None if job.logprobs is None else {}
+    dones = []
     try:
         while True:
             event = await _next(request, job)
@@ -180,9 +225,16 @@ async def _collect(request: Request, job: Job, reply: Reply) -> Response:
                 return Response(status_code=_GONE)
             if isinstance(event, Failed):
                 raise event.error
-            if not isinstance(event, Delta):
-                return JSONResponse(reply.full("".join(parts), event))
-            parts.append(event.text)
+            if isinstance(event, Delta):
+                texts[event.index] = texts.get(event.index, "") + event.text
+                if notes is not None:
+                    notes.setdefault(event.index, []).extend(event.logprobs or [])
+                continue
+            dones.append(event)
+            if len(dones) == job.n or event.finish_reason == "cancelled":
+                if notes is not None:
+                    notes = {d.index: notes.get(d.index, []) for d in dones}
+                return JSONResponse(reply.full(texts, dones, notes))
     finally:
         job.cancel.set()  # no-op once done; stops the generation if this handler was cancelled
 
@@ -192,22 +244,28 @@ def _data(obj: dict) -> str:
 
 
 async def _sse(job: Job, reply: Reply, event, include_usage: bool):
-    """Server-sent events; a client that leaves cancels the job (this generator is cancelled)."""
+    """Server-sent events; a client that leaves cancels the job (this generator is cancelled).
+    Each choice opens with a chat role delta; choices come one after another."""
+    opened: set[int] = set()
+    dones = []
     try:
-        if reply.kind == "chat":
-            yield _data(reply.chunk(first=True))
         while True:
-            if isinstance(event, Delta):
-                yield _data(reply.chunk(event.text))
-            elif isinstance(event, Failed):
+            if isinstance(event, Failed):
                 yield _data(errors.body_for(event.error)[1])
                 return
+            if reply.kind == "chat" and event.index not in opened:
+                opened.add(event.index)
+                yield _data(reply.chunk(index=event.index, first=True))
+            if isinstance(event, Delta):
+                yield _data(reply.chunk(event.text, index=event.index, logprobs=event.logprobs))
             else:
-                yield _data(reply.chunk(done=event))
-                if include_usage:
-                    yield _data(reply.usage_chunk(event))
-                yield "data: [DONE]\n\n"
-                return
+                yield _data(reply.chunk(index=event.index, done=event))
+                dones.append(event)
+                if len(dones) == job.n or event.finish_reason == "cancelled":
+                    if include_usage:
+                        yield _data(reply.usage_chunk(dones))
+                    yield "data: [DONE]\n\n"
+                    return
             event = await job.events.get()
     finally:
         job.cancel.set()

@@ -1,7 +1,9 @@
 """OpenAI request bodies (validated by pydantic) and the response objects we send back.
 
-Fields lucepy does not implement are ignored, as OpenAI-compatible servers do; ``n`` must be 1.
-Responses carry lucepy's own numbers under a ``lucepy`` key.
+A field of OpenAI's API that lucepy does not implement is a 400 naming it when it asks for
+something (``tools``, a ``response_format`` other than text, a penalty, ...); fields that change
+nothing about the answer (``user``, ``metadata``, ``store``) are ignored. Responses carry lucepy's
+own numbers under a ``lucepy`` key.
 """
 
 from __future__ import annotations
@@ -9,13 +11,33 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lucepy.decode.sampling import SamplingParams
 
 MAX_STOPS = 16
+MAX_N = 16
+# OpenAI fields lucepy does not implement, with the values that ask for nothing
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
 
 
 class StreamOptions(BaseModel):
@@ -23,7 +45,7 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra, to refuse what asks
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -34,7 +56,16 @@ class _Request(BaseModel):
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+
+    def problem(self) -> tuple[str, str] | None:
+        """(field, message) for the first field that asks for something lucepy does not
+        implement, or that contradicts another; None when the request can be served."""
+        extra = self.model_extra or {}
+        for name, harmless in _UNSUPPORTED.items():
+            if name in extra and not any(extra[name] == h for h in harmless):
+                return name, f"{name} is not supported by this server (lucepy); leave it out"
+        return None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -76,26 +107,43 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def problem(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().problem()
+
+    @property
+    def want_logprobs(self) -> int | None:
+        """Top tokens per token to report, or None for no log-probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
 
     @property
     def limit(self) -> int:
         return self.max_tokens or 16  # OpenAI's default for /v1/completions
 
+    @property
+    def want_logprobs(self) -> int | None:
+        return self.logprobs
 
-def usage(done) -> dict:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-    }
+
+def usage(dones: list) -> dict:
+    """The prompt once, and every choice's tokens."""
+    prompt = dones[0].prompt_tokens
+    completion = sum(d.completion_tokens for d in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
 
 
 def extras(done) -> dict:
@@ -105,44 +153,94 @@ def extras(done) -> dict:
     return {"timings": timings, "queue_ms": queue_ms, "accept": done.accept, "cache": done.cache}
 
 
+def _by_text(top: list[dict]) -> dict[str, float]:
+    """The legacy completions shape, keyed by token text: where two tokens read the same (byte
+    pieces of a character), the likelier one stands."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t["token"], t["logprob"])
+    return out
+
+
 @dataclass
 class Reply:
-    """Shapes one request's answer: ``kind`` "chat" (chat.completion) or "text" (completions)."""
+    """Shapes one request's answer: ``kind`` "chat" (chat.completion) or "text" (completions).
+    Log-probabilities come as chat entries (``token``, ``logprob``, ``bytes``,
+    ``top_logprobs``) and are reshaped for completions here, which needs each choice's text
+    offset so far."""
 
     kind: Literal["chat", "text"]
     model: str
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
+    _offsets: dict[int, int] = field(default_factory=dict)
 
     def _head(self, obj: str) -> dict:
         prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
         return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str = "", *, first: bool = False, done=None) -> dict:
+    def logprobs(self, entries: list[dict] | None, index: int = 0) -> dict | None:
+        if entries is None:
+            return None
+        if self.kind == "chat":
+            return {"content": entries, "refusal": None}
+        offset, offsets = self._offsets.get(index, 0), []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e["token"])
+        self._offsets[index] = offset
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [_by_text(e["top_logprobs"]) for e in entries],
+            "text_offset": offsets,
+        }  # fmt: skip
+
+    def chunk(
+        self, text: str = "", *, index: int = 0, first: bool = False, done=None, logprobs=None
+    ) -> dict:
         finish = done.finish_reason if done is not None else None
+        lp = self.logprobs(logprobs, index)
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta = {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": lp}
             out = {**self._head("text_completion"), "choices": [choice]}
         if done is not None:
             out["lucepy"] = extras(done)
         return out
 
-    def usage_chunk(self, done) -> dict:
+    def usage_chunk(self, dones: list) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(done)}
+        return {**self._head(obj), "choices": [], "usage": usage(dones)}
 
-    def full(self, text: str, done) -> dict:
-        choice = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-            head = self._head("chat.completion")
-        else:
-            choice["text"] = text
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage(done), "lucepy": extras(done)}
+    def full(self, texts: dict[int, str], dones: list, logprobs: dict[int, list] | None) -> dict:
+        choices = []
+        for done in dones:
+            i = done.index
+            lp = self.logprobs(logprobs[i], i) if logprobs is not None else None
+            choice = {"index": i, "finish_reason": done.finish_reason, "logprobs": lp}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": texts.get(i, "")}
+            else:
+                choice["text"] = texts.get(i, "")
+            choices.append(choice)
+        head = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        return {**head, "choices": choices, "usage": usage(dones), "lucepy": extras(dones[0])}
+
+
+class TokenizeRequest(BaseModel):
+    """llama-server's /tokenize body."""
+
+    content: str
+    add_special: bool = False  # a BOS where the model wants one
+    parse_special: bool = True  # ``<|im_end|>`` in the text is that token, not its characters
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[int]

@@ -24,6 +24,8 @@ class Stats:
         self.last: dict | None = None  # the last finished generation
         self.cache = {"hits": 0, "misses": 0, "restored_tokens": 0}
         self.accept = {"steps": 0, "accepted": 0}  # DFlash, over all requests
+        self.ttft = {"sum_s": 0.0, "count": 0}  # queue wait plus prefill, per generation
+        self.decode = {"tokens": 0, "seconds": 0.0}
         self._bins: deque[list[int]] = deque(maxlen=WINDOW_BINS + 1)
 
     def queued(self) -> None:
@@ -53,18 +55,25 @@ class Stats:
             else:
                 self._bins.append([now, 1])
 
-    def finished(self, outcome: str, last: dict | None = None) -> None:
-        """``outcome``: completed, cancelled or failed."""
+    def finished(self, outcome: str, choices: list[dict] | None = None) -> None:
+        """``outcome``: completed, cancelled or failed; ``choices``: each generation's Done (one
+        per choice; the prompt is counted once)."""
         with self._lock:
             self.active -= 1
             self.requests[outcome] += 1
-            if last is not None:
-                self.tokens["prompt"] += last["prompt_tokens"]
+            for i, last in enumerate(choices or ()):
+                if not i:
+                    self.tokens["prompt"] += last["prompt_tokens"]
                 self.tokens["completion"] += last["completion_tokens"]
                 self.last = last
                 self._count(last)
 
     def _count(self, last: dict) -> None:
+        timings = last.get("timings") or {}
+        self.ttft["sum_s"] += (last.get("queue_ms", 0.0) + timings.get("prefill_ms", 0.0)) / 1e3
+        self.ttft["count"] += 1
+        self.decode["tokens"] += max(last["completion_tokens"] - 1, 0)
+        self.decode["seconds"] += timings.get("decode_ms", 0.0) / 1e3
         cache, accept = last.get("cache"), last.get("accept")
         if cache is not None:
             self.cache["hits" if cache["hit"] != "none" else "misses"] += 1
@@ -101,6 +110,98 @@ class Stats:
                 "cache": dict(self.cache) if self._cache_on else {"hits": None, "misses": None},
                 "accept": self._accept_summary(),
             }
+
+
+def prometheus(stats: Stats, ready: bool) -> str:
+    """The counters in Prometheus' text format (version 0.0.4)."""
+    snap = stats.snapshot()
+    with stats._lock:
+        ttft, decode = dict(stats.ttft), dict(stats.decode)
+        cache, accept = dict(stats.cache), dict(stats.accept)
+    out: list[str] = []
+
+    def family(name: str, kind: str, text: str, samples: list[tuple[str, float]]) -> None:
+        out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}"])
+        out.extend(f"{name}{suffix} {value}" for suffix, value in samples)
+
+    requests = [
+        (f'{{outcome="{k}"}}', v) for k, v in snap["requests"].items() if k != "total"
+    ]
+    family("lucepy_requests_total", "counter", "Requests by outcome.", requests)
+    family(
+        "lucepy_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of requests served.",
+        [("", snap["tokens"]["prompt"])],
+    )
+    family(
+        "lucepy_completion_tokens_total",
+        "counter",
+        "Tokens generated.",
+        [("", snap["tokens"]["completion"])],
+    )
+    family("lucepy_requests_waiting", "gauge", "Requests queued.", [("", snap["queue"]["waiting"])])
+    family(
+        "lucepy_requests_running", "gauge", "Requests generating.", [("", snap["queue"]["active"])]
+    )
+    family("lucepy_ready", "gauge", "1 while the model serves requests.", [("", int(ready))])
+    family(
+        "lucepy_time_to_first_token_seconds",
+        "summary",
+        "Queue wait plus prefill, per generation.",
+        [("_sum", round(ttft["sum_s"], 6)), ("_count", ttft["count"])],
+    )
+    family(
+        "lucepy_decode_seconds_total",
+        "counter",
+        "Time spent decoding after the first token.",
+        [("", round(decode["seconds"], 6))],
+    )
+    family(
+        "lucepy_decode_tokens_total",
+        "counter",
+        "Tokens decoded after the first of each answer.",
+        [("", decode["tokens"])],
+    )
+    family(
+        "lucepy_tokens_per_second",
+        "gauge",
+        "Tokens generated per second, recent window.",
+        [("", snap["tokens_per_s"])],
+    )
+    family(
+        "lucepy_prefix_cache_hits_total",
+        "counter",
+        "Generations restored from a snapshot.",
+        [("", cache["hits"])],
+    )
+    family(
+        "lucepy_prefix_cache_misses_total",
+        "counter",
+        "Generations prefilled from scratch.",
+        [("", cache["misses"])],
+    )
+    family(
+        "lucepy_prefix_cache_restored_tokens_total",
+        "counter",
+        "Prompt tokens restored.",
+        [("", cache["restored_tokens"])],
+    )
+    family("lucepy_draft_steps_total", "counter", "DFlash verify steps.", [("", accept["steps"])])
+    family(
+        "lucepy_draft_accepted_tokens_total",
+        "counter",
+        "Draft tokens the target accepted.",
+        [("", accept["accepted"])],
+    )
+    tau = snap["accept"]["tau"]
+    family(
+        "lucepy_draft_tau",
+        "gauge",
+        "Tokens committed per verify step (0: no draft ran).",
+        [("", tau or 0)],
+    )
+    return "\n".join(out) + "\n"
 
 
 def _memory_totals(engine) -> dict[str, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -30,6 +31,8 @@ FATAL = (GGMLError, ModelFileError)
 @dataclass
 class Delta:
     text: str
+    index: int = 0  # the choice (``n`` > 1)
+    logprobs: list[dict] | None = None  # per token since the last delta, when asked for
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Done:
     queue_ms: float
     accept: dict | None = None  # DFlash acceptance, when the engine drafted
     cache: dict | None = None  # prefix-cache outcome: hit, restored_tokens, prefilled_tokens
+    index: int = 0
 
 
 @dataclass
@@ -54,6 +58,8 @@ class Job:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
+    n: int = 1  # choices, generated one after another (choice i samples with seed + i)
+    logprobs: int | None = None  # top tokens to report per token; None: no log-probabilities
     cancel: threading.Event = field(default_factory=threading.Event)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop | None = None  # the handler's; set by Worker.submit
@@ -109,7 +115,7 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         try:
-            done = run_job(self.engine, job, self.stats.token)
+            dones = run_job(self.engine, job, self.stats.token)
         except Exception as err:  # every failure goes back to its client
             if isinstance(err, FATAL):
                 self.failure = err
@@ -118,12 +124,14 @@ class Worker:
             job.emit(Failed(err))
             self._recover()
             return
-        outcome = "cancelled" if done.finish_reason == "cancelled" else "completed"
-        self.stats.finished(outcome, asdict(done))
+        cancelled = any(d.finish_reason == "cancelled" for d in dones)
+        outcome = "cancelled" if cancelled else "completed"
+        self.stats.finished(outcome, [asdict(d) for d in dones])
         if outcome == "cancelled" and self._closed:  # stopped by shutdown, not by its client
             job.emit(Failed(ModelUnavailable("the server shut down during this generation")))
         else:
-            job.emit(done)
+            for done in dones:
+                job.emit(done)
 
     def _recover(self) -> None:
         """After a failure that broke the model (a worker died or missed its deadline), reload it
@@ -160,30 +168,56 @@ class Worker:
         log.info("engine closed")
 
 
-def run_job(engine, job: Job, on_token=lambda: None) -> Done:
-    """Generate for ``job`` on this thread, emitting text deltas as they become safe to show."""
-    gen = Generation(prompt_tokens=list(job.prompt_tokens))
+def run_job(engine, job: Job, on_token=lambda: None) -> list[Done]:
+    """Generate ``job.n`` choices for ``job`` on this thread, emitting text deltas (with their
+    tokens' log-probabilities) as they become safe to show. A cancelled choice ends the job."""
     queue_ms = round((time.perf_counter() - job.queued_at) * 1e3, 3)
+    dones = []
+    for index in range(job.n):
+        sampling = job.sampling
+        if index and sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
+        dones.append(_choice(engine, job, index, sampling, queue_ms, on_token))
+        if dones[-1].finish_reason == "cancelled":
+            break
+    return dones
+
+
+def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -> Done:
+    gen = Generation(prompt_tokens=list(job.prompt_tokens))
     detok, stops = Detokenizer(engine.tokenizer.decode), StopFilter(job.stop)
     tokens = engine.stream(
         job.prompt_tokens,
         job.max_tokens,
-        sampling=job.sampling,
+        sampling=sampling,
         cancelled=job.cancel.is_set,
         gen=gen,
+        logprobs=job.logprobs,
     )
+    told = 0  # log-probabilities already sent
+
+    def notes() -> list[dict] | None:
+        nonlocal told
+        if job.logprobs is None:
+            return None
+        out = [_logprob_entry(engine.tokenizer, lp) for lp in gen.logprobs[told:]]
+        told = len(gen.logprobs)
+        return out
+
     with contextlib.closing(tokens):
         for token in tokens:
             on_token()
             text = stops.feed(detok.push(token))
             if text:
-                job.emit(Delta(text))
+                job.emit(Delta(text, index, notes()))
             if stops.stopped:
                 gen.finish_reason = "stop"
                 break
     tail = stops.feed(detok.flush()) + stops.flush()
-    if tail and gen.finish_reason != "cancelled":
-        job.emit(Delta(tail))
+    if gen.finish_reason != "cancelled":
+        rest = notes()
+        if tail or rest:
+            job.emit(Delta(tail, index, rest))
     if stops.stopped:
         gen.finish_reason = "stop"
     return Done(
@@ -194,4 +228,16 @@ def run_job(engine, job: Job, on_token=lambda: None) -> Done:
         queue_ms,
         gen.accept.to_dict() if gen.accept is not None else None,
         gen.cache,
+        index,
     )
+
+
+def _logprob_entry(tokenizer, lp) -> dict:
+    """One token's log-probabilities as OpenAI's chat API shows them."""
+
+    def piece(token: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+                "bytes": list(raw)}  # fmt: skip
+
+    return {**piece(lp.token, lp.logprob), "top_logprobs": [piece(t, v) for t, v in lp.top]}
