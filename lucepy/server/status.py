@@ -124,9 +124,7 @@ def prometheus(stats: Stats, ready: bool) -> str:
         out.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}"])
         out.extend(f"{name}{suffix} {value}" for suffix, value in samples)
 
-    requests = [
-        (f'{{outcome="{k}"}}', v) for k, v in snap["requests"].items() if k != "total"
-    ]
+    requests = [(f'{{outcome="{k}"}}', v) for k, v in snap["requests"].items() if k != "total"]
     family("lucepy_requests_total", "counter", "Requests by outcome.", requests)
     family(
         "lucepy_prompt_tokens_total",
