@@ -223,7 +223,7 @@ def test_prompt_longer_than_the_context_is_400(client):
         ({"top_p": 0}, "top_p"),
         ({"n": 17}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"top_logprobs": 3}, "top_logprobs"),

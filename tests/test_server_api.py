@@ -4,6 +4,9 @@ does not implement. One server on the tiny agreeing target, one with its DFlash 
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 import numpy as np
 import openai
@@ -11,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lucepy.decode.ar import generate
+from lucepy.decode.grammar import json_grammar, regex_grammar
 from lucepy.engine import Engine
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.server.run import Server
@@ -191,3 +195,111 @@ def test_fields_that_ask_for_nothing_are_accepted(served, body):
     srv, _, _ = served
     request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
     assert httpx.post(srv.url + "/v1/chat/completions", json=request).status_code == 200
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no", "maybe"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["answer", "count", "tags"],
+    "additionalProperties": False,
+}
+
+
+def valid(text: str) -> bool:
+    """Whether ``text`` is JSON that SCHEMA accepts (checked by hand: no jsonschema here)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"answer", "count", "tags"}
+        and obj["answer"] in ("yes", "no", "maybe")
+        and type(obj["count"]) is int
+        and 0 <= obj["count"] <= 999
+        and isinstance(obj["tags"], list)
+        and len(obj["tags"]) <= 3
+        and all(t in ("a", "b") for t in obj["tags"])
+    )
+
+
+def test_a_strict_json_schema_always_validates(served):
+    """100 sampled answers (10 requests of n=10, temperature 1) all validate, and the text
+    before the constraint would not have (the tiny model writes no JSON of itself)."""
+    _, client, _ = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=64)
+    texts = []
+    for seed in range(10):
+        reply = client.chat.completions.create(
+            **kw, n=10, seed=100 * seed, temperature=1.0, response_format=fmt
+        )
+        assert all(c.finish_reason == "stop" for c in reply.choices)
+        texts += [c.message.content for c in reply.choices]
+    assert len(texts) == 100 and all(valid(t) for t in texts), [t for t in texts if not valid(t)]
+    assert len(set(texts)) > 10  # sampled, not one forced answer
+    free = client.chat.completions.create(**kw, n=10, seed=1, temperature=1.0)
+    assert not any(valid(c.message.content) for c in free.choices)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            **kw, seed=5, temperature=1.0, response_format=fmt, stream=True
+        )
+        if chunk.choices
+    )
+    assert valid(streamed)
+
+
+def test_json_object_and_bad_schemas(served):
+    srv, client, _ = served
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "obj"}], max_tokens=200)
+    reply = client.chat.completions.create(
+        **kw, temperature=0, response_format={"type": "json_object"}
+    )
+    text = reply.choices[0].message.content
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:  # a random model may write a long object: what it wrote opens one
+        assert text.startswith("{")
+    for fmt in (
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wizard"}}},
+        {"type": "xml"},
+    ):
+        request = {"messages": [{"role": "user", "content": "hi"}], "response_format": fmt}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=request)
+        assert r.status_code == 400, (fmt, r.text)
+        assert r.json()["error"]["param"].startswith("response_format")
+
+
+def test_speculation_stays_lossless_under_a_grammar(pair):
+    """Greedy with the draft == greedy without, under a JSON schema (the agreeing draft's
+    tokens are then never allowed) and under a grammar that forbids one character of the free
+    answer (its tokens are kept until the grammar turns the answer): each verify row is masked
+    after the tokens accepted before it."""
+    target, draft = pair
+    with Engine(target, RuntimeConfig(threads=1, max_ctx=CTX)) as engine:
+        prompt = engine.tokenizer.encode(chatml("give me json"))
+        free = engine.tokenizer.decode(generate(engine, prompt, 48).tokens)
+    half = len(free) // 2  # ban a character the free answer first writes in its second half
+    (banned, *_) = [c for c in free[half:] if c.isalnum() and c not in free[:half]]
+    grammars = [json_grammar(SCHEMA), regex_grammar(f"[^{re.escape(banned)}]*")]
+    for grammar in grammars:
+        outs, accepted = [], 0
+        for d in (None, draft):
+            cfg = RuntimeConfig(threads=1, max_ctx=CTX, draft=str(d) if d else None)
+            with Engine(target, cfg) as engine:
+                g = engine.tokenizer.grammars(engine.params.n_vocab)
+                gen = generate(engine, prompt, 48, constraint=g.constraint(grammar))
+                outs.append(gen.tokens)
+                accepted = gen.accept.accepted if d is not None else 0
+                text = engine.tokenizer.decode(gen.tokens)
+        assert outs[0] == outs[1]
+        if grammar is grammars[0]:
+            assert valid(text.removesuffix("<|im_end|>"))
+        else:
+            assert banned not in text and text != free and accepted > 0

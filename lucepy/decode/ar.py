@@ -56,12 +56,26 @@ def _rate(n: int, ms: float) -> float:
 
 
 def _plain(
-    engine, prompt_tokens, max_tokens, *, sampler, gen, chunk, stop_at_end, cancelled, logprobs
+    engine,
+    prompt_tokens,
+    max_tokens,
+    *,
+    sampler,
+    gen,
+    chunk,
+    stop_at_end,
+    cancelled,
+    logprobs,
+    constraint,
 ):
     engine.capture = ()
     logits = begin(engine, prompt_tokens, gen, chunk=chunk)
     while len(gen.tokens) < max_tokens:
-        token = sampler.sample(logits)
+        if constraint is None:
+            token = sampler.sample(logits)
+        else:
+            token = sampler.sample(constraint.masked(logits))
+            constraint.consume(token)
         gen.tokens.append(token)
         if logprobs is not None:
             gen.logprobs.append(token_logprob(logits, token, logprobs))
@@ -90,11 +104,13 @@ def stream(
     cancelled: Callable[[], bool] = lambda: False,
     gen: Generation | None = None,
     logprobs: int | None = None,
+    constraint=None,
 ) -> Iterator[int]:
     """Yield generated tokens one by one from a fresh sequence; ``gen`` collects tokens, the
     finish reason, timings and acceptance stats as it goes. ``cancelled`` is polled between
     steps. ``logprobs`` (the number of top tokens, 0 for none) collects each token's
-    ``TokenLogprob`` in ``gen.logprobs``."""
+    ``TokenLogprob`` in ``gen.logprobs``. A ``constraint`` (decode/grammar.py) limits every
+    token to what its grammar allows next."""
     gen = gen if gen is not None else Generation(prompt_tokens=list(prompt_tokens))
     loop = speculative.stream if getattr(engine, "draft", None) is not None else None
     kw = dict(
@@ -104,6 +120,7 @@ def stream(
         stop_at_end=stop_at_end,
         cancelled=cancelled,
         logprobs=logprobs,
+        constraint=constraint,
     )
     t0 = time.perf_counter()
     try:
@@ -132,6 +149,7 @@ def generate(
     sampling: SamplingParams | None = None,
     chunk: int | None = None,
     stop_at_end: bool = True,
+    constraint=None,
 ) -> Generation:
     """Generate up to ``max_tokens`` (greedy unless ``sampling`` says otherwise)."""
     gen = Generation(prompt_tokens=list(prompt_tokens))
@@ -143,6 +161,7 @@ def generate(
         chunk=chunk,
         stop_at_end=stop_at_end,
         gen=gen,
+        constraint=constraint,
     ):
         pass
     if engine.tokenizer is not None:

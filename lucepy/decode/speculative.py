@@ -78,6 +78,30 @@ def accept_sampled(
     return drafts.size, sampler.draw(sampler.probs(target_logits[drafts.size]))
 
 
+def accept_constrained(
+    sampler: Sampler, drafts: np.ndarray, q, target_logits: np.ndarray, constraint
+) -> tuple[int, int]:
+    """Acceptance (greedy, or rejection sampling against q) where row i is masked by the
+    grammar after the accepted drafts before it; consumes what it keeps. A draft the grammar
+    forbids has no mass under the masked row, so it is never kept."""
+    for i, d in enumerate(drafts):
+        row = constraint.masked(target_logits[i])
+        if sampler.params.greedy:
+            best = int(np.argmax(row))
+            if best != d:
+                constraint.consume(best)
+                return i, best
+        else:
+            p = sampler.probs(row)
+            if not sampler.rng.random() * q[i][d] < p[d]:
+                bonus = sampler.draw(np.maximum(p - q[i], 0.0))
+                constraint.consume(bonus)
+                return i, bonus
+        constraint.consume(int(d))
+    bonus = _choose(sampler, target_logits[drafts.size], constraint)
+    return int(drafts.size), bonus
+
+
 def _propose(draft, sampler: Sampler, last: int, pos: int, block: int):
     """Draft tokens d_1..d_{B-1}, and their distributions q when sampling."""
     if sampler.params.greedy:
@@ -98,9 +122,11 @@ def stream(
     stop_at_end: bool = True,
     cancelled: Callable[[], bool] = lambda: False,
     logprobs: int | None = None,
+    constraint=None,
 ) -> Iterator[int]:
     """Yield tokens from a fresh sequence; ``gen.accept`` collects the acceptance stats, and
-    ``gen.logprobs`` each kept token's log-probability under the target when asked for.
+    ``gen.logprobs`` each kept token's log-probability under the target when asked for. Under
+    a ``constraint`` each verify row is masked by the grammar after the tokens before it.
 
     ``engine.draft`` is read after the prefill: starting the sequence may have replaced a draft
     whose worker died."""
@@ -114,7 +140,7 @@ def stream(
     draft = engine.draft
     draft.reset()
     stats = gen.accept = AcceptStats(draft.block)
-    pending = [sampler.sample(logits)]
+    pending = [_choose(sampler, logits, constraint)]
     notes = _notes(logits[None], pending, logprobs)
     while True:
         for i, token in enumerate(pending):
@@ -138,10 +164,20 @@ def stream(
             return  # the context is full: stop as at max_tokens ("length")
         if block == 1:  # room for one more token only: decode it as plain greedy would
             logits = engine.decode(last)
-            pending = [sampler.sample(logits)]
+            pending = [_choose(sampler, logits, constraint)]
             notes = _notes(logits[None], pending, logprobs)
             continue
-        pending, notes = _step(engine, draft, sampler, stats, last, pos, block, logprobs)
+        pending, notes = _step(
+            engine, draft, sampler, stats, last, pos, block, logprobs, constraint
+        )
+
+
+def _choose(sampler: Sampler, logits: np.ndarray, constraint) -> int:
+    if constraint is None:
+        return sampler.sample(logits)
+    token = sampler.sample(constraint.masked(logits))
+    constraint.consume(token)
+    return token
 
 
 def _notes(rows: np.ndarray, tokens: list[int], top: int | None) -> list:
@@ -160,15 +196,19 @@ def _step(
     pos: int,
     block: int,
     logprobs: int | None,
+    constraint,
 ) -> tuple[list[int], list]:
     t0 = time.perf_counter()
     drafts, q = _propose(draft, sampler, last, pos, block)
     t1 = time.perf_counter()
     greedy = sampler.params.greedy
-    # greedy verification needs only the argmax per row, unless log-probabilities are wanted
-    argmax_only = greedy and logprobs is None
+    # greedy verification needs only the argmax per row, unless log-probabilities or a grammar
+    # want the rows
+    argmax_only = greedy and logprobs is None and constraint is None
     handle = engine.verify(np.concatenate([[last], drafts]), greedy=argmax_only)
-    if argmax_only:
+    if constraint is not None:
+        j, bonus = accept_constrained(sampler, drafts, q, handle.values, constraint)
+    elif argmax_only:
         j, bonus = accept_greedy(drafts, handle.values[0])
     elif greedy:
         j, bonus = accept_greedy(drafts, np.argmax(handle.values, axis=-1))

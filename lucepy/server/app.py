@@ -53,10 +53,11 @@ class Served:
         except PromptError as err:  # text the tokenizer cannot take
             raise _with_param(PromptError(f"{param}: {err}"), param) from None
 
-    def job(self, tokens: list[int], body, limit: int | None, param: str) -> Job:
+    async def job(self, tokens: list[int], body, limit: int | None, param: str) -> Job:
         problem = body.problem()
         if problem:
             raise _with_param(PromptError(problem[1]), problem[0])
+        grammar = await self.grammar(body)
         room = self.n_ctx - len(tokens)
         if room < 1:
             err = ContextOverflow(
@@ -66,8 +67,25 @@ class Served:
             raise _with_param(err, param)
         max_tokens = min(limit or room, room)
         return Job(
-            tokens, max_tokens, body.sampling(), tuple(body.stop), body.n, body.want_logprobs
+            tokens,
+            max_tokens,
+            body.sampling(),
+            tuple(body.stop),
+            body.n,
+            body.want_logprobs,
+            grammar,
         )
+
+    async def grammar(self, body) -> str | None:
+        """The request's grammar, checked against this vocabulary (a 400 if it cannot be used)."""
+        try:
+            grammar = body.grammar()
+            if grammar is not None:
+                grammars = await asyncio.to_thread(self.tokenizer.grammars, self.n_vocab)
+                await asyncio.to_thread(grammars.check, grammar)
+        except PromptError as err:
+            raise _with_param(err, "response_format") from None
+        return grammar
 
     def status(self) -> dict:
         return {
@@ -157,14 +175,14 @@ async def chat_completions(body: ChatRequest, request: Request, s: Authorized):
     messages = [m.for_template() for m in body.messages]
     text = chat_text(s.tokenizer, messages)
     tokens = await s.encode(text, "messages")
-    job = s.job(tokens, body, body.limit, "messages")
+    job = await s.job(tokens, body, body.limit, "messages")
     return await _answer(request, s, job, Reply("chat", s.name), body)
 
 
 @private.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, s: Authorized):
     tokens = await _prompt_tokens(s, body.prompt)
-    job = s.job(tokens, body, body.limit, "prompt")
+    job = await s.job(tokens, body, body.limit, "prompt")
     return await _answer(request, s, job, Reply("text", s.name), body)
 
 

@@ -26,7 +26,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -104,11 +103,25 @@ class ChatMessage(BaseModel):
         return out
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
 
     @property
     def limit(self) -> int | None:
@@ -117,7 +130,19 @@ class ChatRequest(_Request):
     def problem(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
+            return "response_format", "response_format json_schema needs a json_schema object"
         return super().problem()
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar ``response_format`` asks for (None: free text)."""
+        from lucepy.decode.grammar import json_grammar
+
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        return json_grammar(rf.json_schema.schema_ if rf.type == "json_schema" else None)
 
     @property
     def want_logprobs(self) -> int | None:
@@ -136,6 +161,9 @@ class CompletionRequest(_Request):
     @property
     def want_logprobs(self) -> int | None:
         return self.logprobs
+
+    def grammar(self) -> str | None:
+        return None
 
 
 def usage(dones: list) -> dict:

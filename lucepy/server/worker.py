@@ -60,6 +60,7 @@ class Job:
     stop: tuple[str, ...] = ()
     n: int = 1  # choices, generated one after another (choice i samples with seed + i)
     logprobs: int | None = None  # top tokens to report per token; None: no log-probabilities
+    grammar: str | None = None  # an llguidance grammar every choice must follow
     cancel: threading.Event = field(default_factory=threading.Event)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop | None = None  # the handler's; set by Worker.submit
@@ -186,6 +187,9 @@ def run_job(engine, job: Job, on_token=lambda: None) -> list[Done]:
 def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -> Done:
     gen = Generation(prompt_tokens=list(job.prompt_tokens))
     detok, stops = Detokenizer(engine.tokenizer.decode), StopFilter(job.stop)
+    constraint = None
+    if job.grammar is not None:
+        constraint = engine.tokenizer.grammars(engine.params.n_vocab).constraint(job.grammar)
     tokens = engine.stream(
         job.prompt_tokens,
         job.max_tokens,
@@ -193,6 +197,7 @@ def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -
         cancelled=job.cancel.is_set,
         gen=gen,
         logprobs=job.logprobs,
+        constraint=constraint,
     )
     told = 0  # log-probabilities already sent
 
