@@ -32,6 +32,14 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
         raise PromptError(f"the JSON schema cannot be used: {err}") from None
 
 
+def lark_grammar(lark: str) -> str:
+    """The grammar a Lark text describes (llguidance's dialect: ``%json {schema}`` embeds a
+    JSON schema)."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_lark(lark)
+
+
 def regex_grammar(regex: str) -> str:
     """The grammar for text that matches ``regex`` whole."""
     from llguidance import LLMatcher

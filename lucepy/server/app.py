@@ -74,6 +74,7 @@ class Served:
             body.n,
             body.want_logprobs,
             grammar,
+            getattr(body, "calls_tools", False),
         )
 
     async def grammar(self, body) -> str | None:
@@ -173,7 +174,7 @@ async def detokenize(body: DetokenizeRequest, s: Authorized):
 @private.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, s: Authorized):
     messages = [m.for_template() for m in body.messages]
-    text = chat_text(s.tokenizer, messages)
+    text = chat_text(s.tokenizer, messages, body.tool_dicts())
     tokens = await s.encode(text, "messages")
     job = await s.job(tokens, body, body.limit, "messages")
     return await _answer(request, s, job, Reply("chat", s.name), body)
@@ -234,6 +235,7 @@ async def _next(request: Request, job: Job):
 
 async def _collect(request: Request, job: Job, reply: Reply) -> Response:
     texts: dict[int, str] = {}
+    calls: dict[int, list] = {}
     notes: dict[int, list] | None = None if job.logprobs is None else {}
     dones = []
     try:
@@ -245,6 +247,7 @@ async def _collect(request: Request, job: Job, reply: Reply) -> Response:
                 raise event.error
             if isinstance(event, Delta):
                 texts[event.index] = texts.get(event.index, "") + event.text
+                calls.setdefault(event.index, []).extend(event.tool_calls or [])
                 if notes is not None:
                     notes.setdefault(event.index, []).extend(event.logprobs or [])
                 continue
@@ -252,7 +255,7 @@ async def _collect(request: Request, job: Job, reply: Reply) -> Response:
             if len(dones) == job.n or event.finish_reason == "cancelled":
                 if notes is not None:
                     notes = {d.index: notes.get(d.index, []) for d in dones}
-                return JSONResponse(reply.full(texts, dones, notes))
+                return JSONResponse(reply.full(texts, dones, notes, calls))
     finally:
         job.cancel.set()  # no-op once done; stops the generation if this handler was cancelled
 
@@ -275,7 +278,14 @@ async def _sse(job: Job, reply: Reply, event, include_usage: bool):
                 opened.add(event.index)
                 yield _data(reply.chunk(index=event.index, first=True))
             if isinstance(event, Delta):
-                yield _data(reply.chunk(event.text, index=event.index, logprobs=event.logprobs))
+                yield _data(
+                    reply.chunk(
+                        event.text,
+                        index=event.index,
+                        logprobs=event.logprobs,
+                        tool_calls=event.tool_calls,
+                    )
+                )
             else:
                 yield _data(reply.chunk(index=event.index, done=event))
                 dones.append(event)

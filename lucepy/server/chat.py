@@ -35,17 +35,26 @@ def _compile(template: str):
     return env.from_string(template)
 
 
-def chat_text(tokenizer, messages: list[dict]) -> str:
-    """The text to encode for ``messages`` with the model's own template: less a leading BOS,
-    which the tokenizer adds itself where the model wants one."""
+def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The text to encode for ``messages`` (and ``tools``) with the model's own template: less a
+    leading BOS, which the tokenizer adds itself where the model wants one. A template that does
+    not render tools gets them, and tool turns, as text (server/tools.py)."""
+    from lucepy.server.tools import knows_tools, template_messages
+
     bos, eos = tokenizer.token_text(tokenizer.bos), tokenizer.token_text(tokenizer.eos)
-    text = render_chat(tokenizer.chat_template, messages, bos=bos, eos=eos)
+    native = knows_tools(tokenizer.chat_template)
+    messages = template_messages(messages, tools, native)
+    text = render_chat(
+        tokenizer.chat_template, messages, bos=bos, eos=eos, tools=tools if native else None
+    )
     if tokenizer.add_bos and bos and text.startswith(bos):
         text = text[len(bos) :]
     return text
 
 
-def render_chat(template: str | None, messages: list[dict], *, bos: str, eos: str) -> str:
+def render_chat(
+    template: str | None, messages: list[dict], *, bos: str, eos: str, tools=None
+) -> str:
     """The prompt text for ``messages``, ending with the assistant's turn opened."""
     from jinja2 import TemplateError
 
@@ -55,8 +64,9 @@ def render_chat(template: str | None, messages: list[dict], *, bos: str, eos: st
             "use /v1/completions with a prompt instead"
         )
     try:
+        extra = {"tools": tools} if tools else {}
         return _compile(template).render(
-            messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos
+            messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos, **extra
         )
     except TemplateError as err:
         raise PromptError(f"the model's chat template refused these messages: {err}") from None

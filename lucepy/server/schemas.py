@@ -8,6 +8,7 @@ own numbers under a ``lucepy`` key.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,11 +22,8 @@ MAX_STOPS = 16
 MAX_N = 16
 # OpenAI fields lucepy does not implement, with the values that ask for nothing
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -86,21 +84,72 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # which call a tool message answers
 
     def for_template(self) -> dict:
+        """As Hugging Face chat templates take it: a call's arguments as a mapping."""
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out = {"role": self.role, "content": content}
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _template_call(call: ToolCall) -> dict:
+    try:
+        args = json.loads(call.function.arguments)
+    except ValueError:
+        args = call.function.arguments
+    fn = {"name": call.function.name, "arguments": args}
+    return {"id": call.id, "type": "function", "function": fn}
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChoiceName(BaseModel):
+    name: str
+
+
+class NamedChoice(BaseModel):
+    type: Literal["function"]
+    function: ChoiceName
 
 
 class JsonSchema(BaseModel):
@@ -122,6 +171,9 @@ class ChatRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool | None = None  # one call at most is forced; auto parses all
 
     @property
     def limit(self) -> int | None:
@@ -133,12 +185,42 @@ class ChatRequest(_Request):
         rf = self.response_format
         if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
             return "response_format", "response_format json_schema needs a json_schema object"
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if isinstance(choice, NamedChoice) and choice.function.name not in names:
+            return "tool_choice", f"tool_choice names {choice.function.name!r}, not one of tools"
+        if choice == "required" and not names:
+            return "tool_choice", "tool_choice required needs tools"
+        if self.forced_tool and rf is not None and rf.type != "text":
+            return "response_format", "a forced tool call and a response_format cannot combine"
         return super().problem()
 
-    def grammar(self) -> str | None:
-        """The llguidance grammar ``response_format`` asks for (None: free text)."""
-        from lucepy.decode.grammar import json_grammar
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools given, and tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def forced_tool(self) -> bool:
+        return bool(self.tools) and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, NamedChoice)
+        )
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template (and the grammar) take them; None when not offered."""
+        if not self.calls_tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar ``response_format`` or a forced ``tool_choice`` asks for
+        (None: free text)."""
+        from lucepy.decode.grammar import json_grammar
+        from lucepy.server.tools import forced_grammar
+
+        if self.forced_tool:
+            named = self.tool_choice if isinstance(self.tool_choice, NamedChoice) else None
+            return forced_grammar(self.tool_dicts(), named.function.name if named else None)
         rf = self.response_format
         if rf is None or rf.type == "text":
             return None
@@ -225,7 +307,14 @@ class Reply:
         }  # fmt: skip
 
     def chunk(
-        self, text: str = "", *, index: int = 0, first: bool = False, done=None, logprobs=None
+        self,
+        text: str = "",
+        *,
+        index: int = 0,
+        first: bool = False,
+        done=None,
+        logprobs=None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
         finish = done.finish_reason if done is not None else None
         lp = self.logprobs(logprobs, index)
@@ -233,6 +322,8 @@ class Reply:
             delta = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta = {"content": text}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
@@ -246,14 +337,24 @@ class Reply:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage(dones)}
 
-    def full(self, texts: dict[int, str], dones: list, logprobs: dict[int, list] | None) -> dict:
+    def full(
+        self,
+        texts: dict[int, str],
+        dones: list,
+        logprobs: dict[int, list] | None,
+        calls: dict[int, list] | None = None,
+    ) -> dict:
         choices = []
         for done in dones:
             i = done.index
             lp = self.logprobs(logprobs[i], i) if logprobs is not None else None
             choice = {"index": i, "finish_reason": done.finish_reason, "logprobs": lp}
             if self.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": texts.get(i, "")}
+                message = {"role": "assistant", "content": texts.get(i, "")}
+                if calls and calls.get(i):
+                    message["content"] = message["content"].strip() or None
+                    message["tool_calls"] = calls[i]
+                choice["message"] = message
             else:
                 choice["text"] = texts.get(i, "")
             choices.append(choice)

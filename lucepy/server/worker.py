@@ -20,6 +20,7 @@ from lucepy.decode.sampling import SamplingParams
 from lucepy.errors import GGMLError, ModelFileError, ModelUnavailable
 from lucepy.server.status import Stats
 from lucepy.server.text import Detokenizer, StopFilter
+from lucepy.server.tools import ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class Delta:
     text: str
     index: int = 0  # the choice (``n`` > 1)
     logprobs: list[dict] | None = None  # per token since the last delta, when asked for
+    tool_calls: list[dict] | None = None  # calls completed in this delta (OpenAI entries)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Job:
     n: int = 1  # choices, generated one after another (choice i samples with seed + i)
     logprobs: int | None = None  # top tokens to report per token; None: no log-probabilities
     grammar: str | None = None  # an llguidance grammar every choice must follow
+    tools: bool = False  # cut tool calls out of the text (server/tools.py)
     cancel: threading.Event = field(default_factory=threading.Event)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop | None = None  # the handler's; set by Worker.submit
@@ -200,6 +203,18 @@ def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -
         constraint=constraint,
     )
     told = 0  # log-probabilities already sent
+    calls = ToolCallParser() if job.tools else None
+
+    def send(text: str, final: bool = False) -> None:
+        found: list[dict] = []
+        if calls is not None:
+            text, found = calls.feed(text)
+            if final:
+                rest, _ = calls.flush()
+                text += rest
+        lp = notes()
+        if text or found or lp:
+            job.emit(Delta(text, index, lp, found or None))
 
     def notes() -> list[dict] | None:
         nonlocal told
@@ -214,17 +229,17 @@ def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -
             on_token()
             text = stops.feed(detok.push(token))
             if text:
-                job.emit(Delta(text, index, notes()))
+                send(text)
             if stops.stopped:
                 gen.finish_reason = "stop"
                 break
     tail = stops.feed(detok.flush()) + stops.flush()
     if gen.finish_reason != "cancelled":
-        rest = notes()
-        if tail or rest:
-            job.emit(Delta(tail, index, rest))
+        send(tail, final=True)
     if stops.stopped:
         gen.finish_reason = "stop"
+    if calls is not None and calls.count and gen.finish_reason == "stop":
+        gen.finish_reason = "tool_calls"
     return Done(
         gen.finish_reason,
         len(gen.prompt_tokens),

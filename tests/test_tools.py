@@ -1,0 +1,182 @@
+"""Tool calls through the official `openai` client, in the Hermes/Qwen format: a template that
+renders ``tools`` itself and one that does not (lucepy writes them in), each with a forced call
+(constrained decoding, so the test is deterministic), the tool's result, and the final answer;
+streamed and not. Plus the parser and the rendering on their own."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from lucepy.engine import Engine
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.server.chat import chat_text
+from lucepy.server.run import Server
+from lucepy.server.tools import CLOSE, OPEN, ToolCallParser
+from lucepy.testing import vocab
+from lucepy.testing.tiny import Qwen35Spec, write_qwen35
+
+# A ChatML template that renders tools the way Qwen's do (written for these tests)
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
+    "Tools you may call:\n"
+    "{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n'
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and tools %}"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n"
+    "{%- for c in m.tool_calls %}<tool_call>\n"
+    '{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}\n'
+    "</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 12},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SPEC = Qwen35Spec(n_layer=4, seed=5)
+
+
+@pytest.fixture(scope="module", params=["native", "fallback"])
+def served(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / f"{request.param}.gguf"
+    saved = vocab.CHAT_TEMPLATE
+    if request.param == "native":
+        vocab.CHAT_TEMPLATE = TOOL_TEMPLATE
+    try:
+        write_qwen35(path, SPEC)
+    finally:
+        vocab.CHAT_TEMPLATE = saved
+    engine = Engine(path, RuntimeConfig(threads=1, max_ctx=2048))
+    srv = Server(engine, name="tiny", port=0, log_level="warning").start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    yield client, engine.tokenizer, request.param
+    client.close()
+    srv.stop()
+
+
+def ask(client, messages, **kw):
+    return client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, temperature=0, max_tokens=96, **kw
+    )
+
+
+def test_a_forced_call_its_result_and_the_final_answer(served):
+    client, tokenizer, kind = served
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = ask(client, messages, tool_choice=named)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    assert isinstance(args["city"], str) and len(args["city"]) <= 12
+    assert call.id.startswith("call_")
+
+    # streamed: the same call, in a tool_calls delta, and the same finish reason
+    deltas, finish = [], None
+    for chunk in ask(client, messages, tool_choice=named, stream=True):
+        for c in chunk.choices:
+            deltas += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "get_weather", call.function.arguments)
+    ]
+
+    # the tool's result goes back as a tool message; the model answers in text
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    final = ask(client, messages, tool_choice="none")
+    assert final.choices[0].message.tool_calls is None
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(final.choices[0].message.content, str)
+    # and the prompt it answered held the call and the result
+    rendered = chat_text(tokenizer, [_plain(m) for m in messages], None)
+    assert '{"temperature": 21}' in rendered and "get_weather" in rendered
+
+    # required: a call to one of the tools
+    required = ask(client, messages[:1], tool_choice="required").choices[0]
+    assert required.finish_reason == "tool_calls"
+    assert required.message.tool_calls[0].function.name in ("get_weather", "get_time")
+
+
+def _plain(m: dict) -> dict:
+    """A message as the server hands it to the template (arguments as a mapping)."""
+    if m.get("tool_calls"):
+        calls = [
+            {
+                **c,
+                "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])},
+            }
+            for c in m["tool_calls"]
+        ]
+        return {**m, "content": "", "tool_calls": calls}
+    return m
+
+
+def test_tools_are_rendered_natively_or_written_in(served):
+    _, tokenizer, kind = served
+    messages = [{"role": "user", "content": "hi"}]
+    text = chat_text(tokenizer, messages, [t for t in TOOLS])
+    assert '"name": "get_weather"' in text and '"name": "get_time"' in text
+    assert ("Tools you may call" in text) == (kind == "native")
+    assert (OPEN in text) and text.endswith("<|im_start|>assistant\n")
+    assert chat_text(tokenizer, messages, None) == chat_text(tokenizer, messages)
+
+
+def test_the_parser_cuts_calls_out_of_streamed_text():
+    parser = ToolCallParser()
+    body = '{"name": "f", "arguments": {"x": 1}}'
+    text = f"Sure. {OPEN}\n{body}\n{CLOSE} and {OPEN}\nnot json\n{CLOSE} done <tool"
+    pieces = [text[i : i + 2] for i in range(0, len(text), 2)]  # every tag split
+    content, calls = "", []
+    for piece in pieces:
+        c, found = parser.feed(piece)
+        content += c
+        calls += found
+    rest, _ = parser.flush()
+    content += rest
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"x": 1})
+    ]
+    # a malformed call stays the model's text, and a held tail comes out at the end
+    assert content == f"Sure.  and {OPEN}\nnot json\n{CLOSE} done <tool"
