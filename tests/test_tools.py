@@ -180,3 +180,63 @@ def test_the_parser_cuts_calls_out_of_streamed_text():
     ]
     # a malformed call stays the model's text, and a held tail comes out at the end
     assert content == f"Sure.  and {OPEN}\nnot json\n{CLOSE} done <tool"
+
+
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's shape
+
+
+def test_responses_api_text_tools_and_streaming(served):
+    client, _, _ = served
+    text = client.responses.create(model="tiny", input="hello", max_output_tokens=8, temperature=0)
+    assert text.status in ("completed", "incomplete") and text.output_text
+    assert text.usage.output_tokens <= 8 and text.usage.input_tokens > 0
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert text.output_text == chat.choices[0].message.content
+
+    # streamed: the same text, in output_text deltas, and a final response event
+    deltas, final = [], None
+    stream = client.responses.create(
+        model="tiny", input="hello", max_output_tokens=8, temperature=0, stream=True
+    )
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert "".join(deltas) == text.output_text and final.output_text == text.output_text
+
+    # a forced function call, its output, and the answer
+    named = {"type": "function", "name": "get_time"}
+    called = client.responses.create(
+        model="tiny", input="time?", tools=FLAT_TOOLS, tool_choice=named, temperature=0,
+        max_output_tokens=96,
+    )  # fmt: skip
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET")
+    events = [e.type for e in client.responses.create(
+        model="tiny", input="time?", tools=FLAT_TOOLS, tool_choice=named, temperature=0,
+        max_output_tokens=96, stream=True,
+    )]  # fmt: skip
+    assert "response.function_call_arguments.done" in events and events[-1] == "response.completed"
+    answer = client.responses.create(
+        model="tiny",
+        input=[
+            {"role": "user", "content": "time?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"},
+        ],
+        tools=FLAT_TOOLS,
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0,
+    )  # fmt: skip
+    assert answer.output_text and not [i for i in answer.output if i.type == "function_call"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
+    assert err.value.body["param"] == "previous_response_id"

@@ -1,6 +1,6 @@
-"""The OpenAI-compatible app: /v1/chat/completions, /v1/completions, /v1/models, /health,
-/metrics (Prometheus), /tokenize, /detokenize and /lucepy/status. Handlers validate and tokenize;
-the worker thread generates."""
+"""The OpenAI-compatible app: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models,
+/health, /metrics (Prometheus), /tokenize, /detokenize and /lucepy/status. Handlers validate and
+tokenize; the worker thread generates."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from lucepy import __version__
 from lucepy.errors import AuthError, ContextOverflow, PromptError
 from lucepy.server import errors
 from lucepy.server.chat import chat_text
+from lucepy.server.responses import ResponsesRequest, Shaper
 from lucepy.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -233,7 +234,8 @@ async def _next(request: Request, job: Job):
         getter.cancel()  # a no-op once it holds its event
 
 
-async def _collect(request: Request, job: Job, reply: Reply) -> Response:
+async def _gather(request: Request, job: Job):
+    """Every choice's text, tool calls, log-probabilities and Done; None if the client left."""
     texts: dict[int, str] = {}
     calls: dict[int, list] = {}
     notes: dict[int, list] | None = None if job.logprobs is None else {}
@@ -242,7 +244,7 @@ async def _collect(request: Request, job: Job, reply: Reply) -> Response:
         while True:
             event = await _next(request, job)
             if event is None:
-                return Response(status_code=_GONE)
+                return None
             if isinstance(event, Failed):
                 raise event.error
             if isinstance(event, Delta):
@@ -255,9 +257,86 @@ async def _collect(request: Request, job: Job, reply: Reply) -> Response:
             if len(dones) == job.n or event.finish_reason == "cancelled":
                 if notes is not None:
                     notes = {d.index: notes.get(d.index, []) for d in dones}
-                return JSONResponse(reply.full(texts, dones, notes, calls))
+                return texts, calls, notes, dones
     finally:
         job.cancel.set()  # no-op once done; stops the generation if this handler was cancelled
+
+
+async def _collect(request: Request, job: Job, reply: Reply) -> Response:
+    got = await _gather(request, job)
+    if got is None:
+        return Response(status_code=_GONE)
+    texts, calls, notes, dones = got
+    return JSONResponse(reply.full(texts, dones, notes, calls))
+
+
+@private.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request, s: Authorized):
+    chat = body.chat()
+    fmt = (body.model_extra or {}).get("text", {}) or {}
+    if isinstance(fmt, dict) and (fmt.get("format") or {}).get("type", "text") != "text":
+        raise _with_param(PromptError("text.format other than text is not supported"), "text")
+    messages = [m.for_template() for m in chat.messages]
+    tokens = await s.encode(chat_text(s.tokenizer, messages, chat.tool_dicts()), "input")
+    job = await s.job(tokens, chat, chat.limit, "input")
+    shaper = Shaper(s.name)
+    s.worker.submit(job)
+    if not body.stream:
+        got = await _gather(request, job)
+        if got is None:
+            return Response(status_code=_GONE)
+        texts, calls, _, (done, *_) = got
+        shaper.text, shaper.calls = texts.get(0, ""), calls.get(0, [])
+        return JSONResponse(shaper.response("completed", done))
+    first = await _next(request, job)
+    if first is None:
+        return Response(status_code=_GONE)
+    if isinstance(first, Failed):
+        raise first.error
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    events = _response_events(job, shaper, first)
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _response_events(job: Job, shaper: Shaper, event):
+    """The Responses API's streaming events for one generation."""
+    try:
+        yield shaper.event("response.created", response=shaper.response("in_progress"))
+        yield shaper.event("response.in_progress", response=shaper.response("in_progress"))
+        opened = False
+        while True:
+            if isinstance(event, Failed):
+                status, body = errors.body_for(event.error)
+                err = body["error"]
+                yield shaper.event(
+                    "error", code=err["code"], message=err["message"], param=err["param"]
+                )
+                return
+            if isinstance(event, Delta):
+                if event.text:
+                    if not opened:
+                        for line in shaper.opened():
+                            yield line
+                        opened = True
+                    yield shaper.delta(event.text)
+                for call in event.tool_calls or []:
+                    for line in shaper.call(call, len(shaper.calls) + int(opened)):
+                        yield line
+            else:
+                if opened:
+                    for line in shaper.closed():
+                        yield line
+                final = shaper.response("completed", event)
+                kind = (
+                    "response.completed"
+                    if final["status"] == "completed"
+                    else "response.incomplete"
+                )
+                yield shaper.event(kind, response=final)
+                return
+            event = await job.events.get()
+    finally:
+        job.cancel.set()
 
 
 def _data(obj: dict) -> str:
