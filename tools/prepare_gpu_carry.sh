@@ -32,7 +32,8 @@ echo "gpuref: $(du -sh .gpuref | cut -f1)"
 rm -rf .whl && mkdir .whl
 grep -v '^\s*\(#\|$\)' tools/gpu_wheels.txt | xargs python3 -m pip download -q --no-deps \
     --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl
 echo "wheels: $(find .whl -name '*.whl' | wc -l) files, $(du -sh .whl | cut -f1)"
 
