@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lucepy.decode.ar import generate
-from lucepy.decode.grammar import json_grammar, regex_grammar
+from lucepy.decode.grammar import grammars_for, json_grammar, regex_grammar
 from lucepy.engine import Engine
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.server.run import Server
@@ -293,7 +293,7 @@ def test_speculation_stays_lossless_under_a_grammar(pair):
         for d in (None, draft):
             cfg = RuntimeConfig(threads=1, max_ctx=CTX, draft=str(d) if d else None)
             with Engine(target, cfg) as engine:
-                g = engine.tokenizer.grammars(engine.params.n_vocab)
+                g = grammars_for(engine.tokenizer, engine.params.n_vocab)
                 gen = generate(engine, prompt, 48, constraint=g.constraint(grammar))
                 outs.append(gen.tokens)
                 accepted = gen.accept.accepted if d is not None else 0

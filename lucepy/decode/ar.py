@@ -10,7 +10,7 @@ from typing import Any
 
 from lucepy.decode import speculative
 from lucepy.decode.prefill import begin, end
-from lucepy.decode.sampling import Sampler, SamplingParams, token_logprob
+from lucepy.decode.sampling import Sampler, SamplingParams, choose, token_logprob
 
 
 @dataclass
@@ -71,11 +71,7 @@ def _plain(
     engine.capture = ()
     logits = begin(engine, prompt_tokens, gen, chunk=chunk)
     while len(gen.tokens) < max_tokens:
-        if constraint is None:
-            token = sampler.sample(logits)
-        else:
-            token = sampler.sample(constraint.masked(logits))
-            constraint.consume(token)
+        token = choose(sampler, logits, constraint)
         gen.tokens.append(token)
         if logprobs is not None:
             gen.logprobs.append(token_logprob(logits, token, logprobs))

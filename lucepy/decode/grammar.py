@@ -11,7 +11,9 @@ have produced (decode/speculative.py).
 from __future__ import annotations
 
 import json
+import threading
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,19 @@ def regex_grammar(regex: str) -> str:
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_regex(regex)
+
+
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def grammars_for(tokenizer, n_vocab: int) -> Grammars:
+    """The Grammars of a runtime Tokenizer's vocabulary, built on first use and kept with it."""
+    with _LOCK:
+        built = _BUILT.get(tokenizer)
+        if built is None:
+            built = _BUILT[tokenizer] = Grammars(tokenizer.vocab, n_vocab, tokenizer.eos)
+        return built
 
 
 class Grammars:
@@ -97,8 +112,3 @@ class Constraint:
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
             raise PromptError(f"token {token} breaks the grammar: {self.matcher.get_error()}")
-
-    @property
-    def finished(self) -> bool:
-        """Only the end of the text may come next."""
-        return self.matcher.is_stopped()

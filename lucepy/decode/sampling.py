@@ -106,3 +106,13 @@ def _nucleus(keep: np.ndarray, w: np.ndarray, top_p: float) -> tuple[np.ndarray,
     n = int(np.searchsorted(np.cumsum(w[order]), top_p) + 1)
     order = order[:n]
     return keep[order], w[order] / w[order].sum()
+
+
+def choose(sampler: Sampler, logits: np.ndarray, constraint=None) -> int:
+    """The next token: sampled from ``logits``, or under a grammar ``constraint``
+    (decode/grammar.py) from the tokens it allows, which then consumes it."""
+    if constraint is None:
+        return sampler.sample(logits)
+    token = sampler.sample(constraint.masked(logits))
+    constraint.consume(token)
+    return token

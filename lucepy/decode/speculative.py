@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lucepy.decode.prefill import begin
-from lucepy.decode.sampling import Sampler, token_logprob
+from lucepy.decode.sampling import Sampler, choose, token_logprob
 
 
 @dataclass
@@ -98,7 +98,7 @@ def accept_constrained(
                 constraint.consume(bonus)
                 return i, bonus
         constraint.consume(int(d))
-    bonus = _choose(sampler, target_logits[drafts.size], constraint)
+    bonus = choose(sampler, target_logits[drafts.size], constraint)
     return int(drafts.size), bonus
 
 
@@ -140,7 +140,7 @@ def stream(
     draft = engine.draft
     draft.reset()
     stats = gen.accept = AcceptStats(draft.block)
-    pending = [_choose(sampler, logits, constraint)]
+    pending = [choose(sampler, logits, constraint)]
     notes = _notes(logits[None], pending, logprobs)
     while True:
         for i, token in enumerate(pending):
@@ -164,20 +164,12 @@ def stream(
             return  # the context is full: stop as at max_tokens ("length")
         if block == 1:  # room for one more token only: decode it as plain greedy would
             logits = engine.decode(last)
-            pending = [_choose(sampler, logits, constraint)]
+            pending = [choose(sampler, logits, constraint)]
             notes = _notes(logits[None], pending, logprobs)
             continue
         pending, notes = _step(
             engine, draft, sampler, stats, last, pos, block, logprobs, constraint
         )
-
-
-def _choose(sampler: Sampler, logits: np.ndarray, constraint) -> int:
-    if constraint is None:
-        return sampler.sample(logits)
-    token = sampler.sample(constraint.masked(logits))
-    constraint.consume(token)
-    return token
 
 
 def _notes(rows: np.ndarray, tokens: list[int], top: int | None) -> list:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 
 from lucepy.errors import ModelFileError, PromptError
 
@@ -46,7 +45,6 @@ class Tokenizer:
                 f"{model_path}: the chat template (tokenizer.chat_template) does not parse: "
                 f"{err.message}"
             ) from None
-        self._grammars, self._grammars_lock = None, threading.Lock()
         self.eos = self._llama.token_eos()
         self.bos = self._llama.token_bos()
         meta = self._llama.metadata
@@ -73,20 +71,16 @@ class Tokenizer:
         """A token's text, special tokens included (``<|im_end|>``); "" for no token (-1)."""
         if token < 0:
             return ""
-        return self._llama.detokenize([token], special=True).decode("utf-8", errors="replace")
+        return self.token_bytes(token).decode("utf-8", errors="replace")
 
     def token_bytes(self, token: int) -> bytes:
         """A token's bytes (a piece of a UTF-8 character for some byte tokens)."""
         return self._llama.detokenize([token], special=True)
 
-    def grammars(self, n_vocab: int):
-        """The grammar compiler for this vocabulary (decode/grammar.py), built on first use."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                from lucepy.decode.grammar import Grammars
-
-                self._grammars = Grammars(self._llama._model.vocab, n_vocab, self.eos)
-            return self._grammars
+    @property
+    def vocab(self):
+        """llama.cpp's vocabulary handle (llguidance builds its view of the tokens from it)."""
+        return self._llama._model.vocab
 
     def is_end(self, token: int) -> bool:
         import llama_cpp

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lucepy import __version__
+from lucepy.decode.grammar import grammars_for
 from lucepy.errors import AuthError, ContextOverflow, PromptError
 from lucepy.server import errors
 from lucepy.server.chat import chat_text
@@ -83,7 +84,7 @@ class Served:
         try:
             grammar = body.grammar()
             if grammar is not None:
-                grammars = await asyncio.to_thread(self.tokenizer.grammars, self.n_vocab)
+                grammars = await asyncio.to_thread(grammars_for, self.tokenizer, self.n_vocab)
                 await asyncio.to_thread(grammars.check, grammar)
         except PromptError as err:
             raise _with_param(err, "response_format") from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -276,6 +276,3 @@ class Shaper:
             ),
             self.event("response.output_item.done", output_index=index, item=item),
         ]
-
-
-Status = Literal["in_progress", "completed", "incomplete", "failed"]

@@ -109,15 +109,16 @@ class Stats:
                 "last": self.last,
                 "cache": dict(self.cache) if self._cache_on else {"hits": None, "misses": None},
                 "accept": self._accept_summary(),
+                "ttft": dict(self.ttft),
+                "decode": dict(self.decode),
             }
 
 
 def prometheus(stats: Stats, ready: bool) -> str:
     """The counters in Prometheus' text format (version 0.0.4)."""
     snap = stats.snapshot()
-    with stats._lock:
-        ttft, decode = dict(stats.ttft), dict(stats.decode)
-        cache, accept = dict(stats.cache), dict(stats.accept)
+    ttft, decode, accept = snap["ttft"], snap["decode"], snap["accept"]
+    cache = {k: v or 0 for k, v in snap["cache"].items()}  # None: no prefix cache
     out: list[str] = []
 
     def family(name: str, kind: str, text: str, samples: list[tuple[str, float]]) -> None:
@@ -183,7 +184,7 @@ def prometheus(stats: Stats, ready: bool) -> str:
         "lucepy_prefix_cache_restored_tokens_total",
         "counter",
         "Prompt tokens restored.",
-        [("", cache["restored_tokens"])],
+        [("", cache.get("restored_tokens", 0))],
     )
     family("lucepy_draft_steps_total", "counter", "DFlash verify steps.", [("", accept["steps"])])
     family(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -167,11 +166,3 @@ def _partial(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
-
-
-def tool_names(tools: list[dict] | None) -> list[str]:
-    return [t["function"]["name"] for t in tools or []]
-
-
-def as_dicts(tools: Any) -> list[dict] | None:
-    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]

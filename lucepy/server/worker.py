@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from lucepy.decode.ar import Generation
+from lucepy.decode.grammar import grammars_for
 from lucepy.decode.sampling import SamplingParams
 from lucepy.errors import GGMLError, ModelFileError, ModelUnavailable
 from lucepy.server.status import Stats
@@ -192,7 +193,8 @@ def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -
     detok, stops = Detokenizer(engine.tokenizer.decode), StopFilter(job.stop)
     constraint = None
     if job.grammar is not None:
-        constraint = engine.tokenizer.grammars(engine.params.n_vocab).constraint(job.grammar)
+        grammars = grammars_for(engine.tokenizer, engine.params.n_vocab)
+        constraint = grammars.constraint(job.grammar)
     tokens = engine.stream(
         job.prompt_tokens,
         job.max_tokens,
