@@ -52,6 +52,8 @@ COMMITTED = {
 }
 COMMITTED |= {"llama-tied-f16", "llama-untied-f32", "llama-untied-q8_0", "llama-untied-q4_k_m"}
 COMMITTED |= {"qwen35-mtp-q8_0"}
+COMMITTED |= {f"gemma4-{t}" for t in ("f32", "q8_0", "q4_0")}
+COMMITTED |= {"gemma4-moe-f32", "gemma4-moe-q8_0"}
 INIT_STD = 0.1  # 5x transformers' default, so random logits are far from uniform
 MIN_LOGIT_STD = 0.5
 
@@ -76,6 +78,53 @@ QWEN35 = dict(
         "mrope_section": [3, 3, 2], "mrope_interleaved": True,  # 8 = rope dims 16 / 2
     },
 )  # fmt: skip
+
+# Gemma 4: a sliding/full layout whose last non-shared layers are sliding then full, so the KV
+# source of every shared layer is the same by HF's rule (last non-shared layer of its type) and
+# llama.cpp's (n_kv_from_start - 2 for sliding, - 1 for full)
+GEMMA4 = dict(
+    hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, global_head_dim=32, num_global_key_value_heads=1, intermediate_size=96,
+    layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention"]
+    + ["full_attention"],
+    sliding_window=12, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+    use_double_wide_mlp=True, attention_k_eq_v=True, final_logit_softcapping=30.0,
+    tie_word_embeddings=True, rms_norm_eps=1e-6,
+)  # fmt: skip
+GEMMA4_MOE = dict(
+    hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, global_head_dim=32, num_global_key_value_heads=1, intermediate_size=64,
+    layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=12,
+    hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+    moe_intermediate_size=32, attention_k_eq_v=True, final_logit_softcapping=30.0,
+    tie_word_embeddings=True, rms_norm_eps=1e-6,
+)  # fmt: skip
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+GEMMA_MARKERS = ["<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>"]
+GEMMA_MARKERS += ["<|tool_response>", "<tool_response|>", '<|"|>']
+# A compact template in the Gemma 4 prompt format (turns, tool declarations, calls and results
+# folded into the model turn as ``tool_responses``), written for these fixtures
+GEMMA_TEMPLATE = (
+    '{%- macro arg(v) -%}{%- if v is string -%}<|"|>{{ v }}<|"|>{%- elif v is mapping -%}'
+    "{{ '{' }}{%- for k, x in v | dictsort -%}{{ k }}:{{ arg(x) }}{{ ',' if not loop.last }}"
+    "{%- endfor -%}{{ '}' }}{%- else -%}{{ v | tojson }}{%- endif -%}{%- endmacro -%}"
+    "{%- set rest = messages -%}"
+    "{%- if messages and messages[0]['role'] == 'system' or tools -%}<|turn>system\n"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{ messages[0]['content'] }}"
+    "{%- set rest = messages[1:] -%}{%- endif -%}"
+    "{%- for t in tools or [] -%}<|tool>declaration:{{ t['function']['name'] }}"
+    "{description:<|\"|>{{ t['function']['description'] or '' }}<|\"|>}<tool|>{%- endfor -%}"
+    "<turn|>\n{%- endif -%}"
+    "{%- for m in rest -%}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{%- for c in m.get('tool_calls') or [] -%}<|tool_call>call:{{ c['function']['name'] }}"
+    "{%- if c['function']['arguments'] is mapping -%}{{ arg(c['function']['arguments']) }}"
+    "{%- else -%}{{ c['function']['arguments'] }}{%- endif -%}<tool_call|>{%- endfor -%}"
+    "{%- for r in m.get('tool_responses') or [] -%}<|tool_response>response:{{ r['name'] }}"
+    "{{ arg(r['response']) if r['response'] is mapping else '{value:' + arg(r['response']) + '}' }}"
+    "<tool_response|>{%- endfor -%}"
+    "{{ m['content'] or '' }}<turn|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|turn>model\n{%- endif -%}"
+)
 
 # runs the sdist's converter as is; only a failed pre-tokenizer hash check gets a name
 _CONVERT = """
@@ -156,26 +205,84 @@ def write_tokenizer(tok, out: Path, add_bos: bool) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def gemma_tokenizer():
+    """The SentencePiece-style BPE Gemma 4 files carry: spaces become "▁", unknown bytes fall back
+    to ``<0xXX>`` tokens, and the turn and tool markers are tokens of their own. The merges are
+    learned from the corpus, split before each "▁"."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+
+    t = Tokenizer(models.BPE())
+    t.normalizer = normalizers.Replace(" ", "\u2581")
+    t.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    t.train_from_iterator(corpus(), trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    learned = json.loads(t.to_str())["model"]
+    vocab = {s: i for i, s in enumerate(GEMMA_SPECIALS + GEMMA_MARKERS)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for s, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(s, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    bpe = models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>")
+    tok = Tokenizer(bpe)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.add_special_tokens([AddedToken(s, special=True) for s in GEMMA_SPECIALS])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in GEMMA_MARKERS])
+    return tok
+
+
+def write_gemma_tokenizer(tok, out: Path) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 2048,
+        "chat_template": GEMMA_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 # --- checkpoints -----------------------------------------------------------------------------
 
 
 def build_checkpoint(out: Path, kind: str, spec: dict, tok, seed: int) -> float:
     """Save a random checkpoint (bf16, as released ones are); return its logit std."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig, LlamaConfig, Qwen3_5TextConfig
 
-    config_cls = {"llama": LlamaConfig, "qwen35": Qwen3_5TextConfig}[kind]
-    bos, eos = (tok.token_to_id(s) for s in (SPECIALS[0], SPECIALS[2]))
+    classes = {"llama": LlamaConfig, "qwen35": Qwen3_5TextConfig, "gemma4": Gemma4TextConfig}
+    config_cls = classes[kind]
+    names = ("<bos>", "<eos>") if kind == "gemma4" else (SPECIALS[0], SPECIALS[2])
+    bos, eos = (tok.token_to_id(s) for s in names)
+    vocab = tok.get_vocab_size() if kind == "gemma4" else VOCAB
+    if kind == "gemma4":
+        spec = {**spec, "vocab_size_per_layer_input": vocab, "pad_token_id": None}
     # no pad_token_id: it would zero the BOS embedding row and flatten position 0
     config = config_cls(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         initializer_range=INIT_STD,
         max_position_embeddings=2048,
         bos_token_id=bos,
         eos_token_id=eos,
         **spec,
     )
-    config.architectures = [{"llama": "LlamaForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}[kind]]
+    arch = {"llama": "LlamaForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
+    config.architectures = [arch.get(kind, "Gemma4ForCausalLM")]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -260,7 +367,9 @@ def convert(root: Path, hf_dir: Path, out: Path, outtype: str, extra: tuple = ()
     print(f"  {out.name}: {out.stat().st_size} bytes", flush=True)
 
 
-def build_all(outdir: Path, sdist: Path | None, seed: int, keep_hf: Path | None) -> None:
+def build_all(
+    outdir: Path, sdist: Path | None, seed: int, keep_hf: Path | None, only: set[str] | None
+) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="hf-fixtures-") as tmp_name:
         tmp = Path(tmp_name)
@@ -274,12 +383,21 @@ def build_all(outdir: Path, sdist: Path | None, seed: int, keep_hf: Path | None)
             ("llama-tied", "llama", LLAMA_TIED, True, [("llama-tied", ())]),
             ("llama-untied", "llama", LLAMA_UNTIED, True, [("llama-untied", ())]),
             ("qwen35", "qwen35", QWEN35, False, [("qwen35", ("--no-mtp",)), ("qwen35-mtp", ())]),
+            ("gemma4", "gemma4", GEMMA4, True, [("gemma4", ())]),
+            ("gemma4-moe", "gemma4", GEMMA4_MOE, True, [("gemma4-moe", ())]),
         ]
+        gemma_tok = gemma_tokenizer()
         for i, (name, kind, spec, add_bos, outputs) in enumerate(plan):
+            if only and name not in only:
+                continue
             ckpt = hf / name
             ckpt.mkdir(parents=True, exist_ok=True)
-            write_tokenizer(tok, ckpt, add_bos)  # first: the std below sees BOS when added
-            std = build_checkpoint(ckpt, kind, spec, tok, seed * 100 + i)
+            if kind == "gemma4":
+                write_gemma_tokenizer(gemma_tok, ckpt)
+            else:
+                write_tokenizer(tok, ckpt, add_bos)  # first: the std below sees BOS when added
+            model_tok = gemma_tok if kind == "gemma4" else tok
+            std = build_checkpoint(ckpt, kind, spec, model_tok, seed * 100 + i)
             if std < MIN_LOGIT_STD:
                 raise SystemExit(f"{name}: logit std {std:.3f} < {MIN_LOGIT_STD}; raise INIT_STD")
             if kind == "qwen35":
@@ -358,10 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", choices=("all", "build", "quantize", "check"), default="all")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep-hf", type=Path, help="keep the HF checkpoints in this folder")
+    ap.add_argument("--only", nargs="+", help="build only these checkpoints (e.g. gemma4)")
     ap.add_argument("--llama-python", default="python3", help="interpreter with llama_cpp, lucepy")
     args = ap.parse_args(argv)
     if args.stage in ("all", "build"):
-        build_all(args.outdir, args.sdist, args.seed, args.keep_hf)
+        only = set(args.only) if args.only else None
+        build_all(args.outdir, args.sdist, args.seed, args.keep_hf, only)
     if args.stage == "all":
         for stage in ("quantize", "check"):
             cmd = [args.llama_python, __file__, str(args.outdir), "--stage", stage]

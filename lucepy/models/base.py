@@ -26,7 +26,7 @@ from lucepy.ggml import (
 )
 from lucepy.gguf import GGUFFile
 from lucepy.models.batch import StepBatch
-from lucepy.models.state import KVCache, LayerState, hadamard, quantized
+from lucepy.models.state import KVCache, LayerState, RingKVCache, hadamard, quantized
 
 Tensor = Any  # a cffi ``struct ggml_tensor *``
 
@@ -39,8 +39,13 @@ class ModelOptions:
     flash_attn: bool = True  # llama.cpp's own default (-fa auto) resolves to on, CPU and CUDA
     cache_type_k: int = GGML_TYPE_F16  # KV cache types: f16 (llama.cpp's default) or q8_0
     cache_type_v: int = GGML_TYPE_F16
+    max_step: int = 512  # the most tokens one step feeds (the prefill chunk); sizes KV rings
 
-    def kv_cache(self, layer: int, head_dim: int, n_head_kv: int, n_ctx: int) -> KVCache:
+    def kv_cache(
+        self, layer: int, head_dim: int, n_head_kv: int, n_ctx: int, window: int = 0
+    ) -> KVCache:
+        """Full attention's cache of ``n_ctx`` rows; with ``window``, a ring of the window plus
+        the longest step (no larger than ``n_ctx``)."""
         width = head_dim * n_head_kv
         blocks = quantized(self.cache_type_k) or quantized(self.cache_type_v)
         if blocks and head_dim % 32:  # q8_0 rows are whole 32-value blocks, per head
@@ -48,7 +53,16 @@ class ModelOptions:
                 f"a q8_0 KV cache needs a head size that is a multiple of 32; this model's is "
                 f"{head_dim}; use --cache-type-k/-v f16"
             )
-        return KVCache(layer, width, n_ctx, self.cache_type_k, self.cache_type_v, head_dim)
+        types = (self.cache_type_k, self.cache_type_v, head_dim)
+        if window:
+            return RingKVCache(layer, width, self.ring_rows(window, n_ctx), *types)
+        return KVCache(layer, width, n_ctx, *types)
+
+    def ring_rows(self, window: int, n_ctx: int) -> int:
+        """The window plus the longest step, padded to 256 rows as llama.cpp sizes its sliding
+        cache (so the rows attended over match its own until the ring wraps)."""
+        rows = -(-(window + self.max_step) // 256) * 256
+        return min(rows, n_ctx) if n_ctx else rows
 
 
 @dataclass(frozen=True)
@@ -160,20 +174,33 @@ class Builder:
     def cached_attention(self, cache: KVCache, st: dict, q, k, v, scale: float, flash: bool):
         """Write this step's ``k``, ``v`` [hd, nkv, T] into ``cache``'s rows (input ``rows``),
         then attend with ``q`` over the first n_kv rows under the input ``mask``."""
+        mask = self.inputs["mask"]
+        views = self.write_kv(cache, st, k, v, self.inputs["rows"], mask.ne[0])
+        return self.attend_kv(cache, q, views, mask, scale, flash)
+
+    def write_kv(self, cache: KVCache, st: dict, k, v, rows, n_rows: int) -> tuple:
+        """Write ``k``, ``v`` [hd, nkv, T] into ``cache``'s ``rows``; return views of its first
+        ``n_rows`` rows after the write, [hd, nkv, n_rows] each (what later layers may share)."""
         L, c = self.lib, self.ctx
         hd, nkv, T = k.ne[0], k.ne[1], k.ne[2]
-        rows, mask = self.inputs["rows"], self.inputs["mask"]
         if cache.k_rot:
-            q, k = self.rotate(q, cache.k_rot), self.rotate(k, cache.k_rot)
+            k = self.rotate(k, cache.k_rot)
         if cache.v_rot:
             v = self.rotate(v, cache.v_rot)
         views = []
         for name, cur in ((cache.k, k), (cache.v, v)):  # st[name]: [hd*nkv, n_ctx]
             written = L.ggml_set_rows(c, st[name], L.ggml_reshape_2d(c, cur, hd * nkv, T), rows)
-            row = written.nb[1]  # a view of the cache after the write
+            row = written.nb[1]
             views.append(
-                L.ggml_view_3d(c, written, hd, nkv, mask.ne[0], self.row_size(written, hd), row, 0)
+                L.ggml_view_3d(c, written, hd, nkv, n_rows, self.row_size(written, hd), row, 0)
             )
+        return tuple(views)
+
+    def attend_kv(self, cache: KVCache, q, views: tuple, mask, scale: float, flash: bool):
+        """Attention of ``q`` over cache ``views`` from ``write_kv``, turned as ``cache`` stores
+        its heads; returns [hd*nh, T]."""
+        if cache.k_rot:
+            q = self.rotate(q, cache.k_rot)
         out = self.attention(q, views[0], views[1], mask, scale, flash)
         return self.rotate(out, cache.v_rot) if cache.v_rot else out  # V turned back
 
@@ -298,6 +325,14 @@ class Architecture:
 
     def split_points(self) -> list[int]:
         return list(range(1, self.p.n_layer))
+
+    def split_reason(self) -> str:
+        """Why ``split_points`` leaves some boundaries out (a plan's notes say it)."""
+        return "the model's split points"
+
+    def max_step(self) -> int | None:
+        """The most tokens one step may feed (a KV ring's margin); None: no limit."""
+        return None
 
     def kv_state(self, il: int) -> KVCache:
         """Layer ``il``'s KV cache as ``make_state`` declares it (its tensor names, types and

@@ -6,7 +6,7 @@ model's input by itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,3 +42,15 @@ class StepBatch:
         out = np.zeros(ok.shape, dtype=np.float16)
         out[~ok] = NEG_INF
         return out
+
+    def ring(self, size: int, n_rows: int) -> StepBatch:
+        """This step as a ring of ``size`` rows sees it (position p in row ``p % size``), over its
+        first ``n_rows`` rows: each row holds the latest position before the step's end that maps
+        to it. One sequence, fed from position 0 (each sequence would need its own ring)."""
+        if self.seq.any():
+            raise ValueError("a KV ring holds one sequence")
+        end = int(self.pos.max()) + 1
+        latest = end - 1 - (end - 1 - np.arange(n_rows)) % size
+        cell_pos = np.where(latest >= 0, latest, -1).astype(np.int32)
+        slots = (self.pos % size).astype(np.int64)
+        return replace(self, slots=slots, cell_pos=cell_pos, cell_seq=np.zeros_like(cell_pos))

@@ -8,6 +8,10 @@ learn what a tensor is.
 - ``KVCache``: attention keys and values, one cache row (a slot the step batch assigns) per token.
   It *appends*: a snapshot of more rows holds a shorter one's rows unchanged, so a chained disk
   snapshot stores only the rows added since its parent.
+- ``RingKVCache``: sliding-window attention keys and values in a ring: position p lives in row
+  ``p % ring``, and the ring holds the window plus the longest step, so a step never overwrites a
+  row that one of its own tokens, or a token after a rollback, still attends to. It is stored
+  whole (it does not append).
 - ``DeltaNetState``: Gated DeltaNet conv tail and recurrent matrix, whole at every length; a verify
   step keeps per-token snapshots, and ``rollback`` copies the kept one back (decision 4).
 """
@@ -82,6 +86,16 @@ class KVCache(LayerState):
 
     def views(self, rows: int) -> dict[str, tuple[int, ...]]:
         return {self.k: (self.width, rows), self.v: (self.width, rows)}
+
+
+class RingKVCache(KVCache):
+    """Sliding-window attention: ``k.L`` and ``v.L`` [width, ring]. Row ``p % ring`` holds
+    position ``p``; a snapshot holds the whole ring."""
+
+    appends = False
+
+    def views(self, rows: int) -> dict[str, tuple[int, ...]]:
+        return {self.k: (self.width, self.n_ctx), self.v: (self.width, self.n_ctx)}
 
 
 class DeltaNetState(LayerState):

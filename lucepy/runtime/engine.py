@@ -53,6 +53,7 @@ def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
 def model_options(config: RuntimeConfig) -> ModelOptions:
     types = {"f16": ggml.GGML_TYPE_F16, "q8_0": ggml.GGML_TYPE_Q8_0}
     return ModelOptions(
+        max_step=config.chunk,
         flash_attn=config.flash_attn,
         cache_type_k=types[config.cache_type_k],
         cache_type_v=types[config.cache_type_v],
@@ -220,6 +221,7 @@ class Engine:
         ``on_chunk(out, pos0)`` sees each chunk's StepOutput (a draft injects its features)."""
         tokens = self._checked(tokens)
         chunk = chunk or self.config.chunk
+        chunk = min(chunk, self.model.max_step() or chunk)
         step = Step(logits="all" if all_logits else "last", capture=self.capture)
         outs = []
         for start in range(0, tokens.size, chunk):

@@ -110,7 +110,9 @@ def layer_ranges(weights: list[float], n_layer: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def honour_split_points(ranges: list[range], points: list[int]) -> tuple[list[range], list[str]]:
+def honour_split_points(
+    ranges: list[range], points: list[int], reason: str = "the model's split points"
+) -> tuple[list[range], list[str]]:
     """Move each inner boundary to the nearest one the model allows (decision 9), keeping every
     shard non-empty; say which moved."""
     allowed = sorted(set(points))
@@ -124,7 +126,7 @@ def honour_split_points(ranges: list[range], points: list[int]) -> tuple[list[ra
             )
         best = min(ok, key=lambda b: (abs(b - bounds[i]), b))
         if best != bounds[i]:
-            notes.append(f"split at layer {bounds[i]} moved to {best}: the model's split points")
+            notes.append(f"split at layer {bounds[i]} moved to {best}: {reason}")
             bounds[i] = best
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)], notes
 
@@ -175,7 +177,8 @@ def _nbytes(gtype: int, shape: tuple[int, ...]) -> int:
 
 def plan_load(f, model, devices: list[DeviceSpec], split: list[float], max_ctx: int) -> LoadPlan:
     """Pure: the shards a load would make, with their bytes. Reads only the GGUF index."""
-    ranges, notes = honour_split_points(layer_ranges(split, model.p.n_layer), model.split_points())
+    requested = layer_ranges(split, model.p.n_layer)
+    ranges, notes = honour_split_points(requested, model.split_points(), model.split_reason())
     shards = []
     for spec, layers in zip(devices, ranges, strict=True):
         weights = sum(f.tensors[name].nbytes for name in model.weight_shapes(layers, f))
