@@ -98,8 +98,15 @@ def plan_table(plan) -> Table:
         [s.to_dict() for s in plan.shards],
         title=f"{plan.model}: {plan.n_layer} layers, context {plan.max_ctx}",
     )
-    if plan.notes:
-        table.caption = "; ".join(plan.notes)
+    lines = list(plan.notes)
+    aligned = tuple(s.layers for s in plan.shards)
+    if plan.requested and tuple(plan.requested) != aligned:
+        show = lambda ranges: ", ".join(f"{a}–{b - 1}" for a, b in ranges)  # noqa: E731
+        lines.insert(0, f"requested layers {show(plan.requested)}; aligned {show(aligned)}")
+    if plan.memory:
+        lines.append(plan.memory)
+    if lines:
+        table.caption = "\n".join(lines)
     return table
 
 

@@ -110,13 +110,13 @@ def test_sampled_rejection_rule_is_lossless():
     assert chi2 < 20.5, (chi2, counts / n, p0)
 
 
-def rank_counts(path, tokens_list, sampling, prompt):
+def rank_counts(path, tokens_list, sampling, prompt, **config):
     """Observed and expected counts of each sampled token's rank under the target's own
     (transformed) distribution at its position, from one teacher-forced pass per sequence."""
     k = sampling.top_k
     observed, expected = np.zeros(k), np.zeros(k)
     sampler = Sampler(sampling)
-    cfg = RuntimeConfig(threads=THREADS, max_ctx=256)
+    cfg = RuntimeConfig(**{"threads": THREADS, "max_ctx": 256, **config})
     with Engine(path, cfg, tokenizer=False) as engine:
         for tokens in tokens_list:
             engine.reset()

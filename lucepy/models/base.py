@@ -330,6 +330,10 @@ class Architecture:
         """Why ``split_points`` leaves some boundaries out (a plan's notes say it)."""
         return "the model's split points"
 
+    def memory_note(self, n_ctx: int) -> str:
+        """A line on state that does not scale with the context (a plan shows it); "" if none."""
+        return ""
+
     def max_step(self) -> int | None:
         """The most tokens one step may feed (a KV ring's margin); None: no limit."""
         return None

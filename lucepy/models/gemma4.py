@@ -39,7 +39,7 @@ from lucepy.models.base import (
     rope_args,
 )
 from lucepy.models.batch import StepBatch
-from lucepy.models.state import KVCache, LayerState
+from lucepy.models.state import KVCache, LayerState, spec_nbytes, state_specs
 
 ROPE_NEOX = 2  # LLAMA_ROPE_TYPE_NEOX: rotate the two halves of each head
 _MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -255,6 +255,19 @@ class Gemma4(Architecture):
         """Rows of a sliding layer's ring, for a context larger than the ring (a smaller context
         gets a ring of its own size, which never wraps, so positions map the same)."""
         return self.options.ring_rows(self.p.window, 0)
+
+    def memory_note(self, n_ctx: int) -> str:
+        p = self.p
+        sliding = [il for il in range(p.first_shared) if p.swa[il]]
+        rows = self.options.ring_rows(p.window, n_ctx)
+        states = self.make_state(range(p.n_layer), n_ctx)
+        specs = state_specs([s for s in states if s.layer in sliding])
+        ring = sum(spec_nbytes(t, shape) for t, shape in specs.values())
+        return (
+            f"sliding-window KV: {len(sliding)} layers keep a ring of {rows} rows (window "
+            f"{p.window} + step {self.options.max_step}, padded to 256), {ring / 2**20:.1f} MiB "
+            f"in all, not the context of {n_ctx}"
+        )
 
     def max_step(self) -> int:
         return self.options.max_step

@@ -22,6 +22,7 @@ from functools import cache
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32
 
@@ -158,6 +159,12 @@ def hadamard(n: int) -> np.ndarray:
         h = np.block([[h, h], [h, -h]])
     scale = np.float32(1.0 / float(np.sqrt(np.float32(n))))
     return (h.astype(np.float32) * scale).astype(np.float32)
+
+
+def spec_nbytes(gtype: int, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of ggml type ``gtype`` and ``shape`` (whole blocks per row)."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
+    return _prod(shape) // block * size
 
 
 def state_specs(states: list[LayerState]) -> dict[str, Spec]:

@@ -14,10 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from lucepy.errors import ConfigError, DeviceError
-from lucepy.models.state import state_specs
+from lucepy.models.state import spec_nbytes, state_specs
 
 _LOCAL = re.compile(r"^(cpu|[a-z][a-z0-9_-]*:\d+)(@worker)?$")
 _RPC = re.compile(r"^rpc://([^/:]+|\[[0-9a-fA-F:]+\]):(\d{1,5})(?:/(\d+))?$")
@@ -155,6 +153,8 @@ class LoadPlan:
     shards: tuple[ShardPlan, ...]
     devices: tuple[DeviceSpec, ...]
     notes: tuple[str, ...] = ()  # boundaries the model's split points moved
+    requested: tuple[tuple[int, int], ...] = ()  # the layer ranges asked for, before aligning
+    memory: str = ""  # what the model's state holds, where it is not the whole context
 
     def to_dict(self) -> dict:
         return {
@@ -163,16 +163,10 @@ class LoadPlan:
             "n_layer": self.n_layer,
             "max_ctx": self.max_ctx,
             "shards": [s.to_dict() for s in self.shards],
+            "requested": [list(r) for r in self.requested],
             "notes": list(self.notes),
+            "memory": self.memory,
         }
-
-
-def _nbytes(gtype: int, shape: tuple[int, ...]) -> int:
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
-    n = 1
-    for d in shape:
-        n *= d
-    return n // block * size
 
 
 def plan_load(f, model, devices: list[DeviceSpec], split: list[float], max_ctx: int) -> LoadPlan:
@@ -183,7 +177,7 @@ def plan_load(f, model, devices: list[DeviceSpec], split: list[float], max_ctx: 
     for spec, layers in zip(devices, ranges, strict=True):
         weights = sum(f.tensors[name].nbytes for name in model.weight_shapes(layers, f))
         specs = state_specs(model.make_state(layers, max_ctx))
-        state = sum(_nbytes(t, s) for t, s in specs.values())
+        state = sum(spec_nbytes(t, s) for t, s in specs.values())
         shards.append(
             ShardPlan(
                 spec.name, spec.backend, (layers.start, layers.stop), weights, state, spec.process
@@ -197,4 +191,6 @@ def plan_load(f, model, devices: list[DeviceSpec], split: list[float], max_ctx: 
         tuple(shards),
         tuple(devices),
         tuple(notes),
+        tuple((r.start, r.stop) for r in requested),
+        model.memory_note(max_ctx),
     )
