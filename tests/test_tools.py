@@ -6,6 +6,7 @@ streamed and not. Plus the parser and the rendering on their own."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import openai
 import pytest
@@ -14,7 +15,7 @@ from lucepy.engine import Engine
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.server.chat import chat_text
 from lucepy.server.run import Server
-from lucepy.server.tools import CLOSE, OPEN, ToolCallParser
+from lucepy.server.tools import CLOSE, GEMMA4, OPEN, ToolCallParser, tool_format
 from lucepy.testing import vocab
 from lucepy.testing.tiny import Qwen35Spec, write_qwen35
 
@@ -240,3 +241,143 @@ def test_responses_api_text_tools_and_streaming(served):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
     assert err.value.body["param"] == "previous_response_id"
+
+
+# --- the Gemma 4 format, on the converter-made gemma4 fixture and its Gemma 4 style template ---
+
+GEMMA = Path(__file__).parent / "fixtures" / "hf" / "gemma4-q8_0.gguf"
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "The sum of two numbers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+UNIT = {
+    "type": "function",
+    "function": {
+        "name": "convert",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "label": {"type": "string", "maxLength": 8},
+            },
+            "required": ["unit", "label"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    engine = Engine(GEMMA, RuntimeConfig(threads=1, max_ctx=1024))
+    srv = Server(engine, name="gemma", port=0, log_level="warning").start()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    yield client, engine.tokenizer
+    client.close()
+    srv.stop()
+
+
+def test_a_gemma_call_its_result_and_the_final_answer(gemma):
+    client, tokenizer = gemma
+    assert tool_format(tokenizer.chat_template) is GEMMA4
+
+    def ask_gemma(messages, **kw):
+        return client.chat.completions.create(
+            model="gemma", messages=messages, tools=[ADD, UNIT], temperature=0, max_tokens=160, **kw
+        )
+
+    messages = [{"role": "user", "content": "What is 2.5 plus 4.5?"}]
+    named = {"type": "function", "function": {"name": "add"}}
+    choice = ask_gemma(messages, tool_choice=named).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "add" and set(args) == {"a", "b"}
+    assert all(isinstance(v, int | float) for v in args.values())
+
+    deltas, finish = [], None
+    for chunk in ask_gemma(messages, tool_choice=named, stream=True):
+        for c in chunk.choices:
+            deltas += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        ("add", call.function.arguments)
+    ]
+
+    # an enum and a bounded string, decoded in Gemma's syntax and parsed back to JSON
+    other = {"type": "function", "function": {"name": "convert"}}
+    (conv,) = ask_gemma(messages, tool_choice=other).choices[0].message.tool_calls
+    conv_args = json.loads(conv.function.arguments)
+    assert conv_args["unit"] in ("celsius", "fahrenheit") and len(conv_args["label"]) <= 8
+
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sum": 7}'},
+    ]
+    for stream in (False, True):
+        reply = ask_gemma(messages, tool_choice="none", stream=stream)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+        else:
+            assert reply.choices[0].message.tool_calls is None
+            text = reply.choices[0].message.content
+        assert isinstance(text, str)
+    # the prompt of the final answer: the call in Gemma syntax, the result folded into the turn
+    rendered = chat_text(tokenizer, [_plain(m) for m in messages], [ADD, UNIT])
+    a, b = (_gemma_number(args[k]) for k in ("a", "b"))
+    assert f"<|turn>model\n<|tool_call>call:add{{a:{a},b:{b}}}<tool_call|>" in rendered
+    assert "<|tool_response>response:add{sum:7}<tool_response|><turn|>" in rendered
+    assert "<|tool>declaration:add{" in rendered and rendered.endswith("<|turn>model\n")
+
+    required = ask_gemma(messages[:1], tool_choice="required").choices[0]
+    assert required.finish_reason == "tool_calls"
+    assert required.message.tool_calls[0].function.name in ("add", "convert")
+
+
+def _gemma_number(v) -> str:
+    return json.dumps(v)
+
+
+def test_gemma_results_fold_into_the_turn_that_called():
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}},
+        {"id": "c2", "type": "function", "function": {"name": "mul", "arguments": '{"a": 2}'}},
+    ]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "tool", "tool_call_id": "c2", "content": "not json"},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "again"},
+    ]
+    out = GEMMA4.render(messages, None, True)
+    assert [m["role"] for m in out] == ["user", "assistant", "user"]
+    turn = out[1]
+    assert turn["tool_responses"] == [
+        {"name": "add", "response": 3},
+        {"name": "mul", "response": "not json"},
+    ]
+    assert turn["content"] == "Done." and turn["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+
+
+def test_the_gemma_parser_reads_its_value_syntax():
+    body = 'call:f{s:<|"|>a, b<|"|>,n:-3,x:[1,2.5e1,true],d:{k:null},"q":false}'
+    assert GEMMA4.parse(body) == (
+        "f",
+        {"s": "a, b", "n": -3, "x": [1, 25.0, True], "d": {"k": None}, '"q"': False},
+    )
+    for bad in ('call:f{a:<|"|>open}', "call:f{a:1", "f{a:1}", "call:f[1]", "call:f{a:1}x"):
+        assert GEMMA4.parse(bad) is None, bad
+    p = ToolCallParser(GEMMA4)
+    got = [p.feed(t) for t in ("Sure <|tool", "_call>call:f{a:2.", "5}<tool_call|> ok")]
+    assert [g[0] for g in got] == ["Sure ", "", " ok"]
+    assert got[2][1][0]["function"] == {"name": "f", "arguments": '{"a": 2.5}'}

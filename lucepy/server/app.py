@@ -27,6 +27,7 @@ from lucepy.server.schemas import (
     TokenizeRequest,
 )
 from lucepy.server.status import placement, prometheus
+from lucepy.server.tools import tool_format
 from lucepy.server.worker import Delta, Failed, Job, Worker
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
@@ -41,6 +42,7 @@ class Served:
         self.worker, self.name, self.api_key = worker, name, api_key
         self.n_ctx, self.n_vocab = engine.n_ctx, engine.params.n_vocab
         self.tokenizer = tok
+        self.tool_format = tool_format(tok.chat_template).bind(tok)  # how this model calls tools
         self.bos, self.eos = tok.token_text(tok.bos), tok.token_text(tok.eos)
         self.placement = placement(engine)
         self.created = int(time.time())
@@ -76,13 +78,13 @@ class Served:
             body.n,
             body.want_logprobs,
             grammar,
-            getattr(body, "calls_tools", False),
+            self.tool_format.name if getattr(body, "calls_tools", False) else None,
         )
 
     async def grammar(self, body) -> str | None:
         """The request's grammar, checked against this vocabulary (a 400 if it cannot be used)."""
         try:
-            grammar = body.grammar()
+            grammar = body.grammar(self.tool_format)
             if grammar is not None:
                 grammars = await asyncio.to_thread(grammars_for, self.tokenizer, self.n_vocab)
                 await asyncio.to_thread(grammars.check, grammar)

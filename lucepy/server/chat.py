@@ -39,11 +39,11 @@ def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None = None) 
     """The text to encode for ``messages`` (and ``tools``) with the model's own template: less a
     leading BOS, which the tokenizer adds itself where the model wants one. A template that does
     not render tools gets them, and tool turns, as text (server/tools.py)."""
-    from lucepy.server.tools import knows_tools, template_messages
+    from lucepy.server.tools import knows_tools, tool_format
 
     bos, eos = tokenizer.token_text(tokenizer.bos), tokenizer.token_text(tokenizer.eos)
     native = knows_tools(tokenizer.chat_template)
-    messages = template_messages(messages, tools, native)
+    messages = tool_format(tokenizer.chat_template).render(messages, tools, native)
     text = render_chat(
         tokenizer.chat_template, messages, bos=bos, eos=eos, tools=tools if native else None
     )

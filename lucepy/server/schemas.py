@@ -212,15 +212,16 @@ class ChatRequest(_Request):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
-    def grammar(self) -> str | None:
+    def grammar(self, tool_format=None) -> str | None:
         """The llguidance grammar ``response_format`` or a forced ``tool_choice`` asks for
-        (None: free text)."""
+        (None: free text); a forced call in ``tool_format`` (server/tools.py; Hermes if None)."""
         from lucepy.decode.grammar import json_grammar
-        from lucepy.server.tools import forced_grammar
+        from lucepy.server.tools import HERMES
 
         if self.forced_tool:
             named = self.tool_choice if isinstance(self.tool_choice, NamedChoice) else None
-            return forced_grammar(self.tool_dicts(), named.function.name if named else None)
+            fmt = tool_format or HERMES
+            return fmt.grammar(self.tool_dicts(), named.function.name if named else None)
         rf = self.response_format
         if rf is None or rf.type == "text":
             return None
@@ -244,7 +245,7 @@ class CompletionRequest(_Request):
     def want_logprobs(self) -> int | None:
         return self.logprobs
 
-    def grammar(self) -> str | None:
+    def grammar(self, tool_format=None) -> str | None:
         return None
 
 

@@ -21,7 +21,7 @@ from lucepy.decode.sampling import SamplingParams
 from lucepy.errors import GGMLError, ModelFileError, ModelUnavailable
 from lucepy.server.status import Stats
 from lucepy.server.text import Detokenizer, StopFilter
-from lucepy.server.tools import ToolCallParser
+from lucepy.server.tools import FORMATS, ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Job:
     n: int = 1  # choices, generated one after another (choice i samples with seed + i)
     logprobs: int | None = None  # top tokens to report per token; None: no log-probabilities
     grammar: str | None = None  # an llguidance grammar every choice must follow
-    tools: bool = False  # cut tool calls out of the text (server/tools.py)
+    tools: str | None = None  # cut tool calls in this format out of the text (server/tools.py)
     cancel: threading.Event = field(default_factory=threading.Event)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop | None = None  # the handler's; set by Worker.submit
@@ -205,7 +205,7 @@ def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -
         constraint=constraint,
     )
     told = 0  # log-probabilities already sent
-    calls = ToolCallParser() if job.tools else None
+    calls = ToolCallParser(FORMATS[job.tools]) if job.tools else None
 
     def send(text: str, final: bool = False) -> None:
         found: list[dict] = []
