@@ -97,6 +97,14 @@ class Reference:
         self.llm.eval([token])
         return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
 
+    def greedy(self, tokens: list[int], n: int) -> list[int]:
+        """``n`` greedy tokens after ``tokens``, one decode call each."""
+        logits, out = self.prompt_logits(tokens)[-1], []
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = self.feed(out[-1])
+        return out
+
     def close(self):
         self.llm.close()
 

@@ -332,7 +332,7 @@ def test_a_gemma_call_its_result_and_the_final_answer(gemma):
         assert isinstance(text, str)
     # the prompt of the final answer: the call in Gemma syntax, the result folded into the turn
     rendered = chat_text(tokenizer, [_plain(m) for m in messages], [ADD, UNIT])
-    a, b = (_gemma_number(args[k]) for k in ("a", "b"))
+    a, b = (json.dumps(args[k]) for k in ("a", "b"))  # numbers are written as JSON writes them
     assert f"<|turn>model\n<|tool_call>call:add{{a:{a},b:{b}}}<tool_call|>" in rendered
     assert "<|tool_response>response:add{sum:7}<tool_response|><turn|>" in rendered
     assert "<|tool>declaration:add{" in rendered and rendered.endswith("<|turn>model\n")
@@ -340,10 +340,6 @@ def test_a_gemma_call_its_result_and_the_final_answer(gemma):
     required = ask_gemma(messages[:1], tool_choice="required").choices[0]
     assert required.finish_reason == "tool_calls"
     assert required.message.tool_calls[0].function.name in ("add", "convert")
-
-
-def _gemma_number(v) -> str:
-    return json.dumps(v)
 
 
 def test_gemma_results_fold_into_the_turn_that_called():

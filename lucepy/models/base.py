@@ -233,7 +233,8 @@ def metadata(f: GGUFFile):
 @dataclass(frozen=True)
 class DecoderParams:
     """The hyperparameters every decoder here reads the same way from its GGUF; an architecture's
-    ``Params`` adds its own."""
+    ``Params`` adds its own. Keys a file may give per layer (``feed_forward_length``,
+    ``attention.head_count_kv``) hold their largest value here."""
 
     n_vocab: int
     n_embd: int
@@ -253,20 +254,26 @@ class DecoderParams:
         key = metadata(f)
         n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
         head_dim = int(key("attention.key_length", n_embd // n_head))
-        tokens = f.get("tokenizer.ggml.tokens", [])
+        tokens, embd = f.get("tokenizer.ggml.tokens", []), f.tensors.get("token_embd.weight")
         return {
-            "n_vocab": len(tokens) or f.tensors["token_embd.weight"].shape[1],
+            # without a vocabulary, the embedding's rows (0 without one: check_tensors says so)
+            "n_vocab": len(tokens) or (embd.shape[1] if embd is not None else 0),
             "n_embd": n_embd,
             "n_layer": n_layer,
-            "n_ff": int(key("feed_forward_length")),
+            "n_ff": _largest(key("feed_forward_length")),
             "n_head": n_head,
-            "n_head_kv": int(key("attention.head_count_kv", n_head)),
+            "n_head_kv": _largest(key("attention.head_count_kv", n_head)),
             "head_dim": head_dim,
             "rms_eps": float(key("attention.layer_norm_rms_epsilon")),
             "rope_dim": int(key("rope.dimension_count", head_dim)),
             "rope_theta": float(key("rope.freq_base", 10000.0)),
             "n_ctx_train": int(key("context_length", 4096)),
         }
+
+
+def _largest(value: object) -> int:
+    """A per-layer key's value, or its largest when the file gives one per layer."""
+    return int(max(value)) if isinstance(value, list | tuple) else int(value)
 
 
 def check_tensors(f: GGUFFile, expected: dict[str, tuple[int, ...]]) -> None:

@@ -23,7 +23,14 @@ import numpy as np
 from lucepy.errors import ConfigError, ModelFileError
 from lucepy.ggml import GGML_TYPE_F16, ffi
 from lucepy.gguf import GGUFFile
-from lucepy.models.base import Builder, Tensor, check_tensors, rope_args
+from lucepy.models.base import (
+    Builder,
+    DecoderParams,
+    Tensor,
+    check_tensors,
+    metadata,
+    rope_args,
+)
 from lucepy.models.batch import StepBatch
 from lucepy.models.state import KVCache
 
@@ -32,18 +39,10 @@ GGML_ROPE_TYPE_MROPE = 8
 
 
 @dataclass(frozen=True)
-class DraftParams:
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    rms_eps: float
-    rope_dim: int
-    rope_theta: float
+class DraftParams(DecoderParams):
+    """``n_vocab`` is the draft file's vocabulary (the target's, which ``check_target`` uses)."""
+
     rope_sections: tuple[int, int, int, int]
-    n_ctx_train: int
     target_layers: tuple[int, ...]  # capture the residual entering these target layers
     block_size: int
     mask_token: int
@@ -62,29 +61,17 @@ class DraftParams:
                 f"{f.path}: a draft must be a 'dflash' GGUF, got {f.architecture!r}"
             )
 
-        def key(name: str, default: object = ...) -> object:
-            full = f"dflash.{name}"
-            return f.require(full) if default is ... else f.get(full, default)
-
+        key = metadata(f)
         if key("hidden_act", "silu") != "silu":
             raise ModelFileError(
                 f"{f.path}: draft activation {key('hidden_act')!r} is not supported (silu only)"
             )
-        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
+        common = DecoderParams.common(f, int(key("block_count")))
+        head_dim = common["head_dim"]
         sections = list(key("rope.dimension_sections", [0, 0, 0, 0]))[:4]
         return cls(
-            n_embd=n_embd,
-            n_layer=int(key("block_count")),
-            n_ff=int(key("feed_forward_length")),
-            n_head=n_head,
-            n_head_kv=int(key("attention.head_count_kv", n_head)),
-            head_dim=head_dim,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope_dim=int(key("rope.dimension_count", head_dim)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
+            **common,
             rope_sections=tuple(sections + [0] * (4 - len(sections))),
-            n_ctx_train=int(key("context_length", 4096)),
             target_layers=tuple(int(x) for x in key("target_layers")),
             block_size=int(key("block_size", 16)),
             mask_token=int(f.require("tokenizer.ggml.mask_token_id")),

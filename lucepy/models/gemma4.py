@@ -49,8 +49,8 @@ _WEIGHT_FLOOR = 6.103515625e-5  # build_moe_ffn's floor under the sum of the cho
 
 @dataclass(frozen=True)
 class Params(DecoderParams):
-    """``n_head_kv``, ``head_dim``, ``rope_dim`` and ``n_ff`` are the full layers' (largest);
-    the per-layer tuples are what each layer uses."""
+    """``head_dim`` and ``rope_dim`` are the full layers', ``n_head_kv`` and ``n_ff`` the
+    largest; the per-layer tuples and ``head(il)`` are what each layer uses."""
 
     swa: tuple[bool, ...]  # per layer: sliding window (True) or full attention
     window: int
@@ -78,37 +78,20 @@ class Params(DecoderParams):
                 raise ConfigError(f"{f.path}: {name} has {len(values)} values for {n_layer} layers")
             return tuple(int(v) for v in values)
 
-        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-        swa = tuple(bool(x) for x in per_layer("attention.sliding_window_pattern"))
-        heads_kv, ffs = (
-            per_layer("attention.head_count_kv", n_head),
-            per_layer("feed_forward_length"),
-        )
+        common = DecoderParams.common(f, n_layer)
         head_dim = int(key("attention.key_length"))
         if int(key("attention.value_length", head_dim)) != head_dim:
             raise ConfigError(f"{f.path}: gemma4 needs equal key and value head sizes")
         head_dim_swa = int(key("attention.key_length_swa"))
-        full = [i for i in range(n_layer) if not swa[i]] or [0]
-        tokens = f.get("tokenizer.ggml.tokens", [])
         return cls(
-            n_vocab=len(tokens) or f.tensors["token_embd.weight"].shape[1],
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_ff=max(ffs),
-            n_head=n_head,
-            n_head_kv=max(heads_kv[i] for i in full),
-            head_dim=head_dim,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope_dim=int(key("rope.dimension_count", head_dim)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            n_ctx_train=int(key("context_length", 4096)),
-            swa=swa,
+            **common,
+            swa=tuple(bool(x) for x in per_layer("attention.sliding_window_pattern")),
             window=int(key("attention.sliding_window")),
             head_dim_swa=head_dim_swa,
             rope_dim_swa=int(key("rope.dimension_count_swa", head_dim_swa)),
             rope_theta_swa=float(key("rope.freq_base_swa", key("rope.freq_base", 10000.0))),
-            heads_kv=heads_kv,
-            ffs=ffs,
+            heads_kv=per_layer("attention.head_count_kv", common["n_head"]),
+            ffs=per_layer("feed_forward_length"),
             n_kv_shared=int(key("attention.shared_kv_layers", 0)),
             n_embd_per_layer=int(key("embedding_length_per_layer_input", 0)),
             softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
@@ -145,11 +128,13 @@ class Gemma4(Architecture):
     @classmethod
     def from_gguf(cls, f: GGUFFile, options: ModelOptions = ModelOptions()) -> Gemma4:  # noqa: B008
         p = Params.from_gguf(f)
-        if p.first_shared < 1 or any(p.kv_source(il) < 0 for il in range(p.n_layer)):
+        if p.first_shared < 1:
             raise ConfigError(f"{f.path}: {p.n_kv_shared} shared-KV layers of {p.n_layer}")
+        for il in range(p.first_shared, p.n_layer):
+            p.kv_source(il)  # each sharing layer has a source of its kind, or a ConfigError
         if p.n_expert and not 0 < p.n_expert_used <= p.n_expert:
             raise ConfigError(f"{f.path}: {p.n_expert_used} of {p.n_expert} experts per token")
-        optional = {"output.weight"}
+        optional = set()
         for il in range(p.n_layer):
             b = f"blk.{il}."
             optional |= {b + "attn_v.weight", b + "layer_output_scale.weight"}
@@ -278,7 +263,8 @@ class Gemma4(Architecture):
             out["mask"] = batch.mask()
             out["rows"] = batch.slots
         if "mask_swa" in names:
-            ring = batch.ring(self.ring_rows(), min(self.ring_rows(), batch.n_kv))
+            rows = self.ring_rows()
+            ring = batch.ring(rows, min(rows, batch.n_kv))
             out["mask_swa"] = ring.mask(self.p.window)
             out["rows_swa"] = ring.slots
         return {k: v for k, v in out.items() if k in names}
@@ -331,7 +317,7 @@ class Gemma4(Architecture):
                 inp_l = L.ggml_view_2d(c, per_layer, pl, T, per_layer.nb[1], i * size)
             x = self._layer(g, w, st, il, x, inp_l, kv)
         if layers.stop < p.n_layer:
-            if per_layer is None or layers.stop == p.n_layer:
+            if per_layer is None:
                 return x
             left = p.n_layer - layers.stop  # the per-layer inputs of the later shards
             after = L.ggml_view_3d(

@@ -128,78 +128,37 @@ def prometheus(stats: Stats, ready: bool) -> str:
     requests = [(f'{{outcome="{k}"}}', v) for k, v in snap["requests"].items() if k != "total"]
     family("lucepy_requests_total", "counter", "Requests by outcome.", requests)
     family(
-        "lucepy_prompt_tokens_total",
-        "counter",
-        "Prompt tokens of requests served.",
-        [("", snap["tokens"]["prompt"])],
-    )
-    family(
-        "lucepy_completion_tokens_total",
-        "counter",
-        "Tokens generated.",
-        [("", snap["tokens"]["completion"])],
-    )
-    family("lucepy_requests_waiting", "gauge", "Requests queued.", [("", snap["queue"]["waiting"])])
-    family(
-        "lucepy_requests_running", "gauge", "Requests generating.", [("", snap["queue"]["active"])]
-    )
-    family("lucepy_ready", "gauge", "1 while the model serves requests.", [("", int(ready))])
-    family(
         "lucepy_time_to_first_token_seconds",
         "summary",
         "Queue wait plus prefill, per generation.",
         [("_sum", round(ttft["sum_s"], 6)), ("_count", ttft["count"])],
     )
-    family(
-        "lucepy_decode_seconds_total",
-        "counter",
-        "Time spent decoding after the first token.",
-        [("", round(decode["seconds"], 6))],
-    )
-    family(
-        "lucepy_decode_tokens_total",
-        "counter",
-        "Tokens decoded after the first of each answer.",
-        [("", decode["tokens"])],
-    )
-    family(
-        "lucepy_tokens_per_second",
-        "gauge",
-        "Tokens generated per second, recent window.",
-        [("", snap["tokens_per_s"])],
-    )
-    family(
-        "lucepy_prefix_cache_hits_total",
-        "counter",
-        "Generations restored from a snapshot.",
-        [("", cache["hits"])],
-    )
-    family(
-        "lucepy_prefix_cache_misses_total",
-        "counter",
-        "Generations prefilled from scratch.",
-        [("", cache["misses"])],
-    )
-    family(
-        "lucepy_prefix_cache_restored_tokens_total",
-        "counter",
-        "Prompt tokens restored.",
-        [("", cache.get("restored_tokens", 0))],
-    )
-    family("lucepy_draft_steps_total", "counter", "DFlash verify steps.", [("", accept["steps"])])
-    family(
-        "lucepy_draft_accepted_tokens_total",
-        "counter",
-        "Draft tokens the target accepted.",
-        [("", accept["accepted"])],
-    )
-    tau = snap["accept"]["tau"]
-    family(
-        "lucepy_draft_tau",
-        "gauge",
-        "Tokens committed per verify step (0: no draft ran).",
-        [("", tau or 0)],
-    )
+    for name, kind, text, value in (
+        ("prompt_tokens_total", "counter", "Prompt tokens of requests served.",
+         snap["tokens"]["prompt"]),
+        ("completion_tokens_total", "counter", "Tokens generated.", snap["tokens"]["completion"]),
+        ("requests_waiting", "gauge", "Requests queued.", snap["queue"]["waiting"]),
+        ("requests_running", "gauge", "Requests generating.", snap["queue"]["active"]),
+        ("ready", "gauge", "1 while the model serves requests.", int(ready)),
+        ("decode_seconds_total", "counter", "Time spent decoding after the first token.",
+         round(decode["seconds"], 6)),
+        ("decode_tokens_total", "counter", "Tokens decoded after the first of each answer.",
+         decode["tokens"]),
+        ("tokens_per_second", "gauge", "Tokens generated per second, recent window.",
+         snap["tokens_per_s"]),
+        ("prefix_cache_hits_total", "counter", "Generations restored from a snapshot.",
+         cache["hits"]),
+        ("prefix_cache_misses_total", "counter", "Generations prefilled from scratch.",
+         cache["misses"]),
+        ("prefix_cache_restored_tokens_total", "counter", "Prompt tokens restored.",
+         cache.get("restored_tokens", 0)),
+        ("draft_steps_total", "counter", "DFlash verify steps.", accept["steps"]),
+        ("draft_accepted_tokens_total", "counter", "Draft tokens the target accepted.",
+         accept["accepted"]),
+        ("draft_tau", "gauge", "Tokens committed per verify step (0: no draft ran).",
+         accept["tau"] or 0),
+    ):  # fmt: skip
+        family(f"lucepy_{name}", kind, text, [("", value)])
     return "\n".join(out) + "\n"
 
 
