@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU run (issue 7) on a fresh H200 machine that cannot reach a package registry, inside the
 # device tool's 10 minutes: install the carried wheels, build the pinned ggml for CUDA (sm_90) with
-# libllama and llama-bench, generate a random Qwen3.6-27B-shaped Q4_0 GGUF (in the background,
-# during the build), run the GPU tests, then llama-bench and lucepy on that model.
+# libllama and llama-bench, generate a random Q4_0 GGUF of a real model's shapes (Qwen3.6-27B, or
+# Gemma 4 31B with GPU_RUN_ARCH=gemma4; in the background, during the build), run the GPU tests,
+# then llama-bench and lucepy on that model.
 #
 #   tools/prepare_gpu_carry.sh          # here: .whl/, .sdist/ and .gpuref/
 #   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".sdist", ".gpuref"]
@@ -15,8 +16,9 @@
 # summary.md. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
 # since start); a step that runs out is stopped and the run goes on. The build and the model stay
 # in /tmp: a second call on the still-warm machine (30 s) skips them, or resumes the build.
-# Knobs: GPU_RUN_LAYERS (64), GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest
-# llama"), GPU_RUN_DEVICE (cuda:0), GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit).
+# Knobs: GPU_RUN_ARCH (qwen35 or gemma4), GPU_RUN_LAYERS (the real model's: 64 or 60),
+# GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest llama"), GPU_RUN_DEVICE (cuda:0),
+# GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -26,7 +28,12 @@ mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 
 export NAME=llama_cpp_python-0.3.36
-export LAYERS=${GPU_RUN_LAYERS:-64}
+export ARCH=${GPU_RUN_ARCH:-qwen35}
+case $ARCH in
+qwen35) export LAYERS=${GPU_RUN_LAYERS:-64} SHAPE=qwen36-27b ;;
+gemma4) export LAYERS=${GPU_RUN_LAYERS:-60} SHAPE=gemma4-31b ;;
+*) echo "gpu_run: GPU_RUN_ARCH=$ARCH: use qwen35 or gemma4" >&2 && exit 2 ;;
+esac
 DEADLINE=${GPU_RUN_DEADLINE:-570}
 SKIP=" ${GPU_RUN_SKIP:-} "
 DEPTH=8192
@@ -38,7 +45,7 @@ fi
 export LUCEPY_CACHE_DIR=${GPU_RUN_CACHE:-/tmp/lucepy-cache}
 export BUILD=$LUCEPY_CACHE_DIR/ggml/cuda
 export LUCEPY_BUILD_DIR=/tmp/lucepy-build # kept: a build cut short resumes on the next call
-export MODEL=/tmp/lucepy-qwen36-27b-L$LAYERS-q4_0.gguf
+export MODEL=/tmp/lucepy-$SHAPE-L$LAYERS-q4_0.gguf
 SITE=/tmp/site
 export PYTHONUNBUFFERED=1
 if command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
@@ -167,7 +174,8 @@ build_cuda() {
 
 generate_model() {
     if [[ -f $MODEL ]]; then echo "reusing $MODEL" && return 0; fi
-    python3 -m lucepy.testing.big "$MODEL.part" --type q4_0 --layers "$LAYERS" --threads 4
+    python3 -m lucepy.testing.big "$MODEL.part" --arch "$ARCH" --type q4_0 --layers "$LAYERS" \
+        --threads 4
     mv "$MODEL.part" "$MODEL"
 }
 

@@ -19,14 +19,16 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import numpy as np  # noqa: E402
 from conftest import HPARAMS  # noqa: E402
+from test_gpu import GEMMA4, GEMMA4_CTX, gemma4_prompt  # noqa: E402
 from test_reference import CHUNK, N_GEN, prompt  # noqa: E402
 
 from lucepy.gguf import GGUFFile  # noqa: E402
@@ -40,32 +42,58 @@ FIX = (
 )
 
 
-def tiny_models(tmp: Path) -> Iterator[tuple[str, dict, str, Path]]:
-    """(label, hparams, weight type, path) of each model the GPU tests write (conftest.py)."""
+class Model(NamedTuple):
+    label: str
+    path: Path
+    tokens: list[int]
+    n_ctx: int
+    flash_attn: bool
+    twin: Callable[[Path], Path] | None  # writes the f32 twin of a quantized model
+
+
+def tiny_models(tmp: Path) -> Iterator[Model]:
+    """Each model the GPU tests compare with llama.cpp: the tiny qwen35 models they write
+    (conftest.py), and the converter-made gemma4 fixture."""
     for name, hp in HPARAMS.items():
         for wtype in WEIGHT_TYPES:
             path = write_qwen35(tmp / f"{name}-{wtype}.gguf", weight_type=wtype, **hp)
-            yield f"{name}-{wtype}", hp, wtype, path
+            with GGUFFile(path) as f:
+                tokens = prompt(len(f.get("tokenizer.ggml.tokens")))
+            twin = None
+            if wtype != "f32":
+
+                def twin(dst: Path, wtype=wtype, hp=hp) -> Path:
+                    return write_dequantized_twin(dst, weight_type=wtype, **hp)
+
+            yield Model(f"{name}-{wtype}", path, tokens, 256, True, twin)
+    with GGUFFile(GEMMA4) as f:
+        tokens = gemma4_prompt(len(f.get("tokenizer.ggml.tokens")))
+    yield Model("gemma4-f32", GEMMA4, tokens, GEMMA4_CTX, False, None)
 
 
-def made_for(path: Path) -> tuple[dict, list[int]]:
-    """What a reference is valid for (its manifest entry), and the test's prompt for ``path``."""
-    with GGUFFile(path) as f:
-        ident, n_vocab = f.identity(), len(f.get("tokenizer.ggml.tokens"))
-    tokens = prompt(n_vocab)
-    digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
-    return {"identity": ident, "prompt_sha256": digest, "chunk": CHUNK, "n_gen": N_GEN}, tokens
+def made_for(model: Model) -> dict:
+    """What a reference is valid for: its manifest entry."""
+    with GGUFFile(model.path) as f:
+        ident = f.identity()
+    digest = hashlib.sha256(json.dumps(model.tokens).encode()).hexdigest()[:16]
+    return {
+        "identity": ident, "prompt_sha256": digest, "chunk": CHUNK, "n_gen": N_GEN,
+        "n_ctx": model.n_ctx, "flash_attn": model.flash_attn,
+    }  # fmt: skip
 
 
-def reference(path: Path, tokens: list[int], dst: Path, force=None) -> dict:
+def reference(path: Path, model: Model, dst: Path, force=None) -> dict:
     cmd = [
         sys.executable,
         str(ROOT / "tests" / "llama_ref.py"),
         str(path),
         str(CHUNK),
         str(N_GEN),
-        str(tokens),
+        str(model.tokens),
         str(dst),
+        "--n-ctx",
+        str(model.n_ctx),
+        *([] if model.flash_attn else ["--no-fa"]),
     ]
     if force is not None:
         cmd += ["--force", str([int(t) for t in force])]
@@ -78,15 +106,16 @@ def make(out: Path) -> None:
     (out / MANIFEST).unlink(missing_ok=True)  # a run cut short leaves no manifest: --check fails
     manifest = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, hp, wtype, path in tiny_models(Path(tmp)):
-            manifest[label], tokens = made_for(path)
-            ref = reference(path, tokens, Path(tmp) / "ref.npz")
-            if wtype != "f32":  # the exact math of the same rounded weights, same tokens
-                twin = write_dequantized_twin(Path(tmp) / "twin.gguf", weight_type=wtype, **hp)
-                exact = reference(twin, tokens, Path(tmp) / "exact.npz", ref["tokens"])
+        for model in tiny_models(Path(tmp)):
+            manifest[model.label] = made_for(model)
+            ref = reference(model.path, model, Path(tmp) / "ref.npz")
+            if model.twin is not None:  # the exact math of the same rounded weights, same tokens
+                twin = model.twin(Path(tmp) / "twin.gguf")
+                exact = reference(twin, model, Path(tmp) / "exact.npz", ref["tokens"])
                 ref.update(prompt_exact=exact["prompt"], steps_exact=exact["steps"])
-            np.savez(out / f"{manifest[label]['identity']}.npz", **ref)
-            print(f"{label}: {manifest[label]['identity'][:16]}")
+            ident = manifest[model.label]["identity"]
+            np.savez(out / f"{ident}.npz", **ref)
+            print(f"{model.label}: {ident[:16]}")
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
@@ -97,14 +126,15 @@ def problems(out: Path) -> list[str]:
     manifest = json.loads((out / MANIFEST).read_text())
     found = []
     with tempfile.TemporaryDirectory() as tmp:
-        for label, *_, path in tiny_models(Path(tmp)):
-            want, _ = made_for(path)
-            had = manifest.get(label, {})
+        for model in tiny_models(Path(tmp)):
+            want, had = made_for(model), manifest.get(model.label, {})
             changed = [k for k in want if had.get(k) != want[k]]
             if changed:
-                found.append(f"{label}: made for another {' and '.join(changed)} than the tests'")
+                found.append(
+                    f"{model.label}: made for another {' and '.join(changed)} than the tests'"
+                )
             elif not (out / f"{want['identity']}.npz").is_file():
-                found.append(f"{label}: {want['identity']}.npz is missing")
+                found.append(f"{model.label}: {want['identity']}.npz is missing")
     return found
 
 
@@ -122,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if found:
         print(f"to make it again: {FIX}", file=sys.stderr)
         return 1
-    print(f"{args.out}: current for all {len(HPARAMS) * len(WEIGHT_TYPES)} tiny models")
+    print(f"{args.out}: current for all {len(HPARAMS) * len(WEIGHT_TYPES) + 1} tiny models")
     return 0
 
 

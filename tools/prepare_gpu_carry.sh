@@ -2,7 +2,8 @@
 # Prepare what tools/gpu_run.sh needs on the GPU machine, which cannot reach a package registry:
 #   .whl/    wheels of tools/gpu_wheels.txt for CPython 3.12 on x86-64
 #   .sdist/  the pinned llama-cpp-python sdist, trimmed: its llama_cpp/ Python package and
-#            vendor/llama.cpp without models, docs, tests, examples and the server's web UI
+#            vendor/llama.cpp without models, docs, tests, examples, the server's web UI and the
+#            ggml backends other than CPU and CUDA
 #   .gpuref/ llama.cpp's logits for the GPU tests, from llama-cpp-python's CPU build here
 #            (tools/make_gpu_ref.py; this checkout installed with pip install -e .[dev])
 # All three are ignored through .git/info/exclude and carried with the run:
@@ -52,7 +53,11 @@ tar -xzf "$SDIST" -C .sdist \
     --exclude="$NAME/vendor/llama.cpp/tools/ui" --exclude="$NAME/vendor/llama.cpp/tools/server" \
     --exclude="$NAME/vendor/llama.cpp/.devops" --exclude="$NAME/vendor/llama.cpp/conversion" \
     --exclude="$NAME/docs" --exclude="$NAME/examples" --exclude="$NAME/tests" \
-    --exclude="$NAME/docker" --exclude="$NAME/.git" --exclude="$NAME/.github"
+    --exclude="$NAME/docker" --exclude="$NAME/.git" --exclude="$NAME/.github" \
+    $(for b in opencl sycl vulkan hexagon metal et webgpu openvino cann virtgpu; do
+        # backends the CUDA build does not enable: ggml_add_backend skips their folders
+        echo "--exclude=$NAME/vendor/llama.cpp/ggml/src/ggml-$b"
+    done)
 test -f ".sdist/$NAME/vendor/llama.cpp/CMakeLists.txt"
 test -f ".sdist/$NAME/llama_cpp/llama_cpp.py"
 echo "sdist: $(du -sh .sdist | cut -f1)"

@@ -1,15 +1,16 @@
-"""Random-weight qwen35 GGUFs of real size (Qwen3.6-27B's shapes), written at disk speed.
+"""Random-weight GGUFs of real size, written at disk speed: qwen35 with Qwen3.6-27B's shapes and
+gemma4 with Gemma 4 31B's.
 
 A 27B model cannot be quantized from float values in reasonable time, so quantized weights are
 written as random blocks: random bytes for the quants, and one f16 scale per block of constant
 size and random sign, chosen so that dequantized weights have std ``1 / sqrt(fan_in)`` (as
-``tiny.py``'s). Norms, ``ssm_a``, ``ssm_dt`` and ``ssm_conv1d`` stay f32, with tiny.py's values.
+``tiny.py``'s). Norms and other small tensors stay f32.
 
 Tensor types follow llama.cpp's quantize defaults for the file type (``src/llama-quant.cpp`` at
-the pinned commit): a Q4_0 file keeps ``token_embd`` in Q4_0 and stores ``output`` as Q6_K; a Q8_0
-file stores both as Q8_0.
+the pinned commit): a Q4_0 file keeps ``token_embd`` in Q4_0 and stores ``output`` as Q6_K (a
+tied embedding, which is also the output, as Q6_K); a Q8_0 file stores both as Q8_0.
 
-    python -m lucepy.testing.big OUT.gguf --type q4_0 [--layers N]
+    python -m lucepy.testing.big OUT.gguf --arch qwen35|gemma4 --type q4_0 [--layers N]
 """
 
 from __future__ import annotations
@@ -52,6 +53,25 @@ CHUNK_BYTES = 32 << 20  # one unit of work for the generator threads
 MAX_TOKEN_LEN = 12
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What ``write_random`` needs of a model: its tensors in file order with their stored types,
+    the metadata, and the float values of the tensors that are not random blocks."""
+
+    arch: str
+    n_vocab: int
+    weight_type: str  # q4_0 or q8_0
+    seed: int
+    plans: list[TensorPlan]
+    types: list[QType]
+    add_hparams: Callable[[gguf.GGUFWriter], None]
+    values: Callable[[TensorPlan, int], np.ndarray]  # (plan, index in plans) -> f32 values
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(t.ne) for t in self.plans)
+
+
 def qwen36_27b(weight_type: str = "q4_0", n_layer: int = 64, **overrides: object) -> Qwen35Spec:
     """Qwen3.5/3.6-27B's shapes (shared/MODELS.md); fewer layers give a scaled-down variant."""
     base = Qwen35Spec(
@@ -61,6 +81,132 @@ def qwen36_27b(weight_type: str = "q4_0", n_layer: int = 64, **overrides: object
         rms_eps=1e-6, context_length=262144, weight_type=weight_type,
     )  # fmt: skip
     return dataclasses.replace(base, **overrides)
+
+
+# --- gemma4: Gemma 4 31B's shapes ---
+
+
+@dataclass(frozen=True)
+class Gemma4Spec:
+    """Gemma 4 31B's text decoder (its public config.json): five sliding-window layers, then a
+    full layer with its own head size, 4 KV heads and V = K (no ``attn_v``); proportional RoPE
+    on a quarter of the full heads; tied embeddings; no per-layer inputs, shared KV or experts."""
+
+    n_vocab: int = 262144
+    n_embd: int = 5376
+    n_layer: int = 60
+    n_ff: int = 21504
+    n_head: int = 32
+    n_head_kv: int = 4  # full layers
+    n_head_kv_swa: int = 16
+    head_dim: int = 512  # full layers
+    head_dim_swa: int = 256
+    window: int = 1024
+    full_every: int = 6  # layer il is full attention iff (il + 1) % full_every == 0
+    rope_theta: float = 1e6
+    rope_theta_swa: float = 1e4
+    rope_partial: float = 0.25  # the share of a full head that rotates
+    softcap: float = 30.0
+    rms_eps: float = 1e-6
+    context_length: int = 262144
+    weight_type: str = "q4_0"
+    seed: int = 0
+
+    def is_full(self, il: int) -> bool:
+        return (il + 1) % self.full_every == 0
+
+
+def gemma4_31b(weight_type: str = "q4_0", n_layer: int = 60, **overrides: object) -> Gemma4Spec:
+    return dataclasses.replace(Gemma4Spec(weight_type=weight_type, n_layer=n_layer), **overrides)
+
+
+def _plan(name: str, ne: tuple[int, ...], init: str, std: float = 0.0) -> TensorPlan:
+    return TensorPlan(name, ne, init, std)
+
+
+def _gemma4_plans(s: Gemma4Spec) -> list[TensorPlan]:
+    E = s.n_embd
+
+    def dense(name: str, n_in: int, n_out: int) -> TensorPlan:
+        return _plan(name, (n_in, n_out), "dense", 1 / math.sqrt(n_in))
+
+    plans = [
+        _plan("rope_freqs.weight", (s.head_dim // 2,), "rope_freqs"),
+        _plan("token_embd.weight", (E, s.n_vocab), "dense", 1.0),  # also the output (tied)
+    ]
+    for il in range(s.n_layer):
+        b, full = f"blk.{il}.", s.is_full(il)
+        hd = s.head_dim if full else s.head_dim_swa
+        kv = hd * (s.n_head_kv if full else s.n_head_kv_swa)
+        plans += [
+            _plan(b + "attn_norm.weight", (E,), "norm", 0.05),
+            dense(b + "attn_q.weight", E, hd * s.n_head),
+            dense(b + "attn_k.weight", E, kv),
+            *([] if full else [dense(b + "attn_v.weight", E, kv)]),
+            _plan(b + "attn_q_norm.weight", (hd,), "norm", 0.05),
+            _plan(b + "attn_k_norm.weight", (hd,), "norm", 0.05),
+            dense(b + "attn_output.weight", hd * s.n_head, E),
+            _plan(b + "post_attention_norm.weight", (E,), "norm", 0.05),
+            _plan(b + "ffn_norm.weight", (E,), "norm", 0.05),
+            dense(b + "ffn_gate.weight", E, s.n_ff),
+            dense(b + "ffn_up.weight", E, s.n_ff),
+            dense(b + "ffn_down.weight", s.n_ff, E),
+            _plan(b + "post_ffw_norm.weight", (E,), "norm", 0.05),
+            _plan(b + "layer_output_scale.weight", (1,), "norm"),
+        ]
+    return [*plans, _plan("output_norm.weight", (E,), "norm", 0.05)]
+
+
+def _gemma4_values(s: Gemma4Spec, t: TensorPlan, index: int) -> np.ndarray:
+    if t.init == "rope_freqs":  # 1 for the rotated pairs, 1e30 (no rotation) for the rest
+        n_rot = int(s.head_dim * s.rope_partial / 2)
+        return np.array([1.0] * n_rot + [1e30] * (t.ne[0] - n_rot), np.float32)
+    rng = np.random.default_rng([s.seed, index])
+    x = rng.uniform(-1.0, 1.0, t.shape).astype(np.float32) * np.float32(t.std * math.sqrt(3))
+    return x + np.float32(1.0) if t.init == "norm" else x
+
+
+def _gemma4_hparams(w: gguf.GGUFWriter, s: Gemma4Spec, n_params: int) -> None:
+    w.add_name(f"lucepy random gemma4 {n_params / 1e9:.1f}B")
+    w.add_file_type(int(WEIGHT_TYPES[s.weight_type][1]))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(s.context_length)
+    w.add_embedding_length(s.n_embd)
+    w.add_block_count(s.n_layer)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_head)
+    full = [s.is_full(il) for il in range(s.n_layer)]
+    w.add_head_count_kv([s.n_head_kv if f else s.n_head_kv_swa for f in full])
+    w.add_sliding_window_pattern([not f for f in full])
+    w.add_sliding_window(s.window)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_key_length_swa(s.head_dim_swa)
+    w.add_value_length_swa(s.head_dim_swa)
+    w.add_rope_dimension_count(s.head_dim)  # proportional: rope_freqs stops the rest rotating
+    w.add_rope_dimension_count_swa(s.head_dim_swa)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_rope_freq_base_swa(s.rope_theta_swa)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    w.add_final_logit_softcapping(s.softcap)
+    w.add_shared_kv_layers(0)
+    w.add_embedding_length_per_layer_input(0)
+
+
+def gemma4_layout(spec: Gemma4Spec) -> Layout:
+    plans = _gemma4_plans(spec)
+    weights = WEIGHT_TYPES[spec.weight_type][0]
+    tied = output_type(spec.weight_type, spec.n_embd)
+    types = [
+        tied if t.name == "token_embd.weight" else weights if t.init == "dense" else QType.F32
+        for t in plans
+    ]
+    n_params = sum(math.prod(t.ne) for t in plans)
+    return Layout(
+        "gemma4", spec.n_vocab, spec.weight_type, spec.seed, plans, types,
+        lambda w: _gemma4_hparams(w, spec, n_params),
+        lambda t, i: _gemma4_values(spec, t, i),
+    )  # fmt: skip
 
 
 # --- random quant blocks ---
@@ -105,17 +251,25 @@ def random_blocks(qtype: QType, n_blocks: int, std: float, seed: tuple[int, ...]
     return blocks
 
 
-def output_type(spec: Qwen35Spec) -> QType:
+def output_type(weight_type: str, n_embd: int) -> QType:
     """llama.cpp's default for ``output.weight``: Q6_K unless the file is Q8_0 (or rows don't
     fit 256-blocks, then Q8_0)."""
-    qtype = WEIGHT_TYPES[spec.weight_type][0]
+    qtype = WEIGHT_TYPES[weight_type][0]
     if qtype in (QType.F32, QType.F16, QType.Q8_0):
         return qtype
-    return QType.Q6_K if spec.n_embd % 256 == 0 else QType.Q8_0
+    return QType.Q6_K if n_embd % 256 == 0 else QType.Q8_0
 
 
-def file_types(spec: Qwen35Spec, plans: list[TensorPlan]) -> list[QType]:
-    return [output_type(spec) if t.name == "output.weight" else tensor_type(t, spec) for t in plans]
+def qwen35_layout(spec: Qwen35Spec) -> Layout:
+    plans = plan_tensors(spec)
+    out = output_type(spec.weight_type, spec.n_embd)
+    types = [out if t.name == "output.weight" else tensor_type(t, spec) for t in plans]
+    name = f"lucepy random {ARCH} {param_count(spec) / 1e9:.1f}B"
+    return Layout(
+        ARCH, spec.n_vocab, spec.weight_type, spec.seed, plans, types,
+        lambda w: _add_hparams(w, spec, name=name),
+        lambda t, i: tensor_values(t, spec, i),
+    )  # fmt: skip
 
 
 # --- the vocab: 248,320 tokens in about a second ---
@@ -160,21 +314,21 @@ def _padding(n: int, align: int) -> Callable[[], bytes]:
     return lambda: bytes(-n % align)
 
 
-def _pieces(spec: Qwen35Spec, plans, types, align: int) -> Iterator[Callable[[], object]]:
+def _pieces(layout: Layout, align: int) -> Iterator[Callable[[], object]]:
     """The data section as callables, in file order: chunks of blocks, small f32 tensors, pads."""
-    for i, (t, qtype) in enumerate(zip(plans, types, strict=True)):
+    for i, (t, qtype) in enumerate(zip(layout.plans, layout.types, strict=True)):
         if qtype in FORMATS:
             fmt = FORMATS[qtype]
             n_blocks = math.prod(t.ne) // fmt.block_len
             per_chunk = CHUNK_BYTES // fmt.block_bytes
             for c, start in enumerate(range(0, n_blocks, per_chunk)):
                 n = min(per_chunk, n_blocks - start)
-                yield lambda q=qtype, n=n, std=t.std, s=(spec.seed, i, c): random_blocks(
+                yield lambda q=qtype, n=n, std=t.std, s=(layout.seed, i, c): random_blocks(
                     q, n, std, s
                 )
             nbytes = n_blocks * fmt.block_bytes
         else:
-            yield lambda t=t, q=qtype, i=i: encode(tensor_values(t, spec, i), q)
+            yield lambda t=t, q=qtype, i=i: encode(layout.values(t, i), q)
             nbytes = math.prod(t.ne) * (4 if qtype == QType.F32 else 2)
         yield _padding(nbytes, align)
 
@@ -190,54 +344,61 @@ def _write_pieces(fout, pieces: Iterator[Callable[[], object]], threads: int) ->
             fout.write(pending.popleft().result())
 
 
-def write_random(path: str | Path, spec: Qwen35Spec, *, threads: int | None = None) -> Path:
-    """Write a random-weight qwen35 GGUF for ``spec`` (quantized types only for matmul weights)."""
-    if spec.weight_type not in ("q4_0", "q8_0"):
-        raise ConfigError(f"big GGUFs are q4_0 or q8_0, not {spec.weight_type!r}")
+def write_random(
+    path: str | Path, model: Qwen35Spec | Layout, *, threads: int | None = None
+) -> Path:
+    """Write a random-weight GGUF (quantized types only for matmul weights)."""
+    layout = qwen35_layout(model) if isinstance(model, Qwen35Spec) else model
+    if layout.weight_type not in ("q4_0", "q8_0"):
+        raise ConfigError(f"big GGUFs are q4_0 or q8_0, not {layout.weight_type!r}")
     path = Path(path)
-    plans = plan_tensors(spec)
-    types = file_types(spec, plans)
-    w = gguf.GGUFWriter(None, ARCH)
-    _add_hparams(w, spec, name=f"lucepy random {ARCH} {param_count(spec) / 1e9:.1f}B")
-    add_vocab(w, big_vocab(spec.n_vocab))
-    for t, qtype in zip(plans, types, strict=True):
+    w = gguf.GGUFWriter(None, layout.arch)
+    layout.add_hparams(w)
+    add_vocab(w, big_vocab(layout.n_vocab))
+    for t, qtype in zip(layout.plans, layout.types, strict=True):
         _add_tensor_info(w, t, qtype)
     w.write_header_to_file(path)
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     fout = w.fout[0]
     fout.write(_padding(fout.tell(), w.data_alignment)())
-    _write_pieces(
-        fout, _pieces(spec, plans, types, w.data_alignment), threads or os.cpu_count() or 2
-    )
+    _write_pieces(fout, _pieces(layout, w.data_alignment), threads or os.cpu_count() or 2)
     w.close()
     return path
+
+
+ARCHS = {"qwen35": (qwen36_27b, 64, 4), "gemma4": (gemma4_31b, 60, 6)}  # spec, layers, least
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lucepy.testing.big", description=__doc__)
     ap.add_argument("out", type=Path, help="GGUF file to write")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen35")
     ap.add_argument("--type", choices=["q4_0", "q8_0"], default="q4_0")
     ap.add_argument(
-        "--layers", type=int, default=64, help="layers: 64 in the real model, at least 4"
+        "--layers", type=int, help="layers: as in the real model (qwen35 64, gemma4 60) if not set"
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="generator threads (all cores)")
     args = ap.parse_args(argv)
+    make_spec, layers, least = ARCHS[args.arch]
+    layers = args.layers or layers
     try:
-        if args.layers < 4:
-            # llama.cpp aborts on a hybrid model whose KV cache has no layer (set_input_k_idxs)
-            raise ConfigError(f"--layers {args.layers}: use at least 4, so one layer attends")
-        spec = qwen36_27b(args.type, args.layers, seed=args.seed)
+        if layers < least:
+            # llama.cpp aborts on a model whose full-attention KV cache has no layer
+            # (set_input_k_idxs): qwen35 attends every 4th layer, gemma4 every 6th
+            raise ConfigError(f"--layers {layers}: use at least {least}, so one layer attends")
+        spec = make_spec(args.type, layers, seed=args.seed)
+        layout = qwen35_layout(spec) if args.arch == "qwen35" else gemma4_layout(spec)
         t0 = time.perf_counter()
-        write_random(args.out, spec, threads=args.threads)
+        write_random(args.out, layout, threads=args.threads)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     secs = time.perf_counter() - t0
     size = args.out.stat().st_size
     print(
-        f"wrote {args.out}: {param_count(spec) / 1e9:.2f}B parameters, {args.type}, "
+        f"wrote {args.out}: {args.arch}, {layout.n_params / 1e9:.2f}B parameters, {args.type}, "
         f"{size / 1e9:.2f} GB in {secs:.1f} s ({size / 1e9 / secs:.2f} GB/s)"
     )
     return 0
