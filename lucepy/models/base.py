@@ -189,7 +189,9 @@ class Builder:
             v = self.rotate(v, cache.v_rot)
         views = []
         for name, cur in ((cache.k, k), (cache.v, v)):  # st[name]: [hd*nkv, n_ctx]
-            written = L.ggml_set_rows(c, st[name], L.ggml_reshape_2d(c, cur, hd * nkv, T), rows)
+            # a view, not a reshape: ggml-cuda fuses rope -> view -> set_rows (one kernel)
+            flat = L.ggml_view_2d(c, cur, hd * nkv, T, cur.nb[2], 0)
+            written = L.ggml_set_rows(c, st[name], flat, rows)
             row = written.nb[1]
             views.append(
                 L.ggml_view_3d(c, written, hd, nkv, n_rows, self.row_size(written, hd), row, 0)
