@@ -25,9 +25,9 @@ def profile(engine: Engine, tokens: np.ndarray, step: Step, repeats: int = 30) -
     parts = {"prepare": [], "compute": [], "read": [], "total": []}
     for _ in range(repeats + 3):
         t0 = time.perf_counter()
-        spec = shard.spec(tokens.size, pos0, step.logits, step.verify, step.capture)
-        g = shard.prepare(spec, pos0)
-        shard.put_tokens(g, tokens)
+        batch = engine.pipeline.slots.batch(tokens, pos0)
+        spec = shard.spec(batch, step.logits, step.verify, step.capture)
+        g = shard.prepare(spec, batch)
         t1 = time.perf_counter()
         shard.compute(g)
         t2 = time.perf_counter()
