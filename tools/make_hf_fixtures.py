@@ -1,9 +1,10 @@
 """Build small GGUF fixtures the way users' files are made: HF checkpoint -> llama.cpp converter.
 
-Random-weight Hugging Face checkpoints (a tied llama, an untied llama of odd width, a Qwen3.5 with
-an MTP block) are converted by the pinned llama.cpp's own ``convert_hf_to_gguf.py``, run from a
-temp extraction of the llama-cpp-python sdist (nothing of it is copied into this repo), and then
-quantized by libllama. Everything is seeded, so a rerun with the same versions gives the same files.
+Random-weight Hugging Face checkpoints (a tied llama, an untied llama of odd width, a Qwen3.5 and a
+Qwen3.5 MoE, each with an MTP block, two Gemma 4) are converted by the pinned llama.cpp's own
+``convert_hf_to_gguf.py``, run from a temp extraction of the llama-cpp-python sdist (nothing of it
+is copied into this repo), and then quantized by libllama. Everything is seeded, so a rerun with
+the same versions gives the same files.
 
 The build stage needs torch, transformers 5.x, tokenizers and safetensors; keep them in their own
 venv. The quantize and check stages need ``llama_cpp`` and ``lucepy`` and run under
@@ -45,8 +46,8 @@ SAMPLE = (
 )
 CONVERT_TYPES = ("f32", "f16", "q8_0")
 QUANT_TYPES = {"q4_0": "q4_0", "q4_k_m": "q4_K_M"}  # file suffix -> lucepy.testing.quantize type
-# what is kept (and committed, about 5 MB): every weight type for llama-tied and qwen35, fewer for
-# the variants whose point is the untied head or the MTP block
+# what is kept (and committed, about 11.5 MB): every weight type for llama-tied and qwen35, fewer
+# for the variants whose point is the untied head, the MTP block or the MoE block
 COMMITTED = {
     f"{m}-{t}" for m in ("llama-tied", "qwen35") for t in ("f32", "q8_0", "q4_0", "q4_k_m")
 }
@@ -54,6 +55,7 @@ COMMITTED |= {"llama-tied-f16", "llama-untied-f32", "llama-untied-q8_0", "llama-
 COMMITTED |= {"qwen35-mtp-q8_0"}
 COMMITTED |= {f"gemma4-{t}" for t in ("f32", "q8_0", "q4_0")}
 COMMITTED |= {"gemma4-moe-f32", "gemma4-moe-q8_0"}
+COMMITTED |= {"qwen35moe-f32", "qwen35moe-q8_0", "qwen35moe-mtp-q8_0"}
 INIT_STD = 0.1  # 5x transformers' default, so random logits are far from uniform
 MIN_LOGIT_STD = 0.5
 
@@ -77,6 +79,20 @@ QWEN35 = dict(
         "rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
         "mrope_section": [3, 3, 2], "mrope_interleaved": True,  # 8 = rope dims 16 / 2
     },
+)  # fmt: skip
+
+# Qwen3.5/3.6 MoE (35B-A3B) in small: QWEN35's trunk with a sparse MoE block in every layer (8
+# routed experts of 32, top 2, plus a sigmoid-gated shared expert of 96) and an untied output,
+# as the released MoE checkpoints have. Every row is a whole number of 32-blocks, so q8_0 and q4_0
+# quantize all matrices
+QWEN35MOE = dict(
+    hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=96, rope_parameters=dict(QWEN35["rope_parameters"]),
 )  # fmt: skip
 
 # Gemma 4: a sliding/full layout whose last non-shared layers are sliding then full, so the KV
@@ -264,9 +280,16 @@ def write_gemma_tokenizer(tok, out: Path) -> None:
 def build_checkpoint(out: Path, kind: str, spec: dict, tok, seed: int) -> float:
     """Save a random checkpoint (bf16, as released ones are); return its logit std."""
     import torch
-    from transformers import AutoModelForCausalLM, Gemma4TextConfig, LlamaConfig, Qwen3_5TextConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma4TextConfig,
+        LlamaConfig,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
 
     classes = {"llama": LlamaConfig, "qwen35": Qwen3_5TextConfig, "gemma4": Gemma4TextConfig}
+    classes["qwen35moe"] = Qwen3_5MoeTextConfig
     config_cls = classes[kind]
     names = ("<bos>", "<eos>") if kind == "gemma4" else (SPECIALS[0], SPECIALS[2])
     bos, eos = (tok.token_to_id(s) for s in names)
@@ -283,6 +306,7 @@ def build_checkpoint(out: Path, kind: str, spec: dict, tok, seed: int) -> float:
         **spec,
     )
     arch = {"llama": "LlamaForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
+    arch["qwen35moe"] = "Qwen3_5MoeForCausalLM"
     config.architectures = [arch.get(kind, "Gemma4ForCausalLM")]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -312,7 +336,8 @@ def add_mtp(out: Path, seed: int) -> list[str]:
 
     ``conversion/qwen.py`` (_QwenMtpMixin) renames ``mtp.fc`` -> ``eh_proj``,
     ``mtp.pre_fc_norm_{embedding,hidden}`` -> ``enorm``/``hnorm``, ``mtp.norm`` ->
-    ``shared_head.norm`` and ``mtp.layers.0.*`` -> layer ``n_layer`` (a full-attention block).
+    ``shared_head.norm`` and ``mtp.layers.0.*`` -> layer ``n_layer`` (a full-attention block; in
+    the MoE model its MLP is a MoE block like the trunk's: router, experts, shared expert).
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -386,6 +411,14 @@ def build_all(
             ("qwen35", "qwen35", QWEN35, False, [("qwen35", ("--no-mtp",)), ("qwen35-mtp", ())]),
             ("gemma4", "gemma4", GEMMA4, True, [("gemma4", ())]),
             ("gemma4-moe", "gemma4", GEMMA4_MOE, True, [("gemma4-moe", ())]),
+            # last, so the seeds (from the index) of the ones above stay as they were
+            (
+                "qwen35moe",
+                "qwen35moe",
+                QWEN35MOE,
+                False,
+                [("qwen35moe", ("--no-mtp",)), ("qwen35moe-mtp", ())],
+            ),
         ]
         gemma_tok = gemma_tokenizer()
         for i, (name, kind, spec, add_bos, outputs) in enumerate(plan):
@@ -401,7 +434,7 @@ def build_all(
             std = build_checkpoint(ckpt, kind, spec, model_tok, seed * 100 + i)
             if std < MIN_LOGIT_STD:
                 raise SystemExit(f"{name}: logit std {std:.3f} < {MIN_LOGIT_STD}; raise INIT_STD")
-            if kind == "qwen35":
+            if kind in ("qwen35", "qwen35moe"):
                 print(f"  added {len(add_mtp(ckpt, seed * 100 + 50 + i))} mtp.* tensors")
             print(f"{name}: HF logit std (min over positions) {std:.3f}", flush=True)
             for prefix, flags in outputs:
