@@ -85,6 +85,7 @@ class Builder:
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value never changes
+        self.routes: dict[int, Tensor] = {}  # layer -> the experts its tokens chose [k, T] i32
 
     def input(self, name: str, gtype: int, *shape: int) -> Tensor:
         ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
@@ -121,6 +122,18 @@ class Builder:
         self.lib.ggml_build_forward_expand(self.gf, t)
         self.outputs[name] = t
         return t
+
+    def pack_output(self, name: str, parts: list[Tensor]) -> Tensor:
+        """One output [n, len(parts)] holding ``parts`` (n elements of one type each) side by
+        side, so that a step reads them all at once."""
+        L, c = self.lib, self.ctx
+        n, ne0 = L.ggml_nelements(parts[0]), parts[0].ne[0]
+        dst = L.ggml_new_tensor_2d(c, parts[0].type, n, len(parts))
+        for i, t in enumerate(parts):
+            rows = n // ne0
+            view = L.ggml_view_2d(c, dst, ne0, rows, self.row_size(dst, ne0), i * dst.nb[1])
+            L.ggml_build_forward_expand(self.gf, L.ggml_cpy(c, t, view))
+        return self.output(name, dst)
 
     def alias(
         self, src: Tensor, shape: tuple[int, ...], strides: tuple[int, ...], offset: int
@@ -262,7 +275,7 @@ class DecoderParams:
             "n_vocab": len(tokens) or (embd.shape[1] if embd is not None else 0),
             "n_embd": n_embd,
             "n_layer": n_layer,
-            "n_ff": _largest(key("feed_forward_length")),
+            "n_ff": _largest(key("feed_forward_length", 0)),  # 0: experts only
             "n_head": n_head,
             "n_head_kv": _largest(key("attention.head_count_kv", n_head)),
             "head_dim": head_dim,

@@ -27,6 +27,7 @@ import numpy as np
 from lucepy.errors import ConfigError
 from lucepy.ggml import ffi
 from lucepy.gguf import GGUFFile
+from lucepy.models import moe
 from lucepy.models.base import (
     Architecture,
     Builder,
@@ -44,7 +45,6 @@ from lucepy.models.state import KVCache, LayerState, spec_nbytes, state_specs
 ROPE_NEOX = 2  # LLAMA_ROPE_TYPE_NEOX: rotate the two halves of each head
 _MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _MATMULS += ("inp_gate", "proj", "ffn_gate_inp")
-_WEIGHT_FLOOR = 6.103515625e-5  # build_moe_ffn's floor under the sum of the chosen weights
 
 
 @dataclass(frozen=True)
@@ -381,41 +381,19 @@ class Gemma4(Architecture):
     def _moe(self, g: Builder, w: dict, b: str, x: Tensor) -> Tensor:
         """The routed experts beside the MLP: softmax router over the normed, scaled residual,
         top-k experts with weights summing to one, GeGLU experts, the per-expert output scale."""
-        p, L, c, T = self.p, g.lib, g.ctx, x.ne[1]
-        X, k, E = p.n_expert, p.n_expert_used, p.n_embd
-        r = L.ggml_scale(c, L.ggml_rms_norm(c, x, p.rms_eps), 1.0 / math.sqrt(E))
+        p, L, c = self.p, g.lib, g.ctx
+        r = L.ggml_scale(c, L.ggml_rms_norm(c, x, p.rms_eps), 1.0 / math.sqrt(p.n_embd))
         r = L.ggml_mul(c, r, w[b + "ffn_gate_inp.scale"])
-        probs = L.ggml_soft_max(c, L.ggml_mul_mat(c, w[b + "ffn_gate_inp.weight"], r))  # [X, T]
-        chosen = L.ggml_argsort_top_k(c, probs, k)  # [k, T]
-        weights = L.ggml_get_rows(c, L.ggml_reshape_3d(c, probs, 1, X, T), chosen)  # [1, k, T]
-        weights = L.ggml_reshape_2d(c, weights, k, T)
-        total = L.ggml_clamp(c, L.ggml_sum_rows(c, weights), _WEIGHT_FLOOR, math.inf)
-        weights = L.ggml_reshape_3d(c, L.ggml_div(c, weights, total), 1, k, T)
-        h = L.ggml_reshape_3d(c, g.rms_norm(x, w[b + "pre_ffw_norm_2.weight"], p.rms_eps), E, 1, T)
-        fused = w.get(b + "ffn_gate_up_exps.weight")
-        if fused is not None:
-            gu = L.ggml_mul_mat_id(c, fused, h, chosen)  # [2*ff, k, T]: gate then up
-            ff = gu.ne[0] // 2
-            gate = L.ggml_view_3d(c, gu, ff, k, T, gu.nb[1], gu.nb[2], 0)
-            up = L.ggml_view_3d(c, gu, ff, k, T, gu.nb[1], gu.nb[2], ff * gu.nb[0])
-        else:
-            gate = L.ggml_mul_mat_id(c, w[b + "ffn_gate_exps.weight"], h, chosen)
-            up = L.ggml_mul_mat_id(c, w[b + "ffn_up_exps.weight"], h, chosen)
-        out = L.ggml_mul_mat_id(
-            c, w[b + "ffn_down_exps.weight"], L.ggml_geglu_split(c, gate, up), chosen
-        )
-        scale = w.get(b + "ffn_down_exps.scale")
-        if scale is not None:  # [X] -> the chosen experts' [1, k, T]
-            s = L.ggml_repeat_4d(c, L.ggml_reshape_3d(c, scale, 1, X, 1), 1, X, T, 1)
-            out = L.ggml_mul(c, out, L.ggml_get_rows(c, s, chosen))
-        out = L.ggml_mul(c, out, weights)  # [E, k, T]
-        total = None
-        for i in range(k):
-            one = L.ggml_view_2d(c, out, E, T, out.nb[2], i * out.nb[1])
-            total = one if total is None else L.ggml_add(c, total, one)
-        if k == 1:
-            total = L.ggml_cont(c, total)
-        return g.rms_norm(total, w[b + "post_ffw_norm_2.weight"], p.rms_eps)
+        logits = L.ggml_mul_mat(c, w[b + "ffn_gate_inp.weight"], r)
+        chosen = moe.route(g, logits, p.n_expert_used, layer=int(b.split(".")[1]))
+        h = g.rms_norm(x, w[b + "pre_ffw_norm_2.weight"], p.rms_eps)
+        out = moe.experts(
+            g, h, chosen, w[b + "ffn_down_exps.weight"],
+            gate=w.get(b + "ffn_gate_exps.weight"), up=w.get(b + "ffn_up_exps.weight"),
+            gate_up=w.get(b + "ffn_gate_up_exps.weight"), act="gelu",
+            down_scale=w.get(b + "ffn_down_exps.scale"),
+        )  # fmt: skip
+        return g.rms_norm(out, w[b + "post_ffw_norm_2.weight"], p.rms_eps)
 
     def _attention(self, g: Builder, w: dict, st: dict, il: int, x: Tensor, kv: dict) -> Tensor:
         p, L, c, b, T = self.p, g.lib, g.ctx, f"blk.{il}.", x.ne[1]

@@ -33,7 +33,7 @@ GGML_ROPE_TYPE_IMROPE = 40
 # the 2D weights that graphs use only as mul_mat's first operand (not norms, conv, get_rows)
 _MATMUL_SUFFIXES = ("_qkv.weight", "_gate.weight", "_q.weight", "_k.weight", "_v.weight")
 _MATMUL_SUFFIXES += ("_output.weight", "_beta.weight", "_alpha.weight", "ssm_out.weight")
-_MATMUL_SUFFIXES += ("ffn_up.weight", "ffn_down.weight")
+_MATMUL_SUFFIXES += ("ffn_up.weight", "ffn_down.weight", "_shexp.weight")
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,14 @@ class Params(DecoderParams):
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> Params:
+        return cls(**cls.fields(f))
+
+    @staticmethod
+    def fields(f: GGUFFile) -> dict:
         key = metadata(f)
         n_layer = int(key("block_count")) - int(key("nextn_predict_layers", 0))  # less MTP
         sections = list(key("rope.dimension_sections", [0, 0, 0, 0]))[:4]
-        return cls(
+        return dict(
             **DecoderParams.common(f, n_layer),
             rope_sections=tuple(sections + [0] * (4 - len(sections))),
             ssm_conv_kernel=int(key("ssm.conv_kernel")),
@@ -87,9 +91,11 @@ class Qwen35(Architecture):
     def __init__(self, params: Params, options: ModelOptions = ModelOptions()):  # noqa: B008
         self.p, self.options = params, options
 
+    params = Params
+
     @classmethod
     def from_gguf(cls, f: GGUFFile, options: ModelOptions = ModelOptions()) -> Qwen35:  # noqa: B008
-        model = cls(Params.from_gguf(f), options)
+        model = cls(cls.params.from_gguf(f), options)
         check_tensors(f, model.weight_shapes(range(model.p.n_layer), f))
         return model
 
@@ -140,14 +146,15 @@ class Qwen35(Architecture):
                     b + "attn_k_norm.weight": (hd,),
                 }
             )
-        s.update(
-            {
-                b + "ffn_gate.weight": (p.n_embd, p.n_ff),
-                b + "ffn_up.weight": (p.n_embd, p.n_ff),
-                b + "ffn_down.weight": (p.n_ff, p.n_embd),
-            }
-        )
-        return s
+        return s | self._ffn_shapes(il)
+
+    def _ffn_shapes(self, il: int) -> dict[str, tuple]:
+        p, b = self.p, f"blk.{il}."
+        return {
+            b + "ffn_gate.weight": (p.n_embd, p.n_ff),
+            b + "ffn_up.weight": (p.n_embd, p.n_ff),
+            b + "ffn_down.weight": (p.n_ff, p.n_embd),
+        }
 
     def make_state(self, layers: range, n_ctx: int) -> list[LayerState]:
         """Per layer: the delta net's conv and recurrent state, or attention KV rows."""
@@ -224,10 +231,13 @@ class Qwen35(Architecture):
             h = self._attention(g, w, st, il, h, T)
         x = L.ggml_add(c, h, x)
         h = g.rms_norm(x, w[b + "post_attention_norm.weight"], p.rms_eps)
-        h = g.swiglu_ffn(
-            h, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"]
+        return L.ggml_add(c, self._ffn(g, w, il, h), x)
+
+    def _ffn(self, g: Builder, w: dict, il: int, x: Tensor) -> Tensor:
+        b = f"blk.{il}."
+        return g.swiglu_ffn(
+            x, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"]
         )
-        return L.ggml_add(c, h, x)
 
     def _attention(self, g: Builder, w: dict, st: dict, il: int, x: Tensor, T: int) -> Tensor:
         p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."

@@ -48,6 +48,8 @@ def compile_graph(
     ctx = Context(lib, max_nodes, graph_nodes=max_nodes)
     b = Builder(lib, ctx.ptr, max_nodes)
     out = build(b)
+    if b.routes:  # one read a step for every MoE layer's choice: [k*T, n_layers] i32
+        b.pack_output("routing", [b.routes[il] for il in sorted(b.routes)])
     if out is not None:
         lib.ggml_set_output(out)
         lib.ggml_build_forward_expand(b.gf, out)
