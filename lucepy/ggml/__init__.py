@@ -1,7 +1,7 @@
 """The cffi binding to libggml: loading, the pin check, and owner classes for its handles."""
 
 from lucepy.ggml.lib import Lib, ffi, load
-from lucepy.ggml.owners import Allocator, Backend, Buffer, Context, alias_tensor
+from lucepy.ggml.owners import Allocator, Backend, Buffer, Context, Sched, alias_tensor
 
 _types = ffi.typeof("enum ggml_type").relements
 GGML_TYPE_F32 = _types["GGML_TYPE_F32"]
@@ -13,6 +13,7 @@ GGML_TYPE_I64 = _types["GGML_TYPE_I64"]
 
 __all__ = [
     "Allocator",
+    "Sched",
     "alias_tensor",
     "Backend",
     "Buffer",

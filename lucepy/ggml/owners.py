@@ -112,6 +112,36 @@ class Allocator(Owner):
         return self.lib.ggml_gallocr_get_buffer_size(self.ptr, 0)
 
 
+class Sched(Owner):
+    """A ggml_backend_sched over ``backends`` (the last one a CPU): the compute buffers of one
+    reusable graph whose nodes run on several backends, with the copies between them."""
+
+    def __init__(self, lib: Lib, backends: list[Backend], graph_size: int):
+        self.lib, self.backends = lib, backends
+        self._ptrs = ffi.new("ggml_backend_t[]", [b.ptr for b in backends])
+        n = len(backends)
+        self._own(
+            lib.ggml_backend_sched_new(self._ptrs, ffi.NULL, n, graph_size, False, False),
+            lib.ggml_backend_sched_free,
+            f"ggml_backend_sched_new({', '.join(b.name for b in backends)})",
+        )
+
+    def assign(self, node: Any, backend: Backend) -> None:
+        self.lib.ggml_backend_sched_set_tensor_backend(self.ptr, node, backend.ptr)
+
+    def alloc(self, graph: Any) -> None:
+        if not self.lib.ggml_backend_sched_alloc_graph(self.ptr, graph):
+            raise GGMLError("ggml_backend_sched_alloc_graph failed: out of memory for the graph")
+
+    def compute(self, graph: Any) -> int:
+        return self.lib.ggml_backend_sched_graph_compute(self.ptr, graph)
+
+    @property
+    def nbytes(self) -> int:
+        get = self.lib.ggml_backend_sched_get_buffer_size
+        return sum(get(self.ptr, b.ptr) for b in self.backends)
+
+
 def alias_tensor(
     lib: Lib, ctx: Any, src: Any, shape: tuple[int, ...], strides: tuple[int, ...], offset: int
 ) -> Any:

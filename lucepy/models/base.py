@@ -86,6 +86,7 @@ class Builder:
         self.outputs: dict[str, Tensor] = {}
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value never changes
         self.routes: dict[int, Tensor] = {}  # layer -> the experts its tokens chose [k, T] i32
+        self.offload: list[Tensor] = []  # nodes for the host CPU backend (cold experts)
 
     def input(self, name: str, gtype: int, *shape: int) -> Tensor:
         ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))

@@ -387,12 +387,7 @@ class Gemma4(Architecture):
         logits = L.ggml_mul_mat(c, w[b + "ffn_gate_inp.weight"], r)
         chosen = moe.route(g, logits, p.n_expert_used, layer=int(b.split(".")[1]))
         h = g.rms_norm(x, w[b + "pre_ffw_norm_2.weight"], p.rms_eps)
-        out = moe.experts(
-            g, h, chosen, w[b + "ffn_down_exps.weight"],
-            gate=w.get(b + "ffn_gate_exps.weight"), up=w.get(b + "ffn_up_exps.weight"),
-            gate_up=w.get(b + "ffn_gate_up_exps.weight"), act="gelu",
-            down_scale=w.get(b + "ffn_down_exps.scale"),
-        )  # fmt: skip
+        out = moe.layer_experts(g, w, b, h, chosen, act="gelu")
         return g.rms_norm(out, w[b + "post_ffw_norm_2.weight"], p.rms_eps)
 
     def _attention(self, g: Builder, w: dict, st: dict, il: int, x: Tensor, kv: dict) -> Tensor:

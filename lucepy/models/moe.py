@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lucepy.ggml import ffi
 from lucepy.models.base import Builder, Tensor
 
 WEIGHT_FLOOR = 6.103515625e-5  # build_moe_ffn's floor under the sum of the chosen weights
@@ -40,42 +41,102 @@ def route(g: Builder, logits: Tensor, k: int, scale: float = 0.0, *, layer: int)
     return Route(chosen, L.ggml_reshape_3d(c, weights, 1, k, T))
 
 
+def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "silu") -> Tensor:
+    """The routed experts of the layer whose tensors start with ``b``, weighted and summed
+    [n_embd, T]. A layer split between the device and host RAM (``runtime/experts.py``) has its
+    device experts under the usual names, its host ones under ``NAME.cold``, and tables from
+    expert to index in each part (``experts.hot`` / ``experts.cold``, any index where the expert
+    is not there) with 0/1 masks (``experts.hot_mask`` / ``experts.cold_mask``)."""
+    names = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
+    scale = w.get(b + "ffn_down_exps.scale")
+    if b + "experts.cold" not in w:
+        return _sum_slots(g, _part(g, w, b, "", names, x, r.chosen, r.weights, act, scale, r))
+    L, c = g.lib, g.ctx
+    k, T = r.chosen.ne[0], r.chosen.ne[1]
+    flat = L.ggml_reshape_1d(c, L.ggml_cont(c, r.chosen), k * T)
+    out = None
+    for part in ("hot", "cold"):
+        if part == "hot" and b + "ffn_down_exps.weight" not in w:
+            continue  # every expert of the layer is in host RAM
+        ids = L.ggml_get_rows(c, w[f"{b}experts.{part}"], flat)  # [1, k*T] i32
+        mask = L.ggml_get_rows(c, w[f"{b}experts.{part}_mask"], flat)  # [1, k*T]
+        weights = L.ggml_mul(c, r.weights, L.ggml_reshape_3d(c, mask, 1, k, T))
+        ids = L.ggml_reshape_2d(c, ids, k, T)
+        suffix = "" if part == "hot" else ".cold"
+        one = _part(g, w, b, suffix, names, x, ids, weights, act, scale, r)
+        if part == "cold":  # the host CPU backend runs these experts, from x, ids and weights
+            g.offload += _ops_between(g, one, (x, ids, weights))
+        # per slot one part is the expert's output and the other exactly 0: the sum is exact
+        out = one if out is None else L.ggml_add(c, out, one)
+    return _sum_slots(g, out)
+
+
+def _ops_between(g: Builder, out: Tensor, inputs: tuple) -> list[Tensor]:
+    """The op nodes ``out`` depends on, down to ``inputs`` and leaves (weights), ``out`` too."""
+    stop = {int(ffi.cast("intptr_t", t)) for t in inputs}
+    seen: set[int] = set()
+    found, todo = [], [out]
+    while todo:
+        t = todo.pop()
+        key = int(ffi.cast("intptr_t", t))
+        if key in seen or key in stop or t.op == 0:  # GGML_OP_NONE: a leaf
+            continue
+        seen.add(key)
+        found.append(t)
+        todo += [src for src in t.src if src != ffi.NULL]
+    return found
+
+
+def _part(
+    g: Builder, w: dict, b: str, suffix: str, names: tuple, x: Tensor, ids: Tensor,
+    weights: Tensor, act: str, scale: Tensor | None, r: Route,
+) -> Tensor:  # fmt: skip
+    """The chosen experts of one part ([E, k, T]), each output times its weight."""
+    gate, up, gate_up, down = (w.get(f"{b}{n}.weight{suffix}") for n in names)
+    out = experts(g, x, ids, down, gate=gate, up=up, gate_up=gate_up, act=act)
+    if scale is not None:  # [X] -> the chosen experts' [1, k, T]
+        L, c = g.lib, g.ctx
+        X, T = scale.ne[0], x.ne[1]
+        s = L.ggml_repeat_4d(c, L.ggml_reshape_3d(c, scale, 1, X, 1), 1, X, T, 1)
+        out = L.ggml_mul(c, out, L.ggml_get_rows(c, s, r.chosen))
+    return g.lib.ggml_mul(g.ctx, out, weights)
+
+
+def _sum_slots(g: Builder, out: Tensor) -> Tensor:
+    """[E, k, T] -> [E, T]: the k slots added in order, as build_moe_ffn adds them."""
+    L, c = g.lib, g.ctx
+    E, k, T = out.ne[0], out.ne[1], out.ne[2]
+    total = None
+    for i in range(k):
+        one = L.ggml_view_2d(c, out, E, T, out.nb[2], i * out.nb[1])
+        total = one if total is None else L.ggml_add(c, total, one)
+    return L.ggml_cont(c, total) if k == 1 else total
+
+
 def experts(
     g: Builder,
     x: Tensor,
-    r: Route,
+    ids: Tensor,
     down: Tensor,
     *,
     gate: Tensor | None = None,
     up: Tensor | None = None,
     gate_up: Tensor | None = None,
     act: str = "silu",
-    down_scale: Tensor | None = None,
 ) -> Tensor:
-    """The weighted sum over the chosen experts of ``down(act(gate x) * up x)`` [n_embd, T].
-    ``gate_up`` is the fused form (gate rows then up rows); ``down_scale`` [n_expert] scales each
-    expert's output."""
+    """Each token's experts ``ids`` [k, T] applied to it: ``down(act(gate x) * up x)``
+    [n_embd, k, T]. ``gate_up`` is the fused form (gate rows then up rows)."""
     L, c = g.lib, g.ctx
     E, T = x.ne[0], x.ne[1]
-    k = r.chosen.ne[0]
+    k = ids.ne[0]
     h = L.ggml_reshape_3d(c, x, E, 1, T)
     if gate_up is not None:
-        gu = L.ggml_mul_mat_id(c, gate_up, h, r.chosen)  # [2*ff, k, T]
+        gu = L.ggml_mul_mat_id(c, gate_up, h, ids)  # [2*ff, k, T]
         ff = gu.ne[0] // 2
         g_out = L.ggml_view_3d(c, gu, ff, k, T, gu.nb[1], gu.nb[2], 0)
         u_out = L.ggml_view_3d(c, gu, ff, k, T, gu.nb[1], gu.nb[2], ff * gu.nb[0])
     else:
-        u_out = L.ggml_mul_mat_id(c, up, h, r.chosen)  # [ff, k, T]
-        g_out = L.ggml_mul_mat_id(c, gate, h, r.chosen)
+        u_out = L.ggml_mul_mat_id(c, up, h, ids)  # [ff, k, T]
+        g_out = L.ggml_mul_mat_id(c, gate, h, ids)
     glu = L.ggml_swiglu_split if act == "silu" else L.ggml_geglu_split
-    out = L.ggml_mul_mat_id(c, down, glu(c, g_out, u_out), r.chosen)  # [E, k, T]
-    if down_scale is not None:  # [X] -> the chosen experts' [1, k, T]
-        X = down_scale.ne[0]
-        s = L.ggml_repeat_4d(c, L.ggml_reshape_3d(c, down_scale, 1, X, 1), 1, X, T, 1)
-        out = L.ggml_mul(c, out, L.ggml_get_rows(c, s, r.chosen))
-    out = L.ggml_mul(c, out, r.weights)
-    total = None
-    for i in range(k):
-        one = L.ggml_view_2d(c, out, E, T, out.nb[2], i * out.nb[1])
-        total = one if total is None else L.ggml_add(c, total, one)
-    return L.ggml_cont(c, total) if k == 1 else total
+    return L.ggml_mul_mat_id(c, down, glu(c, g_out, u_out), ids)  # [E, k, T]

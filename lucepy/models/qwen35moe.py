@@ -68,10 +68,7 @@ class Qwen35Moe(qwen35.Qwen35):
         p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
         logits = L.ggml_mul_mat(c, w[b + "ffn_gate_inp.weight"], x)  # [n_expert, T]
         r = moe.route(g, logits, p.n_expert_used, p.expert_scale, layer=il)
-        out = moe.experts(
-            g, x, r, w[b + "ffn_down_exps.weight"],
-            gate=w[b + "ffn_gate_exps.weight"], up=w[b + "ffn_up_exps.weight"],
-        )  # fmt: skip
+        out = moe.layer_experts(g, w, b, x, r)
         if not p.n_ff_shexp:
             return out
         shared = g.swiglu_ffn(

@@ -34,6 +34,12 @@ class RuntimeConfig:
     kv_cache_dir: str | None = None  # disk prefix snapshots live here; None: no disk cache
     kv_cache_budget_mb: int = 8192  # the disk cache is evicted (LRU) to stay under this
     disk_prefix_cache: str = "auto:256"  # off | full | auto:N | N (docs/prefix-cache.md)
+    # MoE (runtime/experts.py): a byte budget for routed experts on each shard's device, the
+    # hottest first, the rest in host RAM; or llama.cpp's --n-cpu-moe; and the hotness profile
+    moe_device_mb: int | None = None  # None: every expert with its layer
+    n_cpu_moe: int = 0
+    expert_profile: str | None = None  # None: <cache>/experts/<model identity>.npz
+    save_expert_profile: bool = False  # add this run's routing counts to the profile on close
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
@@ -47,6 +53,10 @@ class RuntimeConfig:
         for flag, value in (("k", self.cache_type_k), ("v", self.cache_type_v)):
             if value not in CACHE_TYPES:
                 raise ConfigError(f"--cache-type-{flag} {value!r}: use one of {list(CACHE_TYPES)}")
+        if self.n_cpu_moe < 0 or (self.moe_device_mb is not None and self.moe_device_mb < 0):
+            raise ConfigError("--n-cpu-moe and --moe-gpu-mb must not be negative")
+        if self.n_cpu_moe and self.moe_device_mb is not None:
+            raise ConfigError("use --n-cpu-moe or --moe-gpu-mb, not both")
         if self.cache_type_v != "f16" and not self.flash_attn:
             raise ConfigError(
                 "a quantized V cache needs flash attention (as in llama.cpp); drop "

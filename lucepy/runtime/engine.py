@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -20,7 +21,7 @@ from lucepy.errors import (
 )
 from lucepy.gguf import GGUFFile
 from lucepy.models import ModelOptions, architecture_for
-from lucepy.runtime import backends, state, workers
+from lucepy.runtime import backends, experts, state, workers
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.devices import local_backends, open_backend
 from lucepy.runtime.pipeline import Pipeline, Step, VerifyHandle
@@ -47,7 +48,19 @@ def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
                     f"no {spec.backend} build in {backends.default_prefix(spec.backend)}; run "
                     f"`lucepy backends build {spec.backend}`"
                 )
-    return plan_load(f, model, specs, split, config.context_for(model.p.n_ctx_train))
+    plan = plan_load(f, model, specs, split, config.context_for(model.p.n_ctx_train))
+    placement = experts.placement_for(f, model.p, config)
+    if placement is None:
+        return plan
+    shards = []
+    for spec, sp in zip(specs, plan.shards, strict=True):
+        _, host = placement.bytes(range(*sp.layers))
+        if host and spec.where != "local":
+            raise ConfigError(
+                f"device {spec.name!r}: experts in host RAM are placed on local devices only"
+            )
+        shards.append(dataclasses.replace(sp, weight_bytes=sp.weight_bytes - host))
+    return dataclasses.replace(plan, shards=tuple(shards), experts=placement)
 
 
 def model_options(config: RuntimeConfig) -> ModelOptions:
@@ -84,6 +97,12 @@ class Engine:
                 log.warning("%s", note)
             self.n_ctx = self.plan.max_ctx
             self._load()
+            n_expert = getattr(self.params, "n_expert", 0)
+            if n_expert:  # routing counts, the hotness profile of the next placement
+                path = experts.profile_for(self.file, self.config)
+                self.pipeline.expert_counts = experts.ExpertCounts(
+                    self.params.n_layer, n_expert, path if self.config.save_expert_profile else None
+                )
             self.draft = self._load_draft() if self.config.draft else None
             tokens = self.file.get("tokenizer.ggml.tokens")
             self.tokenizer = Tokenizer(self.path, tokens) if tokenizer else None
@@ -111,12 +130,25 @@ class Engine:
         self.pipeline = Pipeline(
             self.lib, [], remote, self.n_ctx, deadline_s=self.config.step_deadline_s
         )
+        placement = self.plan.experts
         for spec, sp in zip(self.plan.devices, self.plan.shards, strict=True):
             backend = self._open(spec)
+            layers = range(*sp.layers)
+            host = None
+            if placement is not None and placement.bytes(layers)[1]:
+                host = open_backend(self.lib, "cpu", self.config.thread_count())
             self.pipeline.add(
-                lambda b=backend, sp=sp, spec=spec: Shard(
-                    self.lib, self.model, self.file, range(*sp.layers), b, self.n_ctx, spec.process
-                )
+                lambda b=backend, h=host, layers=layers, spec=spec: Shard(
+                    self.lib,
+                    self.model,
+                    self.file,
+                    layers,
+                    b,
+                    self.n_ctx,
+                    spec.process,
+                    experts=placement,
+                    host=h,
+                )  # fmt: skip
             )
 
     def _open(self, spec: DeviceSpec) -> ggml.Backend:
@@ -379,6 +411,12 @@ class Engine:
             )
 
     def close(self) -> None:
+        counts = getattr(self.pipeline, "expert_counts", None)
+        if counts is not None and counts.steps:
+            try:
+                counts.save()
+            except OSError as err:
+                log.warning("could not save the expert profile %s: %s", counts.path, err)
         if getattr(self, "draft", None) is not None:
             self._close_draft(self.draft)  # before the pipeline stops the workers
             self.draft = None

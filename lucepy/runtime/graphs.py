@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from lucepy.errors import ConfigError, GGMLError
-from lucepy.ggml import Allocator, Backend, Buffer, Context, Lib, ffi
+from lucepy.ggml import Allocator, Backend, Buffer, Context, Lib, Sched, ffi
 from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import Builder
@@ -24,7 +24,7 @@ _NUMPY = {0: np.float32, 26: np.int32}  # ggml type -> host dtype of outputs we 
 @dataclass
 class CompiledGraph:
     ctx: Context
-    alloc: Allocator
+    alloc: Allocator | Sched
     gf: Any
     inputs: dict[str, Any]
     outputs: dict[str, Any]
@@ -42,9 +42,15 @@ class CompiledGraph:
 
 
 def compile_graph(
-    lib: Lib, backend: Backend, max_nodes: int, build: Callable[[Builder], Any]
+    lib: Lib,
+    backend: Backend,
+    max_nodes: int,
+    build: Callable[[Builder], Any],
+    host: Backend | None = None,
 ) -> CompiledGraph:
-    """Build a graph with ``build(builder) -> output`` and allocate its compute buffer."""
+    """Build a graph with ``build(builder) -> output`` and allocate its compute buffer. With a
+    ``host`` CPU backend, the nodes the builder offloads (cold experts) run there, the rest on
+    ``backend``, through a ggml_backend_sched that copies between them."""
     ctx = Context(lib, max_nodes, graph_nodes=max_nodes)
     b = Builder(lib, ctx.ptr, max_nodes)
     out = build(b)
@@ -53,18 +59,27 @@ def compile_graph(
     if out is not None:
         lib.ggml_set_output(out)
         lib.ggml_build_forward_expand(b.gf, out)
-    _check_support(lib, backend, b.gf, ctx)
+    _check_support(lib, backend, b.gf, ctx, skip={int(ffi.cast("intptr_t", t)) for t in b.offload})
     # a uid lets ggml-rpc re-run a graph it has already received instead of re-sending it
     b.gf.uid = lib.ggml_graph_next_uid()
-    alloc = Allocator(lib, backend)
+    if host is None or not b.offload:
+        alloc: Allocator | Sched = Allocator(lib, backend)
+    else:
+        alloc = Sched(lib, [backend, host], 2 * max_nodes + 64)
+        for t in b.offload:
+            alloc.assign(t, host)
+        if "routing" in b.outputs:  # a leaf the copies fill: the scheduler cannot place it
+            alloc.assign(b.outputs["routing"], backend)
     alloc.alloc(b.gf)
     return CompiledGraph(ctx, alloc, b.gf, b.inputs, b.outputs, out, b.constants)
 
 
-def _check_support(lib: Lib, backend: Backend, gf: Any, ctx: Context) -> None:
+def _check_support(lib: Lib, backend: Backend, gf: Any, ctx: Context, skip: set[int]) -> None:
     """Refuse a graph with an op the backend cannot run, before ggml aborts on it mid-compute."""
     for i in range(lib.ggml_graph_n_nodes(gf)):
         node = lib.ggml_graph_node(gf, i)
+        if int(ffi.cast("intptr_t", node)) in skip:
+            continue
         if not lib.ggml_backend_supports_op(backend.ptr, node):
             op = ffi.string(lib.ggml_op_desc(node)).decode()
             shape = [int(node.ne[d]) for d in range(4)]
@@ -76,7 +91,10 @@ def _check_support(lib: Lib, backend: Backend, gf: Any, ctx: Context) -> None:
 
 
 def compute(lib: Lib, backend: Backend, g: CompiledGraph) -> None:
-    status = lib.ggml_backend_graph_compute(backend.ptr, g.gf)
+    if isinstance(g.alloc, Sched):
+        status = g.alloc.compute(g.gf)
+    else:
+        status = lib.ggml_backend_graph_compute(backend.ptr, g.gf)
     if status != 0:
         raise GGMLError(f"graph compute on {backend.name} failed with status {status}")
 

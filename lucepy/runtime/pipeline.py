@@ -21,6 +21,7 @@ import numpy as np
 from lucepy.errors import StaleVerify, WorkerError
 from lucepy.ggml import Lib
 from lucepy.ggml.lib import rpc_failures
+from lucepy.runtime.experts import ExpertCounts
 from lucepy.runtime.shard import Shard
 from lucepy.runtime.slots import IdentitySlots
 from lucepy.runtime.workers import Worker
@@ -96,6 +97,7 @@ class Pipeline:
         self, lib: Lib, workers: list[Worker], remote: bool, n_ctx: int, deadline_s: float = 30.0
     ):
         self.lib, self.workers, self.remote = lib, workers, remote
+        self.expert_counts: ExpertCounts | None = None  # set by the engine for a MoE model
         self.deadline_floor_s = deadline_s  # the least a step may take before it is given up
         self._slowest_s = 0.0
         self.slots = IdentitySlots(n_ctx)
@@ -188,6 +190,8 @@ class Pipeline:
             if prev is not None:
                 self.lib.ggml_backend_tensor_copy(prev.output, g.inputs["x"])
             shard.compute(g)
+            if self.expert_counts is not None and "routing" in g.outputs:
+                self.expert_counts.add(shard.layers, shard.read(g, "routing"))
             features.update(shard.features(g, spec))
             self._last.append((shard, spec, g))
             prev = g

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from lucepy.errors import ConfigError, DeviceError
 from lucepy.models.state import spec_nbytes, state_specs
@@ -155,6 +156,7 @@ class LoadPlan:
     notes: tuple[str, ...] = ()  # boundaries the model's split points moved
     requested: tuple[tuple[int, int], ...] = ()  # the layer ranges asked for, before aligning
     memory: str = ""  # what the model's state holds, where it is not the whole context
+    experts: Any = None  # an ExpertPlacement when routed experts are split (runtime/experts.py)
 
     def to_dict(self) -> dict:
         return {
@@ -166,6 +168,7 @@ class LoadPlan:
             "requested": [list(r) for r in self.requested],
             "notes": list(self.notes),
             "memory": self.memory,
+            "experts": self.experts.to_dict() if self.experts is not None else None,
         }
 
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from lucepy.ggml import Backend, Lib
+from lucepy.ggml import GGML_TYPE_F32, GGML_TYPE_I32, Backend, Lib, ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import GraphSpec
 from lucepy.models.batch import StepBatch
+from lucepy.runtime.experts import EXPERT_TENSORS, ExpertPlacement
 from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
 from lucepy.runtime.state import StateSet
 
@@ -33,6 +34,8 @@ class Shard:
         backend: Backend,
         n_ctx: int,
         process: str = "local",
+        experts: ExpertPlacement | None = None,
+        host: Backend | None = None,
     ):
         self.lib, self.model, self.layers, self.backend = lib, model, layers, backend
         self.n_ctx, self.process = n_ctx, process
@@ -40,14 +43,21 @@ class Shard:
         self._rollbacks: dict[tuple[GraphSpec, int], CompiledGraph] = {}
         # False rebuilds every step: only to test that reuse changes nothing
         self.reuse_graphs = True
+        split = [il for il in layers if experts is not None and experts.is_split(il)]
+        self.host = host if split else None  # the CPU backend of the experts in host RAM
+        if split and host is None:
+            raise ValueError("a shard with experts in host RAM needs a host backend")
+        moved = {f"blk.{il}.{n}.weight" for il in split for n in EXPERT_TENSORS}
         self.weights = Tensors.from_gguf(
             lib,
             backend,
             f,
-            model.weight_shapes(layers, f),
+            [n for n in model.weight_shapes(layers, f) if n not in moved],
             f"weights of layers {layers}",
-            matmul=model.matmul_weights(layers, f),
+            matmul={k: v for k, v in model.matmul_weights(layers, f).items() if k not in moved},
         )
+        self.split = [] if not split else split_experts(lib, backend, host, f, experts, split)
+        self.w = {**self.weights.t, **{k: v for t in self.split for k, v in t.t.items()}}
         self.state = StateSet(
             lib, backend, model.make_state(layers, n_ctx), f"state of layers {layers}"
         )
@@ -55,7 +65,8 @@ class Shard:
 
     @property
     def weight_bytes(self) -> int:
-        return self.weights.nbytes
+        """Bytes of weights on the shard's device (experts in host RAM not counted)."""
+        return self.weights.nbytes + (self.split[0].nbytes if self.split else 0)
 
     @property
     def state_bytes(self) -> int:
@@ -85,7 +96,8 @@ class Shard:
                 self.lib,
                 self.backend,
                 max_nodes,
-                lambda b: self.model.build(b, self.weights.t, self.state.t, self.layers, spec),
+                lambda b: self.model.build(b, self.w, self.state.t, self.layers, spec),
+                self.host,
             )
             log.debug(
                 "built %s on %s: %d nodes, %d bytes",
@@ -154,6 +166,8 @@ class Shard:
         self._rollbacks.clear()
         self.state.abandon()
         self.weights.abandon()
+        for t in self.split:
+            t.abandon()
         self.backend.abandon()
 
     def close(self) -> None:
@@ -163,4 +177,46 @@ class Shard:
         self._rollbacks.clear()
         self.state.close()
         self.weights.close()
+        for t in self.split:
+            t.close()
+        if self.host is not None:
+            self.host.close()
         self.backend.close()
+
+
+def split_experts(
+    lib: Lib, device: Backend, host: Backend, f: GGUFFile, placement: ExpertPlacement, layers
+) -> list[Tensors]:
+    """The routed experts of ``layers`` in two parts: on ``device`` the hot ones and the tables
+    from expert to index (and 0/1 mask) in each part, in ``host`` (a CPU backend) the cold ones
+    as ``NAME.cold``. Each part keeps its experts in expert order."""
+    X = placement.n_expert
+    device_specs, host_specs, data = {}, {}, {}
+    for il in layers:
+        hot, cold = placement.hot[il], placement.cold(il)
+        for part, chosen in (("hot", hot), ("cold", cold)):
+            index = np.zeros((X, 1), dtype=np.int32)  # any valid index where absent: 0
+            index[list(chosen), 0] = np.arange(len(chosen), dtype=np.int32)
+            mask = np.zeros((X, 1), dtype=np.float32)
+            mask[list(chosen), 0] = 1.0
+            for name, arr, gtype in (("", index, GGML_TYPE_I32), ("_mask", mask, GGML_TYPE_F32)):
+                key = f"blk.{il}.experts.{part}{name}"
+                device_specs[key], data[key] = (gtype, (1, X)), arr
+        for n in EXPERT_TENSORS:
+            name = f"blk.{il}.{n}.weight"
+            info = f.tensors[name]
+            raw = np.frombuffer(f.data(name), dtype=np.uint8).reshape(X, -1)
+            for chosen, specs, key in (
+                (hot, device_specs, name),
+                (cold, host_specs, name + ".cold"),
+            ):
+                if chosen:
+                    specs[key] = (int(info.type), (*info.shape[:2], len(chosen)))
+                    data[key] = raw[list(chosen)]
+    parts = [Tensors(lib, device, device_specs, f"device experts of layers {layers}")]
+    parts.append(Tensors(lib, host, host_specs, f"host experts of layers {layers}"))
+    for part in parts:
+        for key, t in part.t.items():
+            arr = np.ascontiguousarray(data[key])
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+    return parts
