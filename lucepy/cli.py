@@ -14,7 +14,7 @@ from typing import Annotated, NamedTuple
 import typer
 
 from lucepy import tui
-from lucepy.errors import LucepyError, PromptError
+from lucepy.errors import ConfigError, LucepyError, PromptError
 from lucepy.runtime.config import RuntimeConfig
 
 app = typer.Typer(
@@ -115,15 +115,39 @@ CacheTypeK = Annotated[
 CacheTypeV = Annotated[
     str, typer.Option("--cache-type-v", "-ctv", help="KV cache type of V: f16 or q8_0")
 ]
+MoeDeviceMB = Annotated[
+    int | None,
+    typer.Option(
+        "--moe-gpu-mb",
+        min=0,
+        help="MB of routed experts on each shard's device, the hottest first (the expert "
+        "profile); the rest stay in host RAM, computed by the CPU",
+    ),
+]
+NCpuMoe = Annotated[
+    int,
+    typer.Option(
+        "--n-cpu-moe", min=0, help="keep all experts of the first N layers in host RAM (llama.cpp)"
+    ),
+]
+ExpertProfile = Annotated[
+    Path | None,
+    typer.Option(help="the expert hotness profile (default: <cache>/experts/<model>.npz)"),
+]
 DEFAULTS = RuntimeConfig()
 
 
 class ComputeFlags(NamedTuple):
-    """How to compute, as llama.cpp's -fa, -ctk and -ctv say."""
+    """How to compute, as llama.cpp's -fa, -ctk, -ctv and --n-cpu-moe say, and where the
+    experts of a MoE model go."""
 
     flash_attn: bool = DEFAULTS.flash_attn
     cache_type_k: str = DEFAULTS.cache_type_k
     cache_type_v: str = DEFAULTS.cache_type_v
+    moe_device_mb: int | None = None
+    n_cpu_moe: int = 0
+    expert_profile: Path | None = None
+    save_expert_profile: bool = False  # serve and generate add their routing counts to it
 
 
 class CacheFlags(NamedTuple):
@@ -167,6 +191,10 @@ def runtime_config(
         kv_cache_dir=str(cache.kv_dir) if cache.kv_dir else None,
         kv_cache_budget_mb=cache.kv_budget_mb,
         disk_prefix_cache=cache.disk,
+        moe_device_mb=compute.moe_device_mb,
+        n_cpu_moe=compute.n_cpu_moe,
+        expert_profile=str(compute.expert_profile) if compute.expert_profile else None,
+        save_expert_profile=compute.save_expert_profile,
     )
 
 
@@ -223,6 +251,9 @@ def generate(
     kv_cache_dir: KVCacheDir = None,
     kv_cache_budget: KVCacheBudget = DEFAULTS.kv_cache_budget_mb,
     disk_prefix_cache: DiskPolicy = DEFAULTS.disk_prefix_cache,
+    moe_gpu_mb: MoeDeviceMB = None,
+    n_cpu_moe: NCpuMoe = 0,
+    expert_profile: ExpertProfile = None,
     as_json: AsJson = False,
 ):
     """Generate from a prompt: greedy by default, speculative with a draft (--draft or the
@@ -238,7 +269,9 @@ def generate(
         if (prompt is None) == (prompt_tokens is None):
             raise PromptError("give exactly one of --prompt TEXT or --prompt-tokens 1,2,3")
         sampling = SamplingParams(temperature, top_k, top_p, seed)
-        compute = ComputeFlags(flash_attn, cache_type_k, cache_type_v)
+        compute = ComputeFlags(
+            flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True
+        )
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         _, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)
         with engine:
@@ -319,9 +352,13 @@ def plan(
     target_devices: TargetDevices = "cpu",
     target_layer_split: LayerSplit = None,
     max_ctx: MaxCtx = None,
+    moe_gpu_mb: MoeDeviceMB = None,
+    n_cpu_moe: NCpuMoe = 0,
+    expert_profile: ExpertProfile = None,
     as_json: AsJson = False,
 ):
-    """Print the load plan (devices, layer ranges, bytes) without loading any weights."""
+    """Print the load plan (devices, layer ranges, bytes, where the experts go) without loading
+    any weights."""
 
     def body():
         from lucepy.ggml import load
@@ -329,13 +366,51 @@ def plan(
         from lucepy.models import architecture_for
         from lucepy.runtime.engine import make_plan
 
-        config = runtime_config(target_devices, target_layer_split, max_ctx)
+        moe = ComputeFlags(moe_device_mb=moe_gpu_mb, n_cpu_moe=n_cpu_moe)
+        config = runtime_config(
+            target_devices, target_layer_split, max_ctx,
+            compute=moe._replace(expert_profile=expert_profile),
+        )  # fmt: skip
         with GGUFFile(model) as f:
             result = make_plan(f, architecture_for(f).from_gguf(f), config, load())
         if as_json:
             tui.print_json(json.dumps(result.to_dict()))
         else:
             tui.show(tui.plan_table(result))
+
+    run_body(body)
+
+
+@app.command()
+def experts(
+    model: Annotated[Path, typer.Argument(help="a GGUF model file with routed experts")],
+    expert_profile: ExpertProfile = None,
+    top: Annotated[int, typer.Option(min=1, help="experts shown per layer")] = 8,
+    as_json: AsJson = False,
+):
+    """Show the expert hotness profile: per layer, the experts most tokens chose (counted by
+    `lucepy serve` and `lucepy generate`; the placement of --moe-gpu-mb follows it)."""
+
+    def body():
+        from lucepy.gguf import GGUFFile
+        from lucepy.models import architecture_for
+        from lucepy.runtime import experts as ex
+
+        with GGUFFile(model) as f:
+            p = architecture_for(f).from_gguf(f).p
+            if not getattr(p, "n_expert", 0):
+                raise ConfigError(f"{model}: this model has no routed experts")
+            path = Path(expert_profile) if expert_profile else ex.profile_path(f)
+        counts = ex.ExpertCounts.load(path, p.n_layer, p.n_expert).counts
+        if not counts.any():
+            raise ConfigError(
+                f"no expert profile at {path} yet: serve or generate with this model to count"
+            )
+        report = ex.report(counts, p.n_expert_used, top)
+        if as_json:
+            tui.print_json(json.dumps({"profile": str(path), **report}))
+        else:
+            tui.show(tui.experts_table(report, str(path)))
 
     run_body(body)
 

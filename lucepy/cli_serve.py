@@ -25,11 +25,14 @@ from lucepy.cli import (
     Draft,
     DraftBlock,
     DraftDevice,
+    ExpertProfile,
     FlashAttn,
     KVCacheBudget,
     KVCacheDir,
     LayerSplit,
     MaxCtx,
+    MoeDeviceMB,
+    NCpuMoe,
     TargetDevices,
     Threads,
     app,
@@ -68,6 +71,9 @@ def serve(
     kv_cache_dir: KVCacheDir = None,
     kv_cache_budget: KVCacheBudget = DEFAULTS.kv_cache_budget_mb,
     disk_prefix_cache: DiskPolicy = DEFAULTS.disk_prefix_cache,
+    moe_gpu_mb: MoeDeviceMB = None,
+    n_cpu_moe: NCpuMoe = 0,
+    expert_profile: ExpertProfile = None,
 ):
     """Serve MODEL with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     cache = CacheFlags(
@@ -77,7 +83,9 @@ def serve(
     def body():
         from lucepy.server.run import Server
 
-        compute = ComputeFlags(flash_attn, cache_type_k, cache_type_v)
+        compute = ComputeFlags(
+            flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True
+        )
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         found, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)
         level = "warning" if live else "info"

@@ -105,8 +105,33 @@ def plan_table(plan) -> Table:
         lines.insert(0, f"requested layers {show(plan.requested)}; aligned {show(aligned)}")
     if plan.memory:
         lines.append(plan.memory)
+    if plan.experts is not None:
+        device, host = plan.experts.bytes()
+        split = sorted(plan.experts.hot)
+        kept = [f"{il}: {len(plan.experts.hot[il])}" for il in split[:8]]
+        more = ", ..." if len(split) > 8 else ""
+        lines.append(
+            f"experts: {plan.experts.policy}; {_mib(device)} on the device, {_mib(host)} in host "
+            f"RAM; {len(split)} layers split"
+            + (f" (experts kept: {', '.join(kept)}{more})" if split else "")
+        )
     if lines:
         table.caption = "\n".join(lines)
+    return table
+
+
+def experts_table(report: dict, path: str) -> Table:
+    table = Table(
+        title=f"expert profile {path}: {report['tokens']:,} tokens a layer; the top 10 % of "
+        f"experts took {100 * report['skew']:.1f} % of the choices"
+    )
+    for col in ("layer", "tokens", "top 10 % share", "most chosen (expert: share)"):
+        table.add_column(col)
+    for row in report["layers"]:
+        best = ", ".join(f"{e}: {100 * share:.1f}%" for e, share in row["top"])
+        table.add_row(
+            str(row["layer"]), f"{row['tokens']:,}", f"{100 * row['top10pct_share']:.1f} %", best
+        )
     return table
 
 

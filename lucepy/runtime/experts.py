@@ -199,3 +199,24 @@ def skew(counts: np.ndarray, share: float = 0.1) -> float:
         return 0.0
     top = max(1, round(counts.shape[1] * share))
     return float(np.sort(counts, axis=1)[:, -top:].sum() / total)
+
+
+def report(counts: np.ndarray, k: int, top: int) -> dict:
+    """What ``lucepy experts`` shows: per layer the tokens counted, the ``top`` most chosen
+    experts with their share of the layer's choices, and the share of its top 10 %."""
+    layers = []
+    for il, row in enumerate(counts):
+        total = int(row.sum())
+        if not total:
+            continue
+        best = np.argsort(-row, kind="stable")[:top]
+        layers.append(
+            {
+                "layer": il,
+                "tokens": total // k,
+                "top": [[int(e), round(float(row[e]) / total, 4)] for e in best],
+                "top10pct_share": round(skew(row[None, :]), 4),
+            }
+        )
+    return {"tokens": int(counts.sum()) // (k * max(1, len(layers))), "skew": skew(counts),
+            "layers": layers}  # fmt: skip
