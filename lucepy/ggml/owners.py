@@ -112,6 +112,9 @@ class Allocator(Owner):
         return self.lib.ggml_gallocr_get_buffer_size(self.ptr, 0)
 
 
+_BUFT_BYTES = 8 * ffi.sizeof("void *")  # struct ggml_backend_buffer_type at the pinned ggml
+
+
 class Sched(Owner):
     """A ggml_backend_sched over ``backends`` (the last one a CPU): the compute buffers of one
     reusable graph whose nodes run on several backends, with the copies between them."""
@@ -119,9 +122,21 @@ class Sched(Owner):
     def __init__(self, lib: Lib, backends: list[Backend], graph_size: int):
         self.lib, self.backends = lib, backends
         self._ptrs = ffi.new("ggml_backend_t[]", [b.ptr for b in backends])
+        self._bufts = ffi.new("ggml_backend_buffer_type_t[]", [b.buffer_type for b in backends])
+        self._copies = []
+        for i in range(1, len(backends)):
+            if self._bufts[i] in list(self._bufts)[:i]:
+                # The scheduler moves a node to an earlier backend of the same buffer type (its
+                # pass 3), which would fold a second CPU backend into the first. A byte copy of
+                # the type (ggml-backend-impl.h: 6 function pointers, device, context) behaves
+                # the same at another address, so each backend keeps what it was given.
+                copy = ffi.new("char[]", _BUFT_BYTES)
+                ffi.memmove(copy, self._bufts[i], _BUFT_BYTES)
+                self._copies.append(copy)
+                self._bufts[i] = ffi.cast("ggml_backend_buffer_type_t", copy)
         n = len(backends)
         self._own(
-            lib.ggml_backend_sched_new(self._ptrs, ffi.NULL, n, graph_size, False, False),
+            lib.ggml_backend_sched_new(self._ptrs, self._bufts, n, graph_size, False, False),
             lib.ggml_backend_sched_free,
             f"ggml_backend_sched_new({', '.join(b.name for b in backends)})",
         )

@@ -36,7 +36,7 @@ class RuntimeConfig:
     disk_prefix_cache: str = "auto:256"  # off | full | auto:N | N (docs/prefix-cache.md)
     # MoE (runtime/experts.py): a byte budget for routed experts on each shard's device, the
     # hottest first, the rest in host RAM; or llama.cpp's --n-cpu-moe; and the hotness profile
-    moe_device_mb: int | None = None  # None: every expert with its layer
+    moe_device_mb: float | None = None  # None: every expert with its layer
     n_cpu_moe: int = 0
     expert_profile: str | None = None  # None: <cache>/experts/<model identity>.npz
     save_expert_profile: bool = False  # add this run's routing counts to the profile on close

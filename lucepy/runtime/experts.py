@@ -54,7 +54,7 @@ def placement_for(f: GGUFFile, params, config) -> ExpertPlacement | None:
     if config.n_cpu_moe:
         return by_layers(f, params.n_layer, n_expert, config.n_cpu_moe)
     counts = ExpertCounts.load(profile_for(f, config), params.n_layer, n_expert).counts
-    return by_hotness(f, params.n_layer, n_expert, counts, config.moe_device_mb << 20)
+    return by_hotness(f, params.n_layer, n_expert, counts, int(config.moe_device_mb * 2**20))
 
 
 def expert_bytes(f: GGUFFile, il: int) -> int:
@@ -133,7 +133,7 @@ def by_hotness(
             left -= sizes[il]
     split = {il: tuple(sorted(e)) for il, e in hot.items() if len(e) < n_expert}
     source = "profile" if counts.any() else "no profile: an even share"
-    policy = f"hotness ({source}), {budget / 2**20:.0f} MiB of experts on the device"
+    policy = f"hotness ({source}), {budget / 2**20:,.1f} MiB of experts on the device"
     return ExpertPlacement(policy, n_expert, split, sizes)
 
 

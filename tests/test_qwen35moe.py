@@ -1,0 +1,194 @@
+"""qwen35moe: experts split between the shard's device and host RAM compute what one backend
+computes (here two CPU backend instances under ggml_backend_sched, bit for bit), routing counts
+make the hotness profile that the next placement follows, and split, workers, DFlash and prefix
+snapshots work as for qwen35. llama.cpp parity at every position is in test_llama.py (it runs
+every converted fixture, with and without MTP)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import THREADS
+from test_llama import FIXTURES
+from typer.testing import CliRunner
+
+from lucepy.cli import app
+from lucepy.decode.ar import generate
+from lucepy.engine import open_engine
+from lucepy.ggml import Sched, ffi
+from lucepy.gguf import GGUFFile
+from lucepy.runtime import experts
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.runtime.engine import Engine
+from lucepy.testing.tiny import Qwen35Spec
+from lucepy.testing.tiny_draft import write_dflash
+
+MODEL = FIXTURES / "qwen35moe-q8_0.gguf"
+PROMPT = list(range(5, 60))
+N_EXPERT, K = 8, 2
+
+
+def cfg(tmp_path, **kw) -> RuntimeConfig:
+    profile = str(tmp_path / "profile.npz")  # never the user's cache
+    return RuntimeConfig(threads=THREADS, max_ctx=256, expert_profile=profile, **kw)
+
+
+def run(path, config):
+    """Prompt logits at every position (16-token chunks), 16 greedy tokens, and the engine's
+    routing counts."""
+    with Engine(path, config, tokenizer=False) as engine:
+        logits = engine.prefill(PROMPT, chunk=16, all_logits=True).copy()
+        engine.reset()
+        tokens = generate(engine, PROMPT, 16, stop_at_end=False).tokens
+        counts = engine.pipeline.expert_counts.counts.copy()
+        graphs = [g for s in engine.shards for g in s.graphs.values()]
+        split = [_split_report(engine, g) for g in graphs if isinstance(g.alloc, Sched)]
+    return logits, tokens, counts, split
+
+
+def _split_report(engine, g) -> tuple[int, set[str]]:
+    """(number of scheduler splits, backends that run a MUL_MAT_ID on a .cold weight)."""
+    lib, sched = engine.lib, g.alloc
+    on = set()
+    for i in range(lib.ggml_graph_n_nodes(g.gf)):
+        node = lib.ggml_graph_node(g.gf, i)
+        if node.op == lib.GGML_OP_MUL_MAT_ID:
+            name = ffi.string(lib.ggml_get_name(node.src[0])).decode()
+            if name.endswith(".cold"):
+                backend = lib.ggml_backend_sched_get_tensor_backend(sched.ptr, node)
+                on.add("host" if backend == engine.shard.host.ptr else "device")
+    return lib.ggml_backend_sched_get_n_splits(sched.ptr), on
+
+
+@pytest.fixture(scope="module")
+def one_backend(tmp_path_factory):
+    return run(MODEL, cfg(tmp_path_factory.mktemp("one")))
+
+
+def _mb(n_experts: int) -> float:
+    """A device budget of exactly ``n_experts`` experts (they are the same size in every layer)."""
+    with GGUFFile(MODEL) as f:
+        return n_experts * experts.expert_bytes(f, 0) / 2**20
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [{"n_cpu_moe": 2}, {"moe_device_mb": 0}, {"moe_device_mb": _mb(3)}, {"moe_device_mb": _mb(20)}],
+    ids=["n-cpu-moe-2", "all-in-host-RAM", "3-on-the-device", "20-on-the-device"],
+)
+def test_hybrid_placement_equals_one_backend(placement, one_backend, tmp_path):
+    """Per slot, one part holds the expert's output and the other exactly 0, so the sum is the
+    one-backend sum, bit for bit; the cold experts' matmuls run on the host backend."""
+    logits, tokens, _, split = run(MODEL, cfg(tmp_path, **placement))
+    np.testing.assert_array_equal(logits, one_backend[0])
+    assert tokens == one_backend[1]
+    assert split and all(n >= 2 and on == {"host"} for n, on in split)
+
+
+def test_the_budget_buys_the_hottest_experts(tmp_path):
+    counts = np.zeros((4, N_EXPERT), dtype=np.int64)
+    counts[0, [5, 6]] = [100, 90]
+    counts[2, 1] = 95
+    counts[3, :] = 1  # a layer with one token counted everywhere: ties go to the lower index
+    with GGUFFile(MODEL) as f:
+        one = experts.expert_bytes(f, 0)
+        placed = experts.by_hotness(f, 4, N_EXPERT, counts, 4 * one + one // 2)
+        assert placed.hot == {0: (5, 6), 1: (), 2: (1,), 3: (0,)}
+        assert placed.bytes() == (4 * one, (4 * N_EXPERT - 4) * one)
+        even = experts.by_hotness(f, 4, N_EXPERT, None, 8 * one)
+        assert even.hot == {il: (0, 1) for il in range(4)}
+        assert experts.by_layers(f, 4, N_EXPERT, 1).hot == {0: ()}
+
+
+def test_routing_counts_every_choice_and_the_profile_drives_the_next_placement(tmp_path):
+    """k choices per token and layer, the same whether prefilled in one chunk or token by
+    token; saved on close, added to what the file had, and shown by lucepy plan and experts."""
+    config = cfg(tmp_path, save_expert_profile=True)
+    with Engine(MODEL, config, tokenizer=False) as engine:
+        engine.prefill(PROMPT, chunk=len(PROMPT))
+        whole = engine.pipeline.expert_counts.counts.copy()
+        engine.reset()
+        engine.pipeline.expert_counts.counts[:] = 0
+        for t in PROMPT:
+            engine.prefill([t])
+        one_by_one = engine.pipeline.expert_counts.counts.copy()
+    assert (whole.sum(axis=1) == K * len(PROMPT)).all()
+    np.testing.assert_array_equal(whole, one_by_one)
+    saved = np.load(tmp_path / "profile.npz")["counts"]
+    np.testing.assert_array_equal(saved, one_by_one)  # the first save: what the run counted
+
+    with Engine(MODEL, cfg(tmp_path, moe_device_mb=_mb(4)), tokenizer=False) as engine:
+        placed = engine.plan.experts
+    hottest = sorted(
+        ((il, e) for il in range(4) for e in range(N_EXPERT)),
+        key=lambda le: (-saved[le], le[1], le[0]),
+    )[:4]
+    assert "profile" in placed.policy
+    assert sorted((il, e) for il, hot in placed.hot.items() for e in hot) == sorted(hottest)
+
+    profile = ["--expert-profile", str(tmp_path / "profile.npz")]
+    result = CliRunner().invoke(app, ["plan", str(MODEL), "--moe-gpu-mb", "0", *profile, "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)["experts"]
+    assert plan["device_bytes"] == 0 and plan["hot"] == {str(il): 0 for il in range(4)}
+    result = CliRunner().invoke(app, ["experts", str(MODEL), *profile, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert [row["tokens"] for row in report["layers"]] == [len(PROMPT)] * 4
+    top = report["layers"][0]["top"][0]
+    assert top == [int(np.argmax(saved[0])), round(saved[0].max() / saved[0].sum(), 4)]
+
+
+@pytest.mark.parametrize("placement", [{}, {"n_cpu_moe": 3}], ids=["one-backend", "hybrid"])
+def test_restored_equals_fresh_and_the_delta_is_prefilled_in_chunks(placement, tmp_path):
+    """A RAM hit (turn 2 after turn 1), then after a restart a disk hit (turn 3 after the
+    snapshot of turn 2): each delta of 50 tokens takes 4 steps of 16, not 50 of 1."""
+    turn1 = PROMPT[:40]
+    turn2 = PROMPT + list(range(100, 135))
+    turn3 = turn2 + list(range(200, 250))
+    kw = {"chunk": 16, **placement}
+    with Engine(MODEL, cfg(tmp_path, **kw), tokenizer=False) as engine:
+        fresh2 = generate(engine, turn2, 16, stop_at_end=False).tokens
+        fresh3 = generate(engine, turn3, 16, stop_at_end=False).tokens
+    cache = {"prefix_cache_slots": 4, "kv_cache_dir": str(tmp_path / "kv")}
+    cache["disk_prefix_cache"] = "full"
+    hits = []
+    with open_engine(MODEL, cfg(tmp_path, **kw, **cache), tokenizer=False) as engine:
+        generate(engine, turn1, 4, stop_at_end=False)
+        steps = engine.pipeline.steps
+        hits.append((generate(engine, turn2, 16, stop_at_end=False), fresh2))
+        hits[-1] += (engine.pipeline.steps - steps,)
+    with open_engine(MODEL, cfg(tmp_path, **kw, **cache), tokenizer=False) as engine:
+        hits.append((generate(engine, turn3, 16, stop_at_end=False), fresh3))
+        hits[-1] += (engine.pipeline.steps,)
+    assert [gen.cache["hit"] for gen, _, _ in hits] == ["ram", "disk"]
+    for gen, fresh, n_steps in hits:
+        assert gen.tokens == fresh
+        delta = gen.cache["prefilled_tokens"]
+        assert delta == 50
+        assert n_steps - 15 == 4  # the delta in 4 steps of up to 16; then 15 decode steps
+
+
+@pytest.mark.parametrize(
+    "device,split", [("cpu,cpu", None), ("cpu,cpu@worker", "1,3"), ("cpu@worker,cpu", "3,1")]
+)
+def test_sharded_equals_unsharded(device, split, one_backend, tmp_path):
+    logits, tokens, _, _ = run(MODEL, cfg(tmp_path, device=device, layer_split=split))
+    err = np.linalg.norm(logits - one_backend[0], axis=1)
+    assert (err / np.linalg.norm(one_backend[0], axis=1)).max() <= 1e-4
+    assert tokens == one_backend[1]
+
+
+@pytest.mark.parametrize("name", ["qwen35moe-q8_0", "qwen35moe-mtp-q8_0"])
+def test_speculative_equals_greedy(name, tmp_path):
+    path = FIXTURES / f"{name}.gguf"
+    shape = Qwen35Spec(n_vocab=384, n_embd=64, n_layer=4, context_length=2048)
+    draft = write_dflash(tmp_path / "draft.gguf", shape, target_layers=(1, 3), block_size=4)
+    with Engine(path, cfg(tmp_path), tokenizer=False) as engine:
+        plain = generate(engine, PROMPT, 32, stop_at_end=False).tokens
+    with Engine(path, cfg(tmp_path, draft=str(draft), n_cpu_moe=2), tokenizer=False) as engine:
+        gen = generate(engine, PROMPT, 32, stop_at_end=False)
+    assert gen.accept is not None and gen.accept.steps > 0
+    assert gen.tokens == plain
