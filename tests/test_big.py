@@ -14,7 +14,16 @@ from lucepy.decode.ar import generate
 from lucepy.gguf import GGUFFile
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
-from lucepy.testing.big import gemma4_31b, gemma4_layout, main, qwen35_layout, qwen36_27b
+from lucepy.testing.big import (
+    MoeSpec,
+    gemma4_31b,
+    gemma4_layout,
+    main,
+    qwen35_layout,
+    qwen35moe_layout,
+    qwen36_27b,
+    qwen36_35b_a3b,
+)
 
 SMALL = {
     "qwen35": lambda: qwen35_layout(
@@ -23,6 +32,14 @@ SMALL = {
             rope_dim=16, rope_sections=None, ssm_state_size=32, ssm_group_count=2,
             ssm_time_step_rank=4, context_length=1024,
         )
+    ),
+    "qwen35moe": lambda: qwen35moe_layout(
+        qwen36_35b_a3b(
+            "q4_0", 4, n_vocab=1024, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+            rope_dim=16, rope_sections=None, ssm_state_size=32, ssm_group_count=2,
+            ssm_time_step_rank=4, context_length=1024,
+        )[0],
+        MoeSpec(n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff_shexp=96, zipf=0.3),
     ),
     "gemma4": lambda: gemma4_layout(
         gemma4_31b(
@@ -43,13 +60,16 @@ def test_big_writer_decodes_as_llama_cpp(arch, tmp_path, reference):
     with GGUFFile(path) as f:
         types = {name: t.type for name, t in f.tensors.items()}
         assert f.metadata["general.architecture"] == arch
-    assert types["blk.0.ffn_up.weight"] == QType.Q4_0
+    assert types["blk.0.attn_norm.weight"] == QType.F32
     assert types["output_norm.weight"] == QType.F32
     if arch == "gemma4":  # tied: the embedding is the output, so it takes the output's Q6_K
         assert "output.weight" not in types and types["token_embd.weight"] == QType.Q6_K
         assert "blk.5.attn_v.weight" not in types and "blk.4.attn_v.weight" in types
     else:
         assert types["output.weight"] == QType.Q6_K and types["token_embd.weight"] == QType.Q4_0
+    if arch == "qwen35moe":  # routers stay f32, as llama.cpp's quantize leaves them
+        assert types["blk.0.ffn_gate_inp.weight"] == QType.F32
+        assert types["blk.0.ffn_down_exps.weight"] == QType.Q4_0
     config = RuntimeConfig(threads=THREADS, max_ctx=256)
     ref = reference(path, len(PROMPT))
     with Engine(path, config, tokenizer=False) as engine:

@@ -149,6 +149,30 @@ def test_gpu_gemma4_matches_llama_cpp(tmp_path):
         assert err.max() <= TF32_TOLERANCE, f"{what} row {err.argmax()}: {err.max():.2e}"
 
 
+def test_gpu_experts_in_host_ram_equal_all_on_the_gpu():
+    """qwen35moe with half its experts (by --n-cpu-moe, and by hotness) computed by the CPU in
+    the same step: the GPU-only tokens, logits within TF32, and the cold matmuls on the CPU."""
+    from lucepy.ggml import Sched
+
+    path = Path(__file__).parent / "fixtures" / "hf" / "qwen35moe-f32.gguf"
+    runs = []
+    for extra in ({}, {"n_cpu_moe": 2}, {"moe_device_mb": 0.1}):
+        cfg = RuntimeConfig(device=GPU, threads=THREADS, max_ctx=256, **extra)
+        with Engine(path, cfg, tokenizer=False) as engine:
+            logits = engine.prefill(PROMPT, chunk=16, all_logits=True).copy()
+            tokens = [int(np.argmax(logits[-1]))]
+            for _ in range(15):
+                tokens.append(int(np.argmax(engine.decode(tokens[-1]))))
+            scheds = [g.alloc for g in engine.shard.graphs.values() if isinstance(g.alloc, Sched)]
+            splits = [engine.lib.ggml_backend_sched_get_n_splits(s.ptr) for s in scheds]
+        runs.append((logits, tokens, splits))
+    for logits, tokens, splits in runs[1:]:
+        assert splits and min(splits) >= 2  # the GPU, the CPU and back, in every graph
+        err = rel_err(logits, runs[0][0])
+        assert err.max() <= TF32_TOLERANCE, f"row {err.argmax()}: {err.max():.2e}"
+        assert tokens == runs[0][1]
+
+
 @pytest.fixture(scope="module")
 def on_gpu(tiny_model):
     return run_split(tiny_model("odd", "f32"), GPU)

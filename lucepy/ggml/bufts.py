@@ -12,6 +12,7 @@ from lucepy.ggml.lib import Lib, ffi
 from lucepy.ggml.owners import Backend, Context
 
 _F32 = ffi.typeof("enum ggml_type").relements["GGML_TYPE_F32"]
+_I32 = ffi.typeof("enum ggml_type").relements["GGML_TYPE_I32"]
 
 
 def extra_buffer_types(lib: Lib, backend: Backend) -> list[Any]:
@@ -32,14 +33,21 @@ def extra_buffer_types(lib: Lib, backend: Backend) -> list[Any]:
 
 def takes_matmul(lib: Lib, backend: Backend, buft: Any, gtype: int, shape: tuple) -> bool:
     """Whether the device runs ``mul_mat(w, x)`` with ``w`` (``gtype``, ``shape``) in ``buft``,
-    asked with a 512-row ``x`` over an empty buffer, as llama.cpp's loader asks."""
+    asked with a 512-row ``x`` over an empty buffer, as llama.cpp's loader asks; for a 3D ``w``
+    (experts) ``mul_mat_id`` with 512 tokens of up to 8 experts each."""
     dev = lib.ggml_backend_get_device(backend.ptr)
     ctx = Context(lib, 8)
     try:
         ne = list(shape) + [1] * (4 - len(shape))
         w = lib.ggml_new_tensor(ctx.ptr, gtype, len(shape), ffi.new("int64_t[4]", ne))
-        x = lib.ggml_new_tensor_4d(ctx.ptr, _F32, ne[0], 512, ne[2], ne[3])
-        op = lib.ggml_mul_mat(ctx.ptr, w, x)
+        if len(shape) == 3:
+            k = min(8, ne[2])
+            x = lib.ggml_new_tensor_3d(ctx.ptr, _F32, ne[0], k, 512)
+            ids = lib.ggml_new_tensor_2d(ctx.ptr, _I32, k, 512)
+            op = lib.ggml_mul_mat_id(ctx.ptr, w, x, ids)
+        else:
+            x = lib.ggml_new_tensor_4d(ctx.ptr, _F32, ne[0], 512, ne[2], ne[3])
+            op = lib.ggml_mul_mat(ctx.ptr, w, x)
         w.buffer = lib.ggml_backend_buft_alloc_buffer(buft, 0)
         try:
             return bool(lib.ggml_backend_dev_supports_op(dev, op))

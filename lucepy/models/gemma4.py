@@ -44,7 +44,8 @@ from lucepy.models.state import KVCache, LayerState, spec_nbytes, state_specs
 
 ROPE_NEOX = 2  # LLAMA_ROPE_TYPE_NEOX: rotate the two halves of each head
 _MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-_MATMULS += ("inp_gate", "proj", "ffn_gate_inp")
+_MATMULS += ("inp_gate", "proj", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_MATMULS += ("ffn_gate_up_exps",)
 
 
 @dataclass(frozen=True)

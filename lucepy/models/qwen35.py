@@ -33,7 +33,7 @@ GGML_ROPE_TYPE_IMROPE = 40
 # the 2D weights that graphs use only as mul_mat's first operand (not norms, conv, get_rows)
 _MATMUL_SUFFIXES = ("_qkv.weight", "_gate.weight", "_q.weight", "_k.weight", "_v.weight")
 _MATMUL_SUFFIXES += ("_output.weight", "_beta.weight", "_alpha.weight", "ssm_out.weight")
-_MATMUL_SUFFIXES += ("ffn_up.weight", "ffn_down.weight", "_shexp.weight")
+_MATMUL_SUFFIXES += ("ffn_up.weight", "ffn_down.weight", "_shexp.weight", "_exps.weight")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from lucepy.ggml import GGML_TYPE_F32, GGML_TYPE_I32, Backend, Lib, ffi
+from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import GraphSpec
 from lucepy.models.batch import StepBatch
@@ -213,8 +214,14 @@ def split_experts(
                 if chosen:
                     specs[key] = (int(info.type), (*info.shape[:2], len(chosen)))
                     data[key] = raw[list(chosen)]
-    parts = [Tensors(lib, device, device_specs, f"device experts of layers {layers}")]
-    parts.append(Tensors(lib, host, host_specs, f"host experts of layers {layers}"))
+    # experts in the buffer types a one-backend load would give them (repacked on a CPU)
+    where = []
+    for backend, specs in ((device, device_specs), (host, host_specs)):
+        weights = {k: v for k, v in specs.items() if ".experts." not in k}
+        where.append(matmul_placement(lib, backend, weights))
+    what = f"experts of layers {layers}"
+    parts = [Tensors(lib, device, device_specs, f"device {what}", where[0])]
+    parts.append(Tensors(lib, host, host_specs, f"host {what}", where[1]))
     for part in parts:
         for key, t in part.t.items():
             arr = np.ascontiguousarray(data[key])

@@ -1,5 +1,5 @@
-"""Random-weight GGUFs of real size, written at disk speed: qwen35 with Qwen3.6-27B's shapes and
-gemma4 with Gemma 4 31B's.
+"""Random-weight GGUFs of real size, written at disk speed: qwen35 with Qwen3.6-27B's shapes,
+qwen35moe with Qwen3.6-35B-A3B's (its router skewed) and gemma4 with Gemma 4 31B's.
 
 A 27B model cannot be quantized from float values in reasonable time, so quantized weights are
 written as random blocks: random bytes for the quants, and one f16 scale per block of constant
@@ -10,7 +10,7 @@ Tensor types follow llama.cpp's quantize defaults for the file type (``src/llama
 the pinned commit): a Q4_0 file keeps ``token_embd`` in Q4_0 and stores ``output`` as Q6_K (a
 tied embedding, which is also the output, as Q6_K); a Q8_0 file stores both as Q8_0.
 
-    python -m lucepy.testing.big OUT.gguf --arch qwen35|gemma4 --type q4_0 [--layers N]
+    python -m lucepy.testing.big OUT.gguf --arch qwen35|qwen35moe|gemma4 --type q4_0 [--layers N]
 """
 
 from __future__ import annotations
@@ -81,6 +81,97 @@ def qwen36_27b(weight_type: str = "q4_0", n_layer: int = 64, **overrides: object
         rms_eps=1e-6, context_length=262144, weight_type=weight_type,
     )  # fmt: skip
     return dataclasses.replace(base, **overrides)
+
+
+# --- qwen35moe: Qwen3.6-35B-A3B's shapes, with a skewed router ---
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The routed experts of a qwen35moe layer. The router's rows are scaled by Zipf weights
+    ``(rank + 1) ** -zipf`` in a random order per layer, so that a few experts take most tokens,
+    as routing does in real models (0: unskewed)."""
+
+    n_expert: int = 256
+    n_expert_used: int = 8
+    n_ff_exp: int = 512
+    n_ff_shexp: int = 512
+    zipf: float = 0.3
+
+
+def qwen36_35b_a3b(
+    weight_type: str = "q4_0", n_layer: int = 40, zipf: float = 0.3, **overrides: object
+) -> tuple[Qwen35Spec, MoeSpec]:
+    """Qwen3.5/3.6-35B-A3B's shapes (its public configuration)."""
+    trunk = Qwen35Spec(
+        n_vocab=248320, n_embd=2048, n_layer=n_layer, n_ff=512, n_head=16, n_head_kv=2,
+        head_dim=256, rope_dim=64, rope_sections=(11, 11, 10, 0), rope_theta=1e7,
+        ssm_conv_kernel=4, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32,
+        rms_eps=1e-6, context_length=262144, weight_type=weight_type,
+    )  # fmt: skip
+    return dataclasses.replace(trunk, **overrides), MoeSpec(zipf=zipf)
+
+
+def _moe_plans(spec: Qwen35Spec, moe: MoeSpec) -> list[TensorPlan]:
+    """qwen35's tensors with each dense FFN replaced by the router, experts and shared expert."""
+    E, X, ff, sh = spec.n_embd, moe.n_expert, moe.n_ff_exp, moe.n_ff_shexp
+    out = []
+    for t in plan_tensors(spec):
+        name = t.name
+        if not name.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")):
+            out.append(t)
+            continue
+        if not name.endswith("ffn_gate.weight"):
+            continue
+        b = name[: -len("ffn_gate.weight")]
+        out += [
+            _plan(b + "ffn_gate_inp.weight", (E, X), "router", 1 / math.sqrt(E)),
+            _plan(b + "ffn_gate_exps.weight", (E, ff, X), "dense", 1 / math.sqrt(E)),
+            _plan(b + "ffn_up_exps.weight", (E, ff, X), "dense", 1 / math.sqrt(E)),
+            _plan(b + "ffn_down_exps.weight", (ff, E, X), "dense", 1 / math.sqrt(ff)),
+            _plan(b + "ffn_gate_inp_shexp.weight", (E, 1), "router", 1 / math.sqrt(E)),
+            _plan(b + "ffn_gate_shexp.weight", (E, sh), "dense", 1 / math.sqrt(E)),
+            _plan(b + "ffn_up_shexp.weight", (E, sh), "dense", 1 / math.sqrt(E)),
+            _plan(b + "ffn_down_shexp.weight", (sh, E), "dense", 1 / math.sqrt(sh)),
+        ]
+    return out
+
+
+def _moe_values(spec: Qwen35Spec, moe: MoeSpec, t: TensorPlan, index: int) -> np.ndarray:
+    if t.init != "router":
+        return tensor_values(t, spec, index)
+    rng = np.random.default_rng([spec.seed, index])
+    x = rng.standard_normal(t.shape).astype(np.float32) * np.float32(t.std)  # [X, E] or [1, E]
+    if t.shape[0] == moe.n_expert and moe.zipf:
+        weights = (np.arange(moe.n_expert) + 1.0) ** -moe.zipf
+        weights /= np.sqrt(np.mean(weights**2))
+        x *= weights[rng.permutation(moe.n_expert)][:, None].astype(np.float32)
+    return x
+
+
+def _moe_hparams(w: gguf.GGUFWriter, spec: Qwen35Spec, moe: MoeSpec, n_params: int) -> None:
+    _add_hparams(w, spec, name=f"lucepy random qwen35moe {n_params / 1e9:.1f}B")
+    w.add_expert_count(moe.n_expert)
+    w.add_expert_used_count(moe.n_expert_used)
+    w.add_expert_feed_forward_length(moe.n_ff_exp)
+    w.add_expert_shared_feed_forward_length(moe.n_ff_shexp)
+
+
+def qwen35moe_layout(spec: Qwen35Spec, moe: MoeSpec) -> Layout:
+    """Tensor types as llama.cpp's quantize leaves them: routers (ffn_gate_inp*) in f32."""
+    plans = _moe_plans(spec, moe)
+    out = output_type(spec.weight_type, spec.n_embd)
+    weights = WEIGHT_TYPES[spec.weight_type][0]
+    types = [
+        out if t.name == "output.weight" else weights if t.init == "dense" else QType.F32
+        for t in plans
+    ]
+    n_params = sum(math.prod(t.ne) for t in plans)
+    return Layout(
+        "qwen35moe", spec.n_vocab, spec.weight_type, spec.seed, plans, types,
+        lambda w: _moe_hparams(w, spec, moe, n_params),
+        lambda t, i: _moe_values(spec, moe, t, i),
+    )  # fmt: skip
 
 
 # --- gemma4: Gemma 4 31B's shapes ---
@@ -367,7 +458,16 @@ def write_random(
     return path
 
 
-ARCHS = {"qwen35": (qwen36_27b, 64, 4), "gemma4": (gemma4_31b, 60, 6)}  # spec, layers, least
+ARCHS = {  # spec, layers, least
+    "qwen35": (qwen36_27b, 64, 4),
+    "qwen35moe": (qwen36_35b_a3b, 40, 4),
+    "gemma4": (gemma4_31b, 60, 6),
+}
+LAYOUTS = {
+    "qwen35": qwen35_layout,
+    "qwen35moe": lambda specs: qwen35moe_layout(*specs),
+    "gemma4": gemma4_layout,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen35")
     ap.add_argument("--type", choices=["q4_0", "q8_0"], default="q4_0")
     ap.add_argument(
-        "--layers", type=int, help="layers: as in the real model (qwen35 64, gemma4 60) if not set"
+        "--layers",
+        type=int,
+        help="layers: as in the real model (qwen35 64, qwen35moe 40, gemma4 60) if not set",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="generator threads (all cores)")
@@ -389,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             # (set_input_k_idxs): qwen35 attends every 4th layer, gemma4 every 6th
             raise ConfigError(f"--layers {layers}: use at least {least}, so one layer attends")
         spec = make_spec(args.type, layers, seed=args.seed)
-        layout = qwen35_layout(spec) if args.arch == "qwen35" else gemma4_layout(spec)
+        layout = LAYOUTS[args.arch](spec)
         t0 = time.perf_counter()
         write_random(args.out, layout, threads=args.threads)
     except ConfigError as err:
