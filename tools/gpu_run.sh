@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU run (issue 7) on a fresh H200 machine that cannot reach a package registry, inside the
 # device tool's 10 minutes: install the carried wheels, build the pinned ggml for CUDA (sm_90) with
-# libllama and llama-bench, generate a random Q4_0 GGUF of a real model's shapes (Qwen3.6-27B, or
-# Gemma 4 31B with GPU_RUN_ARCH=gemma4; in the background, during the build), run the GPU tests,
-# then llama-bench and lucepy on that model.
+# libllama and llama-bench, generate a random Q4_0 GGUF of a real model's shapes (Qwen3.6-27B;
+# Gemma 4 31B with GPU_RUN_ARCH=gemma4; Qwen3.6-35B-A3B with a skewed router with
+# GPU_RUN_ARCH=qwen35moe) in the background, during the build, run the GPU tests, then llama-bench
+# and lucepy on that model (for qwen35moe: all experts on the GPU, then half of them in host RAM,
+# by llama.cpp's --n-cpu-moe and by lucepy's hotness placement: tools/bench_moe.py).
 #
 #   tools/prepare_gpu_carry.sh          # here: .whl/, .sdist/ and .gpuref/
 #   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".sdist", ".gpuref"]
@@ -12,11 +14,13 @@
 # Python path segfaults there). The run stops at once, saying what to run, if it is missing or made
 # for other tiny models than the tests write (unless GPU_RUN_SKIP names pytest).
 #
-# OUTDIR gets 7 files: setup.log build.log pytest.txt bench.log llama-bench.json lucepy-bench.json
+# OUTDIR gets 7 files (8 for qwen35moe: llama-bench-ncmoe.json): setup.log build.log pytest.txt
+# bench.log llama-bench.json lucepy-bench.json
 # summary.md. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
 # since start); a step that runs out is stopped and the run goes on. The build and the model stay
 # in /tmp: a second call on the still-warm machine (30 s) skips them, or resumes the build.
-# Knobs: GPU_RUN_ARCH (qwen35 or gemma4), GPU_RUN_LAYERS (the real model's: 64 or 60),
+# Knobs: GPU_RUN_ARCH (qwen35, gemma4 or qwen35moe), GPU_RUN_LAYERS (the real model's),
+# GPU_RUN_THREADS (8: CPU threads of the MoE runs, both sides),
 # GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest llama"), GPU_RUN_DEVICE (cuda:0),
 # GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit).
 set -euo pipefail
@@ -32,7 +36,8 @@ export ARCH=${GPU_RUN_ARCH:-qwen35}
 case $ARCH in
 qwen35) export LAYERS=${GPU_RUN_LAYERS:-64} SHAPE=qwen36-27b ;;
 gemma4) export LAYERS=${GPU_RUN_LAYERS:-60} SHAPE=gemma4-31b ;;
-*) echo "gpu_run: GPU_RUN_ARCH=$ARCH: use qwen35 or gemma4" >&2 && exit 2 ;;
+qwen35moe) export LAYERS=${GPU_RUN_LAYERS:-40} SHAPE=qwen36-35b-a3b ;;
+*) echo "gpu_run: GPU_RUN_ARCH=$ARCH: use qwen35, gemma4 or qwen35moe" >&2 && exit 2 ;;
 esac
 DEADLINE=${GPU_RUN_DEADLINE:-570}
 SKIP=" ${GPU_RUN_SKIP:-} "
@@ -208,15 +213,30 @@ if ((built)); then
 fi
 step model 240 "$SETUP" wait_model || true
 
-if ((built)) && [[ -f $MODEL ]]; then
+THREADS=${GPU_RUN_THREADS:-8}
+NCMOE=$((LAYERS / 2))
+if ((built)) && [[ -f $MODEL && $ARCH == qwen35moe ]]; then
+    step llama 200 "$BENCHLOG" sh -c "'$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 -t $THREADS \
+        -p 512 -n 128 -r 3 -o json >'$OUTDIR/llama-bench.json' && exec '$BUILD/llama-bench' \
+        -m '$MODEL' -ngl 99 -fa 1 -t $THREADS -ncmoe $NCMOE -p 0 -n 128 -r 3 -o json \
+        >'$OUTDIR/llama-bench-ncmoe.json'" || true
+    step lucepy 240 "$BENCHLOG" python3 tools/bench_moe.py measure "$MODEL" --device "$DEVICE" \
+        --n-cpu-moe $NCMOE --threads "$THREADS" --json "$OUTDIR/lucepy-bench.json" || true
+elif ((built)) && [[ -f $MODEL ]]; then
     step llama 150 "$BENCHLOG" sh -c "exec '$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
         -p 16,512,4096 -n 128 -d 0,$DEPTH -r 3 -o json >'$OUTDIR/llama-bench.json'" || true
     step lucepy 200 "$BENCHLOG" python3 tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" \
         --depth $DEPTH --json "$OUTDIR/lucepy-bench.json" || true
 fi
 
-python3 tools/bench_gpu.py report "$OUTDIR/lucepy-bench.json" --depth $DEPTH \
-    --llama-bench "$OUTDIR/llama-bench.json" --md "$OUTDIR/summary.md" >/dev/null 2>&1 || true
+if [[ $ARCH == qwen35moe ]]; then
+    python3 tools/bench_moe.py report "$OUTDIR/lucepy-bench.json" --n-cpu-moe $NCMOE \
+        --llama-bench "$OUTDIR/llama-bench.json" "$OUTDIR/llama-bench-ncmoe.json" \
+        --md "$OUTDIR/summary.md" >/dev/null 2>&1 || true
+else
+    python3 tools/bench_gpu.py report "$OUTDIR/lucepy-bench.json" --depth $DEPTH \
+        --llama-bench "$OUTDIR/llama-bench.json" --md "$OUTDIR/summary.md" >/dev/null 2>&1 || true
+fi
 {
     echo
     echo '## Steps (time used of budget)'

@@ -1,0 +1,213 @@
+"""lucepy's side of the MoE GPU benchmark (tools/gpu_run.sh with GPU_RUN_ARCH=qwen35moe), and the
+report that sets it beside llama-bench's JSON from the same build, model and GPU.
+
+    python tools/bench_moe.py measure MODEL --n-cpu-moe 20 --threads 8 --json lucepy.json
+    python tools/bench_moe.py report lucepy.json --llama-bench all.json ncmoe.json --md moe.md
+
+``measure`` runs three placements, each loaded on its own:
+
+1. every expert on the GPU: pp512 and tg128, as tools/bench_gpu.py measures them. Its routing
+   counts (every token of those runs) become the hotness profile;
+2. ``--n-cpu-moe N``: all experts of the first N layers in host RAM (llama.cpp's placement);
+3. hotness: the same bytes of experts on the GPU as (2), the most chosen ones (``--moe-gpu-mb``).
+
+(2) and (3) measure tg128 only: their prompt processing runs the cold experts on the CPU, where
+llama.cpp copies them to the GPU for big batches. Medians of ``--repeats`` runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lucepy.runtime import experts
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.runtime.engine import Engine
+
+CHUNK, PROMPT, DECODE = 512, 512, 128
+
+
+def median_s(run, repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_one(path: str, cfg: RuntimeConfig, repeats: int, prefill: bool) -> tuple[dict, Engine]:
+    """Figures of one placement; the engine is returned open (the caller reads its counts)."""
+    t0 = time.perf_counter()
+    engine = Engine(path, cfg, tokenizer=False)
+    out: dict = {"load_s": time.perf_counter() - t0}
+    placed = engine.plan.experts
+    out["policy"] = placed.policy if placed is not None else "all on the device"
+    if placed is None:  # all on the device: every layer's experts
+        n_expert = engine.params.n_expert
+        layers = experts.expert_layers(engine.file, engine.params.n_layer)
+        device, host = sum(experts.expert_bytes(engine.file, il) for il in layers) * n_expert, 0
+    else:
+        device, host = placed.bytes()
+    out["expert_bytes_device"], out["expert_bytes_host"] = device, host
+    out["weight_bytes_device"] = sum(s.weight_bytes for s in engine.shards)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, engine.params.n_vocab, PROMPT + DECODE).tolist()
+    if prefill:
+
+        def pp():
+            engine.reset()
+            engine.prefill(tokens[:PROMPT], chunk=CHUNK)
+
+        s = median_s(pp, repeats)
+        out[f"pp{PROMPT}"] = {"ms": 1e3 * s, "tok_s": PROMPT / s}
+
+    def tg():
+        engine.reset()
+        engine.prefill(tokens[:1])
+        t0 = time.perf_counter()
+        for t in tokens[1 : DECODE + 1]:
+            engine.decode(t)
+        return DECODE / (time.perf_counter() - t0)
+
+    tg()  # warm-up: the decode graphs
+    rates = [tg() for _ in range(repeats)]
+    out[f"tg{DECODE}"] = {"tok_s": statistics.median(rates), "runs": rates}
+    return out, engine
+
+
+def measure(args: argparse.Namespace) -> int:
+    out_path = Path(args.json)
+    results: dict = {"model": args.model, "device": args.device, "threads": args.threads}
+    profile = out_path.with_suffix(".profile.npz")
+    base = {"device": args.device, "threads": args.threads, "max_ctx": 2048, "chunk": CHUNK}
+
+    def save(key: str, value: dict) -> None:
+        results[key] = value
+        out_path.write_text(json.dumps(results, indent=1))
+        print(f"{key}: {json.dumps(value)}", flush=True)
+
+    figures, engine = measure_one(args.model, RuntimeConfig(**base), args.repeats, True)
+    with engine:
+        counts = engine.pipeline.expert_counts.counts.copy()
+    np.savez(profile, counts=counts)
+    figures["profile_tokens"] = int(counts.sum() // (counts.shape[0] * engine.params.n_expert_used))
+    figures["profile_top10pct_share"] = experts.skew(counts)
+    save("all_on_device", figures)
+
+    cfg = RuntimeConfig(**base, n_cpu_moe=args.n_cpu_moe)
+    figures, engine = measure_one(args.model, cfg, args.repeats, False)
+    engine.close()
+    save("n_cpu_moe", figures)
+
+    budget_mb = figures["expert_bytes_device"] / 2**20  # the same experts' bytes on the GPU
+    cfg = RuntimeConfig(**base, moe_device_mb=budget_mb, expert_profile=str(profile))
+    figures, engine = measure_one(args.model, cfg, args.repeats, False)
+    engine.close()
+    save("hotness", figures)
+    return 0
+
+
+def llama_entries(paths: list[str]) -> dict[tuple[str, int], float]:
+    """{(test, n_cpu_moe): median tok/s} from llama-bench's per-repetition samples."""
+    rows = {}
+    for path in paths:
+        if not Path(path).exists():
+            continue
+        for e in json.loads(Path(path).read_text() or "[]"):
+            test = f"pp{e['n_prompt']}" if e.get("n_gen", 0) == 0 else f"tg{e['n_gen']}"
+            tokens = int(e.get("n_prompt", 0)) + int(e.get("n_gen", 0))
+            if e.get("samples_ns"):
+                rows[(test, int(e.get("n_cpu_moe", 0)))] = (
+                    tokens * 1e9 / statistics.median(e["samples_ns"])
+                )
+    return rows
+
+
+def report(args: argparse.Namespace) -> int:
+    ours = json.loads(Path(args.lucepy).read_text()) if Path(args.lucepy).exists() else {}
+    ref = llama_entries(args.llama_bench)
+    n = args.n_cpu_moe
+    allg, ncm, hot = (ours.get(k, {}) for k in ("all_on_device", "n_cpu_moe", "hotness"))
+
+    def tok_s(d: dict, key: str) -> float | None:
+        return d.get(key, {}).get("tok_s")
+
+    def ratio(a, b) -> str:
+        return f"{a / b:.2f}×" if a and b else "—"
+
+    def cell(x) -> str:
+        return "—" if x is None else f"{x:,.1f}"
+
+    def gib(x) -> str:
+        return "—" if x is None else f"{x / 2**30:.2f} GiB"
+
+    llama_ncmoe = ref.get((f"tg{DECODE}", n))
+    lines = [
+        f"# MoE GPU benchmark: {ours.get('model', '?')} on {ours.get('device', '?')}, "
+        f"{ours.get('threads', '?')} CPU threads",
+        "",
+        "| test | llama.cpp | lucepy | unit | lucepy / llama.cpp |",
+        "|---|---|---|---|---|",
+        f"| pp{PROMPT}, all experts on the GPU | {cell(ref.get((f'pp{PROMPT}', 0)))} | "
+        f"{cell(tok_s(allg, f'pp{PROMPT}'))} | tok/s | "
+        f"{ratio(tok_s(allg, f'pp{PROMPT}'), ref.get((f'pp{PROMPT}', 0)))} |",
+        f"| tg{DECODE}, all experts on the GPU | {cell(ref.get((f'tg{DECODE}', 0)))} | "
+        f"{cell(tok_s(allg, f'tg{DECODE}'))} | tok/s | "
+        f"{ratio(tok_s(allg, f'tg{DECODE}'), ref.get((f'tg{DECODE}', 0)))} |",
+        f"| tg{DECODE}, --n-cpu-moe {n} on both sides | {cell(llama_ncmoe)} | "
+        f"{cell(tok_s(ncm, f'tg{DECODE}'))} | tok/s | "
+        f"{ratio(tok_s(ncm, f'tg{DECODE}'), llama_ncmoe)} |",
+        f"| tg{DECODE}, lucepy hotness vs llama.cpp --n-cpu-moe {n} (same expert bytes on the "
+        f"GPU) | {cell(llama_ncmoe)} | {cell(tok_s(hot, f'tg{DECODE}'))} | tok/s | "
+        f"**{ratio(tok_s(hot, f'tg{DECODE}'), llama_ncmoe)}** |",
+        "",
+        "| lucepy placement | experts on the GPU | experts in host RAM | weights on the GPU |",
+        "|---|---|---|---|",
+        *(
+            f"| {d.get('policy', '?')} | {gib(d.get('expert_bytes_device'))} | "
+            f"{gib(d.get('expert_bytes_host'))} | {gib(d.get('weight_bytes_device'))} |"
+            for d in (allg, ncm, hot)
+        ),
+        "",
+        f"The hotness profile: routing counts of the all-on-GPU runs, "
+        f"{allg.get('profile_tokens', '?')} tokens a layer; the top 10 % of each layer's experts "
+        f"took {100 * allg.get('profile_top10pct_share', float('nan')):.1f} % of the choices.",
+        "llama.cpp's --n-cpu-moe keeps the same experts in host RAM as lucepy's, so its GPU "
+        "holds the same bytes. Medians on both sides (llama-bench's samples_ns).",
+    ]
+    text = "\n".join(lines) + "\n"
+    if args.md:
+        Path(args.md).write_text(text)
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/bench_moe.py", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="time lucepy's three placements")
+    m.add_argument("model")
+    m.add_argument("--device", default="cuda:0")
+    m.add_argument("--json", required=True, help="results, rewritten after every placement")
+    m.add_argument("--n-cpu-moe", type=int, required=True)
+    m.add_argument("--threads", type=int, default=8)
+    m.add_argument("--repeats", type=int, default=3)
+    r = sub.add_parser("report", help="lucepy beside llama-bench, as markdown")
+    r.add_argument("lucepy", help="measure's JSON")
+    r.add_argument("--llama-bench", nargs="*", default=[], help="llama-bench -o json outputs")
+    r.add_argument("--n-cpu-moe", type=int, required=True)
+    r.add_argument("--md", help="write the markdown here too")
+    args = ap.parse_args(argv)
+    return measure(args) if args.cmd == "measure" else report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
