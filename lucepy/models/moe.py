@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from lucepy.ggml import ffi
 from lucepy.models.base import Builder, Tensor
 
+_VIEW_OPS = {ffi.typeof("enum ggml_op").relements[f"GGML_OP_{op}"] for op in
+             ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")}  # fmt: skip
 WEIGHT_FLOOR = 6.103515625e-5  # build_moe_ffn's floor under the sum of the chosen weights
 
 
@@ -38,7 +40,11 @@ def route(g: Builder, logits: Tensor, k: int, scale: float = 0.0, *, layer: int)
     weights = L.ggml_div(c, weights, total)
     if scale not in (0.0, 1.0):
         weights = L.ggml_scale(c, weights, scale)
-    return Route(chosen, L.ggml_reshape_3d(c, weights, 1, k, T))
+    weights = L.ggml_reshape_3d(c, weights, 1, k, T)
+    # in the graph now, in llama.cpp's order (softmax, reshape, argsort, view, get_rows, ...):
+    # ggml-cuda fuses that run into one top-k kernel, but only in that order
+    L.ggml_build_forward_expand(g.gf, weights)
+    return Route(chosen, weights)
 
 
 def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "silu") -> Tensor:
@@ -72,7 +78,8 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
 
 
 def _ops_between(g: Builder, out: Tensor, inputs: tuple) -> list[Tensor]:
-    """The op nodes ``out`` depends on, down to ``inputs`` and leaves (weights), ``out`` too."""
+    """The op nodes ``out`` depends on, down to ``inputs`` and leaves (weights), ``out`` too;
+    not views, which read their source's memory where it is: the scheduler places those."""
     stop = {int(ffi.cast("intptr_t", t)) for t in inputs}
     seen: set[int] = set()
     found, todo = [], [out]
@@ -82,7 +89,8 @@ def _ops_between(g: Builder, out: Tensor, inputs: tuple) -> list[Tensor]:
         if key in seen or key in stop or t.op == 0:  # GGML_OP_NONE: a leaf
             continue
         seen.add(key)
-        found.append(t)
+        if t.op not in _VIEW_OPS:
+            found.append(t)
         todo += [src for src in t.src if src != ffi.NULL]
     return found
 
@@ -106,10 +114,13 @@ def _sum_slots(g: Builder, out: Tensor) -> Tensor:
     """[E, k, T] -> [E, T]: the k slots added in order, as build_moe_ffn adds them."""
     L, c = g.lib, g.ctx
     E, k, T = out.ne[0], out.ne[1], out.ne[2]
-    total = None
-    for i in range(k):
-        one = L.ggml_view_2d(c, out, E, T, out.nb[2], i * out.nb[1])
-        total = one if total is None else L.ggml_add(c, total, one)
+    slots = [L.ggml_view_2d(c, out, E, T, out.nb[2], i * out.nb[1]) for i in range(k)]
+    for one in slots:  # the views first, then the adds in a row: ggml-cuda fuses such a row
+        L.ggml_build_forward_expand(g.gf, one)
+    total = slots[0]
+    for one in slots[1:]:
+        total = L.ggml_add(c, total, one)
+        L.ggml_build_forward_expand(g.gf, total)
     return L.ggml_cont(c, total) if k == 1 else total
 
 
