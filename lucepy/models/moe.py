@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from lucepy.ggml import ffi
 from lucepy.models.base import Builder, Tensor
 
-_VIEW_OPS = {ffi.typeof("enum ggml_op").relements[f"GGML_OP_{op}"] for op in
+VIEW_OPS = {ffi.typeof("enum ggml_op").relements[f"GGML_OP_{op}"] for op in
              ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")}  # fmt: skip
 WEIGHT_FLOOR = 6.103515625e-5  # build_moe_ffn's floor under the sum of the chosen weights
 
@@ -89,7 +89,7 @@ def _ops_between(g: Builder, out: Tensor, inputs: tuple) -> list[Tensor]:
         if key in seen or key in stop or t.op == 0:  # GGML_OP_NONE: a leaf
             continue
         seen.add(key)
-        if t.op not in _VIEW_OPS:
+        if t.op not in VIEW_OPS:
             found.append(t)
         todo += [src for src in t.src if src != ffi.NULL]
     return found

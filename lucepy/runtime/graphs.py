@@ -17,6 +17,7 @@ from lucepy.ggml import Allocator, Backend, Buffer, Context, Lib, Sched, ffi
 from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import Builder
+from lucepy.models.moe import VIEW_OPS
 
 _NUMPY = {0: np.float32, 26: np.int32}  # ggml type -> host dtype of outputs we read
 
@@ -66,8 +67,15 @@ def compile_graph(
         alloc: Allocator | Sched = Allocator(lib, backend)
     else:
         alloc = Sched(lib, [backend, host], 2 * max_nodes + 64)
-        for t in b.offload:
-            alloc.assign(t, host)
+        # every op placed here, none left to the scheduler's guesses: the offloaded ones on the
+        # host, the rest on the device; views stay with their source, wherever that is
+        offload = {int(ffi.cast("intptr_t", t)) for t in b.offload}
+        for i in range(lib.ggml_graph_n_nodes(b.gf)):
+            node = lib.ggml_graph_node(b.gf, i)
+            if int(ffi.cast("intptr_t", node)) in offload:
+                alloc.assign(node, host)
+            elif node.op not in VIEW_OPS:
+                alloc.assign(node, backend)
         if "routing" in b.outputs:  # a leaf the copies fill: the scheduler cannot place it
             alloc.assign(b.outputs["routing"], backend)
     alloc.alloc(b.gf)
