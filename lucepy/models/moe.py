@@ -55,10 +55,12 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
     is not there) with 0/1 masks (``experts.hot_mask`` / ``experts.cold_mask``)."""
     names = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
     scale = w.get(b + "ffn_down_exps.scale")
-    if b + "experts.cold" not in w:
-        return _sum_slots(g, _part(g, w, b, "", names, x, r.chosen, r.weights, act, scale, r))
     L, c = g.lib, g.ctx
-    k, T = r.chosen.ne[0], r.chosen.ne[1]
+    E, T = x.ne[0], x.ne[1]
+    k = r.chosen.ne[0]
+    h = L.ggml_reshape_3d(c, x, E, 1, T)
+    if b + "experts.cold" not in w:
+        return _sum_slots(g, _part(g, w, b, "", names, h, r.chosen, r.weights, act, scale, r))
     flat = L.ggml_reshape_1d(c, L.ggml_cont(c, r.chosen), k * T)
     out = None
     for part in ("hot", "cold"):
@@ -68,10 +70,15 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
         mask = L.ggml_get_rows(c, w[f"{b}experts.{part}_mask"], flat)  # [1, k*T]
         weights = L.ggml_mul(c, r.weights, L.ggml_reshape_3d(c, mask, 1, k, T))
         ids = L.ggml_reshape_2d(c, ids, k, T)
-        suffix = "" if part == "hot" else ".cold"
-        one = _part(g, w, b, suffix, names, x, ids, weights, act, scale, r)
-        if part == "cold":  # the host CPU backend runs these experts, from x, ids and weights
-            g.offload += _ops_between(g, one, (x, ids, weights))
+        if part == "hot":
+            one = _part(g, w, b, "", names, h, ids, weights, act, scale, r)
+        else:
+            # what crosses to the host is whole tensors, not views (the scheduler copies those)
+            h_in, ids = L.ggml_cont(c, h), L.ggml_cont(c, ids)
+            one = _part(g, w, b, ".cold", names, h_in, ids, weights, act, scale, r)
+            g.offload += _ops_between(g, one, (h_in, ids, weights))
+            if out is None:  # and back: an op on the device reads it, not views of it
+                one = L.ggml_cont(c, one)
         # per slot one part is the expert's output and the other exactly 0: the sum is exact
         out = one if out is None else L.ggml_add(c, out, one)
     return _sum_slots(g, out)
@@ -96,15 +103,15 @@ def _ops_between(g: Builder, out: Tensor, inputs: tuple) -> list[Tensor]:
 
 
 def _part(
-    g: Builder, w: dict, b: str, suffix: str, names: tuple, x: Tensor, ids: Tensor,
+    g: Builder, w: dict, b: str, suffix: str, names: tuple, h: Tensor, ids: Tensor,
     weights: Tensor, act: str, scale: Tensor | None, r: Route,
 ) -> Tensor:  # fmt: skip
     """The chosen experts of one part ([E, k, T]), each output times its weight."""
     gate, up, gate_up, down = (w.get(f"{b}{n}.weight{suffix}") for n in names)
-    out = experts(g, x, ids, down, gate=gate, up=up, gate_up=gate_up, act=act)
+    out = experts(g, h, ids, down, gate=gate, up=up, gate_up=gate_up, act=act)
     if scale is not None:  # [X] -> the chosen experts' [1, k, T]
         L, c = g.lib, g.ctx
-        X, T = scale.ne[0], x.ne[1]
+        X, T = scale.ne[0], h.ne[2]
         s = L.ggml_repeat_4d(c, L.ggml_reshape_3d(c, scale, 1, X, 1), 1, X, T, 1)
         out = L.ggml_mul(c, out, L.ggml_get_rows(c, s, r.chosen))
     return g.lib.ggml_mul(g.ctx, out, weights)
@@ -126,7 +133,7 @@ def _sum_slots(g: Builder, out: Tensor) -> Tensor:
 
 def experts(
     g: Builder,
-    x: Tensor,
+    h: Tensor,
     ids: Tensor,
     down: Tensor,
     *,
@@ -135,12 +142,11 @@ def experts(
     gate_up: Tensor | None = None,
     act: str = "silu",
 ) -> Tensor:
-    """Each token's experts ``ids`` [k, T] applied to it: ``down(act(gate x) * up x)``
-    [n_embd, k, T]. ``gate_up`` is the fused form (gate rows then up rows)."""
+    """Each token's experts ``ids`` [k, T] applied to its ``h`` [n_embd, 1, T]:
+    ``down(act(gate h) * up h)`` [n_embd, k, T]. ``gate_up`` is the fused form (gate rows then
+    up rows)."""
     L, c = g.lib, g.ctx
-    E, T = x.ne[0], x.ne[1]
-    k = ids.ne[0]
-    h = L.ggml_reshape_3d(c, x, E, 1, T)
+    k, T = ids.ne[0], ids.ne[1]
     if gate_up is not None:
         gu = L.ggml_mul_mat_id(c, gate_up, h, ids)  # [2*ff, k, T]
         ff = gu.ne[0] // 2
