@@ -99,6 +99,10 @@ def test_the_budget_buys_the_hottest_experts(tmp_path):
         assert placed.bytes() == (4 * one, (4 * N_EXPERT - 4) * one)
         even = experts.by_hotness(f, 4, N_EXPERT, None, 8 * one)
         assert even.hot == {il: (0, 1) for il in range(4)}
+        # with 2 padding experts a layer's first device expert costs 3, its next ones 1
+        padded = experts.by_hotness(f, 4, N_EXPERT, None, 8 * one, padding=2)
+        assert padded.hot == {0: (0, 1), 1: (0, 1), 2: (), 3: ()}
+        assert padded.bytes()[0] == 8 * one
         assert experts.by_layers(f, 4, N_EXPERT, 1).hot == {0: ()}
 
 
@@ -119,12 +123,14 @@ def test_routing_counts_every_choice_and_the_profile_drives_the_next_placement(t
     saved = np.load(tmp_path / "profile.npz")["counts"]
     np.testing.assert_array_equal(saved, one_by_one)  # the first save: what the run counted
 
-    with Engine(MODEL, cfg(tmp_path, moe_device_mb=_mb(4)), tokenizer=False) as engine:
-        placed = engine.plan.experts
     hottest = sorted(
         ((il, e) for il in range(4) for e in range(N_EXPERT)),
         key=lambda le: (-saved[le], le[1], le[0]),
     )[:4]
+    # the budget: those 4, and the K padding experts of each layer they split
+    budget = _mb(4 + K * len({il for il, _ in hottest}))
+    with Engine(MODEL, cfg(tmp_path, moe_device_mb=budget), tokenizer=False) as engine:
+        placed = engine.plan.experts
     assert "profile" in placed.policy
     assert sorted((il, e) for il, hot in placed.hot.items() for e in hot) == sorted(hottest)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lucepy.ggml import ffi
+from lucepy.ggml import GGML_TYPE_I32, ffi
 from lucepy.models.base import Builder, Tensor
 
 VIEW_OPS = {ffi.typeof("enum ggml_op").relements[f"GGML_OP_{op}"] for op in
@@ -50,9 +50,10 @@ def route(g: Builder, logits: Tensor, k: int, scale: float = 0.0, *, layer: int)
 def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "silu") -> Tensor:
     """The routed experts of the layer whose tensors start with ``b``, weighted and summed
     [n_embd, T]. A layer split between the device and host RAM (``runtime/experts.py``) has its
-    device experts under the usual names, its host ones under ``NAME.cold``, and tables from
-    expert to index in each part (``experts.hot`` / ``experts.cold``, any index where the expert
-    is not there) with 0/1 masks (``experts.hot_mask`` / ``experts.cold_mask``)."""
+    device experts under the usual names (then ``k`` all-zero padding experts), its host ones
+    under ``NAME.cold``, f32 tables from expert to index in each part (``experts.hot`` /
+    ``experts.cold``, 0 where the expert is not there) with 0/1 masks (``experts.hot_mask`` /
+    ``experts.cold_mask``), and the padding indices ``experts.hot_pad`` [1, k]."""
     names = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
     scale = w.get(b + "ffn_down_exps.scale")
     L, c = g.lib, g.ctx
@@ -66,15 +67,21 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
     for part in ("hot", "cold"):
         if part == "hot" and b + "ffn_down_exps.weight" not in w:
             continue  # every expert of the layer is in host RAM
-        ids = L.ggml_get_rows(c, w[f"{b}experts.{part}"], flat)  # [1, k*T] i32
+        ids = L.ggml_get_rows(c, w[f"{b}experts.{part}"], flat)  # [1, k*T]
         mask = L.ggml_get_rows(c, w[f"{b}experts.{part}_mask"], flat)  # [1, k*T]
         weights = L.ggml_mul(c, r.weights, L.ggml_reshape_3d(c, mask, 1, k, T))
         ids = L.ggml_reshape_2d(c, ids, k, T)
         if part == "hot":
+            # ggml-cuda's expert matmuls take a token's experts to be distinct: slot i of a
+            # token whose expert is not here uses padding expert n_hot + i (all zero weights)
+            other = L.ggml_get_rows(c, w[f"{b}experts.cold_mask"], flat)  # 1 - mask
+            pad = L.ggml_mul(c, L.ggml_reshape_2d(c, other, k, T), w[f"{b}experts.hot_pad"])
+            ids = L.ggml_add(c, L.ggml_mul(c, ids, L.ggml_reshape_2d(c, mask, k, T)), pad)
+            ids = L.ggml_cast(c, ids, GGML_TYPE_I32)
             one = _part(g, w, b, "", names, h, ids, weights, act, scale, r)
         else:
             # what crosses to the host is whole tensors, not views (the scheduler copies those)
-            h_in, ids = L.ggml_cont(c, h), L.ggml_cont(c, ids)
+            h_in, ids = L.ggml_cont(c, h), L.ggml_cast(c, ids, GGML_TYPE_I32)
             one = _part(g, w, b, ".cold", names, h_in, ids, weights, act, scale, r)
             g.offload += _ops_between(g, one, (h_in, ids, weights))
             if out is None:  # and back: an op on the device reads it, not views of it

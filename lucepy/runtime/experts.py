@@ -51,10 +51,12 @@ def placement_for(f: GGUFFile, params, config) -> ExpertPlacement | None:
         return None
     if not n_expert:
         raise ConfigError(f"{f.path}: --n-cpu-moe and --moe-gpu-mb need a model with experts")
+    k = params.n_expert_used
     if config.n_cpu_moe:
-        return by_layers(f, params.n_layer, n_expert, config.n_cpu_moe)
+        return by_layers(f, params.n_layer, n_expert, config.n_cpu_moe, k)
     counts = ExpertCounts.load(profile_for(f, config), params.n_layer, n_expert).counts
-    return by_hotness(f, params.n_layer, n_expert, counts, int(config.moe_device_mb * 2**20))
+    budget = int(config.moe_device_mb * 2**20)
+    return by_hotness(f, params.n_layer, n_expert, counts, budget, k)
 
 
 def expert_bytes(f: GGUFFile, il: int) -> int:
@@ -74,6 +76,7 @@ class ExpertPlacement:
     n_expert: int
     hot: dict[int, tuple[int, ...]]
     expert_bytes: dict[int, int]  # layer -> bytes of one expert
+    padding: int = 0  # all-zero experts beside the device part of a split layer (runtime/shard.py)
 
     def is_split(self, il: int) -> bool:
         return il in self.hot
@@ -89,7 +92,8 @@ class ExpertPlacement:
             if layers is not None and il not in layers:
                 continue
             n_cold = len(self.cold(il))
-            device += one * (self.n_expert - n_cold)
+            pad = self.padding if n_cold and self.hot.get(il) else 0
+            device += one * (self.n_expert - n_cold + pad)
             host += one * n_cold
         return device, host
 
@@ -103,20 +107,28 @@ class ExpertPlacement:
         }
 
 
-def by_layers(f: GGUFFile, n_layer: int, n_expert: int, n_cpu_moe: int) -> ExpertPlacement:
+def by_layers(
+    f: GGUFFile, n_layer: int, n_expert: int, n_cpu_moe: int, padding: int = 0
+) -> ExpertPlacement:
     """llama.cpp's ``--n-cpu-moe N``: all experts of the first N layers stay in host RAM."""
     layers = expert_layers(f, n_layer)
     sizes = {il: expert_bytes(f, il) for il in layers}
     hot = {il: () for il in layers[:n_cpu_moe]}
-    return ExpertPlacement(f"n-cpu-moe {n_cpu_moe}", n_expert, hot, sizes)
+    return ExpertPlacement(f"n-cpu-moe {n_cpu_moe}", n_expert, hot, sizes, padding)
 
 
 def by_hotness(
-    f: GGUFFile, n_layer: int, n_expert: int, counts: np.ndarray | None, budget: int
+    f: GGUFFile,
+    n_layer: int,
+    n_expert: int,
+    counts: np.ndarray | None,
+    budget: int,
+    padding: int = 0,
 ) -> ExpertPlacement:
-    """The most chosen experts, over all layers, until ``budget`` bytes are on the device; the
-    rest in host RAM. Without a profile every expert counts the same, and the budget goes to
-    expert 0 of every layer, then expert 1, and so on: an even share per layer."""
+    """The most chosen experts, over all layers, until ``budget`` bytes are on the device (with
+    the ``padding`` experts a split layer's device part carries); the rest in host RAM. Without
+    a profile every expert counts the same, and the budget goes to expert 0 of every layer, then
+    expert 1, and so on: an even share per layer."""
     layers = expert_layers(f, n_layer)
     sizes = {il: expert_bytes(f, il) for il in layers}
     if counts is None:
@@ -128,13 +140,17 @@ def by_hotness(
     hot: dict[int, list[int]] = {il: [] for il in layers}
     left = budget
     for il, e in order:
-        if sizes[il] <= left:
+        # the layer's first device expert brings its padding; its last one takes it away
+        cost = sizes[il] * (1 + (padding if not hot[il] else 0))
+        if len(hot[il]) == n_expert - 1:
+            cost -= sizes[il] * padding
+        if cost <= left:
             hot[il].append(e)
-            left -= sizes[il]
+            left -= cost
     split = {il: tuple(sorted(e)) for il, e in hot.items() if len(e) < n_expert}
     source = "profile" if counts.any() else "no profile: an even share"
     policy = f"hotness ({source}), {budget / 2**20:,.1f} MiB of experts on the device"
-    return ExpertPlacement(policy, n_expert, split, sizes)
+    return ExpertPlacement(policy, n_expert, split, sizes, padding)
 
 
 # --- the hotness profile ---

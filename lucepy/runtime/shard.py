@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lucepy.ggml import GGML_TYPE_F32, GGML_TYPE_I32, Backend, Lib, ffi
+from lucepy.ggml import GGML_TYPE_F32, Backend, Lib, ffi
 from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import GraphSpec
@@ -57,7 +57,10 @@ class Shard:
             f"weights of layers {layers}",
             matmul={k: v for k, v in model.matmul_weights(layers, f).items() if k not in moved},
         )
-        self.split = [] if not split else split_experts(lib, backend, host, f, experts, split)
+        self.split = []
+        if split:
+            k = model.p.n_expert_used
+            self.split = split_experts(lib, backend, host, f, experts, split, k)
         self.w = {**self.weights.t, **{k: v for t in self.split for k, v in t.t.items()}}
         self.state = StateSet(
             lib, backend, model.make_state(layers, n_ctx), f"state of layers {layers}"
@@ -186,34 +189,41 @@ class Shard:
 
 
 def split_experts(
-    lib: Lib, device: Backend, host: Backend, f: GGUFFile, placement: ExpertPlacement, layers
+    lib: Lib,
+    device: Backend,
+    host: Backend,
+    f: GGUFFile,
+    placement: ExpertPlacement,
+    layers,
+    n_used: int,
 ) -> list[Tensors]:
     """The routed experts of ``layers`` in two parts: on ``device`` the hot ones and the tables
     from expert to index (and 0/1 mask) in each part, in ``host`` (a CPU backend) the cold ones
     as ``NAME.cold``. Each part keeps its experts in expert order."""
-    X = placement.n_expert
+    X, k = placement.n_expert, n_used
     device_specs, host_specs, data = {}, {}, {}
     for il in layers:
         hot, cold = placement.hot[il], placement.cold(il)
         for part, chosen in (("hot", hot), ("cold", cold)):
-            index = np.zeros((X, 1), dtype=np.int32)  # any valid index where absent: 0
-            index[list(chosen), 0] = np.arange(len(chosen), dtype=np.int32)
+            index = np.zeros((X, 1), dtype=np.float32)  # 0 where absent (any valid index)
+            index[list(chosen), 0] = np.arange(len(chosen), dtype=np.float32)
             mask = np.zeros((X, 1), dtype=np.float32)
             mask[list(chosen), 0] = 1.0
-            for name, arr, gtype in (("", index, GGML_TYPE_I32), ("_mask", mask, GGML_TYPE_F32)):
+            for name, arr in (("", index), ("_mask", mask)):
                 key = f"blk.{il}.experts.{part}{name}"
-                device_specs[key], data[key] = (gtype, (1, X)), arr
+                device_specs[key], data[key] = (GGML_TYPE_F32, (1, X)), arr
+        key = f"blk.{il}.experts.hot_pad"  # distinct padding experts for a token's other slots
+        device_specs[key] = (GGML_TYPE_F32, (k, 1))
+        data[key] = (len(hot) + np.arange(k, dtype=np.float32))[None, :]
         for n in EXPERT_TENSORS:
             name = f"blk.{il}.{n}.weight"
             info = f.tensors[name]
             raw = np.frombuffer(f.data(name), dtype=np.uint8).reshape(X, -1)
-            for chosen, specs, key in (
-                (hot, device_specs, name),
-                (cold, host_specs, name + ".cold"),
-            ):
-                if chosen:
-                    specs[key] = (int(info.type), (*info.shape[:2], len(chosen)))
-                    data[key] = raw[list(chosen)]
+            if hot:
+                device_specs[name] = (int(info.type), (*info.shape[:2], len(hot) + k))
+                data[name] = np.concatenate([raw[list(hot)], np.zeros((k, raw.shape[1]), np.uint8)])
+            host_specs[name + ".cold"] = (int(info.type), (*info.shape[:2], len(cold)))
+            data[name + ".cold"] = raw[list(cold)]
     # experts in the buffer types a one-backend load would give them (repacked on a CPU)
     where = []
     for backend, specs in ((device, device_specs), (host, host_specs)):
