@@ -87,6 +87,14 @@ def test_hybrid_placement_equals_one_backend(placement, one_backend, tmp_path):
     assert split and all(n >= 2 and on == {"host"} for n, on in split)
 
 
+def test_without_counting_the_graphs_output_no_routing(one_backend, tmp_path):
+    with Engine(MODEL, cfg(tmp_path, count_experts=False), tokenizer=False) as engine:
+        logits = engine.prefill(PROMPT, chunk=16, all_logits=True).copy()
+        assert engine.pipeline.expert_counts is None
+        assert all("routing" not in g.outputs for g in engine.shard.graphs.values())
+    np.testing.assert_array_equal(logits, one_backend[0])
+
+
 def test_the_budget_buys_the_hottest_experts(tmp_path):
     counts = np.zeros((4, N_EXPERT), dtype=np.int64)
     counts[0, [5, 6]] = [100, 90]

@@ -102,16 +102,23 @@ def measure(args: argparse.Namespace) -> int:
     figures["profile_top10pct_share"] = experts.skew(counts)
     save("all_on_device", figures)
 
+    base["count_experts"] = False  # the rest time the forward alone: no routing output
+    figures, engine = measure_one(args.model, RuntimeConfig(**base), args.repeats, False)
+    engine.close()
+    save("all_on_device_uncounted", figures)
+
     cfg = RuntimeConfig(**base, n_cpu_moe=args.n_cpu_moe)
     figures, engine = measure_one(args.model, cfg, args.repeats, False)
     engine.close()
     save("n_cpu_moe", figures)
 
     budget_mb = figures["expert_bytes_device"] / 2**20  # the same experts' bytes on the GPU
-    cfg = RuntimeConfig(**base, moe_device_mb=budget_mb, expert_profile=str(profile))
-    figures, engine = measure_one(args.model, cfg, args.repeats, False)
-    engine.close()
-    save("hotness", figures)
+    for threads in [args.threads, *args.sweep_threads]:
+        run = {**base, "threads": threads}
+        cfg = RuntimeConfig(**run, moe_device_mb=budget_mb, expert_profile=str(profile))
+        figures, engine = measure_one(args.model, cfg, args.repeats, False)
+        engine.close()
+        save("hotness" if threads == args.threads else f"hotness_t{threads}", figures)
     return 0
 
 
@@ -150,6 +157,8 @@ def report(args: argparse.Namespace) -> int:
         return "—" if x is None else f"{x / 2**30:.2f} GiB"
 
     llama_ncmoe = ref.get((f"tg{DECODE}", n))
+    bare = ours.get("all_on_device_uncounted", {})
+    sweep = [(k, v) for k, v in ours.items() if k.startswith("hotness_t")]
     lines = [
         f"# MoE GPU benchmark: {ours.get('model', '?')} on {ours.get('device', '?')}, "
         f"{ours.get('threads', '?')} CPU threads",
@@ -162,12 +171,21 @@ def report(args: argparse.Namespace) -> int:
         f"| tg{DECODE}, all experts on the GPU | {cell(ref.get((f'tg{DECODE}', 0)))} | "
         f"{cell(tok_s(allg, f'tg{DECODE}'))} | tok/s | "
         f"{ratio(tok_s(allg, f'tg{DECODE}'), ref.get((f'tg{DECODE}', 0)))} |",
+        f"| tg{DECODE}, all on the GPU, no routing counted | {cell(ref.get((f'tg{DECODE}', 0)))} "
+        f"| {cell(tok_s(bare, f'tg{DECODE}'))} | tok/s | "
+        f"{ratio(tok_s(bare, f'tg{DECODE}'), ref.get((f'tg{DECODE}', 0)))} |",
         f"| tg{DECODE}, --n-cpu-moe {n} on both sides | {cell(llama_ncmoe)} | "
         f"{cell(tok_s(ncm, f'tg{DECODE}'))} | tok/s | "
         f"{ratio(tok_s(ncm, f'tg{DECODE}'), llama_ncmoe)} |",
         f"| tg{DECODE}, lucepy hotness vs llama.cpp --n-cpu-moe {n} (same expert bytes on the "
         f"GPU) | {cell(llama_ncmoe)} | {cell(tok_s(hot, f'tg{DECODE}'))} | tok/s | "
         f"**{ratio(tok_s(hot, f'tg{DECODE}'), llama_ncmoe)}** |",
+        *(
+            f"| tg{DECODE}, lucepy hotness with {k.removeprefix('hotness_t')} CPU threads | "
+            f"{cell(llama_ncmoe)} | {cell(tok_s(v, f'tg{DECODE}'))} | tok/s | "
+            f"{ratio(tok_s(v, f'tg{DECODE}'), llama_ncmoe)} |"
+            for k, v in sweep
+        ),
         "",
         "| lucepy placement | experts on the GPU | experts in host RAM | weights on the GPU |",
         "|---|---|---|---|",
@@ -200,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--n-cpu-moe", type=int, required=True)
     m.add_argument("--threads", type=int, default=8)
     m.add_argument("--repeats", type=int, default=3)
+    m.add_argument(
+        "--sweep-threads", type=int, nargs="*", default=[], help="hotness again at these threads"
+    )
     r = sub.add_parser("report", help="lucepy beside llama-bench, as markdown")
     r.add_argument("lucepy", help="measure's JSON")
     r.add_argument("--llama-bench", nargs="*", default=[], help="llama-bench -o json outputs")

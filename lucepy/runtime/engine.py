@@ -98,7 +98,7 @@ class Engine:
             self.n_ctx = self.plan.max_ctx
             self._load()
             n_expert = getattr(self.params, "n_expert", 0)
-            if n_expert:  # routing counts, the hotness profile of the next placement
+            if n_expert and self.config.count_experts:  # the next placement's hotness profile
                 path = experts.profile_for(self.file, self.config)
                 self.pipeline.expert_counts = experts.ExpertCounts(
                     self.params.n_layer, n_expert, path if self.config.save_expert_profile else None
@@ -148,6 +148,7 @@ class Engine:
                     spec.process,
                     experts=placement,
                     host=h,
+                    routing=self.config.count_experts,
                 )  # fmt: skip
             )
 

@@ -48,14 +48,16 @@ def compile_graph(
     max_nodes: int,
     build: Callable[[Builder], Any],
     host: Backend | None = None,
+    routing: bool = True,
 ) -> CompiledGraph:
     """Build a graph with ``build(builder) -> output`` and allocate its compute buffer. With a
     ``host`` CPU backend, the nodes the builder offloads (cold experts) run there, the rest on
-    ``backend``, through a ggml_backend_sched that copies between them."""
+    ``backend``, through a ggml_backend_sched that copies between them. ``routing``: output the
+    experts each MoE layer chose."""
     ctx = Context(lib, max_nodes, graph_nodes=max_nodes)
     b = Builder(lib, ctx.ptr, max_nodes)
     out = build(b)
-    if b.routes:  # one read a step for every MoE layer's choice: [k*T, n_layers] i32
+    if b.routes and routing:  # one read a step for every MoE layer's choice: [k*T, n_layers]
         b.pack_output("routing", [b.routes[il] for il in sorted(b.routes)])
     if out is not None:
         lib.ggml_set_output(out)

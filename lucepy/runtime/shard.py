@@ -37,9 +37,10 @@ class Shard:
         process: str = "local",
         experts: ExpertPlacement | None = None,
         host: Backend | None = None,
+        routing: bool = True,
     ):
         self.lib, self.model, self.layers, self.backend = lib, model, layers, backend
-        self.n_ctx, self.process = n_ctx, process
+        self.n_ctx, self.process, self.routing = n_ctx, process, routing
         self.graphs: dict[GraphSpec, CompiledGraph] = {}
         self._rollbacks: dict[tuple[GraphSpec, int], CompiledGraph] = {}
         # False rebuilds every step: only to test that reuse changes nothing
@@ -102,6 +103,7 @@ class Shard:
                 max_nodes,
                 lambda b: self.model.build(b, self.w, self.state.t, self.layers, spec),
                 self.host,
+                self.routing,
             )
             log.debug(
                 "built %s on %s: %d nodes, %d bytes",
