@@ -115,21 +115,23 @@ def test_the_budget_buys_the_hottest_experts(tmp_path):
 
 
 def test_routing_counts_every_choice_and_the_profile_drives_the_next_placement(tmp_path):
-    """k choices per token and layer, the same whether prefilled in one chunk or token by
-    token; saved on close, added to what the file had, and shown by lucepy plan and experts."""
+    """k choices per token and layer, the same whether prefilled in one chunk or in chunks of
+    5 (the last of 55 is 5 tokens too); decode steps count nothing. Saved on close, added to
+    what the file had, and shown by lucepy plan and experts."""
     config = cfg(tmp_path, save_expert_profile=True)
     with Engine(MODEL, config, tokenizer=False) as engine:
         engine.prefill(PROMPT, chunk=len(PROMPT))
         whole = engine.pipeline.expert_counts.counts.copy()
         engine.reset()
         engine.pipeline.expert_counts.counts[:] = 0
-        for t in PROMPT:
-            engine.prefill([t])
-        one_by_one = engine.pipeline.expert_counts.counts.copy()
+        engine.prefill(PROMPT, chunk=5)
+        for t in (7, 8, 9):
+            engine.decode(t)
+        chunked = engine.pipeline.expert_counts.counts.copy()
     assert (whole.sum(axis=1) == K * len(PROMPT)).all()
-    np.testing.assert_array_equal(whole, one_by_one)
+    np.testing.assert_array_equal(whole, chunked)
     saved = np.load(tmp_path / "profile.npz")["counts"]
-    np.testing.assert_array_equal(saved, one_by_one)  # the first save: what the run counted
+    np.testing.assert_array_equal(saved, chunked)  # the first save: what the run counted
 
     hottest = sorted(
         ((il, e) for il in range(4) for e in range(N_EXPERT)),

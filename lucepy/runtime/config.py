@@ -40,7 +40,7 @@ class RuntimeConfig:
     n_cpu_moe: int = 0
     expert_profile: str | None = None  # None: <cache>/experts/<model identity>.npz
     save_expert_profile: bool = False  # add this run's routing counts to the profile on close
-    count_experts: bool = True  # False: MoE graphs output no routing, nothing is counted
+    count_experts: bool = True  # count prompt and verify tokens' experts (decode steps never)
 
     def __post_init__(self) -> None:
         if self.chunk < 1:

@@ -103,7 +103,9 @@ class Shard:
                 max_nodes,
                 lambda b: self.model.build(b, self.w, self.state.t, self.layers, spec),
                 self.host,
-                self.routing,
+                # decode steps count nothing: their routing read cost a hybrid decode a third of
+                # its speed on the H200 (docs/BENCHMARKS.md); prompts and verify blocks count
+                self.routing and spec.n_tokens > 1,
             )
             log.debug(
                 "built %s on %s: %d nodes, %d bytes",
