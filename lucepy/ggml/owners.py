@@ -123,6 +123,12 @@ class Sched(Owner):
         self.lib, self.backends = lib, backends
         self._ptrs = ffi.new("ggml_backend_t[]", [b.ptr for b in backends])
         self._bufts = ffi.new("ggml_backend_buffer_type_t[]", [b.buffer_type for b in backends])
+        # the CPU's compute buffer in the first device's pinned host memory, where it has one
+        # (CUDA): copies between the two are then direct DMA, as llama.cpp sets it up
+        dev = lib.ggml_backend_get_device(backends[0].ptr)
+        pinned = lib.ggml_backend_dev_host_buffer_type(dev) if dev != ffi.NULL else ffi.NULL
+        if pinned != ffi.NULL and lib.ggml_backend_is_cpu(backends[-1].ptr):
+            self._bufts[len(backends) - 1] = pinned
         self._copies = []
         for i in range(1, len(backends)):
             if self._bufts[i] in list(self._bufts)[:i]:
