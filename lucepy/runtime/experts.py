@@ -9,14 +9,14 @@ computed by a CPU backend in the same step: ``runtime/shard.py`` runs such a lay
 - by layer, as llama.cpp's ``--n-cpu-moe N``: every expert of the first N layers is cold.
 
 The profile counts, per layer and expert, how many tokens chose it. Engines count while they run
-(every step's ``routing`` output, one read for all layers) and save the counts beside the caches,
+(the ``routing`` output of prompt and verify steps, one read for all layers; decode steps count
+nothing, their read was too dear) and save the counts beside the caches,
 ``<cache>/experts/<model identity>.npz``, where the next start's placement and
 ``lucepy experts`` find them.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +26,6 @@ import numpy as np
 from lucepy.errors import ConfigError
 from lucepy.gguf import GGUFFile
 from lucepy.runtime.backends import cache_root
-
-log = logging.getLogger(__name__)
 
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
