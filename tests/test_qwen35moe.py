@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from lucepy.cli import app
 from lucepy.decode.ar import generate
 from lucepy.engine import open_engine
+from lucepy.errors import ConfigError
 from lucepy.ggml import Sched, ffi
 from lucepy.gguf import GGUFFile
 from lucepy.runtime import experts
@@ -208,3 +209,18 @@ def test_speculative_equals_greedy(name, tmp_path):
         gen = generate(engine, PROMPT, 32, stop_at_end=False)
     assert gen.accept is not None and gen.accept.steps > 0
     assert gen.tokens == plain
+
+
+def test_placement_flags_are_refused_where_they_mean_nothing(tmp_path):
+    dense = FIXTURES / "qwen35-q8_0.gguf"
+    result = CliRunner().invoke(app, ["plan", str(dense), "--n-cpu-moe", "2"])
+    assert result.exit_code != 0 and "need a model with experts" in result.output
+    result = CliRunner().invoke(app, ["experts", str(dense)])
+    assert result.exit_code != 0 and "no routed experts" in result.output
+    missing = ["experts", str(MODEL), "--expert-profile", str(tmp_path / "none.npz")]
+    result = CliRunner().invoke(app, missing)
+    assert result.exit_code != 0 and "no expert profile" in result.output
+    with pytest.raises(ConfigError, match="not both"):
+        RuntimeConfig(n_cpu_moe=2, moe_device_mb=100)
+    with pytest.raises(ConfigError, match="local devices only"):
+        Engine(MODEL, cfg(tmp_path, device="cpu@worker", n_cpu_moe=2), tokenizer=False)
