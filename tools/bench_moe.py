@@ -25,22 +25,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_gpu import llama_median, median_s  # tools/, beside this script
 
 from lucepy.runtime import experts
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 
 CHUNK, PROMPT, DECODE = 512, 512, 128
-
-
-def median_s(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_one(path: str, cfg: RuntimeConfig, repeats: int, prefill: bool) -> tuple[dict, Engine]:
@@ -130,11 +121,8 @@ def llama_entries(paths: list[str]) -> dict[tuple[str, int], float]:
             continue
         for e in json.loads(Path(path).read_text() or "[]"):
             test = f"pp{e['n_prompt']}" if e.get("n_gen", 0) == 0 else f"tg{e['n_gen']}"
-            tokens = int(e.get("n_prompt", 0)) + int(e.get("n_gen", 0))
-            if e.get("samples_ns"):
-                rows[(test, int(e.get("n_cpu_moe", 0)))] = (
-                    tokens * 1e9 / statistics.median(e["samples_ns"])
-                )
+            if (got := llama_median(e)) is not None:
+                rows[(test, int(e.get("n_cpu_moe", 0)))] = got.tok_s
     return rows
 
 

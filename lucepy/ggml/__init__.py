@@ -10,6 +10,9 @@ GGML_TYPE_Q4_0 = _types["GGML_TYPE_Q4_0"]
 GGML_TYPE_Q8_0 = _types["GGML_TYPE_Q8_0"]
 GGML_TYPE_I32 = _types["GGML_TYPE_I32"]
 GGML_TYPE_I64 = _types["GGML_TYPE_I64"]
+_ops = ffi.typeof("enum ggml_op").relements
+# ops whose result is another tensor's memory: they compute nothing and run where that memory is
+VIEW_OPS = frozenset(_ops[f"GGML_OP_{op}"] for op in ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"))
 
 __all__ = [
     "Allocator",
@@ -27,4 +30,5 @@ __all__ = [
     "GGML_TYPE_I64",
     "GGML_TYPE_Q4_0",
     "GGML_TYPE_Q8_0",
+    "VIEW_OPS",
 ]

@@ -11,11 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lucepy.ggml import GGML_TYPE_I32, ffi
+from lucepy.ggml import GGML_TYPE_I32, VIEW_OPS, ffi
 from lucepy.models.base import Builder, Tensor
 
-VIEW_OPS = {ffi.typeof("enum ggml_op").relements[f"GGML_OP_{op}"] for op in
-             ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")}  # fmt: skip
 WEIGHT_FLOOR = 6.103515625e-5  # build_moe_ffn's floor under the sum of the chosen weights
 
 

@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 
 from lucepy.errors import ConfigError, GGMLError
-from lucepy.ggml import Allocator, Backend, Buffer, Context, Lib, Sched, ffi
+from lucepy.ggml import VIEW_OPS, Allocator, Backend, Buffer, Context, Lib, Sched, ffi
 from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import Builder
-from lucepy.models.moe import VIEW_OPS
 
 _NUMPY = {0: np.float32, 26: np.int32}  # ggml type -> host dtype of outputs we read
 

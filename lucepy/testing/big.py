@@ -41,6 +41,7 @@ from lucepy.testing.tiny import (
     TensorPlan,
     _add_hparams,
     _add_tensor_info,
+    add_decoder_hparams,
     encode,
     param_count,
     plan_tensors,
@@ -160,18 +161,20 @@ def _moe_hparams(w: gguf.GGUFWriter, spec: Qwen35Spec, moe: MoeSpec, n_params: i
 def qwen35moe_layout(spec: Qwen35Spec, moe: MoeSpec) -> Layout:
     """Tensor types as llama.cpp's quantize leaves them: routers (ffn_gate_inp*) in f32."""
     plans = _moe_plans(spec, moe)
-    out = output_type(spec.weight_type, spec.n_embd)
-    weights = WEIGHT_TYPES[spec.weight_type][0]
-    types = [
-        out if t.name == "output.weight" else weights if t.init == "dense" else QType.F32
-        for t in plans
-    ]
-    n_params = sum(math.prod(t.ne) for t in plans)
-    return Layout(
+    types = _stored_types(plans, spec.weight_type, spec.n_embd, head="output.weight")
+    layout = Layout(
         "qwen35moe", spec.n_vocab, spec.weight_type, spec.seed, plans, types,
-        lambda w: _moe_hparams(w, spec, moe, n_params),
+        lambda w: _moe_hparams(w, spec, moe, layout.n_params),
         lambda t, i: _moe_values(spec, moe, t, i),
     )  # fmt: skip
+    return layout
+
+
+def _stored_types(plans: list[TensorPlan], weight_type: str, n_embd: int, head: str):
+    """Matmul weights in ``weight_type``, the lm head (``head``: the embedding when tied) in
+    llama.cpp's output type, everything else f32."""
+    out, weights = output_type(weight_type, n_embd), WEIGHT_TYPES[weight_type][0]
+    return [out if t.name == head else weights if t.init == "dense" else QType.F32 for t in plans]
 
 
 # --- gemma4: Gemma 4 31B's shapes ---
@@ -258,14 +261,7 @@ def _gemma4_values(s: Gemma4Spec, t: TensorPlan, index: int) -> np.ndarray:
 
 
 def _gemma4_hparams(w: gguf.GGUFWriter, s: Gemma4Spec, n_params: int) -> None:
-    w.add_name(f"lucepy random gemma4 {n_params / 1e9:.1f}B")
-    w.add_file_type(int(WEIGHT_TYPES[s.weight_type][1]))
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(s.context_length)
-    w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer)
-    w.add_feed_forward_length(s.n_ff)
-    w.add_head_count(s.n_head)
+    add_decoder_hparams(w, f"lucepy random gemma4 {n_params / 1e9:.1f}B", s)
     full = [s.is_full(il) for il in range(s.n_layer)]
     w.add_head_count_kv([s.n_head_kv if f else s.n_head_kv_swa for f in full])
     w.add_sliding_window_pattern([not f for f in full])
@@ -286,18 +282,13 @@ def _gemma4_hparams(w: gguf.GGUFWriter, s: Gemma4Spec, n_params: int) -> None:
 
 def gemma4_layout(spec: Gemma4Spec) -> Layout:
     plans = _gemma4_plans(spec)
-    weights = WEIGHT_TYPES[spec.weight_type][0]
-    tied = output_type(spec.weight_type, spec.n_embd)
-    types = [
-        tied if t.name == "token_embd.weight" else weights if t.init == "dense" else QType.F32
-        for t in plans
-    ]
-    n_params = sum(math.prod(t.ne) for t in plans)
-    return Layout(
+    types = _stored_types(plans, spec.weight_type, spec.n_embd, head="token_embd.weight")
+    layout = Layout(
         "gemma4", spec.n_vocab, spec.weight_type, spec.seed, plans, types,
-        lambda w: _gemma4_hparams(w, spec, n_params),
+        lambda w: _gemma4_hparams(w, spec, layout.n_params),
         lambda t, i: _gemma4_values(spec, t, i),
     )  # fmt: skip
+    return layout
 
 
 # --- random quant blocks ---

@@ -266,7 +266,9 @@ def encode(values: np.ndarray, qtype: QType) -> np.ndarray:
 # --- writing ---
 
 
-def _add_hparams(w: gguf.GGUFWriter, s: Qwen35Spec, name: str = f"lucepy tiny {ARCH}") -> None:
+def add_decoder_hparams(w: gguf.GGUFWriter, name: str, s) -> None:
+    """The keys every decoder writes alike, from a spec with ``weight_type``, ``context_length``,
+    ``n_embd``, ``n_layer``, ``n_ff`` and ``n_head``."""
     w.add_name(name)
     w.add_file_type(int(WEIGHT_TYPES[s.weight_type][1]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -275,6 +277,10 @@ def _add_hparams(w: gguf.GGUFWriter, s: Qwen35Spec, name: str = f"lucepy tiny {A
     w.add_block_count(s.n_layer)
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
+
+
+def _add_hparams(w: gguf.GGUFWriter, s: Qwen35Spec, name: str = f"lucepy tiny {ARCH}") -> None:
+    add_decoder_hparams(w, name, s)
     w.add_head_count_kv(s.n_head_kv)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
