@@ -6,6 +6,7 @@ every converted fixture, with and without MTP)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -96,22 +97,45 @@ def test_without_counting_the_graphs_output_no_routing(one_backend, tmp_path):
     np.testing.assert_array_equal(logits, one_backend[0])
 
 
-def test_the_budget_buys_the_hottest_experts(tmp_path):
+def test_a_layers_options_cost_a_split_plus_its_cold_reads():
+    """One expert a token (k=1), chosen 3:1:0:0. With n on the device a step costs the split plus
+    the odds of each cold expert, plus one read when it chose none of them."""
+    order, cost, units = experts._layer_options(np.array([0, 3, 0, 1]), 1, 1)
+    assert list(order) == [1, 3, 0, 2]
+    S = experts.SPLIT_COST
+    np.testing.assert_allclose(cost, [S + 1 + 0.25 * 0.75, S + 0.25 + 0.75, S + 1, S + 1, 0])
+    assert list(units) == [0, 2, 3, 4, 4]  # n experts and 1 padding; all 4 need no padding
+
+
+def test_the_budget_goes_where_it_saves_the_most_host_work():
+    """The dynamic program's placement costs what the best of every combination costs, within
+    the budget; without a profile it keeps whole layers on the device (the last ones)."""
+    rng = np.random.default_rng(3)
     counts = np.zeros((4, N_EXPERT), dtype=np.int64)
-    counts[0, [5, 6]] = [100, 90]
-    counts[2, 1] = 95
-    counts[3, :] = 1  # a layer with one token counted everywhere: ties go to the lower index
+    counts[0] = rng.zipf(1.5, N_EXPERT).clip(max=400)  # skewed
+    counts[1] = 50  # even
+    counts[2, [2, 7]] = [300, 280]  # two experts take everything
+    counts[3] = rng.integers(0, 40, N_EXPERT)
     with GGUFFile(MODEL) as f:
         one = experts.expert_bytes(f, 0)
-        placed = experts.by_hotness(f, 4, N_EXPERT, counts, 4 * one + one // 2)
-        assert placed.hot == {0: (5, 6), 1: (), 2: (1,), 3: (0,)}
-        assert placed.bytes() == (4 * one, (4 * N_EXPERT - 4) * one)
-        even = experts.by_hotness(f, 4, N_EXPERT, None, 8 * one)
-        assert even.hot == {il: (0, 1) for il in range(4)}
-        # with 2 padding experts a layer's first device expert costs 3, its next ones 1
-        padded = experts.by_hotness(f, 4, N_EXPERT, None, 8 * one, padding=2)
-        assert padded.hot == {0: (0, 1), 1: (0, 1), 2: (), 3: ()}
-        assert padded.bytes()[0] == 8 * one
+        for units in (0, 3, 7, 12, 19, 26, 33):
+            placed = experts.by_hotness(f, 4, N_EXPERT, counts, units * one + one // 2, K)
+            options = [experts._layer_options(counts[il], K, 1) for il in range(4)]
+            best = min(
+                sum(options[il][1][n] for il, n in enumerate(ns))
+                for ns in itertools.product(range(N_EXPERT + 1), repeat=4)
+                if sum(options[il][2][n] for il, n in enumerate(ns)) <= units
+            )
+            ns = [len(placed.hot.get(il, range(N_EXPERT))) for il in range(4)]
+            assert sum(options[il][1][n] for il, n in enumerate(ns)) == pytest.approx(best)
+            assert placed.bytes()[0] <= units * one
+            for il, hot in placed.hot.items():  # a layer's device experts are its most chosen
+                assert set(hot) == set(options[il][0][: len(hot)])
+        # 8 experts' bytes: a whole layer saves a split; two of layer 2's 8 (and 2 padding)
+        # would save one read
+        assert len(experts.by_hotness(f, 4, N_EXPERT, counts, 8 * one, K).hot) == 3
+        even = experts.by_hotness(f, 4, N_EXPERT, None, 2 * N_EXPERT * one, K)
+        assert even.hot == {0: (), 1: ()}
         assert experts.by_layers(f, 4, N_EXPERT, 1).hot == {0: ()}
 
 
@@ -134,16 +158,18 @@ def test_routing_counts_every_choice_and_the_profile_drives_the_next_placement(t
     saved = np.load(tmp_path / "profile.npz")["counts"]
     np.testing.assert_array_equal(saved, chunked)  # the first save: what the run counted
 
-    hottest = sorted(
-        ((il, e) for il in range(4) for e in range(N_EXPERT)),
-        key=lambda le: (-saved[le], le[1], le[0]),
-    )[:4]
-    # the budget: those 4, and the K padding experts of each layer they split
-    budget = _mb(4 + K * len({il for il, _ in hottest}))
+    # 5 experts' bytes: no whole layer fits, so the budget buys a split layer's most chosen
+    # experts (and its K padding experts), the layer where they save the most host reads
+    budget = _mb(5)
     with Engine(MODEL, cfg(tmp_path, moe_device_mb=budget), tokenizer=False) as engine:
         placed = engine.plan.experts
     assert "profile" in placed.policy
-    assert sorted((il, e) for il, hot in placed.hot.items() for e in hot) == sorted(hottest)
+    with GGUFFile(MODEL) as f:
+        want = experts.by_hotness(f, 4, N_EXPERT, saved, int(budget * 2**20), K)
+        blind = experts.by_hotness(f, 4, N_EXPERT, None, int(budget * 2**20), K)
+    assert placed.hot == want.hot != blind.hot
+    [(il, hot)] = [(il, hot) for il, hot in placed.hot.items() if hot]
+    assert sorted(saved[il, list(hot)]) == sorted(saved[il])[-len(hot) :]
 
     profile = ["--expert-profile", str(tmp_path / "profile.npz")]
     result = CliRunner().invoke(app, ["plan", str(MODEL), "--moe-gpu-mb", "0", *profile, "--json"])

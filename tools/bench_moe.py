@@ -4,14 +4,19 @@ report that sets it beside llama-bench's JSON from the same build, model and GPU
     python tools/bench_moe.py measure MODEL --n-cpu-moe 20 --threads 8 --json lucepy.json
     python tools/bench_moe.py report lucepy.json --llama-bench all.json ncmoe.json --md moe.md
 
-``measure`` runs three placements, each loaded on its own:
+``measure`` loads each placement on its own:
 
 1. every expert on the GPU: pp512 and tg128, as tools/bench_gpu.py measures them. Its routing
-   counts (every token of those runs) become the hotness profile;
-2. ``--n-cpu-moe N``: all experts of the first N layers in host RAM (llama.cpp's placement);
-3. hotness: the same bytes of experts on the GPU as (2), the most chosen ones (``--moe-gpu-mb``).
+   counts (every token of those runs) become the hotness profile; then again without counting;
+2. ``--n-cpu-moe N``: all experts of the first N layers in host RAM (llama.cpp's placement),
+   then the same engine with ggml's throwaway threads for each host graph (no thread pool);
+3. every layer split, with only its k least chosen experts in host RAM. With (1) and (2) this
+   fits what a split layer costs a token and what one expert read from host RAM costs, and so
+   the split cost in reads that the hotness placement weighs (``experts.SPLIT_COST``);
+4. hotness: the same bytes of experts on the GPU as (2), placed by ``--moe-gpu-mb`` with
+   lucepy's split cost, and again with the fitted one where they differ.
 
-(2) and (3) measure tg128 only: their prompt processing runs the cold experts on the CPU, where
+(2)-(4) measure tg128 only: their prompt processing runs the cold experts on the CPU, where
 llama.cpp copies them to the GPU for big batches. Medians of ``--repeats`` runs after a warm-up.
 """
 
@@ -27,6 +32,8 @@ from pathlib import Path
 import numpy as np
 from bench_gpu import llama_median, median_s  # tools/, beside this script
 
+from lucepy.ggml import ffi
+from lucepy.gguf import GGUFFile
 from lucepy.runtime import experts
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
@@ -34,10 +41,20 @@ from lucepy.runtime.engine import Engine
 CHUNK, PROMPT, DECODE = 512, 512, 128
 
 
-def measure_one(path: str, cfg: RuntimeConfig, repeats: int, prefill: bool) -> tuple[dict, Engine]:
-    """Figures of one placement; the engine is returned open (the caller reads its counts)."""
+def measure_one(
+    path: str, cfg: RuntimeConfig, repeats: int, prefill: bool,
+    placement: experts.ExpertPlacement | None = None,
+) -> tuple[dict, Engine]:  # fmt: skip
+    """Figures of one placement (``placement``: this one, not the one ``cfg`` asks for); the
+    engine is returned open (the caller reads its counts)."""
     t0 = time.perf_counter()
-    engine = Engine(path, cfg, tokenizer=False)
+    chosen = experts.placement_for
+    if placement is not None:
+        experts.placement_for = lambda f, params, config: placement
+    try:
+        engine = Engine(path, cfg, tokenizer=False)
+    finally:
+        experts.placement_for = chosen
     out: dict = {"load_s": time.perf_counter() - t0}
     placed = engine.plan.experts
     out["policy"] = placed.policy if placed is not None else "all on the device"
@@ -47,30 +64,20 @@ def measure_one(path: str, cfg: RuntimeConfig, repeats: int, prefill: bool) -> t
         device, host = sum(experts.expert_bytes(engine.file, il) for il in layers) * n_expert, 0
     else:
         device, host = placed.bytes()
+        out["split_layers"] = len(placed.hot)
     out["expert_bytes_device"], out["expert_bytes_host"] = device, host
     out["weight_bytes_device"] = sum(s.weight_bytes for s in engine.shards)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, engine.params.n_vocab, PROMPT + DECODE).tolist()
     if prefill:
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, engine.params.n_vocab, PROMPT).tolist()
 
         def pp():
             engine.reset()
-            engine.prefill(tokens[:PROMPT], chunk=CHUNK)
+            engine.prefill(tokens, chunk=CHUNK)
 
         s = median_s(pp, repeats)
         out[f"pp{PROMPT}"] = {"ms": 1e3 * s, "tok_s": PROMPT / s}
-
-    def tg():
-        engine.reset()
-        engine.prefill(tokens[:1])
-        t0 = time.perf_counter()
-        for t in tokens[1 : DECODE + 1]:
-            engine.decode(t)
-        return DECODE / (time.perf_counter() - t0)
-
-    tg()  # warm-up: the decode graphs
-    rates = [tg() for _ in range(repeats)]
-    out[f"tg{DECODE}"] = {"tok_s": statistics.median(rates), "runs": rates}
+    out[f"tg{DECODE}"] = tg_only(engine, repeats)
     return out, engine
 
 
@@ -100,17 +107,79 @@ def measure(args: argparse.Namespace) -> int:
 
     cfg = RuntimeConfig(**base, n_cpu_moe=args.n_cpu_moe)
     figures, engine = measure_one(args.model, cfg, args.repeats, False)
-    engine.close()
     save("n_cpu_moe", figures)
+    with engine:  # the same, with ggml's throwaway threads per host graph (no thread pool)
+        engine.lib.ggml_backend_cpu_set_threadpool(engine.shard.host.ptr, ffi.NULL)
+        save("n_cpu_moe_no_pool", {"tg128": tg_only(engine, args.repeats)})
 
-    budget_mb = figures["expert_bytes_device"] / 2**20  # the same experts' bytes on the GPU
-    for threads in [args.threads, *args.sweep_threads]:
-        run = {**base, "threads": threads}
-        cfg = RuntimeConfig(**run, moe_device_mb=budget_mb, expert_profile=str(profile))
+    # every layer split, its k least chosen experts in host RAM: the split's own cost
+    with GGUFFile(args.model) as f:
+        params = engine.params
+        layers = experts.expert_layers(f, params.n_layer)
+        k, X = params.n_expert_used, params.n_expert
+        hot, reads = {}, []
+        for il in layers:
+            order, cost, _ = experts._layer_options(counts[il], k, 1)
+            hot[il] = tuple(sorted(int(e) for e in order[: X - k]))
+            reads.append(cost[X - k] - experts.SPLIT_COST)
+        sizes = {il: experts.expert_bytes(f, il) for il in layers}
+    forced = experts.ExpertPlacement("every layer split, k cold", X, hot, sizes, k)
+    figures, engine = measure_one(args.model, RuntimeConfig(**base, n_cpu_moe=1), args.repeats,
+                                  False, placement=forced)  # fmt: skip
+    engine.close()
+    figures["host_reads_per_layer"] = float(np.mean(reads))
+    save("split_every_layer", figures)
+    fit = split_cost_fit(results, len(layers), k, args.n_cpu_moe)
+    save("split_cost_fit", fit)
+
+    budget_mb = results["n_cpu_moe"]["expert_bytes_device"] / 2**20  # the same bytes on the GPU
+    costs = {"hotness": experts.SPLIT_COST}
+    if fit.get("split_cost") and abs(fit["split_cost"] - experts.SPLIT_COST) > 1:
+        costs["hotness_fitted"] = round(fit["split_cost"], 1)
+    for key, split_cost in costs.items():
+        experts.SPLIT_COST = split_cost
+        cfg = RuntimeConfig(**base, moe_device_mb=budget_mb, expert_profile=str(profile))
         figures, engine = measure_one(args.model, cfg, args.repeats, False)
         engine.close()
-        save("hotness" if threads == args.threads else f"hotness_t{threads}", figures)
+        figures["split_cost"] = split_cost
+        save(key, figures)
     return 0
+
+
+def split_cost_fit(results: dict, n_layers: int, k: int, n_cpu_moe: int) -> dict:
+    """A split layer's fixed cost ``s`` and one host expert read's ``c`` (ms a token), from
+    three decodes: all on the device, ``--n-cpu-moe`` (``n_cpu_moe`` layers of k reads each)
+    and every layer split with few reads (``host_reads_per_layer``)."""
+    try:
+        base = 1e3 / results["all_on_device_uncounted"]["tg128"]["tok_s"]
+        ncm = 1e3 / results["n_cpu_moe"]["tg128"]["tok_s"]
+        split = results["split_every_layer"]
+        every = 1e3 / split["tg128"]["tok_s"]
+    except KeyError:
+        return {}
+    few = split["host_reads_per_layer"]
+    a = (ncm - base) / n_cpu_moe  # s + k c
+    b = (every - base) / n_layers  # s + few*c
+    c = (a - b) / (k - few)
+    s = a - k * c
+    return {"split_ms": s, "read_ms": c, "split_cost": s / c if c > 0 else None}
+
+
+def tg_only(engine: Engine, repeats: int) -> dict:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, engine.params.n_vocab, DECODE + 1).tolist()
+
+    def tg():
+        engine.reset()
+        engine.prefill(tokens[:1])
+        t0 = time.perf_counter()
+        for t in tokens[1:]:
+            engine.decode(t)
+        return DECODE / (time.perf_counter() - t0)
+
+    tg()
+    rates = [tg() for _ in range(repeats)]
+    return {"tok_s": statistics.median(rates), "runs": rates}
 
 
 def llama_entries(paths: list[str]) -> dict[tuple[str, int], float]:
@@ -146,7 +215,12 @@ def report(args: argparse.Namespace) -> int:
 
     llama_ncmoe = ref.get((f"tg{DECODE}", n))
     bare = ours.get("all_on_device_uncounted", {})
-    sweep = [(k, v) for k, v in ours.items() if k.startswith("hotness_t")]
+    fit = ours.get("split_cost_fit", {})
+    extra = [
+        ("hotness_fitted", f"lucepy hotness, split cost {fit.get('split_cost') or 0:.1f} reads"),
+        ("n_cpu_moe_no_pool", f"lucepy --n-cpu-moe {n} without a CPU thread pool"),
+        ("split_every_layer", "lucepy, every layer split, its k least chosen experts in RAM"),
+    ]
     lines = [
         f"# MoE GPU benchmark: {ours.get('model', '?')} on {ours.get('device', '?')}, "
         f"{ours.get('threads', '?')} CPU threads",
@@ -169,10 +243,10 @@ def report(args: argparse.Namespace) -> int:
         f"GPU) | {cell(llama_ncmoe)} | {cell(tok_s(hot, f'tg{DECODE}'))} | tok/s | "
         f"**{ratio(tok_s(hot, f'tg{DECODE}'), llama_ncmoe)}** |",
         *(
-            f"| tg{DECODE}, lucepy hotness with {k.removeprefix('hotness_t')} CPU threads | "
-            f"{cell(llama_ncmoe)} | {cell(tok_s(v, f'tg{DECODE}'))} | tok/s | "
-            f"{ratio(tok_s(v, f'tg{DECODE}'), llama_ncmoe)} |"
-            for k, v in sweep
+            f"| tg{DECODE}, {what} | {cell(llama_ncmoe)} | {cell(tok_s(ours[key], f'tg{DECODE}'))}"
+            f" | tok/s | {ratio(tok_s(ours[key], f'tg{DECODE}'), llama_ncmoe)} |"
+            for key, what in extra
+            if key in ours
         ),
         "",
         "| lucepy placement | experts on the GPU | experts in host RAM | weights on the GPU |",
@@ -180,7 +254,8 @@ def report(args: argparse.Namespace) -> int:
         *(
             f"| {d.get('policy', '?')} | {gib(d.get('expert_bytes_device'))} | "
             f"{gib(d.get('expert_bytes_host'))} | {gib(d.get('weight_bytes_device'))} |"
-            for d in (allg, ncm, hot)
+            for d in (allg, ncm, hot, ours.get("hotness_fitted"), ours.get("split_every_layer"))
+            if d
         ),
         "",
         f"The hotness profile: routing counts of the all-on-GPU runs, "
@@ -189,6 +264,13 @@ def report(args: argparse.Namespace) -> int:
         "llama.cpp's --n-cpu-moe keeps the same experts in host RAM as lucepy's, so its GPU "
         "holds the same bytes. Medians on both sides (llama-bench's samples_ns).",
     ]
+    if fit.get("split_cost"):
+        lines += [
+            "",
+            f"Fitted per token: a split layer {fit['split_ms']:.3f} ms, one expert read from host "
+            f"RAM {fit['read_ms']:.4f} ms: a split costs {fit['split_cost']:.1f} reads "
+            f"(lucepy's placement assumes {ours.get('hotness', {}).get('split_cost', '?')}).",
+        ]
     text = "\n".join(lines) + "\n"
     if args.md:
         Path(args.md).write_text(text)
@@ -206,9 +288,6 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--n-cpu-moe", type=int, required=True)
     m.add_argument("--threads", type=int, default=8)
     m.add_argument("--repeats", type=int, default=3)
-    m.add_argument(
-        "--sweep-threads", type=int, nargs="*", default=[], help="hotness again at these threads"
-    )
     r = sub.add_parser("report", help="lucepy beside llama-bench, as markdown")
     r.add_argument("lucepy", help="measure's JSON")
     r.add_argument("--llama-bench", nargs="*", default=[], help="llama-bench -o json outputs")

@@ -78,6 +78,8 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
             ids = L.ggml_cast(c, ids, GGML_TYPE_I32)
             one = _part(g, w, b, "", names, h, ids, weights, act, scale, r)
         else:
+            if out is not None:
+                ids = _own_cold_expert(g, ids, L.ggml_get_rows(c, w[f"{b}experts.hot_mask"], flat))
             # what crosses to the host is whole tensors, not views (the scheduler copies those)
             h_in, ids = L.ggml_cont(c, h), L.ggml_cast(c, ids, GGML_TYPE_I32)
             one = _part(g, w, b, ".cold", names, h_in, ids, weights, act, scale, r)
@@ -87,6 +89,18 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
         # per slot one part is the expert's output and the other exactly 0: the sum is exact
         out = one if out is None else L.ggml_add(c, out, one)
     return _sum_slots(g, out)
+
+
+def _own_cold_expert(g: Builder, ids: Tensor, hot: Tensor) -> Tensor:
+    """The host part's expert indices [k, T] (f32, 0 in the slots whose expert is on the device)
+    with those slots set to the largest index among the token's own: a weight-0 row of an expert
+    the host reads anyway, not a read of expert 0 that no slot chose (most decode steps)."""
+    L, c = g.lib, g.ctx
+    k, T = ids.ne[0], ids.ne[1]
+    best = L.ggml_reshape_2d(c, L.ggml_argmax(c, ids), 1, T)  # [1, T] i32
+    fill = L.ggml_get_rows(c, L.ggml_reshape_3d(c, ids, 1, k, T), best)  # [1, 1, T]
+    fill = L.ggml_mul(c, L.ggml_reshape_2d(c, hot, k, T), L.ggml_reshape_2d(c, fill, 1, T))
+    return L.ggml_add(c, ids, fill)
 
 
 def _ops_between(g: Builder, out: Tensor, inputs: tuple) -> list[Tensor]:

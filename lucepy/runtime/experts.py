@@ -4,8 +4,9 @@ A layer's experts are "hot" (with the layer, on its shard's device) or "cold" (i
 computed by a CPU backend in the same step: ``runtime/shard.py`` runs such a layer's graph through
 ``ggml_backend_sched``). Two policies choose:
 
-- by hotness, under a byte budget for experts on the device (``--moe-gpu-mb``): the experts that
-  most tokens chose, over every layer, until the budget is spent;
+- by hotness, under a byte budget for experts on the device (``--moe-gpu-mb``): the placement
+  whose decode step leaves the host the least work, given how often tokens chose each expert
+  (whole layers on the device, or a layer's most chosen experts there and the rest on the host);
 - by layer, as llama.cpp's ``--n-cpu-moe N``: every expert of the first N layers is cold.
 
 The profile counts, per layer and expert, how many tokens chose it. Engines count while they run
@@ -18,6 +19,7 @@ nothing, their read was too dear) and save the counts beside the caches,
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,40 +117,80 @@ def by_layers(
     return ExpertPlacement(f"n-cpu-moe {n_cpu_moe}", n_expert, hot, sizes, padding)
 
 
+# A layer split between the device and host RAM costs a decode step about this much on top of
+# its host experts' reads, counted in reads of one expert: the copies to and from the host, the
+# synchronisation and the host graph. Measured on an H200 (docs/BENCHMARKS.md, issue 12).
+SPLIT_COST = 20.0
+
+
 def by_hotness(
     f: GGUFFile,
     n_layer: int,
     n_expert: int,
     counts: np.ndarray | None,
     budget: int,
-    padding: int = 0,
+    k: int = 0,
 ) -> ExpertPlacement:
-    """The most chosen experts, over all layers, until ``budget`` bytes are on the device (with
-    the ``padding`` experts a split layer's device part carries); the rest in host RAM. Without
-    a profile every expert counts the same, and the budget goes to expert 0 of every layer, then
-    expert 1, and so on: an even share per layer."""
+    """The placement under ``budget`` bytes of experts on the device that costs a decode step
+    the least host work, with ``counts`` (the profile) as the odds that a token chooses each
+    expert; ``k`` experts per token.
+
+    A layer may keep all its experts on the device (no host work), or its ``n`` most chosen ones
+    plus ``k`` padding experts (runtime/shard.py) and the rest in host RAM. Then a token costs
+    ``SPLIT_COST`` plus one read per cold expert it chooses (one read when it chooses none: the
+    host part still runs). Over the layers this is a knapsack, solved exactly by dynamic
+    programming over the budget in units of one expert. Without a profile every expert is as
+    likely, no split pays, and whole layers go to the device (llama.cpp's ``--n-cpu-moe``, from
+    the last layers back)."""
     layers = expert_layers(f, n_layer)
     sizes = {il: expert_bytes(f, il) for il in layers}
     if counts is None:
         counts = np.zeros((n_layer, n_expert), dtype=np.int64)
-    order = sorted(
-        ((il, e) for il in layers for e in range(n_expert)),
-        key=lambda le: (-int(counts[le[0], le[1]]), le[1], le[0]),
-    )
-    hot: dict[int, list[int]] = {il: [] for il in layers}
-    left = budget
-    for il, e in order:
-        # the layer's first device expert brings its padding; its last one takes it away
-        cost = sizes[il] * (1 + (padding if not hot[il] else 0))
-        if len(hot[il]) == n_expert - 1:
-            cost -= sizes[il] * padding
-        if cost <= left:
-            hot[il].append(e)
-            left -= cost
-    split = {il: tuple(sorted(e)) for il, e in hot.items() if len(e) < n_expert}
-    source = "profile" if counts.any() else "no profile: an even share"
+    unit = min(sizes.values())
+    units = budget // unit
+    best = np.zeros(units + 1)  # least host cost of the layers so far within b units
+    picks = []
+    for il in layers:
+        order, cost, size = _layer_options(counts[il], k, -(-sizes[il] // unit))
+        new, pick = np.full(units + 1, np.inf), np.zeros(units + 1, dtype=np.int32)
+        for n in range(n_expert, -1, -1):  # ties: more on the device, so the later layers
+            if size[n] > units:
+                continue
+            cand = best[: units + 1 - size[n]] + cost[n]
+            better = cand < new[size[n] :]
+            new[size[n] :][better] = cand[better]
+            pick[size[n] :][better] = n
+        best = new
+        picks.append((il, order, pick, size))
+    split, b = {}, units
+    for il, order, pick, size in reversed(picks):
+        n = int(pick[b])
+        b -= int(size[n])
+        if n < n_expert:
+            split[il] = tuple(sorted(int(e) for e in order[:n]))
+    source = "profile" if counts.any() else "no profile: whole layers"
     policy = f"hotness ({source}), {budget / 2**20:,.1f} MiB of experts on the device"
-    return ExpertPlacement(policy, n_expert, split, sizes, padding)
+    return ExpertPlacement(policy, n_expert, dict(sorted(split.items())), sizes, k)
+
+
+def _layer_options(row: np.ndarray, k: int, size: int) -> tuple[np.ndarray, ...]:
+    """For a layer whose experts were chosen ``row`` times: its experts, most chosen first (ties
+    to the lower index), and for each ``n`` of them on the device (0..n_expert) the host cost of
+    a decode step (``by_hotness``) and the device units it takes."""
+    X = len(row)
+    order = np.argsort(-row, kind="stable")
+    total = row.sum()
+    odds = np.full(X, k / X) if not total else np.minimum(1.0, row[order] * k / total)
+    cold = np.concatenate([np.cumsum(odds[::-1])[::-1], [0.0]])  # sum over experts n..X-1
+    with np.errstate(divide="ignore"):
+        log_none = np.log1p(-odds)
+    none = np.exp(np.concatenate([np.cumsum(log_none[::-1])[::-1], [0.0]]))
+    cost = SPLIT_COST + cold + none
+    cost[X] = 0.0
+    n = np.arange(X + 1)
+    units = np.where(n == 0, 0, (n + k) * size)
+    units[X] = X * size
+    return order, cost, units
 
 
 # --- the hotness profile ---
@@ -185,9 +227,10 @@ class ExpertCounts:
             out.counts += saved
         return out
 
-    def add(self, layers: range, routing: np.ndarray) -> None:
-        """One step's ``routing`` output [len(layers), k*T]: the experts each token chose."""
-        rows = np.repeat(np.arange(layers.start, layers.stop), routing.shape[1])
+    def add(self, layers: Sequence[int], routing: np.ndarray) -> None:
+        """One step's ``routing`` output [len(layers), k*T]: the experts each token chose in each
+        of ``layers`` (a graph's MoE layers; a leading dense layer has no row)."""
+        rows = np.repeat(np.asarray(layers, dtype=np.int64), routing.shape[1])
         np.add.at(self.counts, (rows, routing.reshape(-1)), 1)
         self.steps += 1
 
