@@ -220,7 +220,7 @@ if ((built)) && [[ -f $MODEL && $ARCH == qwen35moe ]]; then
         -p 512 -n 128 -r 3 -o json >'$OUTDIR/llama-bench.json' && exec '$BUILD/llama-bench' \
         -m '$MODEL' -ngl 99 -fa 1 -t $THREADS -ncmoe $NCMOE -p 0 -n 128 -r 3 -o json \
         >'$OUTDIR/llama-bench-ncmoe.json'" || true
-    step lucepy 240 "$BENCHLOG" python3 tools/bench_moe.py measure "$MODEL" --device "$DEVICE" \
+    step lucepy 330 "$BENCHLOG" python3 tools/bench_moe.py measure "$MODEL" --device "$DEVICE" \
         --n-cpu-moe $NCMOE --threads "$THREADS" --json "$OUTDIR/lucepy-bench.json" || true
 elif ((built)) && [[ -f $MODEL ]]; then
     step llama 150 "$BENCHLOG" sh -c "exec '$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
