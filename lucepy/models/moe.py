@@ -82,6 +82,8 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
                 ids = _own_cold_expert(g, ids, L.ggml_get_rows(c, w[f"{b}experts.hot_mask"], flat))
             # what crosses to the host is whole tensors, not views (the scheduler copies those)
             h_in, ids = L.ggml_cont(c, h), L.ggml_cast(c, ids, GGML_TYPE_I32)
+            for t in (h_in, ids, weights):  # in the graph before the host's ops: one trip there
+                L.ggml_build_forward_expand(g.gf, t)
             one = _part(g, w, b, ".cold", names, h_in, ids, weights, act, scale, r)
             g.offload += _ops_between(g, one, (h_in, ids, weights))
             if out is None:  # and back: an op on the device reads it, not views of it
