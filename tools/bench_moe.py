@@ -8,15 +8,14 @@ report that sets it beside llama-bench's JSON from the same build, model and GPU
 
 1. every expert on the GPU: pp512 and tg128, as tools/bench_gpu.py measures them. Its routing
    counts (every token of those runs) become the hotness profile; then again without counting;
-2. ``--n-cpu-moe N``: all experts of the first N layers in host RAM (llama.cpp's placement),
-   then the same engine with ggml's throwaway threads for each host graph (no thread pool);
-3. every layer split, with only its k least chosen experts in host RAM. With (1) and (2) this
+2. every layer split, with only its k least chosen experts in host RAM. With (1) and (3) this
    fits what a split layer costs a token and what one expert read from host RAM costs, and so
    the split cost in reads that the hotness placement weighs (``experts.SPLIT_COST``);
-4. hotness: the same bytes of experts on the GPU as (2), placed by ``--moe-gpu-mb`` with
-   lucepy's split cost, and again with the fitted one where they differ.
+3. ``--n-cpu-moe N`` (all experts of the first N layers in host RAM, llama.cpp's placement) and
+   hotness (the same bytes of experts on the GPU, placed by ``--moe-gpu-mb``), loaded together
+   and their decodes taken in turns.
 
-(2)-(4) measure tg128 only: their prompt processing runs the cold experts on the CPU, where
+(2) and (3) measure tg128 only: their prompt processing runs the cold experts on the CPU, where
 llama.cpp copies them to the GPU for big batches. Medians of ``--repeats`` runs after a warm-up.
 """
 
@@ -32,7 +31,6 @@ from pathlib import Path
 import numpy as np
 from bench_gpu import llama_median, median_s  # tools/, beside this script
 
-from lucepy.ggml import ffi
 from lucepy.gguf import GGUFFile
 from lucepy.runtime import experts
 from lucepy.runtime.config import RuntimeConfig
@@ -77,7 +75,8 @@ def measure_one(
 
         s = median_s(pp, repeats)
         out[f"pp{PROMPT}"] = {"ms": 1e3 * s, "tok_s": PROMPT / s}
-    out[f"tg{DECODE}"] = tg_only(engine, repeats)
+    if repeats:
+        out[f"tg{DECODE}"] = tg_only(engine, repeats)
     return out, engine
 
 
@@ -105,44 +104,41 @@ def measure(args: argparse.Namespace) -> int:
     engine.close()
     save("all_on_device_uncounted", figures)
 
-    cfg = RuntimeConfig(**base, n_cpu_moe=args.n_cpu_moe)
-    figures, engine = measure_one(args.model, cfg, args.repeats, False)
-    save("n_cpu_moe", figures)
-    with engine:  # the same, with ggml's throwaway threads per host graph (no thread pool)
-        engine.lib.ggml_backend_cpu_set_threadpool(engine.shard.host.ptr, ffi.NULL)
-        save("n_cpu_moe_no_pool", {"tg128": tg_only(engine, args.repeats)})
-
     # every layer split, its k least chosen experts in host RAM: the split's own cost
     with GGUFFile(args.model) as f:
         params = engine.params
         layers = experts.expert_layers(f, params.n_layer)
         k, X = params.n_expert_used, params.n_expert
-        hot, reads = {}, []
+        keep, reads = {}, []
         for il in layers:
             order, cost, _ = experts._layer_options(counts[il], k, 1)
-            hot[il] = tuple(sorted(int(e) for e in order[: X - k]))
+            keep[il] = tuple(sorted(int(e) for e in order[: X - k]))
             reads.append(cost[X - k] - experts.SPLIT_COST)
         sizes = {il: experts.expert_bytes(f, il) for il in layers}
-    forced = experts.ExpertPlacement("every layer split, k cold", X, hot, sizes, k)
+    forced = experts.ExpertPlacement("every layer split, k cold", X, keep, sizes, k)
     figures, engine = measure_one(args.model, RuntimeConfig(**base, n_cpu_moe=1), args.repeats,
                                   False, placement=forced)  # fmt: skip
     engine.close()
     figures["host_reads_per_layer"] = float(np.mean(reads))
     save("split_every_layer", figures)
-    fit = split_cost_fit(results, len(layers), k, args.n_cpu_moe)
-    save("split_cost_fit", fit)
 
-    budget_mb = results["n_cpu_moe"]["expert_bytes_device"] / 2**20  # the same bytes on the GPU
-    costs = {"hotness": experts.SPLIT_COST}
-    if fit.get("split_cost") and abs(fit["split_cost"] - experts.SPLIT_COST) > 1:
-        costs["hotness_fitted"] = round(fit["split_cost"], 1)
-    for key, split_cost in costs.items():
-        experts.SPLIT_COST = split_cost
-        cfg = RuntimeConfig(**base, moe_device_mb=budget_mb, expert_profile=str(profile))
-        figures, engine = measure_one(args.model, cfg, args.repeats, False)
-        engine.close()
-        figures["split_cost"] = split_cost
+    # --n-cpu-moe and hotness at the same bytes on the GPU, both loaded, their decodes taken in
+    # turns: the host's memory bandwidth drifts by 10-20 % within a minute on these machines
+    cfg = RuntimeConfig(**base, n_cpu_moe=args.n_cpu_moe)
+    ncm, ncm_engine = measure_one(args.model, cfg, 0, False)
+    budget_mb = ncm["expert_bytes_device"] / 2**20
+    cfg = RuntimeConfig(**base, moe_device_mb=budget_mb, expert_profile=str(profile))
+    hot, hot_engine = measure_one(args.model, cfg, 0, False)
+    hot["split_cost"] = experts.SPLIT_COST
+    with ncm_engine, hot_engine:
+        rates: dict = {"n_cpu_moe": [], "hotness": []}
+        for _ in range(args.repeats):
+            for key, engine in (("n_cpu_moe", ncm_engine), ("hotness", hot_engine)):
+                rates[key] += tg_only(engine, 1)["runs"]
+    for key, figures in (("n_cpu_moe", ncm), ("hotness", hot)):
+        figures[f"tg{DECODE}"] = {"tok_s": statistics.median(rates[key]), "runs": rates[key]}
         save(key, figures)
+    save("split_cost_fit", split_cost_fit(results, len(layers), k, args.n_cpu_moe))
     return 0
 
 
@@ -217,8 +213,6 @@ def report(args: argparse.Namespace) -> int:
     bare = ours.get("all_on_device_uncounted", {})
     fit = ours.get("split_cost_fit", {})
     extra = [
-        ("hotness_fitted", f"lucepy hotness, split cost {fit.get('split_cost') or 0:.1f} reads"),
-        ("n_cpu_moe_no_pool", f"lucepy --n-cpu-moe {n} without a CPU thread pool"),
         ("split_every_layer", "lucepy, every layer split, its k least chosen experts in RAM"),
     ]
     lines = [
@@ -254,7 +248,7 @@ def report(args: argparse.Namespace) -> int:
         *(
             f"| {d.get('policy', '?')} | {gib(d.get('expert_bytes_device'))} | "
             f"{gib(d.get('expert_bytes_host'))} | {gib(d.get('weight_bytes_device'))} |"
-            for d in (allg, ncm, hot, ours.get("hotness_fitted"), ours.get("split_every_layer"))
+            for d in (allg, ncm, hot, ours.get("split_every_layer"))
             if d
         ),
         "",
@@ -287,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--json", required=True, help="results, rewritten after every placement")
     m.add_argument("--n-cpu-moe", type=int, required=True)
     m.add_argument("--threads", type=int, default=8)
-    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--repeats", type=int, default=5)
     r = sub.add_parser("report", help="lucepy beside llama-bench, as markdown")
     r.add_argument("lucepy", help="measure's JSON")
     r.add_argument("--llama-bench", nargs="*", default=[], help="llama-bench -o json outputs")

@@ -54,19 +54,7 @@ class Context(Owner):
         self._own(lib.ggml_init(params[0]), lib.ggml_free, f"ggml_init(mem_size={size})")
 
 
-class ThreadPool(Owner):
-    """A ggml CPU thread pool of ``n`` threads (the caller's one among them), with ggml's default
-    polling: idle workers spin a while before they sleep, so a graph soon after the last starts at
-    once."""
-
-    def __init__(self, lib: Lib, n: int):
-        params = ffi.new("struct ggml_threadpool_params *", lib.ggml_threadpool_params_default(n))
-        self._own(lib.ggml_threadpool_new(params), lib.ggml_threadpool_free, f"thread pool({n})")
-
-
 class Backend(Owner):
-    pool: ThreadPool | None = None
-
     def __init__(self, lib: Lib, device: Any, name: str):
         self.lib, self.device, self.name = lib, device, name
         self._own(
@@ -80,22 +68,8 @@ class Backend(Owner):
         return self.lib.ggml_backend_get_default_buffer_type(self.ptr)
 
     def set_threads(self, n: int) -> None:
-        """A CPU backend computes with ``n`` threads of its own pool. Without a pool, ggml starts
-        and joins the threads in every graph compute: each split of a graph between a GPU and
-        this backend (experts in host RAM) paid that, as llama.cpp's contexts do not."""
-        if not self.lib.ggml_backend_is_cpu(self.ptr):
-            return
-        self.lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
-        if self.pool is not None:
-            self.lib.ggml_backend_cpu_set_threadpool(self.ptr, ffi.NULL)
-            self.pool.close()
-        self.pool = ThreadPool(self.lib, n)
-        self.lib.ggml_backend_cpu_set_threadpool(self.ptr, self.pool.ptr)
-
-    def close(self) -> None:
-        super().close()
-        if self.pool is not None:  # after the backend that computes with it
-            self.pool.close()
+        if self.lib.ggml_backend_is_cpu(self.ptr):
+            self.lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
 
     def synchronize(self) -> None:
         self.lib.ggml_backend_synchronize(self.ptr)
