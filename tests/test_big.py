@@ -18,6 +18,8 @@ from lucepy.testing.big import (
     MoeSpec,
     gemma4_31b,
     gemma4_layout,
+    laguna_layout,
+    laguna_xs2,
     main,
     qwen35_layout,
     qwen35moe_layout,
@@ -47,8 +49,16 @@ SMALL = {
             n_head_kv_swa=2, head_dim=128, head_dim_swa=64, window=8, context_length=1024,
         )
     ),
+    "laguna": lambda: laguna_layout(
+        laguna_xs2(
+            "q4_0", 5, n_vocab=1024, n_embd=256, n_ff=512, heads_full=4, heads_swa=6,
+            n_head_kv=2, head_dim=64, rope_dim=32, window=8, yarn_orig_ctx=256,
+            context_length=1024,
+        )[0],
+        MoeSpec(n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff_shexp=96, zipf=0.3),
+    ),
 }  # fmt: skip
-PROMPT = list(range(40, 70))  # longer than gemma4's window
+PROMPT = list(range(40, 70))  # longer than gemma4's and laguna's windows
 
 
 @pytest.mark.parametrize("arch", sorted(SMALL))
@@ -67,9 +77,13 @@ def test_big_writer_decodes_as_llama_cpp(arch, tmp_path, reference):
         assert "blk.5.attn_v.weight" not in types and "blk.4.attn_v.weight" in types
     else:
         assert types["output.weight"] == QType.Q6_K and types["token_embd.weight"] == QType.Q4_0
-    if arch == "qwen35moe":  # routers stay f32, as llama.cpp's quantize leaves them
-        assert types["blk.0.ffn_gate_inp.weight"] == QType.F32
-        assert types["blk.0.ffn_down_exps.weight"] == QType.Q4_0
+    if arch in ("qwen35moe", "laguna"):  # routers stay f32, as llama.cpp's quantize leaves them
+        assert types["blk.1.ffn_gate_inp.weight"] == QType.F32
+        assert types["blk.1.ffn_down_exps.weight"] == QType.Q4_0
+    if arch == "laguna":  # a dense first layer; the selection bias is f32, the gate a matmul
+        assert "blk.0.ffn_down.weight" in types and "blk.0.ffn_gate_inp.weight" not in types
+        assert types["blk.1.exp_probs_b.bias"] == QType.F32
+        assert types["blk.1.attn_gate.weight"] == QType.Q4_0
     config = RuntimeConfig(threads=THREADS, max_ctx=256)
     ref = reference(path, len(PROMPT))
     with Engine(path, config, tokenizer=False) as engine:

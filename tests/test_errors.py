@@ -69,7 +69,7 @@ def unsupported_arch(tmp_path, copy_model):
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     w.close()
-    return path, "'mamba' is not supported; lucepy runs: gemma4, llama, qwen35"
+    return path, "'mamba' is not supported; lucepy runs: gemma4, laguna, llama, qwen35"
 
 
 def missing_tensor(tmp_path, copy_model):

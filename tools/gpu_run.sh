@@ -19,7 +19,7 @@
 # summary.md. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
 # since start); a step that runs out is stopped and the run goes on. The build and the model stay
 # in /tmp: a second call on the still-warm machine (30 s) skips them, or resumes the build.
-# Knobs: GPU_RUN_ARCH (qwen35, gemma4 or qwen35moe), GPU_RUN_LAYERS (the real model's),
+# Knobs: GPU_RUN_ARCH (qwen35, gemma4, qwen35moe or laguna), GPU_RUN_LAYERS (the real model's),
 # GPU_RUN_THREADS (8: CPU threads of the MoE runs, both sides),
 # GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest llama"), GPU_RUN_DEVICE (cuda:0),
 # GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit).
@@ -37,7 +37,8 @@ case $ARCH in
 qwen35) export LAYERS=${GPU_RUN_LAYERS:-64} SHAPE=qwen36-27b ;;
 gemma4) export LAYERS=${GPU_RUN_LAYERS:-60} SHAPE=gemma4-31b ;;
 qwen35moe) export LAYERS=${GPU_RUN_LAYERS:-40} SHAPE=qwen36-35b-a3b ;;
-*) echo "gpu_run: GPU_RUN_ARCH=$ARCH: use qwen35, gemma4 or qwen35moe" >&2 && exit 2 ;;
+laguna) export LAYERS=${GPU_RUN_LAYERS:-40} SHAPE=laguna-xs2 ;;
+*) echo "gpu_run: GPU_RUN_ARCH=$ARCH: use qwen35, gemma4, qwen35moe or laguna" >&2 && exit 2 ;;
 esac
 DEADLINE=${GPU_RUN_DEADLINE:-570}
 SKIP=" ${GPU_RUN_SKIP:-} "
@@ -218,7 +219,7 @@ NCMOE=$((LAYERS / 2))
 if ((built)) && [[ -f $MODEL && $ARCH == qwen35moe ]]; then
     step llama 200 "$BENCHLOG" sh -c "'$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 -t $THREADS \
         -p 512 -n 128 -r 3 -o json >'$OUTDIR/llama-bench.json' && exec '$BUILD/llama-bench' \
-        -m '$MODEL' -ngl 99 -fa 1 -t $THREADS -ncmoe $NCMOE -p 0 -n 128 -r 3 -o json \
+        -m '$MODEL' -ngl 99 -fa 1 -t $THREADS -ncmoe $NCMOE -p 0 -n 128 -r 5 -o json \
         >'$OUTDIR/llama-bench-ncmoe.json'" || true
     step lucepy 330 "$BENCHLOG" python3 tools/bench_moe.py measure "$MODEL" --device "$DEVICE" \
         --n-cpu-moe $NCMOE --threads "$THREADS" --json "$OUTDIR/lucepy-bench.json" || true

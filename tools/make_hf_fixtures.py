@@ -1,10 +1,10 @@
 """Build small GGUF fixtures the way users' files are made: HF checkpoint -> llama.cpp converter.
 
 Random-weight Hugging Face checkpoints (a tied llama, an untied llama of odd width, a Qwen3.5 and a
-Qwen3.5 MoE, each with an MTP block, two Gemma 4) are converted by the pinned llama.cpp's own
-``convert_hf_to_gguf.py``, run from a temp extraction of the llama-cpp-python sdist (nothing of it
-is copied into this repo), and then quantized by libllama. Everything is seeded, so a rerun with
-the same versions gives the same files.
+Qwen3.5 MoE, each with an MTP block, two Gemma 4, two Laguna) are converted by the pinned
+llama.cpp's own ``convert_hf_to_gguf.py``, run from a temp extraction of the llama-cpp-python sdist
+(nothing of it is copied into this repo), and then quantized by libllama. Everything is seeded,
+so a rerun with the same versions gives the same files.
 
 The build stage needs torch, transformers 5.x, tokenizers and safetensors; keep them in their own
 venv. The quantize and check stages need ``llama_cpp`` and ``lucepy`` and run under
@@ -46,7 +46,7 @@ SAMPLE = (
 )
 CONVERT_TYPES = ("f32", "f16", "q8_0")
 QUANT_TYPES = {"q4_0": "q4_0", "q4_k_m": "q4_K_M"}  # file suffix -> lucepy.testing.quantize type
-# what is kept (and committed, about 11.5 MB): every weight type for llama-tied and qwen35, fewer
+# what is kept (and committed, about 15.6 MB): every weight type for llama-tied and qwen35, fewer
 # for the variants whose point is the untied head, the MTP block or the MoE block
 COMMITTED = {
     f"{m}-{t}" for m in ("llama-tied", "qwen35") for t in ("f32", "q8_0", "q4_0", "q4_k_m")
@@ -56,6 +56,7 @@ COMMITTED |= {"qwen35-mtp-q8_0"}
 COMMITTED |= {f"gemma4-{t}" for t in ("f32", "q8_0", "q4_0")}
 COMMITTED |= {"gemma4-moe-f32", "gemma4-moe-q8_0"}
 COMMITTED |= {"qwen35moe-f32", "qwen35moe-q8_0", "qwen35moe-mtp-q8_0"}
+COMMITTED |= {f"laguna-{m}-{t}" for m in ("xs", "m") for t in ("f32", "q8_0")}
 INIT_STD = 0.1  # 5x transformers' default, so random logits are far from uniform
 MIN_LOGIT_STD = 0.5
 
@@ -114,6 +115,43 @@ GEMMA4_MOE = dict(
     hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
     moe_intermediate_size=32, attention_k_eq_v=True, final_logit_softcapping=30.0,
     tie_word_embeddings=True, rms_norm_eps=1e-6,
+)  # fmt: skip
+# Laguna XS.2 in small: 5 layers, full attention at 0 and 4 and sliding (window 12) between, as
+# the period-4 pattern llama.cpp assumes (the converter writes none); query heads per layer (4 on
+# full layers, 6 on sliding ones; 2 KV heads of 32), a per-head softplus gate, a leading dense
+# layer, then 8 sigmoid-routed experts of 32 (top 3, score-correction bias, routed scale 2.5) and a
+# shared expert of 64; YaRN (factor 4 over 512) on the full layers' 16 rotated dims, plain RoPE on
+# the sliding layers' 32. Untied, as XS.2
+LAGUNA_XS = dict(
+    hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, num_attention_heads_per_layer=[4, 6, 6, 6, 4], intermediate_size=96,
+    layer_types=["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+    sliding_window=12, gating=True, mlp_layer_types=["dense"] + ["sparse"] * 4,
+    num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+    shared_expert_intermediate_size=64, moe_routed_scaling_factor=2.5,
+    tie_word_embeddings=False, rms_norm_eps=1e-6,
+    rope_parameters={
+        "full_attention": {
+            "rope_type": "yarn", "rope_theta": 500000.0, "partial_rotary_factor": 0.5,
+            "factor": 4.0, "original_max_position_embeddings": 512,
+        },
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+)  # fmt: skip
+# Laguna M.1 in small: every layer full attention (no sliding window), 4 heads in every layer, a
+# per-element gate, 2 leading dense layers, plain RoPE on half of each head
+LAGUNA_M = dict(
+    hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, intermediate_size=96, layer_types=["full_attention"] * 4, sliding_window=0,
+    gating="per-element", mlp_layer_types=["dense"] * 2 + ["sparse"] * 2,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, moe_routed_scaling_factor=1.0,
+    tie_word_embeddings=False, rms_norm_eps=1e-5,
+    rope_parameters={
+        "full_attention": {
+            "rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5,
+        },
+    },
 )  # fmt: skip
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 GEMMA_MARKERS = ["<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>"]
@@ -283,13 +321,14 @@ def build_checkpoint(out: Path, kind: str, spec: dict, tok, seed: int) -> float:
     from transformers import (
         AutoModelForCausalLM,
         Gemma4TextConfig,
+        LagunaConfig,
         LlamaConfig,
         Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
     )
 
     classes = {"llama": LlamaConfig, "qwen35": Qwen3_5TextConfig, "gemma4": Gemma4TextConfig}
-    classes["qwen35moe"] = Qwen3_5MoeTextConfig
+    classes["qwen35moe"], classes["laguna"] = Qwen3_5MoeTextConfig, LagunaConfig
     config_cls = classes[kind]
     names = ("<bos>", "<eos>") if kind == "gemma4" else (SPECIALS[0], SPECIALS[2])
     bos, eos = (tok.token_to_id(s) for s in names)
@@ -306,7 +345,7 @@ def build_checkpoint(out: Path, kind: str, spec: dict, tok, seed: int) -> float:
         **spec,
     )
     arch = {"llama": "LlamaForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
-    arch["qwen35moe"] = "Qwen3_5MoeForCausalLM"
+    arch["qwen35moe"], arch["laguna"] = "Qwen3_5MoeForCausalLM", "LagunaForCausalLM"
     config.architectures = [arch.get(kind, "Gemma4ForCausalLM")]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -419,6 +458,8 @@ def build_all(
                 False,
                 [("qwen35moe", ("--no-mtp",)), ("qwen35moe-mtp", ())],
             ),
+            ("laguna-xs", "laguna", LAGUNA_XS, False, [("laguna-xs", ())]),
+            ("laguna-m", "laguna", LAGUNA_M, False, [("laguna-m", ())]),
         ]
         gemma_tok = gemma_tokenizer()
         for i, (name, kind, spec, add_bos, outputs) in enumerate(plan):

@@ -250,7 +250,7 @@ def metadata(f: GGUFFile):
 class DecoderParams:
     """The hyperparameters every decoder here reads the same way from its GGUF; an architecture's
     ``Params`` adds its own. Keys a file may give per layer (``feed_forward_length``,
-    ``attention.head_count_kv``) hold their largest value here."""
+    ``attention.head_count``, ``attention.head_count_kv``) hold their largest value here."""
 
     n_vocab: int
     n_embd: int
@@ -268,8 +268,9 @@ class DecoderParams:
     def common(f: GGUFFile, n_layer: int) -> dict[str, Any]:
         """The fields above, from ``f``'s metadata (``n_layer`` as the architecture counts it)."""
         key = metadata(f)
-        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
+        n_embd, heads = int(key("embedding_length")), key("attention.head_count")
+        first = int(heads[0] if isinstance(heads, list | tuple) else heads)
+        head_dim = int(key("attention.key_length", n_embd // first))  # as llama.cpp: layer 0's
         tokens, embd = f.get("tokenizer.ggml.tokens", []), f.tensors.get("token_embd.weight")
         return {
             # without a vocabulary, the embedding's rows (0 without one: check_tensors says so)
@@ -277,8 +278,8 @@ class DecoderParams:
             "n_embd": n_embd,
             "n_layer": n_layer,
             "n_ff": _largest(key("feed_forward_length", 0)),  # 0: experts only
-            "n_head": n_head,
-            "n_head_kv": _largest(key("attention.head_count_kv", n_head)),
+            "n_head": _largest(heads),
+            "n_head_kv": _largest(key("attention.head_count_kv", heads)),
             "head_dim": head_dim,
             "rms_eps": float(key("attention.layer_norm_rms_epsilon")),
             "rope_dim": int(key("rope.dimension_count", head_dim)),

@@ -178,3 +178,32 @@ def experts(
         g_out = L.ggml_mul_mat_id(c, gate, h, ids)
     glu = L.ggml_swiglu_split if act == "silu" else L.ggml_geglu_split
     return L.ggml_mul_mat_id(c, down, glu(c, g_out, u_out), ids)  # [E, k, T]
+
+
+def route_sigmoid(
+    g: Builder, logits: Tensor, k: int, bias: Tensor | None, *, norm: bool, scale: float = 0.0,
+    layer: int,
+) -> Route:  # fmt: skip
+    """Sigmoid gating as ``build_moe_ffn`` computes it (laguna, DeepSeek V3): the top ``k`` of
+    ``sigmoid(logits) + bias`` over the router's ``logits`` [n_expert, T] (the bias, the
+    score-correction ``exp_probs_b``, only chooses), weighted by their unbiased sigmoids,
+    normalised to sum to one with ``norm`` (over the same floor as ``route``), then times
+    ``scale`` (0 or 1: unscaled). The choice is kept in ``g.routes[layer]``, as ``route`` keeps
+    it."""
+    L, c = g.lib, g.ctx
+    X, T = logits.ne[0], logits.ne[1]
+    probs = L.ggml_sigmoid(c, logits)
+    select = probs if bias is None else L.ggml_add(c, probs, bias)
+    chosen = L.ggml_argsort_top_k(c, select, k)  # [k, T]
+    g.routes[layer] = chosen
+    weights = L.ggml_get_rows(c, L.ggml_reshape_3d(c, probs, 1, X, T), chosen)  # [1, k, T]
+    if norm:
+        weights = L.ggml_reshape_2d(c, weights, k, T)
+        total = L.ggml_clamp(c, L.ggml_sum_rows(c, weights), WEIGHT_FLOOR, math.inf)
+        weights = L.ggml_reshape_3d(c, L.ggml_div(c, weights, total), 1, k, T)
+    if scale not in (0.0, 1.0):
+        weights = L.ggml_scale(c, weights, scale)
+    # in the graph now, in build_moe_ffn's order (sigmoid, reshape, add, argsort, view, get_rows,
+    # ...), as route does for ggml-cuda's top-k fusion
+    L.ggml_build_forward_expand(g.gf, weights)
+    return Route(chosen, weights)

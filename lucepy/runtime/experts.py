@@ -110,17 +110,19 @@ class ExpertPlacement:
 def by_layers(
     f: GGUFFile, n_layer: int, n_expert: int, n_cpu_moe: int, padding: int = 0
 ) -> ExpertPlacement:
-    """llama.cpp's ``--n-cpu-moe N``: all experts of the first N layers stay in host RAM."""
+    """llama.cpp's ``--n-cpu-moe N``: all experts of layers 0..N-1 stay in host RAM (counted
+    by layer index, dense layers too: laguna's leading dense layer is one of the N)."""
     layers = expert_layers(f, n_layer)
     sizes = {il: expert_bytes(f, il) for il in layers}
-    hot = {il: () for il in layers[:n_cpu_moe]}
+    hot = {il: () for il in layers if il < n_cpu_moe}
     return ExpertPlacement(f"n-cpu-moe {n_cpu_moe}", n_expert, hot, sizes, padding)
 
 
 # A layer split between the device and host RAM costs a decode step about this much on top of
-# its host experts' reads, counted in reads of one expert: the copies to and from the host, the
-# synchronisation and the host graph. Measured on an H200 (docs/BENCHMARKS.md, issue 12).
-SPLIT_COST = 20.0
+# its host experts' reads, counted in reads of one expert: the trip to the host and back, the
+# synchronisation and the host graph. Fitted on two H200 machines (tools/bench_moe.py): 0.26 ms
+# a split and 0.021 ms a read (12.4), 0.23 and 0.034 ms (6.8). docs/BENCHMARKS.md, issue 12.
+SPLIT_COST = 10.0
 
 
 def by_hotness(

@@ -31,6 +31,7 @@ class CompiledGraph:
     output: Any
     constants: dict[str, np.ndarray] = field(default_factory=dict)  # inputs written every step
     host: dict[str, np.ndarray] = field(default_factory=dict)  # read buffers, made on first read
+    routed: tuple[int, ...] = ()  # the layers whose expert choices the "routing" rows hold
 
     def close(self) -> None:
         self.alloc.close()
@@ -56,8 +57,9 @@ def compile_graph(
     ctx = Context(lib, max_nodes, graph_nodes=max_nodes)
     b = Builder(lib, ctx.ptr, max_nodes)
     out = build(b)
-    if b.routes and routing:  # one read a step for every MoE layer's choice: [k*T, n_layers]
-        b.pack_output("routing", [b.routes[il] for il in sorted(b.routes)])
+    routed = tuple(sorted(b.routes)) if routing else ()  # a dense layer routes nothing
+    if routed:  # one read a step for every MoE layer's choice: [k*T, len(routed)]
+        b.pack_output("routing", [b.routes[il] for il in routed])
     if out is not None:
         lib.ggml_set_output(out)
         lib.ggml_build_forward_expand(b.gf, out)
@@ -80,7 +82,7 @@ def compile_graph(
         if "routing" in b.outputs:  # a leaf the copies fill: the scheduler cannot place it
             alloc.assign(b.outputs["routing"], backend)
     alloc.alloc(b.gf)
-    return CompiledGraph(ctx, alloc, b.gf, b.inputs, b.outputs, out, b.constants)
+    return CompiledGraph(ctx, alloc, b.gf, b.inputs, b.outputs, out, b.constants, routed=routed)
 
 
 def _check_support(lib: Lib, backend: Backend, gf: Any, ctx: Context, skip: set[int]) -> None:

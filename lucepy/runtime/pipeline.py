@@ -191,7 +191,7 @@ class Pipeline:
                 self.lib.ggml_backend_tensor_copy(prev.output, g.inputs["x"])
             shard.compute(g)
             if self.expert_counts is not None and "routing" in g.outputs:
-                self.expert_counts.add(shard.layers, shard.read(g, "routing"))
+                self.expert_counts.add(g.routed, shard.read(g, "routing"))
             features.update(shard.features(g, spec))
             self._last.append((shard, spec, g))
             prev = g
