@@ -228,6 +228,8 @@ elif ((built)) && [[ -f $MODEL ]]; then
         -p 16,512,4096 -n 128 -d 0,$DEPTH -r 3 -o json >'$OUTDIR/llama-bench.json'" || true
     step lucepy 200 "$BENCHLOG" python3 tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" \
         --depth $DEPTH --json "$OUTDIR/lucepy-bench.json" || true
+    step profile 60 "$BENCHLOG" python3 tools/profile_gpu.py "$MODEL" --device "$DEVICE" \
+        --depth 16 || true
 fi
 
 if [[ $ARCH == qwen35moe ]]; then

@@ -47,7 +47,7 @@ def main() -> None:
     cfg = RuntimeConfig(device=args.device, max_ctx=args.depth + 64)
     with Engine(args.model, cfg, tokenizer=False) as engine:
         engine.reset()
-        engine.prefill(np.arange(1, args.depth + 1) % 1000)
+        engine.prefill(np.arange(1, args.depth + 1) % min(1000, engine.params.n_vocab))
         out = {
             "decode (logits)": profile(engine, np.array([5]), Step()),
             "decode (argmax)": profile(engine, np.array([5]), Step(want="argmax")),
