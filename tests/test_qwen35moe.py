@@ -19,7 +19,7 @@ from lucepy.cli import app
 from lucepy.decode.ar import generate
 from lucepy.engine import open_engine
 from lucepy.errors import ConfigError
-from lucepy.ggml import Sched, ffi
+from lucepy.ggml import Backend, Sched, ffi
 from lucepy.gguf import GGUFFile
 from lucepy.runtime import experts
 from lucepy.runtime.config import RuntimeConfig
@@ -89,6 +89,17 @@ def test_hybrid_placement_equals_one_backend(placement, one_backend, tmp_path):
     np.testing.assert_array_equal(logits, one_backend[0])
     assert tokens == one_backend[1]
     assert n_split and split and all(n == 2 * n_split + 1 and on == {"host"} for n, on in split)
+
+
+def test_on_a_gpu_a_moe_graph_runs_through_the_scheduler(one_backend, tmp_path, monkeypatch):
+    """With no expert in host RAM, a MoE graph on a GPU still goes through ggml_backend_sched
+    (as one split), so that ggml-cuda can keep what its fused MoE kernels read alive. Here the
+    CPU stands in for the GPU: the same logits, bit for bit, every graph one split."""
+    monkeypatch.setattr(Backend, "is_local_gpu", property(lambda self: True))
+    logits, tokens, _, (split, n_split) = run(MODEL, cfg(tmp_path))
+    np.testing.assert_array_equal(logits, one_backend[0])
+    assert tokens == one_backend[1]
+    assert n_split == 0 and split and all(s == (1, set()) for s in split)
 
 
 def test_without_counting_the_graphs_output_no_routing(one_backend, tmp_path):

@@ -67,6 +67,16 @@ class Backend(Owner):
     def buffer_type(self) -> Any:
         return self.lib.ggml_backend_get_default_buffer_type(self.ptr)
 
+    @property
+    def is_local_gpu(self) -> bool:
+        """A GPU in this process (not a CPU, not an RPC proxy of a device elsewhere)."""
+        lib, dev = self.lib, self.device
+        kind = lib.ggml_backend_dev_type(dev)
+        reg = ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev)))
+        return kind in (lib.GGML_BACKEND_DEVICE_TYPE_GPU, lib.GGML_BACKEND_DEVICE_TYPE_IGPU) and (
+            reg != b"RPC"
+        )
+
     def set_threads(self, n: int) -> None:
         if self.lib.ggml_backend_is_cpu(self.ptr):
             self.lib.ggml_backend_cpu_set_n_threads(self.ptr, n)

@@ -53,7 +53,13 @@ def compile_graph(
     """Build a graph with ``build(builder) -> output`` and allocate its compute buffer. With a
     ``host`` CPU backend, the nodes the builder offloads (cold experts) run there, the rest on
     ``backend``, through a ggml_backend_sched that copies between them. ``routing``: output the
-    experts each MoE layer chose."""
+    experts each MoE layer chose.
+
+    A graph with routed experts goes through the scheduler given a ``host`` even when nothing is
+    offloaded: the scheduler lets the backend see the graph first (ggml-cuda then keeps the
+    expert outputs and weights alive until their weighted sum, as its fused top-k and weighted
+    sum kernels need), where a plain allocator may reuse that memory and ggml-cuda then runs
+    those steps op by op."""
     ctx = Context(lib, max_nodes, graph_nodes=max_nodes)
     b = Builder(lib, ctx.ptr, max_nodes)
     out = build(b)
@@ -66,7 +72,7 @@ def compile_graph(
     _check_support(lib, backend, b.gf, ctx, skip={int(ffi.cast("intptr_t", t)) for t in b.offload})
     # a uid lets ggml-rpc re-run a graph it has already received instead of re-sending it
     b.gf.uid = lib.ggml_graph_next_uid()
-    if host is None or not b.offload:
+    if host is None or not (b.offload or b.routes):
         alloc: Allocator | Sched = Allocator(lib, backend)
     else:
         alloc = Sched(lib, [backend, host], 2 * max_nodes + 64)
@@ -81,6 +87,8 @@ def compile_graph(
                 alloc.assign(node, backend)
         if "routing" in b.outputs:  # a leaf the copies fill: the scheduler cannot place it
             alloc.assign(b.outputs["routing"], backend)
+        for t in b.inputs.values():  # written on the device, not on the host and copied over
+            alloc.assign(t, backend)
     alloc.alloc(b.gf)
     return CompiledGraph(ctx, alloc, b.gf, b.inputs, b.outputs, out, b.constants, routed=routed)
 

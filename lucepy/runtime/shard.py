@@ -18,6 +18,7 @@ from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import GraphSpec
 from lucepy.models.batch import StepBatch
+from lucepy.runtime.devices import open_backend
 from lucepy.runtime.experts import EXPERT_TENSORS, ExpertPlacement
 from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
 from lucepy.runtime.state import StateSet
@@ -49,6 +50,12 @@ class Shard:
         self.host = host if split else None  # the CPU backend of the experts in host RAM
         if split and host is None:
             raise ValueError("a shard with experts in host RAM needs a host backend")
+        # a MoE graph on a GPU runs through the scheduler (graphs.compile_graph), which needs a
+        # CPU backend beside the device even when no expert is in host RAM
+        routed = any(f"blk.{il}.ffn_down_exps.weight" in f.tensors for il in layers)
+        self._sched_host = None
+        if self.host is None and routed and backend.is_local_gpu:
+            self._sched_host = open_backend(lib, "cpu", 1)
         moved = {f"blk.{il}.{n}.weight" for il in split for n in EXPERT_TENSORS}
         self.weights = Tensors.from_gguf(
             lib,
@@ -102,7 +109,7 @@ class Shard:
                 self.backend,
                 max_nodes,
                 lambda b: self.model.build(b, self.w, self.state.t, self.layers, spec),
-                self.host,
+                self.host or self._sched_host,
                 # decode steps count nothing: their routing read cost a hybrid decode a third of
                 # its speed on the H200 (docs/BENCHMARKS.md); prompts and verify blocks count
                 self.routing and spec.n_tokens > 1,
@@ -176,6 +183,8 @@ class Shard:
         self.weights.abandon()
         for t in self.split:
             t.abandon()
+        if self._sched_host is not None:  # a CPU here, not the dead worker's
+            self._sched_host.close()
         self.backend.abandon()
 
     def close(self) -> None:
@@ -187,8 +196,9 @@ class Shard:
         self.weights.close()
         for t in self.split:
             t.close()
-        if self.host is not None:
-            self.host.close()
+        for host in (self.host, self._sched_host):
+            if host is not None:
+                host.close()
         self.backend.close()
 
 
