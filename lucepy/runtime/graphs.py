@@ -118,13 +118,8 @@ def compute(lib: Lib, backend: Backend, g: CompiledGraph) -> None:
         raise GGMLError(f"graph compute on {backend.name} failed with status {status}")
 
 
-def put(lib: Lib, t: Any, arr: np.ndarray, backend: Backend | None = None) -> None:
-    """Write ``arr`` into ``t``. With the ``backend`` that computes next, queued on its stream:
-    no wait per input (a GPU copies the array to staging memory before this returns)."""
-    if backend is None:
-        lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
-    else:
-        lib.ggml_backend_tensor_set_async(backend.ptr, t, ffi.from_buffer(arr), 0, arr.nbytes)
+def put(lib: Lib, t: Any, arr: np.ndarray) -> None:
+    lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
 
 
 def get(lib: Lib, g: CompiledGraph, name: str, t: Any) -> np.ndarray:

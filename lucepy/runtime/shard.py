@@ -127,9 +127,9 @@ class Shard:
         """The graph for this step, with the inputs the model derives from the batch written."""
         g = self.graph(spec)
         for name, values in self.model.step_inputs(batch, g.inputs).items():
-            put(self.lib, g.inputs[name], values, self.backend)
+            put(self.lib, g.inputs[name], values)
         for name, values in g.constants.items():
-            put(self.lib, g.inputs[name], values, self.backend)
+            put(self.lib, g.inputs[name], values)
         return g
 
     def compute(self, g: CompiledGraph) -> None:
