@@ -84,7 +84,7 @@ def _mb(n_experts: int) -> float:
 def test_hybrid_placement_equals_one_backend(placement, one_backend, tmp_path):
     """Per slot, one part holds the expert's output and the other exactly 0, so the sum is the
     one-backend sum, bit for bit; the cold experts' matmuls run on the host backend, in one trip
-    there and back a split layer (each trip cost a GPU decode about 0.13 ms)."""
+    there and back a split layer."""
     logits, tokens, _, (split, n_split) = run(MODEL, cfg(tmp_path, **placement))
     np.testing.assert_array_equal(logits, one_backend[0])
     assert tokens == one_backend[1]
