@@ -113,7 +113,7 @@ def test_without_counting_the_graphs_output_no_routing(one_backend, tmp_path):
 def test_a_layers_options_cost_a_split_plus_its_cold_reads():
     """One expert a token (k=1), chosen 3:1:0:0. With n on the device a step costs the split plus
     the odds of each cold expert, plus one read when it chose none of them."""
-    order, cost, units = experts._layer_options(np.array([0, 3, 0, 1]), 1, 1)
+    order, cost, units = experts.layer_options(np.array([0, 3, 0, 1]), 1, 1)
     assert list(order) == [1, 3, 0, 2]
     S = experts.SPLIT_COST
     np.testing.assert_allclose(cost, [S + 1 + 0.25 * 0.75, S + 0.25 + 0.75, S + 1, S + 1, 0])
@@ -133,7 +133,7 @@ def test_the_budget_goes_where_it_saves_the_most_host_work():
         one = experts.expert_bytes(f, 0)
         for units in (0, 3, 7, 12, 19, 26, 33):
             placed = experts.by_hotness(f, 4, N_EXPERT, counts, units * one + one // 2, K)
-            options = [experts._layer_options(counts[il], K, 1) for il in range(4)]
+            options = [experts.layer_options(counts[il], K, 1) for il in range(4)]
             best = min(
                 sum(options[il][1][n] for il, n in enumerate(ns))
                 for ns in itertools.product(range(N_EXPERT + 1), repeat=4)

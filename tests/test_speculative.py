@@ -129,6 +129,15 @@ def rank_counts(path, tokens_list, sampling, prompt, **config):
     return observed, expected
 
 
+def assert_target_distribution(path, tokens_list, sampling, prompt, **config) -> None:
+    """Chi-square of ``rank_counts`` over the top-k ranks, k-1 degrees of freedom, rejected at
+    p < 0.001 (16.3 for k = 4)."""
+    assert sampling.top_k == 4, "the critical value below is for 3 degrees of freedom"
+    observed, expected = rank_counts(path, tokens_list, sampling, prompt, **config)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3, (observed, expected.round(1))
+
+
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_sampling_matches_the_target_distribution(with_draft, models):
     """At temperature 1 (top-k 4), each generated token's rank under the target's distribution
@@ -145,9 +154,7 @@ def test_sampling_matches_the_target_distribution(with_draft, models):
         )
         seqs.append(gen.tokens)
         stats.append(gen.accept)
-    observed, expected = rank_counts(models["favoured"], seqs, sampling, PROMPT)
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    assert chi2 < 16.3, (observed, expected.round(1))
+    assert_target_distribution(models["favoured"], seqs, sampling, PROMPT)
     if with_draft:
         assert sum(s.accepted for s in stats) > 100  # the drafts really were accepted
 

@@ -111,7 +111,7 @@ def measure(args: argparse.Namespace) -> int:
         k, X = params.n_expert_used, params.n_expert
         keep, reads = {}, []
         for il in layers:
-            order, cost, _ = experts._layer_options(counts[il], k, 1)
+            order, cost, _ = experts.layer_options(counts[il], k, 1)
             keep[il] = tuple(sorted(int(e) for e in order[: X - k]))
             reads.append(cost[X - k] - experts.SPLIT_COST)
         sizes = {il: experts.expert_bytes(f, il) for il in layers}
@@ -275,7 +275,7 @@ def report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tools/bench_moe.py", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("measure", help="time lucepy's three placements")
+    m = sub.add_parser("measure", help="time lucepy's placements")
     m.add_argument("model")
     m.add_argument("--device", default="cuda:0")
     m.add_argument("--json", required=True, help="results, rewritten after every placement")

@@ -22,8 +22,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from lucepy.errors import ConfigError
 from lucepy.ggml import ffi
 from lucepy.gguf import GGUFFile
@@ -39,8 +37,8 @@ from lucepy.models.base import (
     metadata,
     rope_args,
 )
-from lucepy.models.batch import StepBatch
-from lucepy.models.state import KVCache, LayerState, spec_nbytes, state_specs
+from lucepy.models.sliding import SlidingWindow
+from lucepy.models.state import KVCache, LayerState
 
 ROPE_NEOX = 2  # LLAMA_ROPE_TYPE_NEOX: rotate the two halves of each head
 _MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -119,7 +117,7 @@ class Params(DecoderParams):
         raise ConfigError(f"shared-KV layer {il} has no earlier layer of its kind to read")
 
 
-class Gemma4(Architecture):
+class Gemma4(SlidingWindow, Architecture):
     gguf_name = "gemma4"
 
     def __init__(self, params: Params, options: ModelOptions, present: frozenset[str]):
@@ -237,38 +235,12 @@ class Gemma4(Architecture):
         pairs = ", ".join(f"{s}<-{p.kv_source(s)}" for s in range(p.first_shared, p.n_layer))
         return f"shared-KV layers stay with the layer whose KV they read ({pairs})"
 
-    def ring_rows(self) -> int:
-        """Rows of a sliding layer's ring, for a context larger than the ring (a smaller context
-        gets a ring of its own size, which never wraps, so positions map the same)."""
-        return self.options.ring_rows(self.p.window, 0)
-
     def memory_note(self, n_ctx: int) -> str:
         p = self.p
-        sliding = [il for il in range(p.first_shared) if p.swa[il]]
-        rows = self.options.ring_rows(p.window, n_ctx)
-        states = self.make_state(range(p.n_layer), n_ctx)
-        specs = state_specs([s for s in states if s.layer in sliding])
-        ring = sum(spec_nbytes(t, shape) for t, shape in specs.values())
-        return (
-            f"sliding-window KV: {len(sliding)} layers keep a ring of {rows} rows (window "
-            f"{p.window} + step {self.options.max_step}, padded to 256), {ring / 2**20:.1f} MiB "
-            f"in all, not the context of {n_ctx}"
-        )
+        return self.ring_note([il for il in range(p.first_shared) if p.swa[il]], n_ctx)
 
     def max_step(self) -> int:
         return self.options.max_step
-
-    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
-        out = {"tokens": batch.tokens, "pos": batch.pos}
-        if "mask" in names:
-            out["mask"] = batch.mask()
-            out["rows"] = batch.slots
-        if "mask_swa" in names:
-            rows = self.ring_rows()
-            ring = batch.ring(rows, min(rows, batch.n_kv))
-            out["mask_swa"] = ring.mask(self.p.window)
-            out["rows_swa"] = ring.slots
-        return {k: v for k, v in out.items() if k in names}
 
     # graph
     def build(self, g: Builder, w: dict, st: dict, layers: range, spec: GraphSpec) -> Tensor:
@@ -277,13 +249,7 @@ class Gemma4(Architecture):
         to come), ``pos``, and for full layers ``mask``/``rows``, for sliding ones
         ``mask_swa``/``rows_swa`` (ring rows). Outputs as qwen35's."""
         p, L, c, T = self.p, g.lib, g.ctx, spec.n_tokens
-        if T > spec.n_kv:
-            raise ConfigError(f"{T} tokens do not fit a {spec.n_kv}-row attention window")
-        if T > self.options.max_step:
-            raise ConfigError(
-                f"a step of {T} tokens is longer than the sliding-window ring allows "
-                f"({self.options.max_step}); feed at most that many tokens per step"
-            )
+        self.check_step(spec, True)
         pl, rest = p.n_embd_per_layer, p.n_layer - layers.start
         if layers.start == 0:
             tokens = g.input_i32("tokens", T)
@@ -299,14 +265,7 @@ class Gemma4(Architecture):
         if per_layer is not None:  # [pl, T, rest]: one contiguous slice per layer
             per_layer = L.ggml_cont(c, L.ggml_permute(c, per_layer, 0, 2, 1, 3))
         g.input_i32("pos", T)
-        kinds = {p.swa[p.kv_source(il)] for il in layers}
-        if False in kinds:
-            g.input_f16("mask", spec.n_kv, T)
-            g.input_i64("rows", T)
-        if True in kinds:
-            n_swa = min(self.ring_rows(), spec.n_kv)
-            g.input_f16("mask_swa", n_swa, T)
-            g.input_i64("rows_swa", T)
+        self.kv_inputs(g, spec, {p.swa[p.kv_source(il)] for il in layers})
         kv: dict[int, tuple] = {}  # source layer -> its cache views after this step's write
         for il in layers:
             if il in spec.capture:

@@ -42,8 +42,8 @@ from lucepy.models.base import (
     check_tensors,
     metadata,
 )
-from lucepy.models.batch import StepBatch
-from lucepy.models.state import LayerState, spec_nbytes, state_specs
+from lucepy.models.sliding import SlidingWindow
+from lucepy.models.state import LayerState
 
 ROPE_NEOX = 2  # LLAMA_ROPE_TYPE_NEOX
 SWA_PERIOD = 4  # llama.cpp's assumption without a pattern key: XS.2's (full at il % 4 == 0)
@@ -201,7 +201,7 @@ def _full_rope(key, common: dict) -> Rope:
     )
 
 
-class Laguna(Architecture):
+class Laguna(SlidingWindow, Architecture):
     gguf_name = "laguna"
 
     def __init__(self, params: Params, options: ModelOptions = ModelOptions()):  # noqa: B008
@@ -276,38 +276,11 @@ class Laguna(Architecture):
             for il in layers
         ]
 
-    def ring_rows(self) -> int:
-        """Rows of a sliding layer's ring for a context larger than the ring."""
-        return self.options.ring_rows(self.p.window, 0)
-
     def memory_note(self, n_ctx: int) -> str:
-        p = self.p
-        sliding = [il for il in range(p.n_layer) if p.swa[il]]
-        if not sliding:
-            return ""
-        states = [s for s in self.make_state(range(p.n_layer), n_ctx) if s.layer in sliding]
-        ring = sum(spec_nbytes(t, shape) for t, shape in state_specs(states).values())
-        rows = self.options.ring_rows(p.window, n_ctx)
-        return (
-            f"sliding-window KV: {len(sliding)} layers keep a ring of {rows} rows (window "
-            f"{p.window} + step {self.options.max_step}, padded to 256), {ring / 2**20:.1f} MiB "
-            f"in all, not the context of {n_ctx}"
-        )
+        return self.ring_note([il for il in range(self.p.n_layer) if self.p.swa[il]], n_ctx)
 
     def max_step(self) -> int | None:
         return self.options.max_step if any(self.p.swa) else None
-
-    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
-        out = {"tokens": batch.tokens, "pos": batch.pos}
-        if "mask" in names:
-            out["mask"] = batch.mask()
-            out["rows"] = batch.slots
-        if "mask_swa" in names:
-            rows = self.ring_rows()
-            ring = batch.ring(rows, min(rows, batch.n_kv))
-            out["mask_swa"] = ring.mask(self.p.window)
-            out["rows_swa"] = ring.slots
-        return {k: v for k, v in out.items() if k in names}
 
     # graph
     def build(self, g: Builder, w: dict, st: dict, layers: range, spec: GraphSpec) -> Tensor:
@@ -315,25 +288,13 @@ class Laguna(Architecture):
         Inputs: ``tokens`` (first shard) or ``x``, ``pos``, and for full layers ``mask``/``rows``,
         for sliding ones ``mask_swa``/``rows_swa`` (ring rows). Outputs as qwen35's."""
         p, L, c, T = self.p, g.lib, g.ctx, spec.n_tokens
-        if T > spec.n_kv:
-            raise ConfigError(f"{T} tokens do not fit a {spec.n_kv}-row attention window")
-        if any(p.swa) and T > self.options.max_step:
-            raise ConfigError(
-                f"a step of {T} tokens is longer than the sliding-window ring allows "
-                f"({self.options.max_step}); feed at most that many tokens per step"
-            )
+        self.check_step(spec, any(p.swa))
         if layers.start == 0:
             x = L.ggml_get_rows(c, w["token_embd.weight"], g.input_i32("tokens", T))
         else:
             x = g.input_f32("x", p.n_embd, T)  # [n_embd, T]
         g.input_i32("pos", T)
-        kinds = {p.swa[il] for il in layers}
-        if False in kinds:
-            g.input_f16("mask", spec.n_kv, T)  # 0 where a token may attend, -inf elsewhere
-            g.input_i64("rows", T)
-        if True in kinds:
-            g.input_f16("mask_swa", min(self.ring_rows(), spec.n_kv), T)
-            g.input_i64("rows_swa", T)
+        self.kv_inputs(g, spec, {p.swa[il] for il in layers})
         for il in layers:
             if il in spec.capture:
                 g.output(f"feat.{il}", x)

@@ -153,7 +153,7 @@ def by_hotness(
     best = np.zeros(units + 1)  # least host cost of the layers so far within b units
     picks = []
     for il in layers:
-        order, cost, size = _layer_options(counts[il], k, -(-sizes[il] // unit))
+        order, cost, size = layer_options(counts[il], k, -(-sizes[il] // unit))
         new, pick = np.full(units + 1, np.inf), np.zeros(units + 1, dtype=np.int32)
         for n in range(n_expert, -1, -1):  # ties: more on the device, so the later layers
             if size[n] > units:
@@ -175,7 +175,7 @@ def by_hotness(
     return ExpertPlacement(policy, n_expert, dict(sorted(split.items())), sizes, k)
 
 
-def _layer_options(row: np.ndarray, k: int, size: int) -> tuple[np.ndarray, ...]:
+def layer_options(row: np.ndarray, k: int, size: int) -> tuple[np.ndarray, ...]:
     """For a layer whose experts were chosen ``row`` times: its experts, most chosen first (ties
     to the lower index), and for each ``n`` of them on the device (0..n_expert) the host cost of
     a decode step (``by_hotness``) and the device units it takes."""
