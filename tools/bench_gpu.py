@@ -71,13 +71,16 @@ class Bench:
         self.record(f"pp{n}", {"tokens": n, "depth": 0, "ms": 1e3 * s, "tok_s": n / s})
 
     def decode(self, depth: int) -> None:
-        """``DECODE_TOKENS`` decode steps from the current position (which must be ``depth``)."""
+        """``DECODE_TOKENS`` decode steps from the current position (which must be ``depth``).
+        At depth 0 each run starts from an empty cache, as llama-bench's do."""
         engine = self.engine
         tokens = self.tokens(DECODE_TOKENS)
         for t in tokens[:8]:  # warm-up: the decode graph of this window
             engine.decode(t)
         rates = []
         for _ in range(self.repeats):
+            if depth == 0:
+                engine.reset()
             t0 = time.perf_counter()
             for t in tokens:
                 engine.decode(t)

@@ -1,7 +1,15 @@
 """The cffi binding to libggml: loading, the pin check, and owner classes for its handles."""
 
 from lucepy.ggml.lib import Lib, ffi, load
-from lucepy.ggml.owners import Allocator, Backend, Buffer, Context, Sched, alias_tensor
+from lucepy.ggml.owners import (
+    Allocator,
+    Backend,
+    Buffer,
+    Context,
+    RawBuffer,
+    Sched,
+    alias_tensor,
+)
 
 _types = ffi.typeof("enum ggml_type").relements
 GGML_TYPE_F32 = _types["GGML_TYPE_F32"]
@@ -21,6 +29,7 @@ __all__ = [
     "Backend",
     "Buffer",
     "Context",
+    "RawBuffer",
     "Lib",
     "ffi",
     "load",

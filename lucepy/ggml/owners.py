@@ -102,6 +102,19 @@ class Buffer(Owner):
         self.lib.ggml_backend_buffer_clear(self.ptr, value)
 
 
+class RawBuffer(Owner):
+    """``size`` bytes of buffer type ``buft`` with no tensors of its own (a staging area)."""
+
+    def __init__(self, lib: Lib, buft: Any, size: int, what: str):
+        self.lib, self.nbytes = lib, size
+        self._own(
+            lib.ggml_backend_buft_alloc_buffer(buft, size),
+            lib.ggml_backend_buffer_free,
+            f"ggml_backend_buft_alloc_buffer({what}, {size})",
+        )
+        self.base = lib.ggml_backend_buffer_get_base(self.ptr)
+
+
 class Allocator(Owner):
     """A graph allocator: the compute buffer of one reusable graph."""
 

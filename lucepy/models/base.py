@@ -79,27 +79,44 @@ class GraphSpec:
 class Builder:
     """The ggml context a graph is built in, with short helpers for what every model does."""
 
-    def __init__(self, lib: Lib, ctx: Any, max_nodes: int):
+    MAX_INPUTS = 64  # step inputs, and constants, a graph may have (each kind has a context)
+
+    def __init__(self, lib: Lib, ctx: Any, max_nodes: int, input_ctx: Any, constant_ctx: Any):
+        """Ops go to ``ctx``; inputs the host writes each step to ``input_ctx`` and constants to
+        ``constant_ctx`` (runtime gives each its own buffer, so a step writes them at once)."""
         self.lib, self.ctx = lib, ctx
+        self._ctx_of = {"step": input_ctx, "constant": constant_ctx, "carried": ctx}
         self.gf = lib.ggml_new_graph_custom(ctx, max_nodes, False)
         self.inputs: dict[str, Tensor] = {}
+        self.kinds: dict[str, str] = {}  # input -> "step", "constant" or "carried"
         self.outputs: dict[str, Tensor] = {}
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value never changes
         self.routes: dict[int, Tensor] = {}  # layer -> the experts its tokens chose [k, T] i32
         self.offload: list[Tensor] = []  # nodes for the host CPU backend (cold experts)
 
-    def input(self, name: str, gtype: int, *shape: int) -> Tensor:
+    def input(self, name: str, gtype: int, *shape: int, kind: str = "step") -> Tensor:
+        """An input the host writes every step (runtime sends a graph's step inputs in one copy).
+        ``kind`` "constant": written once; "carried": copied in from another backend."""
+        if name in self.inputs:
+            raise ValueError(f"graph input {name!r} made twice")
+        if kind != "carried" and list(self.kinds.values()).count(kind) >= self.MAX_INPUTS:
+            raise ValueError(f"more than {self.MAX_INPUTS} {kind} inputs in one graph")
         ne = ffi.new("int64_t[4]", list(shape) + [1] * (4 - len(shape)))
-        t = self.lib.ggml_new_tensor(self.ctx, gtype, len(shape), ne)
+        t = self.lib.ggml_new_tensor(self._ctx_of[kind], gtype, len(shape), ne)
         self.lib.ggml_set_name(t, name.encode())
         self.lib.ggml_set_input(t)
-        self.inputs[name] = t
+        self.inputs[name], self.kinds[name] = t, kind
         return t
 
+    def carried_f32(self, name: str, *shape: int) -> Tensor:
+        """An f32 input copied in from a tensor on some backend (the previous shard's output,
+        the target's captured features), not written from the host."""
+        return self.input(name, GGML_TYPE_F32, *shape, kind="carried")
+
     def constant(self, name: str, value: np.ndarray) -> Tensor:
-        """An f32 input holding ``value`` (written with every step's inputs)."""
+        """An f32 input holding ``value``, written once when the graph is compiled."""
         if name not in self.inputs:
-            self.input(name, GGML_TYPE_F32, *value.shape[::-1])
+            self.input(name, GGML_TYPE_F32, *value.shape[::-1], kind="constant")
             self.constants[name] = value
         return self.inputs[name]
 

@@ -223,7 +223,7 @@ class DFlash:
 
     def build_inject(self, g: Builder, w: dict, kv: dict, n_target_embd: int, T: int) -> None:
         p, L, c = self.p, g.lib, g.ctx
-        parts = [g.input_f32(f"feat.{j}", n_target_embd, T) for j in range(len(p.target_layers))]
+        parts = [g.carried_f32(f"feat.{j}", n_target_embd, T) for j in range(len(p.target_layers))]
         feats = parts[0]
         for part in parts[1:]:
             feats = L.ggml_concat(c, feats, part, 0)  # [n_layers * n_embd, T], layer-major rows

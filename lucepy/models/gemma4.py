@@ -256,7 +256,7 @@ class Gemma4(SlidingWindow, Architecture):
             x = L.ggml_scale(c, L.ggml_get_rows(c, w["token_embd.weight"], tokens), p.n_embd**0.5)
             per_layer = self._per_layer_inputs(g, w, tokens, x) if pl else None
         else:
-            inp = g.input_f32("x", p.n_embd + pl * rest, T)
+            inp = g.carried_f32("x", p.n_embd + pl * rest, T)
             x = L.ggml_cont(c, L.ggml_view_2d(c, inp, p.n_embd, T, inp.nb[1], 0))
             per_layer = None
             if pl:  # [pl, rest, T] after the residual

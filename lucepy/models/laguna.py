@@ -292,7 +292,7 @@ class Laguna(SlidingWindow, Architecture):
         if layers.start == 0:
             x = L.ggml_get_rows(c, w["token_embd.weight"], g.input_i32("tokens", T))
         else:
-            x = g.input_f32("x", p.n_embd, T)  # [n_embd, T]
+            x = g.carried_f32("x", p.n_embd, T)  # [n_embd, T]
         g.input_i32("pos", T)
         self.kv_inputs(g, spec, {p.swa[il] for il in layers})
         for il in layers:

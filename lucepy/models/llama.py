@@ -130,7 +130,7 @@ class Llama(Architecture):
         if layers.start == 0:
             x = L.ggml_get_rows(c, w["token_embd.weight"], g.input_i32("tokens", T))
         else:
-            x = g.input_f32("x", p.n_embd, T)  # [n_embd, T]
+            x = g.carried_f32("x", p.n_embd, T)  # [n_embd, T]
         g.input_i32("pos", T)
         g.input_f16("mask", spec.n_kv, T)  # 0 where a token may attend, -inf elsewhere
         g.input_i64("rows", T)

@@ -201,7 +201,7 @@ class Qwen35(Architecture):
         if layers.start == 0:
             x = L.ggml_get_rows(c, w["token_embd.weight"], g.input_i32("tokens", T))
         else:
-            x = g.input_f32("x", p.n_embd, T)  # [n_embd, T]
+            x = g.carried_f32("x", p.n_embd, T)  # [n_embd, T]
         if not all(p.recurrent[il] for il in layers):
             g.input_i32("pos", 4 * T)  # IMROPE: 4 sections of positions, the last all 0
             g.input_f16("mask", spec.n_kv, T)  # 0 where a token may attend, -inf elsewhere

@@ -18,7 +18,7 @@ from lucepy.errors import ConfigError
 from lucepy.ggml import Backend, Context, Lib, alias_tensor
 from lucepy.gguf import GGUFFile
 from lucepy.models.dflash import DFlash
-from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
+from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get
 from lucepy.runtime.slots import IdentitySlots
 from lucepy.runtime.state import StateSet
 
@@ -79,8 +79,7 @@ class Draft:
 
     def _put_inputs(self, g: CompiledGraph, batch) -> None:
         """What the draft model derives from the step batch (positions, rows, its mask)."""
-        for name, values in self.model.step_inputs(batch, g.inputs).items():
-            put(self.lib, g.inputs[name], values)
+        g.write_inputs(self.model.step_inputs(batch, g.inputs))
 
     def inject(self, features: list[Any], pos0: int, n: int | None = None) -> None:
         """Write K/V of the first ``n`` (default: all) rows of the target's features, one

@@ -20,7 +20,7 @@ from lucepy.models.base import GraphSpec
 from lucepy.models.batch import StepBatch
 from lucepy.runtime.devices import open_backend
 from lucepy.runtime.experts import EXPERT_TENSORS, ExpertPlacement
-from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get, put
+from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get
 from lucepy.runtime.state import StateSet
 
 log = logging.getLogger(__name__)
@@ -126,10 +126,7 @@ class Shard:
     def prepare(self, spec: GraphSpec, batch: StepBatch) -> CompiledGraph:
         """The graph for this step, with the inputs the model derives from the batch written."""
         g = self.graph(spec)
-        for name, values in self.model.step_inputs(batch, g.inputs).items():
-            put(self.lib, g.inputs[name], values)
-        for name, values in g.constants.items():
-            put(self.lib, g.inputs[name], values)
+        g.write_inputs(self.model.step_inputs(batch, g.inputs))
         return g
 
     def compute(self, g: CompiledGraph) -> None:
