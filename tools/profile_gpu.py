@@ -1,6 +1,7 @@
 """Where a decode step and a 16-token verify spend their time on one device: Python input
-writes, the graph compute (ggml_backend_graph_compute, which waits for the device), and the
-output read. Medians over repeats, in ms.
+writes, the graph compute (its launch, which returns before the device is done, then the wait
+for the device), and the output read. Medians over repeats, in ms. A launch that takes about
+as long as the wait's device time means the kernels went out one by one (no CUDA graph).
 
     python tools/profile_gpu.py MODEL [--device cuda:0] [--depth 512]
 """
@@ -14,6 +15,7 @@ import time
 
 import numpy as np
 
+from lucepy.ggml import Sched
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 from lucepy.runtime.pipeline import Step
@@ -22,18 +24,26 @@ from lucepy.runtime.pipeline import Step
 def profile(engine: Engine, tokens: np.ndarray, step: Step, repeats: int = 30) -> dict:
     shard = engine.shards[0]
     pos0 = engine.n_past
-    parts = {"prepare": [], "compute": [], "read": [], "total": []}
+    lib = shard.lib
+    parts = {"prepare": [], "launch": [], "wait": [], "read": [], "total": []}
     for _ in range(repeats + 3):
         t0 = time.perf_counter()
         batch = engine.pipeline.slots.batch(tokens, pos0)
         spec = shard.spec(batch, step.logits, step.verify, step.capture)
         g = shard.prepare(spec, batch)
         t1 = time.perf_counter()
-        shard.compute(g)
-        t2 = time.perf_counter()
-        shard.read(g, step.want)
+        if isinstance(g.alloc, Sched):
+            lib.ggml_backend_sched_graph_compute_async(g.alloc.ptr, g.gf)
+            t2 = time.perf_counter()
+            lib.ggml_backend_sched_synchronize(g.alloc.ptr)
+        else:
+            lib.ggml_backend_graph_compute_async(shard.backend.ptr, g.gf)
+            t2 = time.perf_counter()
+            lib.ggml_backend_synchronize(shard.backend.ptr)
         t3 = time.perf_counter()
-        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
+        shard.read(g, step.want)
+        t4 = time.perf_counter()
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
             parts[k].append(v * 1e3)
     return {k: round(statistics.median(v[3:]), 3) for k, v in parts.items()}
 

@@ -1,0 +1,194 @@
+"""The GPU kernels of one decode token, lucepy's against llama.cpp's, on the same model.
+
+Two ways to look:
+
+- ``trace``: lucepy's decode under PyTorch's profiler (CUPTI, which sees the kernels inside
+  CUDA graphs): kernels, kernel time and the span from the first kernel's start to the last
+  one's end, per token. The span against the kernel time shows the GPU's idle gaps.
+- ``ncu``: Nsight Compute's duration of every kernel, one at a time, for a few decode tokens of
+  lucepy (``steps``) and of llama-bench, then ``compare`` the last whole token of each: the
+  kernels whose count or time differ.
+
+    python tools/trace_gpu.py trace MODEL [--device cuda:0] [--tokens 20] --json OUT
+    python tools/trace_gpu.py steps MODEL [--device cuda:0] [--tokens 4]
+    python tools/trace_gpu.py compare LUCEPY.csv LLAMA.csv      (ncu --csv output)
+
+PyTorch is imported before any ggml library is loaded: PyTorch's CUDA libraries loaded after
+ggml-cuda's made the process abort on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import json
+import statistics
+
+
+def short(name: str) -> str:
+    """The kernel's name with its template arguments (types, row counts, fusion flags)."""
+    name, depth = name.removeprefix("void "), 0
+    for i, ch in enumerate(name):
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if ch == "(" and depth == 0:  # the argument list
+            return name[:i][:100]
+    return name[:100]
+
+
+def trace(step, n: int) -> list[list[tuple[str, float, float]]]:
+    """Kernels (name, start us, end us) of each of ``n`` calls of ``step``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            with record_function(f"token{i}"):
+                step()
+            torch.cuda.synchronize()
+    timeline(prof.events(), n)
+    marks, kernels = [], set()
+    calls = collections.Counter(
+        ev.name for ev in prof.events() if ev.name.startswith(("cudaGraphLaunch", "cudaLaunch"))
+    )
+    print("CUDA runtime calls a token:", {k: v / n for k, v in calls.items()})
+    for ev in prof.events():
+        cuda = ev.device_type.name == "CUDA"
+        if ev.name.startswith("token"):  # the marker, on the CPU (and mirrored on the GPU)
+            if not cuda:
+                marks.append(ev.time_range.start)
+        elif cuda and not ev.name.startswith(("Memcpy", "Memset")):
+            kernels.add((ev.name, ev.time_range.start, ev.time_range.end))
+    marks.sort()
+    out: list[list[tuple[str, float, float]]] = [[] for _ in marks]
+    for k in sorted(kernels, key=lambda k: k[1]):  # in the last call started before it
+        i = max((j for j, s in enumerate(marks) if s <= k[1]), default=None)
+        if i is not None:
+            out[i].append(k)
+    return out
+
+
+def timeline(events, n: int) -> None:
+    """The CUDA runtime calls and GPU activities of the middle call, in time order: where its
+    time goes before the first kernel and after the last one."""
+    marks = sorted(
+        ev.time_range.start
+        for ev in events
+        if ev.name.startswith("token") and ev.device_type.name == "CPU"
+    )
+    lo, hi = marks[n // 2], marks[n // 2 + 1]
+    rows = []
+    for ev in events:
+        if not lo <= ev.time_range.start < hi or ev.name.startswith("token"):
+            continue
+        gpu = ev.device_type.name == "CUDA"
+        if gpu or ev.name.startswith("cuda"):
+            rows.append((ev.time_range.start - lo, ev.time_range.end - lo, gpu, ev.name))
+    rows.sort()
+    kernels = [r for r in rows if r[2]]
+    print(f"call {n // 2}: {len(kernels)} GPU activities")
+    for i, (s, e, gpu, name) in enumerate(rows):
+        if not gpu or i < 12 or i > len(rows) - 8:
+            print(f"  {s:9.1f} {e:9.1f} {'GPU' if gpu else 'CPU'} {short(name)[:70]}")
+
+
+def summary(tokens: list[list[tuple[str, float, float]]]) -> dict:
+    tokens = [t for t in tokens[2:] if t]  # the first two may still capture graphs
+    return {
+        "tokens": len(tokens),
+        "kernels": statistics.median(len(t) for t in tokens),
+        "busy_us": statistics.median(sum(e - s for _, s, e in t) for t in tokens),
+        "span_us": statistics.median(max(k[2] for k in t) - min(k[1] for k in t) for t in tokens),
+        "gaps_over_5us": statistics.median(
+            sum(1 for a, b in zip(t, t[1:], strict=False) if b[1] - a[2] > 5) for t in tokens
+        ),
+    }
+
+
+def lucepy_engine(model: str, device: str, warm: int):
+    from lucepy.runtime.config import RuntimeConfig
+    from lucepy.runtime.engine import Engine
+
+    engine = Engine(model, RuntimeConfig(device=device, max_ctx=1024), tokenizer=False)
+    engine.prefill(list(range(1, 17)))
+    for _ in range(warm):
+        engine.decode(5)
+    return engine
+
+
+def ncu_kernels(path: str) -> list[tuple[str, float]]:
+    """(kernel, ns) in launch order from ``ncu --csv --metrics gpu__time_duration.sum``."""
+    text = open(path).read()
+    start = text.find('"ID"')
+    rows = csv.DictReader(io.StringIO(text[start:]))
+    out = []
+    for r in rows:
+        if r.get("Metric Name") == "gpu__time_duration.sum":
+            scale = {"nsecond": 1, "usecond": 1e3, "msecond": 1e6, "ns": 1, "us": 1e3, "ms": 1e6}
+            value = float(r["Metric Value"].replace(",", ""))
+            out.append((short(r["Kernel Name"]), value * scale.get(r["Metric Unit"], 1)))
+    return out
+
+
+def last_token(kernels: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """The last period of the launch sequence: decode tokens repeat the same kernels."""
+    names = [k for k, _ in kernels]
+    for p in range(50, len(names) // 2 + 1):
+        if names[-p:] == names[-2 * p : -p]:
+            return kernels[-p:]
+    raise SystemExit(f"no repeating token in {len(names)} kernels")
+
+
+def compare(ours: list[tuple[str, float]], theirs: list[tuple[str, float]]) -> None:
+    a, b = last_token(ours), last_token(theirs)
+    print(
+        f"one token: lucepy {len(a)} kernels, {sum(t for _, t in a) / 1e3:.1f} us; "
+        f"llama.cpp {len(b)} kernels, {sum(t for _, t in b) / 1e3:.1f} us"
+    )
+    per = {}
+    for side, ks in (("l", a), ("r", b)):
+        for name, t in ks:
+            row = per.setdefault(name, {"l": [0, 0.0], "r": [0, 0.0]})
+            row[side][0] += 1
+            row[side][1] += t / 1e3
+    rows = sorted(per.items(), key=lambda kv: -abs(kv[1]["l"][1] - kv[1]["r"][1]))
+    print(f"{'kernel':100s} {'lucepy n':>8s} {'us':>8s} {'llama n':>8s} {'us':>8s}")
+    for name, r in rows:
+        if r["l"][0] != r["r"][0] or abs(r["l"][1] - r["r"][1]) >= 1.0:
+            print(f"{name:100s} {r['l'][0]:8d} {r['l'][1]:8.1f} {r['r'][0]:8d} {r['r'][1]:8.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("trace", "steps"):
+        r = sub.add_parser(name)
+        r.add_argument("model")
+        r.add_argument("--device", default="cuda:0")
+        r.add_argument("--tokens", type=int, default=20 if name == "trace" else 3)
+        if name == "trace":
+            r.add_argument("--json", required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("ours")
+    c.add_argument("theirs")
+    args = ap.parse_args()
+    if args.cmd == "compare":
+        compare(ncu_kernels(args.ours), ncu_kernels(args.theirs))
+        return
+    if args.cmd == "steps":
+        engine = lucepy_engine(args.model, args.device, 2)
+        for _ in range(args.tokens):
+            engine.decode(5)
+        return
+    import torch  # noqa: F401  (before ggml: see the module's note)
+
+    engine = lucepy_engine(args.model, args.device, 8)
+    out = summary(trace(lambda: engine.decode(5), args.tokens))
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
