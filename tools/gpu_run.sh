@@ -22,7 +22,9 @@
 # Knobs: GPU_RUN_ARCH (qwen35, gemma4, qwen35moe or laguna), GPU_RUN_LAYERS (the real model's),
 # GPU_RUN_THREADS (8: CPU threads of the MoE runs, both sides),
 # GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest llama"), GPU_RUN_DEVICE (cuda:0),
-# GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit).
+# GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit), GPU_RUN_DIAG (set: also the
+# decode without CUDA graphs on both sides, tools/trace_gpu.py's CUPTI trace and its Nsight
+# Compute kernel lists).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -230,27 +232,29 @@ elif ((built)) && [[ -f $MODEL ]]; then
         --depth $DEPTH --json "$OUTDIR/lucepy-bench.json" || true
     step profile 60 "$BENCHLOG" python3 tools/profile_gpu.py "$MODEL" --device "$DEVICE" \
         --depth 16 || true
-    # the same with ggml-cuda's CUDA graphs off, on both sides: what they are worth here
-    step profile-nographs 60 "$BENCHLOG" env GGML_CUDA_DISABLE_GRAPHS=1 python3 \
-        tools/profile_gpu.py "$MODEL" --device "$DEVICE" --depth 16 || true
-    step llama-nographs 60 "$BENCHLOG" sh -c "'$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
-        -p 0 -n 128 -r 3 && GGML_CUDA_DISABLE_GRAPHS=1 exec '$BUILD/llama-bench' -m '$MODEL' \
-        -ngl 99 -fa 1 -p 0 -n 128 -r 3" || true
-    step trace 60 "$OUTDIR/trace.txt" python3 tools/trace_gpu.py trace "$MODEL" \
-        --device "$DEVICE" --json "$OUTDIR/trace.json" || true
-    # every kernel of a few decode tokens, one at a time, under Nsight Compute: lucepy's, then
-    # llama-bench's (tg of 3 after its warm-up token); tools/trace_gpu.py compare reads both
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
-    NCU_ARGS=(--csv --metrics gpu__time_duration.sum --graph-profiling node --cache-control none
-        --print-kernel-base demangled
-        --clock-control none)
-    if [[ -n $NCU ]]; then
-        step ncu-lucepy 120 "$BENCHLOG" "$NCU" "${NCU_ARGS[@]}" --log-file /tmp/ncu-lucepy.csv \
-            python3 tools/trace_gpu.py steps "$MODEL" --device "$DEVICE" || true
-        step ncu-llama 120 "$BENCHLOG" "$NCU" "${NCU_ARGS[@]}" --log-file /tmp/ncu-llama.csv \
-            "$BUILD/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n 3 -r 1 || true
-        python3 tools/trace_gpu.py compare /tmp/ncu-lucepy.csv /tmp/ncu-llama.csv \
-            >>"$OUTDIR/trace.txt" 2>&1 || true
+    if [[ -n ${GPU_RUN_DIAG:-} ]]; then # diagnostics: a minute or two more
+        # the same with ggml-cuda's CUDA graphs off, on both sides: what they are worth here
+        step profile-nographs 60 "$BENCHLOG" env GGML_CUDA_DISABLE_GRAPHS=1 python3 \
+            tools/profile_gpu.py "$MODEL" --device "$DEVICE" --depth 16 || true
+        step llama-nographs 60 "$BENCHLOG" sh -c "'$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
+            -p 0 -n 128 -r 3 && GGML_CUDA_DISABLE_GRAPHS=1 exec '$BUILD/llama-bench' -m '$MODEL' \
+            -ngl 99 -fa 1 -p 0 -n 128 -r 3" || true
+        step trace 60 "$OUTDIR/trace.txt" python3 tools/trace_gpu.py trace "$MODEL" \
+            --device "$DEVICE" --json "$OUTDIR/trace.json" || true
+        # every kernel of a few decode tokens, one at a time, under Nsight Compute: lucepy's, then
+        # llama-bench's (tg of 3 after its warm-up token); tools/trace_gpu.py compare reads both
+        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
+        NCU_ARGS=(--csv --metrics gpu__time_duration.sum --graph-profiling node --cache-control none
+            --print-kernel-base demangled
+            --clock-control none)
+        if [[ -n $NCU ]]; then
+            step ncu-lucepy 120 "$BENCHLOG" "$NCU" "${NCU_ARGS[@]}" --log-file /tmp/ncu-lucepy.csv \
+                python3 tools/trace_gpu.py steps "$MODEL" --device "$DEVICE" || true
+            step ncu-llama 120 "$BENCHLOG" "$NCU" "${NCU_ARGS[@]}" --log-file /tmp/ncu-llama.csv \
+                "$BUILD/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n 3 -r 1 || true
+            python3 tools/trace_gpu.py compare /tmp/ncu-lucepy.csv /tmp/ncu-llama.csv \
+                >>"$OUTDIR/trace.txt" 2>&1 || true
+        fi
     fi
 fi
 
