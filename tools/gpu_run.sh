@@ -244,9 +244,8 @@ elif ((built)) && [[ -f $MODEL ]]; then
         # every kernel of a few decode tokens, one at a time, under Nsight Compute: lucepy's, then
         # llama-bench's (tg of 3 after its warm-up token); tools/trace_gpu.py compare reads both
         NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
-        NCU_ARGS=(--csv --metrics gpu__time_duration.sum --graph-profiling node --cache-control none
-            --print-kernel-base demangled
-            --clock-control none)
+        NCU_ARGS=(--csv --metrics gpu__time_duration.sum --graph-profiling node
+            --cache-control none --clock-control none --print-kernel-base demangled)
         if [[ -n $NCU ]]; then
             step ncu-lucepy 120 "$BENCHLOG" "$NCU" "${NCU_ARGS[@]}" --log-file /tmp/ncu-lucepy.csv \
                 python3 tools/trace_gpu.py steps "$MODEL" --device "$DEVICE" || true

@@ -25,6 +25,7 @@ import csv
 import io
 import json
 import statistics
+from pathlib import Path
 
 
 def short(name: str) -> str:
@@ -117,17 +118,17 @@ def lucepy_engine(model: str, device: str, warm: int):
     return engine
 
 
+_NS = {"nsecond": 1, "usecond": 1e3, "msecond": 1e6, "ns": 1, "us": 1e3, "ms": 1e6}
+
+
 def ncu_kernels(path: str) -> list[tuple[str, float]]:
     """(kernel, ns) in launch order from ``ncu --csv --metrics gpu__time_duration.sum``."""
-    text = open(path).read()
-    start = text.find('"ID"')
-    rows = csv.DictReader(io.StringIO(text[start:]))
+    text = Path(path).read_text()
     out = []
-    for r in rows:
+    for r in csv.DictReader(io.StringIO(text[text.find('"ID"') :])):
         if r.get("Metric Name") == "gpu__time_duration.sum":
-            scale = {"nsecond": 1, "usecond": 1e3, "msecond": 1e6, "ns": 1, "us": 1e3, "ms": 1e6}
             value = float(r["Metric Value"].replace(",", ""))
-            out.append((short(r["Kernel Name"]), value * scale.get(r["Metric Unit"], 1)))
+            out.append((short(r["Kernel Name"]), value * _NS.get(r["Metric Unit"], 1)))
     return out
 
 

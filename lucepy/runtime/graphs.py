@@ -193,12 +193,9 @@ def compile_graph(
             alloc.assign(b.outputs["routing"], backend)
         for t in b.inputs.values():  # written on the device, not on the host and copied over
             alloc.assign(t, backend)
-    of = {
-        kind: {n: b.inputs[n] for n, k in b.kinds.items() if k == kind} for kind in b.kinds.values()
-    }
-    blocks = (
-        InputBlock(lib, backend, step_ctx, of.get("step", {})),
-        InputBlock(lib, backend, const_ctx, of.get("constant", {})),
+    blocks = tuple(
+        InputBlock(lib, backend, c, {n: t for n, t in b.inputs.items() if b.kinds[n] == kind})
+        for c, kind in ((step_ctx, "step"), (const_ctx, "constant"))
     )
     for name, value in b.constants.items():
         blocks[1].write(name, value.astype(np.float32))
