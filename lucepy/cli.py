@@ -130,6 +130,24 @@ NCpuMoe = Annotated[
         "--n-cpu-moe", min=0, help="keep all experts of the first N layers in host RAM (llama.cpp)"
     ),
 ]
+KvPool = Annotated[
+    int,
+    typer.Option(
+        "--kv-pool",
+        min=0,
+        help="KV Flash: tokens each full-attention layer keeps on its device, paged in chunks "
+        "of 64 to host RAM; attention sees the first chunk, the last 256 tokens and the chunks "
+        "the ranking keeps (0: the whole context)",
+    ),
+]
+KvPoolRank = Annotated[
+    str,
+    typer.Option(
+        "--kv-pool-rank",
+        help="which chunks a KV pool keeps: lru (the latest written) or qk (those the latest "
+        "query attends to most, brought back from host RAM)",
+    ),
+]
 ExpertProfile = Annotated[
     Path | None,
     typer.Option(help="the expert hotness profile (default: <cache>/experts/<model>.npz)"),
@@ -148,6 +166,8 @@ class ComputeFlags(NamedTuple):
     n_cpu_moe: int = 0
     expert_profile: Path | None = None
     save_expert_profile: bool = False  # serve and generate add their routing counts to it
+    kv_pool: int = 0
+    kv_pool_rank: str = DEFAULTS.kv_pool_rank
 
 
 class CacheFlags(NamedTuple):
@@ -195,6 +215,8 @@ def runtime_config(
         n_cpu_moe=compute.n_cpu_moe,
         expert_profile=str(compute.expert_profile) if compute.expert_profile else None,
         save_expert_profile=compute.save_expert_profile,
+        kv_pool=compute.kv_pool,
+        kv_pool_rank=compute.kv_pool_rank,
     )
 
 
@@ -254,6 +276,8 @@ def generate(
     moe_gpu_mb: MoeDeviceMB = None,
     n_cpu_moe: NCpuMoe = 0,
     expert_profile: ExpertProfile = None,
+    kv_pool: KvPool = 0,
+    kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
     as_json: AsJson = False,
 ):
     """Generate from a prompt: greedy by default, speculative with a draft (--draft or the
@@ -270,8 +294,9 @@ def generate(
             raise PromptError("give exactly one of --prompt TEXT or --prompt-tokens 1,2,3")
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         compute = ComputeFlags(
-            flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True
-        )
+            flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True,
+            kv_pool, kv_pool_rank,
+        )  # fmt: skip
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         _, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)
         with engine:
@@ -355,6 +380,8 @@ def plan(
     moe_gpu_mb: MoeDeviceMB = None,
     n_cpu_moe: NCpuMoe = 0,
     expert_profile: ExpertProfile = None,
+    kv_pool: KvPool = 0,
+    kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
     as_json: AsJson = False,
 ):
     """Print the load plan (devices, layer ranges, bytes, where the experts go) without loading
@@ -364,15 +391,21 @@ def plan(
         from lucepy.ggml import load
         from lucepy.gguf import GGUFFile
         from lucepy.models import architecture_for
-        from lucepy.runtime.engine import make_plan
+        from lucepy.runtime.engine import make_plan, model_options
 
-        moe = ComputeFlags(moe_device_mb=moe_gpu_mb, n_cpu_moe=n_cpu_moe)
+        moe = ComputeFlags(
+            moe_device_mb=moe_gpu_mb,
+            n_cpu_moe=n_cpu_moe,
+            kv_pool=kv_pool,
+            kv_pool_rank=kv_pool_rank,
+        )
         config = runtime_config(
             target_devices, target_layer_split, max_ctx,
             compute=moe._replace(expert_profile=expert_profile),
         )  # fmt: skip
         with GGUFFile(model) as f:
-            result = make_plan(f, architecture_for(f).from_gguf(f), config, load())
+            arch = architecture_for(f).from_gguf(f, model_options(config))
+            result = make_plan(f, arch, config, load())
         if as_json:
             tui.print_json(json.dumps(result.to_dict()))
         else:

@@ -29,6 +29,8 @@ from lucepy.cli import (
     FlashAttn,
     KVCacheBudget,
     KVCacheDir,
+    KvPool,
+    KvPoolRank,
     LayerSplit,
     MaxCtx,
     MoeDeviceMB,
@@ -74,6 +76,8 @@ def serve(
     moe_gpu_mb: MoeDeviceMB = None,
     n_cpu_moe: NCpuMoe = 0,
     expert_profile: ExpertProfile = None,
+    kv_pool: KvPool = 0,
+    kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
 ):
     """Serve MODEL with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     cache = CacheFlags(
@@ -84,8 +88,9 @@ def serve(
         from lucepy.server.run import Server
 
         compute = ComputeFlags(
-            flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True
-        )
+            flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True,
+            kv_pool, kv_pool_rank,
+        )  # fmt: skip
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         found, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)
         level = "warning" if live else "info"

@@ -27,7 +27,9 @@ class Engine(RuntimeEngine):
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, **kw) -> ar.Generation:
         """Up to ``max_tokens`` tokens (greedy unless ``sampling`` says otherwise), with text."""
-        return ar.generate(self, prompt_tokens, max_tokens, **kw)
+        gen = ar.generate(self, prompt_tokens, max_tokens, **kw)
+        gen.kv_pool = self.pool_report()
+        return gen
 
 
 def open_engine(model_path: str | os.PathLike, config: RuntimeConfig | None = None, **kw) -> Engine:

@@ -115,9 +115,27 @@ def plan_table(plan) -> Table:
             f"RAM; {len(split)} layers split"
             + (f" (experts kept: {', '.join(kept)}{more})" if split else "")
         )
+    if plan.kv_pool:
+        lines.append(pool_line(plan.kv_pool))
     if lines:
         table.caption = "\n".join(lines)
     return table
+
+
+def pool_line(pool: dict) -> str:
+    """KV Flash's pool: its size and bytes, and once running, where its chunks are."""
+    line = (
+        f"KV Flash: a pool of {pool['pool_tokens']} tokens ({pool['cache_rows']} rows) in each "
+        f"of {pool['layers']} full-attention layers, {_mib(pool['pool_bytes'])} instead of "
+        f"{_mib(pool['full_cache_bytes'])}; ranking {pool['policy']}"
+    )
+    if "page_outs" in pool:
+        line += (
+            f"; {pool['resident_chunks']} chunks resident, {pool['paged_chunks']} in host RAM "
+            f"({_mib(pool['host_bytes'])}), {pool['page_outs']} page-outs, "
+            f"{pool['page_ins']} page-ins"
+        )
+    return line
 
 
 def experts_table(report: dict, path: str) -> Table:
@@ -203,7 +221,10 @@ def status_view(s: dict, source: str = ""):
         (state, color),
         f"  context {s.get('n_ctx', '?')}  up {s.get('uptime_s', 0):.0f} s",
     )
-    return Group(head, placement_table(s["placement"]), _server_stats(s))
+    parts = [head, placement_table(s["placement"])]
+    if s.get("kv_pool"):
+        parts.append(Text(pool_line(s["kv_pool"]), style="dim"))
+    return Group(*parts, _server_stats(s))
 
 
 def unreachable_view(message: str, source: str):

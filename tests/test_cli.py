@@ -51,7 +51,8 @@ def test_generate_json_matches_the_engine(tiny_model):
             "2",
         ).stdout
     )
-    assert set(out) == {"prompt_tokens", "tokens", "text", "timings", "accept", "cache"}
+    assert set(out) == {"prompt_tokens", "tokens", "text", "timings", "accept", "cache", "kv_pool"}
+    assert out["kv_pool"] is None  # no --kv-pool
     assert out["accept"] is None  # no draft
     assert out["cache"] is None or out["cache"]["hit"] == "none"  # no prefix cache asked for
     assert set(out["timings"]) == {"prefill_ms", "decode_ms", "prefill_tok_s", "decode_tok_s"}

@@ -120,7 +120,7 @@ def write(
         f.write(MAGIC + struct.pack("<II", VERSION, len(body)) + body)
         for entry, arr in zip(table, arrays.values(), strict=True):
             f.write(b"\0" * (entry["offset"] - f.tell()))
-            f.write(memoryview(arr).cast("B"))
+            f.write(memoryview(arr.reshape(-1)).cast("B"))  # flat: an empty array casts too
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -39,6 +39,8 @@ def fingerprint(engine) -> str:
         "n_ctx": engine.n_ctx,
         "draft": draft,
     }
+    if engine.pipeline.host_pool is not None:  # KV Flash: a snapshot may hold the pool's map
+        ident["kv_pool"] = [engine.pipeline.slots.pool, engine.pipeline.slots.policy]
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -61,6 +63,9 @@ class PrefixCache:
         # along the same sequence links to it and stores only what came after
         self.lineage: str | None = None
         self.per_row, self.whole = engine.state_growth()
+        # KV Flash: once a pool pages, a snapshot holds it whole, like recurrent state
+        pooled = engine.pipeline.host_pool is not None
+        self.pool_bytes = self.per_row * engine.pipeline.slots.pool if pooled else 0
         self.appended = engine.appended_state()
         if disk is not None and policy.interval:
             every = self._interval(engine.config.chunk)
@@ -135,8 +140,9 @@ class PrefixCache:
         hit, n, logits = self._restore(prompt)
         points = self._interval_points(n, len(prompt), chunk or engine.config.chunk)
         # whole (recurrent) state can only be read where the prefill stands: stop at each point;
-        # appending state alone can be read for any earlier point after a longer prefill
-        stops = points if self.whole else []
+        # appending state alone can be read for any earlier point after a longer prefill, unless
+        # a KV pool may page (it holds the whole pool, not the rows of each point)
+        stops = points if self.whole or self.pool_bytes else []
         done = n
         for stop in [*stops, len(prompt)]:
             if stop > engine.n_past:
@@ -161,10 +167,12 @@ class PrefixCache:
         link and can only be read where the prefill stops, so with it the interval widens to a
         multiple of N that is at least a prefill chunk (stopping more often tripled a hybrid
         model's prefill time; docs/prefix-cache.md), and over which the KV grows by at least the
-        whole state's bytes: a prompt's chain then costs at most twice one snapshot of it."""
+        whole state's bytes: a prompt's chain then costs at most twice one snapshot of it. A KV
+        Flash pool counts as whole state (once it pages, a snapshot holds the whole pool)."""
         step = self.policy.interval if self.disk else 0
-        if step and self.whole:
-            widest = max(chunk, -(-self.whole // max(self.per_row, 1)))
+        whole = self.whole + self.pool_bytes
+        if step and whole:
+            widest = max(chunk, -(-whole // max(self.per_row, 1)))
             step *= -(-widest // step)
         return step
 
@@ -175,7 +183,7 @@ class PrefixCache:
         tokens kept, since whole (recurrent) state has taken in the others too."""
         n = self.engine.n_past
         if n > len(tokens):
-            if self.whole:
+            if self.whole or not self.engine.pipeline.slots.readable(n):
                 self.lineage = None
                 return
             n = len(tokens)
@@ -198,7 +206,8 @@ class PrefixCache:
         parent = self.disk.entries.get(self.lineage) if self.lineage else None
         link = None
         n = len(parent.tokens) if parent is not None else 0
-        if parent is not None and n < len(tokens) and tokens[:n] == parent.tokens:
+        readable = self.engine.pipeline.slots.readable(len(tokens))  # rows = positions
+        if parent is not None and n < len(tokens) and tokens[:n] == parent.tokens and readable:
             link = Link(parent.key, n, self.engine.pipeline.slots.rows(n))
         appended = self.appended
         path = self.disk.save(tokens, self._export(tokens, link, logits), appended, link)

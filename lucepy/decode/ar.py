@@ -32,6 +32,7 @@ class Generation:
     cache: dict | None = None  # the prefix cache's report, when there is a cache
     t_prefilled: float = 0.0  # perf_counter when the prompt was in
     logprobs: list = field(default_factory=list)  # a TokenLogprob per token, when asked for
+    kv_pool: dict | None = None  # KV Flash's pool after the generation, when there is one
 
     def to_dict(self) -> dict:
         """The stable ``generate --json`` object."""
@@ -48,6 +49,7 @@ class Generation:
             },
             "accept": self.accept.to_dict() if self.accept is not None else None,
             "cache": self.cache,
+            "kv_pool": self.kv_pool,
         }
 
 

@@ -26,7 +26,14 @@ from lucepy.ggml import (
 )
 from lucepy.gguf import GGUFFile
 from lucepy.models.batch import StepBatch
-from lucepy.models.state import KVCache, LayerState, RingKVCache, hadamard, quantized
+from lucepy.models.state import (
+    KVCache,
+    LayerState,
+    RingKVCache,
+    hadamard,
+    pool_rows,
+    quantized,
+)
 
 Tensor = Any  # a cffi ``struct ggml_tensor *``
 
@@ -40,6 +47,7 @@ class ModelOptions:
     cache_type_k: int = GGML_TYPE_F16  # KV cache types: f16 (llama.cpp's default) or q8_0
     cache_type_v: int = GGML_TYPE_F16
     max_step: int = 512  # the most tokens one step feeds (the prefill chunk); sizes KV rings
+    kv_pool: int = 0  # tokens a full-attention cache holds under KV Flash's pager; 0: the context
 
     def kv_cache(
         self, layer: int, head_dim: int, n_head_kv: int, n_ctx: int, window: int = 0
@@ -56,7 +64,9 @@ class ModelOptions:
         types = (self.cache_type_k, self.cache_type_v, head_dim)
         if window:
             return RingKVCache(layer, width, self.ring_rows(window, n_ctx), *types)
-        return KVCache(layer, width, n_ctx, *types)
+        pooled = 0 < self.kv_pool < n_ctx  # KV Flash (a pool of the context or more: no pager)
+        rows = pool_rows(self.kv_pool, self.max_step) if pooled else n_ctx
+        return KVCache(layer, width, rows, *types)
 
     def ring_rows(self, window: int, n_ctx: int) -> int:
         """The window plus the longest step, padded to 256 rows as llama.cpp sizes its sliding
@@ -74,6 +84,8 @@ class GraphSpec:
     logits: str = "last"  # "last" or "all" rows of logits (last shard only)
     verify: bool = False  # keep per-token recurrent snapshots so the step can be rolled back
     capture: tuple[int, ...] = ()  # layers whose entering residual stream is an output
+    ring: int = 0  # rows of the sliding-window rings the step attends over (0: the model has none)
+    queries: bool = False  # output each full-attention layer's query (``q.L``; KV Flash's QK rank)
 
 
 class Builder:
@@ -93,6 +105,7 @@ class Builder:
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value never changes
         self.routes: dict[int, Tensor] = {}  # layer -> the experts its tokens chose [k, T] i32
         self.offload: list[Tensor] = []  # nodes for the host CPU backend (cold experts)
+        self.queries = False  # output the queries of full attention (set from GraphSpec.queries)
 
     def input(self, name: str, gtype: int, *shape: int, kind: str = "step") -> Tensor:
         """An input the host writes every step (runtime sends a graph's step inputs in one copy).
@@ -234,6 +247,8 @@ class Builder:
         its heads; returns [hd*nh, T]."""
         if cache.k_rot:
             q = self.rotate(q, cache.k_rot)
+        if self.queries and cache.appends and f"q.{cache.layer}" not in self.outputs:
+            self.output(f"q.{cache.layer}", q)  # [hd, nh, T], turned as the cache's keys
         out = self.attention(q, views[0], views[1], mask, scale, flash)
         return self.rotate(out, cache.v_rot) if cache.v_rot else out  # V turned back
 
@@ -374,6 +389,10 @@ class Architecture:
     def memory_note(self, n_ctx: int) -> str:
         """A line on state that does not scale with the context (a plan shows it); "" if none."""
         return ""
+
+    def ring_span(self, batch: StepBatch) -> int:
+        """Rows of the sliding-window rings a step attends over (``GraphSpec.ring``); 0: none."""
+        return 0
 
     def max_step(self) -> int | None:
         """The most tokens one step may feed (a KV ring's margin); None: no limit."""

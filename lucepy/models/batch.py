@@ -21,6 +21,10 @@ class StepBatch:
     slots: np.ndarray  # [T] int64: the cache row each token's K/V is written to
     cell_pos: np.ndarray  # [n_kv] int32: the position a cache row holds after the write; -1 empty
     cell_seq: np.ndarray  # [n_kv] int32: the sequence a cache row belongs to
+    span: int = 0  # rows a cache indexed by position would attend over; 0: n_kv (KV Flash's
+    # pool attends over fewer; a sliding window's ring follows the positions)
+    cell_until: np.ndarray | None = None  # [n_kv] int32: a row is seen only by tokens before
+    # this position (KV Flash: a chunk paged out inside the step); None: by all
 
     @property
     def n_tokens(self) -> int:
@@ -29,6 +33,10 @@ class StepBatch:
     @property
     def n_kv(self) -> int:
         return int(self.cell_pos.size)
+
+    @property
+    def n_span(self) -> int:
+        return self.span or self.n_kv
 
     def mask(self, window: int = 0, causal: bool = True) -> np.ndarray:
         """[T, n_kv] f16: 0 where a token may attend to a row (its own sequence, not after it,
@@ -39,6 +47,8 @@ class StepBatch:
         ok = (cpos >= 0) & (self.cell_seq[None, :] == self.seq[:, None]) & (cpos <= pos)
         if window > 0:
             ok &= pos - cpos < window
+        if self.cell_until is not None:
+            ok &= pos < self.cell_until[None, :]
         out = np.zeros(ok.shape, dtype=np.float16)
         out[~ok] = NEG_INF
         return out
@@ -53,4 +63,10 @@ class StepBatch:
         latest = end - 1 - (end - 1 - np.arange(n_rows)) % size
         cell_pos = np.where(latest >= 0, latest, -1).astype(np.int32)
         slots = (self.pos % size).astype(np.int64)
-        return replace(self, slots=slots, cell_pos=cell_pos, cell_seq=np.zeros_like(cell_pos))
+        return replace(
+            self,
+            slots=slots,
+            cell_pos=cell_pos,
+            cell_seq=np.zeros_like(cell_pos),
+            cell_until=None,
+        )

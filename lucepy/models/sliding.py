@@ -38,11 +38,15 @@ class SlidingWindow:
             out["mask"] = batch.mask()
             out["rows"] = batch.slots
         if "mask_swa" in names:
-            rows = self.ring_rows()
-            ring = batch.ring(rows, min(rows, batch.n_kv))
+            ring = batch.ring(self.ring_rows(), self.ring_span(batch))
             out["mask_swa"] = ring.mask(self.p.window)
             out["rows_swa"] = ring.slots
         return {k: v for k, v in out.items() if k in names}
+
+    def ring_span(self, batch: StepBatch) -> int:
+        """The ring's rows that positions before the step's end have filled: the ring follows
+        positions, not the cache rows a KV Flash pool gives the full layers."""
+        return min(self.ring_rows(), batch.n_span) if self.p.window else 0
 
     def check_step(self, spec: GraphSpec, sliding: bool) -> None:
         """Refuse a step that the cache window, or (with ``sliding`` layers) the ring, cannot
@@ -63,5 +67,5 @@ class SlidingWindow:
             g.input_f16("mask", spec.n_kv, T)  # 0 where a token may attend, -inf elsewhere
             g.input_i64("rows", T)
         if True in kinds:
-            g.input_f16("mask_swa", min(self.ring_rows(), spec.n_kv), T)
+            g.input_f16("mask_swa", spec.ring, T)
             g.input_i64("rows_swa", T)

@@ -41,6 +41,8 @@ class RuntimeConfig:
     expert_profile: str | None = None  # None: <cache>/experts/<model identity>.npz
     save_expert_profile: bool = False  # add this run's routing counts to the profile on close
     count_experts: bool = True  # count prompt and verify tokens' experts (decode steps never)
+    kv_pool: int = 0  # KV Flash: cache rows of each full-attention layer (runtime/slots.py); 0: all
+    kv_pool_rank: str = "lru"  # which chunks the pool keeps: "lru", or "qk" (query-key scores)
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
@@ -56,6 +58,10 @@ class RuntimeConfig:
                 raise ConfigError(f"--cache-type-{flag} {value!r}: use one of {list(CACHE_TYPES)}")
         if self.n_cpu_moe < 0 or (self.moe_device_mb is not None and self.moe_device_mb < 0):
             raise ConfigError("--n-cpu-moe and --moe-gpu-mb must not be negative")
+        if self.kv_pool < 0:
+            raise ConfigError(f"--kv-pool must not be negative, got {self.kv_pool}")
+        if self.kv_pool_rank not in ("lru", "qk"):
+            raise ConfigError(f"--kv-pool-rank {self.kv_pool_rank!r}: use lru or qk")
         if self.n_cpu_moe and self.moe_device_mb is not None:
             raise ConfigError("use --n-cpu-moe or --moe-gpu-mb, not both")
         if self.cache_type_v != "f16" and not self.flash_attn:

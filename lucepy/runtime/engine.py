@@ -21,9 +21,11 @@ from lucepy.errors import (
 )
 from lucepy.gguf import GGUFFile
 from lucepy.models import ModelOptions, architecture_for
+from lucepy.models.state import spec_nbytes, state_specs
 from lucepy.runtime import backends, experts, state, workers
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.devices import local_backends, open_backend
+from lucepy.runtime.kvpool import PagerCopy
 from lucepy.runtime.pipeline import Pipeline, Step, VerifyHandle
 from lucepy.runtime.placement import DeviceSpec, LoadPlan, parse_devices, parse_split, plan_load
 from lucepy.runtime.shard import Shard
@@ -49,6 +51,8 @@ def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
                     f"`lucepy backends build {spec.backend}`"
                 )
     plan = plan_load(f, model, specs, split, config.context_for(model.p.n_ctx_train))
+    if 0 < config.kv_pool < plan.max_ctx:
+        plan = dataclasses.replace(plan, kv_pool=pool_plan(model, config, plan.max_ctx))
     placement = experts.placement_for(f, model.p, config)
     if placement is None:
         return plan
@@ -63,6 +67,23 @@ def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
     return dataclasses.replace(plan, shards=tuple(shards), experts=placement)
 
 
+def pool_plan(model, config: RuntimeConfig, n_ctx: int) -> dict:
+    """KV Flash's pool in the plan: its tokens and rows, and the bytes of the full-attention
+    caches with it and with the whole context."""
+    states = [s for s in model.make_state(range(model.p.n_layer), n_ctx) if s.appends]
+    specs = state_specs(states)
+    pooled = sum(spec_nbytes(t, shape) for t, shape in specs.values())
+    rows = max((shape[-1] for _, shape in specs.values()), default=0)
+    return {
+        "pool_tokens": config.kv_pool,
+        "cache_rows": rows,
+        "policy": config.kv_pool_rank,
+        "layers": len(states),
+        "pool_bytes": pooled,
+        "full_cache_bytes": pooled // max(rows, 1) * n_ctx,
+    }
+
+
 def model_options(config: RuntimeConfig) -> ModelOptions:
     types = {"f16": ggml.GGML_TYPE_F16, "q8_0": ggml.GGML_TYPE_Q8_0}
     return ModelOptions(
@@ -70,6 +91,7 @@ def model_options(config: RuntimeConfig) -> ModelOptions:
         flash_attn=config.flash_attn,
         cache_type_k=types[config.cache_type_k],
         cache_type_v=types[config.cache_type_v],
+        kv_pool=config.kv_pool,
     )
 
 
@@ -130,6 +152,13 @@ class Engine:
         self.pipeline = Pipeline(
             self.lib, [], remote, self.n_ctx, deadline_s=self.config.step_deadline_s
         )
+        if self.config.kv_pool and self.config.kv_pool < self.n_ctx:
+            self.pipeline.use_pool(
+                self.n_ctx,
+                self.config.kv_pool,
+                self.model.options.max_step,
+                self.config.kv_pool_rank,
+            )
         placement = self.plan.experts
         for spec, sp in zip(self.plan.devices, self.plan.shards, strict=True):
             backend = self._open(spec)
@@ -235,6 +264,13 @@ class Engine:
         self._recover()
         return True
 
+    def pool_report(self) -> dict | None:
+        """KV Flash's pool: the plan's sizes, where its chunks are and the pager's counts."""
+        if self.pipeline.host_pool is None:
+            return None
+        host = {"host_bytes": self.pipeline.host_pool.nbytes}
+        return self.plan.kv_pool | self.pipeline.slots.report() | host
+
     def reset(self) -> None:
         """Start a new sequence; first bring back workers that died since the last one."""
         self.recover()
@@ -255,10 +291,20 @@ class Engine:
         tokens = self._checked(tokens)
         chunk = chunk or self.config.chunk
         chunk = min(chunk, self.model.max_step() or chunk)
+        if self.pipeline.host_pool is not None:  # a KV pool has room for steps this long
+            chunk = min(chunk, self.model.options.max_step)
         step = Step(logits="all" if all_logits else "last", capture=self.capture)
+        parts = [tokens[start : start + chunk] for start in range(0, tokens.size, chunk)]
+        slots = self.pipeline.slots
+        rank_last = self.pipeline.ranks_by_query and self.n_past + tokens.size > slots.pool
+        if rank_last and tokens.size > 1:
+            # KV Flash's qk ranking: the last token alone, after a ranking by the queries of the
+            # one before it, so the logits that answer a prompt see the chunks it recalls
+            parts[-1:] = [p for p in (parts[-1][:-1], parts[-1][-1:]) if p.size]
         outs = []
-        for start in range(0, tokens.size, chunk):
-            part = tokens[start : start + chunk]
+        for part in parts:
+            if rank_last and part is parts[-1]:
+                slots.rank_next = True
             out = self.pipeline.forward(part, self.n_past, step)
             if on_chunk is not None:
                 on_chunk(out, self.n_past)
@@ -293,7 +339,7 @@ class Engine:
             raise ConfigError(f"commit keeps {keep} of {handle.n_tokens} verified tokens")
         if handle is not self._verified:
             raise StaleVerify("this verify was committed already; each handle commits once")
-        self.pipeline.rollback(handle.step, keep)
+        self.pipeline.rollback(handle.step, keep, handle.pos0 + keep)
         self._verified = None
         self.n_past = handle.pos0 + keep
 
@@ -320,12 +366,17 @@ class Engine:
     def snapshot(self, n: int | None = None) -> dict[str, StateCopy]:
         """Copies of every shard's (and the draft's) state for the first ``n`` tokens held
         (default: all; fewer only without whole state), each kept on its own backend: nothing
-        crosses for a worker shard."""
-        self._check_readable(n)
-        n, out = self.pipeline.slots.rows(self.n_past if n is None else n), {}
+        crosses for a worker shard. Once KV Flash has paged, of all tokens held: the whole pool,
+        with the mapping and the host rows (``pager``)."""
+        n, out = self._check_readable(n), {}
         try:
             for key, backend, live, remote in self._states():
-                out[key] = self._run(remote, lambda b=backend, t=live: StateCopy(self.lib, b, t, n))
+                rows = self._rows(key, n)
+                out[key] = self._run(
+                    remote, lambda b=backend, t=live, r=rows: StateCopy(self.lib, b, t, r)
+                )
+            if not self.pipeline.slots.readable(n):
+                out["pager"] = PagerCopy(self.pipeline.pager_state())
         except BaseException:
             self.drop_snapshot(out)
             raise
@@ -334,6 +385,10 @@ class Engine:
     def restore(self, copies: dict[str, StateCopy], n: int) -> None:
         for key, _, live, remote in self._states():
             self._run(remote, lambda c=copies[key], t=live: c.restore(t))
+        if "pager" in copies:
+            self.pipeline.load_pager(copies["pager"].arrays)
+        else:
+            self.pipeline.reset(n)
         self.n_past = n
 
     def drop_snapshot(self, copies: dict[str, StateCopy]) -> None:
@@ -347,21 +402,37 @@ class Engine:
     def export_state(self, n: int | None = None, since: int = 0) -> dict[str, np.ndarray]:
         """Host arrays of all state for the first ``n`` tokens held (default: all), a worker's
         over RPC. With ``since``, the appending tensors hold only the rows of tokens
-        ``since..n``; the others are whole, so ``n`` below the tokens held needs none of them."""
-        self._check_readable(n)
-        n = self.n_past if n is None else n
-        rows, first = self.pipeline.slots.rows(n), self.pipeline.slots.rows(since)
+        ``since..n``; the others are whole, so ``n`` below the tokens held needs none of them.
+        Once KV Flash has paged: the whole pool and ``pager/`` arrays, never ``since``."""
+        n = self._check_readable(n)
+        paged = not self.pipeline.slots.readable(n)
+        if paged and since:
+            raise ValueError("once the KV pool has paged, a snapshot holds the whole pool")
         out = {}
         for key, _, live, remote in self._states():
-            arrays = self._run(remote, lambda t=live: state.export(t, rows, first))
+            rows, first = self._rows(key, n), self._rows(key, since) if since else 0
+            arrays = self._run(remote, lambda t=live, r=rows, f=first: state.export(t, r, f))
             out.update({f"{key}/{name}": a for name, a in arrays.items()})
+        if paged:
+            out.update({f"pager/{k}": a for k, a in self.pipeline.pager_state().items()})
         return out
 
-    def _check_readable(self, n: int | None) -> None:
+    def _rows(self, key: str, n: int) -> int:
+        """Cache rows of state ``key`` that hold the first ``n`` tokens (the draft's KV is not
+        pooled)."""
+        return n if key == "draft" else self.pipeline.slots.rows(n)
+
+    def _check_readable(self, n: int | None) -> int:
         if n is not None and not 0 < n <= self.n_past:
             raise ValueError(f"the state of {n} tokens is not held ({self.n_past} are)")
         if n is not None and n < self.n_past and self.state_growth()[1]:
             raise ValueError("whole (recurrent) state holds every token: not readable at fewer")
+        n = self.n_past if n is None else n
+        if n < self.n_past and not self.pipeline.slots.readable(n):
+            raise ValueError(
+                f"the KV pool has paged: a snapshot holds all {self.n_past} tokens, not {n}"
+            )
+        return n
 
     def appended_state(self) -> set[str]:
         """The names in ``export_state`` of tensors that append one row per cache row."""
@@ -376,11 +447,16 @@ class Engine:
         return per_row, whole
 
     def load_state(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        pager = {k.split("/", 1)[1]: a for k, a in arrays.items() if k.startswith("pager/")}
+        if pager:
+            self.pipeline.load_pager(pager)  # first: it says which rows the arrays hold
+        else:
+            self.pipeline.reset(n)
         for key, _, live, remote in self._states():
             mine = {
                 name.split("/", 1)[1]: a for name, a in arrays.items() if name.startswith(key + "/")
             }
-            rows = self.pipeline.slots.rows(n)
+            rows = self._rows(key, n)
             self._run(remote, lambda t=live, m=mine, r=rows: state.load(t, m, r))
         self.n_past = n
 

@@ -22,8 +22,9 @@ from lucepy.errors import StaleVerify, WorkerError
 from lucepy.ggml import Lib
 from lucepy.ggml.lib import rpc_failures
 from lucepy.runtime.experts import ExpertCounts
+from lucepy.runtime.kvpool import HostPool
 from lucepy.runtime.shard import Shard
-from lucepy.runtime.slots import IdentitySlots
+from lucepy.runtime.slots import IdentitySlots, PagedSlots
 from lucepy.runtime.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,10 @@ class Pipeline:
         self.expert_counts: ExpertCounts | None = None  # set by the engine for a MoE model
         self.deadline_floor_s = deadline_s  # the least a step may take before it is given up
         self._slowest_s = 0.0
-        self.slots = IdentitySlots(n_ctx)
+        self.slots: IdentitySlots | PagedSlots = IdentitySlots(n_ctx)
+        self.host_pool: HostPool | None = None  # KV Flash's paged-out rows (use_pool)
         self.shards: list[Shard] = []
-        self._last: list[tuple] = []  # (shard, spec, graph) of the last step, for rollback
+        self.last: list[tuple] = []  # (shard, spec, graph) of the last step, for rollback
         self.steps = 0  # steps run; a verify's handle names its own
         self._guard = _GuardThread() if remote else None
         self._failures_seen = len(rpc_failures())
@@ -151,17 +153,20 @@ class Pipeline:
     def forward(self, tokens: np.ndarray, pos0: int, step: Step) -> StepOutput:
         return self.call(lambda: self._forward(tokens, pos0, step), step=True)
 
-    def rollback(self, step: int, keep: int) -> None:
-        """Undo all but the first ``keep`` tokens of verify step ``step`` on every shard; only
-        while it is the last step, whose graphs hold its snapshots."""
+    def rollback(self, step: int, keep: int, end: int) -> None:
+        """Undo all but the first ``keep`` tokens of verify step ``step`` on every shard (the
+        sequence then ends at ``end``); only while it is the last step, whose graphs hold its
+        snapshots."""
         if step != self.steps:
             raise StaleVerify(
                 f"verify step {step} is committed after step {self.steps} ran; commit a verify "
                 f"before the next decode, prefill or verify"
             )
         self.call(
-            lambda: [shard.rollback(g, spec, keep) for shard, spec, g in self._last], step=True
+            lambda: [shard.rollback(g, spec, keep) for shard, spec, g in self.last], step=True
         )
+        if isinstance(self.slots, PagedSlots):
+            self.slots.rollback(end)
 
     def check_workers(self) -> str | None:
         """Mark the pipeline broken if a worker we started has exited; says which."""
@@ -179,13 +184,13 @@ class Pipeline:
         return None
 
     def _forward(self, tokens: np.ndarray, pos0: int, step: Step) -> StepOutput:
-        for shard, spec, _ in self._last:
+        batch = self.slots.batch(tokens, pos0)  # a KV Flash ranking reads the last step's graphs
+        for shard, spec, _ in self.last:
             shard.release(spec)
         self.steps += 1
-        self._last, prev, features = [], None, {}
-        batch = self.slots.batch(tokens, pos0)
+        self.last, prev, features = [], None, {}
         for shard in self.shards:
-            spec = shard.spec(batch, step.logits, step.verify, step.capture)
+            spec = shard.spec(batch, step.logits, step.verify, step.capture, self.ranks_by_query)
             g = shard.prepare(spec, batch)
             if prev is not None:
                 self.lib.ggml_backend_tensor_copy(prev.output, g.inputs["x"])
@@ -193,17 +198,50 @@ class Pipeline:
             if self.expert_counts is not None and "routing" in g.outputs:
                 self.expert_counts.add(g.routed, shard.read(g, "routing"))
             features.update(shard.features(g, spec))
-            self._last.append((shard, spec, g))
+            self.last.append((shard, spec, g))
             prev = g
         last = self.shards[-1]
         return StepOutput(last.read(prev, step.want), features)
 
-    def reset(self) -> None:
+    @property
+    def ranks_by_query(self) -> bool:
+        """KV Flash ranks chunks by the queries of full attention (graphs output them)."""
+        return self.host_pool is not None and self.slots.policy == "qk"
+
+    def use_pool(self, n_ctx: int, pool: int, step: int, policy: str = "lru") -> None:
+        """KV Flash: each full-attention cache holds a pool of ``pool`` tokens, paged by
+        ``PagedSlots`` (``step``: the longest step)."""
+        self.host_pool = HostPool(self, summarise=policy == "qk")
+        self.slots = PagedSlots(n_ctx, pool, step, self.host_pool, policy)
+
+    def reset(self, n_tokens: int = 0) -> None:
+        """A new sequence, or (``n_tokens``) one whose state a restore has just written."""
+        self.slots.reset(n_tokens)
+        if self.host_pool is not None:
+            self.host_pool.clear()
+        if n_tokens:
+            return
+
         def reset_all():
             for shard in self.shards:
                 shard.reset()
 
         self.call(reset_all)
+
+    # KV Flash's part of a snapshot (Engine): the mapping and the host rows, as named arrays
+    def pager_state(self) -> dict[str, np.ndarray]:
+        out = {f"map/{k}": v for k, v in self.slots.state().items()}
+        return out | {f"host/{k}": v for k, v in self.host_pool.state().items()}
+
+    def load_pager(self, arrays: dict[str, np.ndarray]) -> None:
+        if self.host_pool is None:
+            raise ValueError("a snapshot taken after KV Flash paged needs the same --kv-pool")
+        part: dict[str, dict] = {"map": {}, "host": {}}
+        for name, a in arrays.items():
+            kind, rest = name.split("/", 1)
+            part[kind][rest] = a
+        self.slots.load(part["map"])
+        self.host_pool.load(part["host"])
 
     def close(self) -> None:
         """Free everything; shards on a dead worker are abandoned, never touched."""

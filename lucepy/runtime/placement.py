@@ -157,6 +157,7 @@ class LoadPlan:
     requested: tuple[tuple[int, int], ...] = ()  # the layer ranges asked for, before aligning
     memory: str = ""  # what the model's state holds, where it is not the whole context
     experts: Any = None  # an ExpertPlacement when routed experts are split (runtime/experts.py)
+    kv_pool: dict | None = None  # KV Flash's pool (Engine adds the pager's counts when running)
 
     def to_dict(self) -> dict:
         return {
@@ -169,6 +170,7 @@ class LoadPlan:
             "notes": list(self.notes),
             "memory": self.memory,
             "experts": self.experts.to_dict() if self.experts is not None else None,
+            "kv_pool": self.kv_pool,
         }
 
 

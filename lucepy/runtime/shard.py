@@ -89,7 +89,12 @@ class Shard:
         self.state.clear()
 
     def spec(
-        self, batch: StepBatch, logits: str, verify: bool, capture: tuple[int, ...]
+        self,
+        batch: StepBatch,
+        logits: str,
+        verify: bool,
+        capture: tuple[int, ...],
+        queries: bool = False,
     ) -> GraphSpec:
         mine = tuple(
             L
@@ -98,17 +103,30 @@ class Shard:
             or L == self.layers.stop == self.model.p.n_layer
         )
         last = self.layers.stop == self.model.p.n_layer
-        return GraphSpec(batch.n_tokens, batch.n_kv, logits if last else "last", verify, mine)
+        return GraphSpec(
+            batch.n_tokens,
+            batch.n_kv,
+            logits if last else "last",
+            verify,
+            mine,
+            self.model.ring_span(batch),
+            queries,
+        )
 
     def graph(self, spec: GraphSpec) -> CompiledGraph:
         g = self.graphs.get(spec)
         if g is None:
             max_nodes = 160 * len(self.layers) + 256
+
+            def build(b):
+                b.queries = spec.queries
+                return self.model.build(b, self.w, self.state.t, self.layers, spec)
+
             g = self.graphs[spec] = compile_graph(
                 self.lib,
                 self.backend,
                 max_nodes,
-                lambda b: self.model.build(b, self.w, self.state.t, self.layers, spec),
+                build,
                 self.host or self._sched_host,
                 # decode steps count nothing: their routing read cost a hybrid decode a third of
                 # its speed on the H200 (docs/BENCHMARKS.md); prompts and verify blocks count

@@ -5,6 +5,7 @@ tokenize; the worker thread generates."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -46,6 +47,7 @@ class Served:
         self.bos, self.eos = tok.token_text(tok.bos), tok.token_text(tok.eos)
         self.placement = placement(engine)
         self.created = int(time.time())
+        self._pool_seen = engine.pool_report()
 
     async def encode(self, text: str, param: str) -> list[int]:
         if not text:
@@ -98,8 +100,16 @@ class Served:
             "state": self.worker.state,
             "n_ctx": self.n_ctx,
             "placement": self.placement,
+            "kv_pool": self._pool(),
             **self.worker.stats.snapshot(),
         }
+
+    def _pool(self) -> dict | None:
+        """KV Flash's pool report; read while the engine thread may be paging, so a read that
+        races it keeps the last one."""
+        with contextlib.suppress(RuntimeError):  # a set or dict changed size while read
+            self._pool_seen = self.worker.engine.pool_report()
+        return self._pool_seen
 
 
 def _with_param(err: Exception, param: str) -> Exception:
