@@ -56,7 +56,7 @@ class NumpyLlama:
         hd, nh, nkv = p.head_dim, p.n_head, p.n_head_kv
         pos = np.arange(pos0, pos0 + T)
         x = self.w["token_embd.weight"][np.asarray(tokens)]
-        saved = [(dict(k), dict(v)) for k, v in zip(self.k, self.v, strict=True)]
+        saved = None if keep else [(dict(k), dict(v)) for k, v in zip(self.k, self.v, strict=True)]
         for il in range(p.n_layer):
             b = f"blk.{il}."
             h = self._norm(x, b + "attn_norm.weight")
@@ -83,7 +83,7 @@ class NumpyLlama:
             gate = h @ self.w[b + "ffn_gate.weight"].T
             up = h @ self.w[b + "ffn_up.weight"].T
             x = x + (gate / (1 + np.exp(-gate)) * up) @ self.w[b + "ffn_down.weight"].T
-        if not keep:
+        if saved is not None:
             self.k, self.v = [k for k, _ in saved], [v for _, v in saved]
         x = self._norm(x, "output_norm.weight")
         return x @ self.w["output.weight"].T

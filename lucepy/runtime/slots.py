@@ -192,11 +192,8 @@ class PagedSlots:
         return len(self.home)
 
     def report(self) -> dict[str, int | str]:
-        """The pool for ``plan``, ``--json`` and the status view."""
+        """Where the pool's chunks are, and the pager's counts (the plan has its sizes)."""
         return {
-            "pool_tokens": self.pool,
-            "cache_rows": self.n_rows,
-            "policy": self.policy,
             "resident_chunks": len(self.home),
             "paged_chunks": len(self.on_host - self.home.keys()),
             "page_outs": self.page_outs,
@@ -212,22 +209,25 @@ class PagedSlots:
         self._seal(pos0)
         if self.policy == "qk" and (self.rank_next or pos0 - self.ranked_at >= RANK_EVERY):
             self._reselect(pos0, end)
-        self.placed = []
-        for c in range(pos0 // CHUNK, (end - 1) // CHUNK + 1):
+        self.placed, last = [], (end - 1) // CHUNK
+        for c in range(pos0 // CHUNK, last + 1):
             if c not in self.home:
                 self._place(c, max(pos0, c * CHUNK))
             self.used[c] = self.clock
         pos = np.arange(pos0, end, dtype=np.int32)
-        held = [(c, pc, _ALWAYS) for c, pc in self.home.items()]
-        held += [(c, pc, b) for c, (pc, b) in self.retired.items()]  # maybe written this step
-        where = {c: pc for c, pc, _ in held}
-        home = np.array([where[int(c)] for c in pos // CHUNK], dtype=np.int64)
-        cells = np.full(kv_bucket((max(h[1] for h in held) + 1) * CHUNK, self.n_rows), -1)
-        until = np.full(cells.size, _ALWAYS, dtype=np.int32)
-        for c, pc, b in held:
-            cells[pc * CHUNK : (pc + 1) * CHUNK] = np.arange(c * CHUNK, (c + 1) * CHUNK)
-            until[pc * CHUNK : (pc + 1) * CHUNK] = b
-        cells[cells >= end] = -1
+        owner = np.array(self.owner)  # pool chunk -> the chunk it holds (resident or retired)
+        held = np.flatnonzero(owner >= 0)
+        where = np.full(max(last, int(owner.max())) + 1, -1, dtype=np.int64)  # chunk -> pool's
+        where[owner[held]] = held
+        home = where[pos // CHUNK]
+        n_kv = kv_bucket((int(held.max()) + 1) * CHUNK, self.n_rows)
+        cells = (owner[:, None] * CHUNK + np.arange(CHUNK)).ravel()[:n_kv]
+        cells[(cells < 0) | (cells >= end)] = -1
+        until = None
+        if self.retired:  # rows that tokens from a position on no longer see
+            until = np.full(n_kv, _ALWAYS, dtype=np.int32)
+            for pc, b in self.retired.values():
+                until[pc * CHUNK : (pc + 1) * CHUNK] = b
         return StepBatch(
             tokens=np.ascontiguousarray(tokens, dtype=np.int32),
             pos=pos,
@@ -236,7 +236,7 @@ class PagedSlots:
             cell_pos=cells.astype(np.int32),
             cell_seq=np.zeros(cells.size, dtype=np.int32),
             span=kv_bucket(end, self.n_ctx),
-            cell_until=until if self.retired else None,
+            cell_until=until,
         )
 
     def rollback(self, end: int) -> None:
@@ -287,11 +287,15 @@ class PagedSlots:
         """The last step's victims go to host memory, and their pool chunks are free."""
         for c, (pc, _) in sorted(self.retired.items()):
             self._seal_one(pc, c)
-            if c not in self.on_host and self.mover is not None:
-                self.mover.page_out(pc, c)
-            self.on_host.add(c)
-            self.owner[pc] = -1
+            self._to_host(pc, c)
         self.retired.clear()
+
+    def _to_host(self, pc: int, c: int) -> None:
+        """Chunk ``c``'s rows to host memory (once: sealed rows never change); ``pc`` is free."""
+        if c not in self.on_host and self.mover is not None:
+            self.mover.page_out(pc, c)
+        self.on_host.add(c)
+        self.owner[pc] = -1
 
     def _seal(self, pos0: int) -> None:
         """Chunks complete before ``pos0`` (committed: a verify's rejected tokens are rolled back
@@ -322,11 +326,7 @@ class PagedSlots:
         best = sorted(chunks, key=lambda c: (-self.score[c], -self.used.get(c, 0), -c))
         best = set(best[:room])
         for c in sorted(c for c in self.home if c not in keep and c not in best):
-            pc = self.home.pop(c)
-            if c not in self.on_host:
-                self.mover.page_out(pc, c)
-                self.on_host.add(c)
-            self.owner[pc] = -1
+            self._to_host(self.home.pop(c), c)
             self.page_outs += 1
         for c in sorted(best - self.home.keys()):
             pc = self.owner.index(-1)
