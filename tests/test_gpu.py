@@ -224,3 +224,36 @@ def test_gpu_greedy_with_draft_equals_greedy(models):
             assert gap <= 1e-2 * np.abs(steps[i]).max(), f"step {i}: not a tie ({gap:.3g})"
             assert i >= 8, f"diverged at step {i}, too early to have tested rollback"
             break
+
+
+@pytest.mark.parametrize("rank", ["lru", "qk"])
+def test_gpu_kv_pool_pages_as_the_cpu_does(rank, tiny_model):
+    """KV Flash on ggml-cuda (issue 14): a pool of 640 tokens over a 1000-token prompt and 24
+    greedy tokens pages the same chunks out and in as on the CPU (the qk ranking reads the
+    queries back from the GPU and brings chunks back), keeps the same chunks resident, and its
+    logits stay within TF32 of the CPU's at every position."""
+    path = tiny_model("base", "f32")
+    prompt = np.random.default_rng(4).integers(0, 512, 1000).astype(np.int32)
+    runs = []
+    for device in (GPU, "cpu"):
+        cfg = RuntimeConfig(
+            device=device,
+            threads=THREADS,
+            max_ctx=2048,
+            chunk=128,
+            kv_pool=640,
+            kv_pool_rank=rank,
+        )
+        with Engine(path, cfg, tokenizer=False) as engine:
+            logits = engine.prefill(prompt, chunk=128, all_logits=True)
+            tokens = [int(np.argmax(logits[-1]))]
+            for _ in range(24):
+                tokens.append(int(np.argmax(engine.decode(tokens[-1]))))
+            slots = engine.pipeline.slots
+            runs.append((logits, tokens, sorted(slots.home), slots.page_outs, slots.page_ins))
+    (gpu, gpu_tokens, *gpu_pager), (cpu, cpu_tokens, *cpu_pager) = runs
+    assert gpu_pager == cpu_pager and gpu_pager[1] >= 6
+    assert gpu_pager[2] >= (rank == "qk")  # qk pages chunks back in
+    err = rel_err(gpu, cpu)
+    assert err.max() <= TF32_TOLERANCE, f"prompt position {err.argmax()}: {err.max():.2e}"
+    assert gpu_tokens == cpu_tokens

@@ -14,9 +14,8 @@
 # Python path segfaults there). The run stops at once, saying what to run, if it is missing or made
 # for other tiny models than the tests write (unless GPU_RUN_SKIP names pytest).
 #
-# OUTDIR gets 7 files (8 for qwen35moe: llama-bench-ncmoe.json): setup.log build.log pytest.txt
-# bench.log llama-bench.json lucepy-bench.json
-# summary.md. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
+# OUTDIR gets 7 files (8 for qwen35moe: llama-bench-ncmoe.json; kvpool.json with GPU_RUN_KVPOOL):
+# setup.log build.log pytest.txt bench.log llama-bench.json lucepy-bench.json summary.md. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
 # since start); a step that runs out is stopped and the run goes on. The build and the model stay
 # in /tmp: a second call on the still-warm machine (30 s) skips them, or resumes the build.
 # Knobs: GPU_RUN_ARCH (qwen35, gemma4, qwen35moe or laguna), GPU_RUN_LAYERS (the real model's),
@@ -24,7 +23,8 @@
 # GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest llama"), GPU_RUN_DEVICE (cuda:0),
 # GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit), GPU_RUN_DIAG (set: also the
 # decode without CUDA graphs on both sides, tools/trace_gpu.py's CUPTI trace and its Nsight
-# Compute kernel lists).
+# Compute kernel lists), GPU_RUN_KVPOOL (depths, e.g. 8192,32768,131072: KV Flash's benchmark,
+# tools/bench_kvpool.py, before the others; GPU_RUN_POOL its pool, 4096; adds kvpool.json).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -226,6 +226,12 @@ if ((built)) && [[ -f $MODEL && $ARCH == qwen35moe ]]; then
     step lucepy 330 "$BENCHLOG" python3 tools/bench_moe.py measure "$MODEL" --device "$DEVICE" \
         --n-cpu-moe $NCMOE --threads "$THREADS" --json "$OUTDIR/lucepy-bench.json" || true
 elif ((built)) && [[ -f $MODEL ]]; then
+    if [[ -n ${GPU_RUN_KVPOOL:-} ]]; then # KV Flash: llama-bench, full cache and pool by depth
+        step kvpool 540 "$BENCHLOG" python3 tools/bench_kvpool.py measure "$MODEL" \
+            --device "$DEVICE" --gpu "${DEVICE#cuda:}" --llama-bench "$BUILD/llama-bench" \
+            --depths "$GPU_RUN_KVPOOL" --pool "${GPU_RUN_POOL:-4096}" \
+            --json "$OUTDIR/kvpool.json" || true
+    fi
     step llama 150 "$BENCHLOG" sh -c "exec '$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
         -p 16,512,4096 -n 128 -d 0,$DEPTH -r 3 -o json >'$OUTDIR/llama-bench.json'" || true
     step lucepy 200 "$BENCHLOG" python3 tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" \
@@ -264,6 +270,10 @@ if [[ $ARCH == qwen35moe ]]; then
 else
     python3 tools/bench_gpu.py report "$OUTDIR/lucepy-bench.json" --depth $DEPTH \
         --llama-bench "$OUTDIR/llama-bench.json" --md "$OUTDIR/summary.md" >/dev/null 2>&1 || true
+fi
+if [[ -f $OUTDIR/kvpool.json ]]; then
+    { echo; echo '## KV Flash'; echo; python3 tools/bench_kvpool.py report "$OUTDIR/kvpool.json"; } \
+        >>"$OUTDIR/summary.md" 2>&1 || true
 fi
 {
     echo
