@@ -18,7 +18,14 @@ from lucepy.errors import ConfigError
 from lucepy.ggml import Backend, Context, Lib, alias_tensor
 from lucepy.gguf import GGUFFile
 from lucepy.models.dflash import DFlash
-from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get
+from lucepy.runtime.graphs import (
+    CompiledGraph,
+    GraphCache,
+    Tensors,
+    compile_graph,
+    compute,
+    get,
+)
 from lucepy.runtime.slots import IdentitySlots
 from lucepy.runtime.state import StateSet
 
@@ -47,7 +54,7 @@ class Draft:
             raise
         self.kv = StateSet(lib, backend, self.model.make_state(n_ctx), "draft KV")
         self.slots = IdentitySlots(n_ctx)  # the draft's KV rows are the target's positions
-        self.graphs: dict[tuple, CompiledGraph] = {}
+        self.graphs = GraphCache()
         self.block = self.p.block_size
         # a draft in a worker runs its steps under the pipeline's supervision (Engine sets both)
         self.remote = False
@@ -71,11 +78,8 @@ class Draft:
         self.block = block
 
     def _graph(self, key: tuple, build) -> CompiledGraph:
-        g = self.graphs.get(key)
-        if g is None:
-            nodes = 64 * self.p.n_layer + 128
-            g = self.graphs[key] = compile_graph(self.lib, self.backend, nodes, build)
-        return g
+        nodes = 64 * self.p.n_layer + 128
+        return self.graphs.get(key, lambda: compile_graph(self.lib, self.backend, nodes, build))
 
     def _put_inputs(self, g: CompiledGraph, batch) -> None:
         """What the draft model derives from the step batch (positions, rows, its mask)."""

@@ -20,7 +20,14 @@ from lucepy.models.base import GraphSpec
 from lucepy.models.batch import StepBatch
 from lucepy.runtime.devices import open_backend
 from lucepy.runtime.experts import EXPERT_TENSORS, ExpertPlacement
-from lucepy.runtime.graphs import CompiledGraph, Tensors, compile_graph, compute, get
+from lucepy.runtime.graphs import (
+    CompiledGraph,
+    GraphCache,
+    Tensors,
+    compile_graph,
+    compute,
+    get,
+)
 from lucepy.runtime.state import StateSet
 
 log = logging.getLogger(__name__)
@@ -42,7 +49,7 @@ class Shard:
     ):
         self.lib, self.model, self.layers, self.backend = lib, model, layers, backend
         self.n_ctx, self.process, self.routing = n_ctx, process, routing
-        self.graphs: dict[GraphSpec, CompiledGraph] = {}
+        self.graphs = GraphCache(on_evict=self._drop_rollbacks)  # by GraphSpec
         self._rollbacks: dict[tuple[GraphSpec, int], CompiledGraph] = {}
         # False rebuilds every step: only to test that reuse changes nothing
         self.reuse_graphs = True
@@ -114,31 +121,30 @@ class Shard:
         )
 
     def graph(self, spec: GraphSpec) -> CompiledGraph:
-        g = self.graphs.get(spec)
-        if g is None:
-            max_nodes = 160 * len(self.layers) + 256
+        return self.graphs.get(spec, lambda: self._build(spec))
 
-            def build(b):
-                b.queries = spec.queries
-                return self.model.build(b, self.w, self.state.t, self.layers, spec)
+    def _build(self, spec: GraphSpec) -> CompiledGraph:
+        def build(b):
+            b.queries = spec.queries
+            return self.model.build(b, self.w, self.state.t, self.layers, spec)
 
-            g = self.graphs[spec] = compile_graph(
-                self.lib,
-                self.backend,
-                max_nodes,
-                build,
-                self.host or self._sched_host,
-                # decode steps count nothing: their routing read cost a hybrid decode a third of
-                # its speed on the H200 (docs/BENCHMARKS.md); prompts and verify blocks count
-                self.routing and spec.n_tokens > 1,
-            )
-            log.debug(
-                "built %s on %s: %d nodes, %d bytes",
-                spec,
-                self.backend.name,
-                self.lib.ggml_graph_n_nodes(g.gf),
-                g.alloc.nbytes,
-            )
+        g = compile_graph(
+            self.lib,
+            self.backend,
+            160 * len(self.layers) + 256,
+            build,
+            self.host or self._sched_host,
+            # decode steps count nothing: their routing read cost a hybrid decode a third of
+            # its speed on the H200 (docs/BENCHMARKS.md); prompts and verify blocks count
+            self.routing and spec.n_tokens > 1,
+        )
+        log.debug(
+            "built %s on %s: %d nodes, %d bytes",
+            spec,
+            self.backend.name,
+            self.lib.ggml_graph_n_nodes(g.gf),
+            g.nbytes,
+        )
         return g
 
     def prepare(self, spec: GraphSpec, batch: StepBatch) -> CompiledGraph:
@@ -180,9 +186,12 @@ class Shard:
 
     def release(self, spec: GraphSpec) -> None:
         if not self.reuse_graphs:
-            for key in [k for k in self._rollbacks if k[0] == spec]:
-                self._rollbacks.pop(key).close()
+            self._drop_rollbacks(spec)
             self.graphs.pop(spec).close()
+
+    def _drop_rollbacks(self, spec: GraphSpec) -> None:
+        for key in [k for k in self._rollbacks if k[0] == spec]:
+            self._rollbacks.pop(key).close()
 
     def _all_graphs(self) -> list[CompiledGraph]:
         return [*self._rollbacks.values(), *self.graphs.values()]
