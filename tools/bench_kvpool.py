@@ -130,6 +130,10 @@ def lucepy_run(args: argparse.Namespace) -> int:
             "tg_runs": rates,
             "device_used_mib": (total[0] - free[0]) / 2**20,
             "pager": engine.pool_report(),
+            "graphs": [
+                {"kept": len(s.graphs), "bytes": s.graphs.nbytes, "evicted": s.graphs.evicted}
+                for s in engine.shards
+            ],
         }
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)
@@ -276,7 +280,8 @@ def report(args: argparse.Namespace) -> int:
                 lines.append(
                     f"- lucepy {what} at {depth:,}: prefill {lu['fill_tok_s']:,.0f} tok/s, "
                     f"decode runs {runs} tok/s, device used "
-                    f"{lu['device_used_mib']:,.0f} MiB, pager {json.dumps(lu['pager'])}"
+                    f"{lu['device_used_mib']:,.0f} MiB, graphs {json.dumps(lu.get('graphs'))}, "
+                    f"pager {json.dumps(lu['pager'])}"
                 )
     text = "\n".join(lines) + "\n"
     if args.md:
