@@ -17,8 +17,13 @@ from lucepy.models.state import POOL_CHUNK, pool_rows
 KV_BUCKET = 256  # attention windows grow in steps of this many rows, so decode graphs are reused
 
 
-def kv_bucket(end: int, n_ctx: int) -> int:
-    return min(n_ctx, -(-end // KV_BUCKET) * KV_BUCKET)
+def kv_bucket(end: int, n_ctx: int, n_tokens: int = 1) -> int:
+    """The attention window of a step ending at ``end``: rows in steps of ``KV_BUCKET``, or of
+    the power of two at or above 4 x its tokens where that is more. A prompt in chunks of 512
+    then meets a new window (a graph to build) every 4 chunks, not every chunk. The rows past
+    ``end`` are masked; flash attention on CUDA skips them, the CPU's skips each one."""
+    step = max(KV_BUCKET, 1 << (4 * n_tokens - 1).bit_length())
+    return min(n_ctx, -(-end // step) * step)
 
 
 def _check_end(end: int, n_ctx: int) -> None:
@@ -50,7 +55,7 @@ class IdentitySlots:
         end = pos0 + tokens.size
         _check_end(end, self.n_ctx)
         pos = np.arange(pos0, end, dtype=np.int32)
-        cells = np.arange(kv_bucket(end, self.n_ctx), dtype=np.int32)
+        cells = np.arange(kv_bucket(end, self.n_ctx, tokens.size), dtype=np.int32)
         cells[end:] = -1
         return StepBatch(
             tokens=np.ascontiguousarray(tokens, dtype=np.int32),
@@ -220,7 +225,7 @@ class PagedSlots:
         where = np.full(max(last, int(owner.max())) + 1, -1, dtype=np.int64)  # chunk -> pool's
         where[owner[held]] = held
         home = where[pos // CHUNK]
-        n_kv = kv_bucket((int(held.max()) + 1) * CHUNK, self.n_rows)
+        n_kv = kv_bucket((int(held.max()) + 1) * CHUNK, self.n_rows, tokens.size)
         cells = (owner[:, None] * CHUNK + np.arange(CHUNK)).ravel()[:n_kv]
         cells[(cells < 0) | (cells >= end)] = -1
         until = None
@@ -235,7 +240,7 @@ class PagedSlots:
             slots=home * CHUNK + pos % CHUNK,
             cell_pos=cells.astype(np.int32),
             cell_seq=np.zeros(cells.size, dtype=np.int32),
-            span=kv_bucket(end, self.n_ctx),
+            span=kv_bucket(end, self.n_ctx, tokens.size),
             cell_until=until,
         )
 
