@@ -179,6 +179,30 @@ def test_rollback_with_paging_equals_never_seeing_the_rejected_tokens(device, ti
 
 
 @pytest.mark.parametrize("rank", ["lru", "qk"])
+def test_a_split_with_a_worker_pages_as_the_unsplit_model(rank, tiny_model):
+    """One pool per shard, one of them in a worker: the same chunks page out and in as in one
+    shard (qk's scores read the queries of both shards), with the same logits and tokens."""
+    path = tiny_model("base", "f32")
+    prompt = tokens(1000, 512, seed=4)
+    runs = []
+    for device, split in (("cpu", None), ("cpu,cpu@worker", "1,1")):
+        with engine(
+            path, pool=640, max_ctx=2048, kv_pool_rank=rank, device=device, layer_split=split
+        ) as e:
+            if split:
+                assert [s.process for s in e.shards] == ["local", "worker"]
+            logits, out = run(e, prompt, 24, chunk=128)
+            slots = e.pipeline.slots
+            runs.append((logits, out, sorted(slots.home), slots.page_outs, slots.page_ins))
+    (one, one_tokens, *one_pager), (split, split_tokens, *split_pager) = runs
+    assert one_pager == split_pager and one_pager[1] >= 6
+    assert one_pager[2] >= (rank == "qk")
+    err = np.linalg.norm(split - one, axis=1) / np.linalg.norm(one, axis=1)
+    assert err.max() <= 1e-4
+    assert split_tokens == one_tokens
+
+
+@pytest.mark.parametrize("rank", ["lru", "qk"])
 def test_a_snapshot_after_paging_restores_the_same_pool(rank, tiny_model, tmp_path):
     """RAM and disk snapshots taken after paging hold the pool, the mapping and the host rows;
     restored, the next steps equal those of the run that went on (and page the same way)."""
