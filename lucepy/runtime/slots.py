@@ -19,10 +19,10 @@ KV_BUCKET = 256  # attention windows grow in steps of this many rows, so decode 
 
 def kv_bucket(end: int, n_ctx: int, n_tokens: int = 1) -> int:
     """The attention window of a step ending at ``end``: rows in steps of ``KV_BUCKET``, or of
-    the power of two at or above 4 x its tokens where that is more. A prompt in chunks of 512
-    then meets a new window (a graph to build) every 4 chunks, not every chunk. The rows past
+    the power of two at or above 2 x its tokens where that is more. A prompt in chunks of 512
+    then meets a new window (a graph to build) every 2 chunks, not every chunk. The rows past
     ``end`` are masked; flash attention on CUDA skips them, the CPU's skips each one."""
-    step = max(KV_BUCKET, 1 << (4 * n_tokens - 1).bit_length())
+    step = max(KV_BUCKET, 1 << (2 * n_tokens - 1).bit_length())
     return min(n_ctx, -(-end // step) * step)
 
 
