@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import THREADS
+from test_kv_pool import engine as pool_engine
+from test_kv_pool import paged_run
+from test_kv_pool import tokens as pool_tokens
 from test_reference import CHUNK, N_GEN, prompt, rel_err
 from test_speculative import N_GEN as N_SPEC
 from test_speculative import PROMPT
@@ -232,25 +235,11 @@ def test_gpu_kv_pool_pages_as_the_cpu_does(rank, tiny_model):
     greedy tokens pages the same chunks out and in as on the CPU (the qk ranking reads the
     queries back from the GPU and brings chunks back), keeps the same chunks resident, and its
     logits stay within TF32 of the CPU's at every position."""
-    path = tiny_model("base", "f32")
-    prompt = np.random.default_rng(4).integers(0, 512, 1000).astype(np.int32)
-    runs = []
+    path, prompt, runs = tiny_model("base", "f32"), pool_tokens(1000, 512, seed=4), []
     for device in (GPU, "cpu"):
-        cfg = RuntimeConfig(
-            device=device,
-            threads=THREADS,
-            max_ctx=2048,
-            chunk=128,
-            kv_pool=640,
-            kv_pool_rank=rank,
-        )
-        with Engine(path, cfg, tokenizer=False) as engine:
-            logits = engine.prefill(prompt, chunk=128, all_logits=True)
-            tokens = [int(np.argmax(logits[-1]))]
-            for _ in range(24):
-                tokens.append(int(np.argmax(engine.decode(tokens[-1]))))
-            slots = engine.pipeline.slots
-            runs.append((logits, tokens, sorted(slots.home), slots.page_outs, slots.page_ins))
+        config = {"max_ctx": 2048, "chunk": 128, "kv_pool_rank": rank, "device": device}
+        with pool_engine(path, pool=640, **config) as engine:
+            runs.append(paged_run(engine, prompt))
     (gpu, gpu_tokens, *gpu_pager), (cpu, cpu_tokens, *cpu_pager) = runs
     assert gpu_pager == cpu_pager and gpu_pager[1] >= 6
     assert gpu_pager[2] >= (rank == "qk")  # qk pages chunks back in

@@ -43,6 +43,13 @@ def run(e: Engine, prompt: np.ndarray, n_gen: int, chunk: int = 64):
     return logits, out
 
 
+def paged_run(e: Engine, prompt: np.ndarray, n_gen: int = 24, chunk: int = 128):
+    """``run``, then the pager's resident chunks, page-outs and page-ins."""
+    logits, out = run(e, prompt, n_gen, chunk)
+    slots = e.pipeline.slots
+    return logits, out, sorted(slots.home), slots.page_outs, slots.page_ins
+
+
 @pytest.mark.parametrize("which", ["llama", "qwen35", "gemma4"])
 def test_a_pool_larger_than_the_sequence_gives_the_full_caches_output(which, tiny_model):
     path = {"llama": LLAMA, "gemma4": FIXTURES / "gemma4-f32.gguf"}.get(which)
@@ -191,9 +198,7 @@ def test_a_split_with_a_worker_pages_as_the_unsplit_model(rank, tiny_model):
         ) as e:
             if split:
                 assert [s.process for s in e.shards] == ["local", "worker"]
-            logits, out = run(e, prompt, 24, chunk=128)
-            slots = e.pipeline.slots
-            runs.append((logits, out, sorted(slots.home), slots.page_outs, slots.page_ins))
+            runs.append(paged_run(e, prompt))
     (one, one_tokens, *one_pager), (split, split_tokens, *split_pager) = runs
     assert one_pager == split_pager and one_pager[1] >= 6
     assert one_pager[2] >= (rank == "qk")

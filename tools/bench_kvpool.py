@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_gpu import llama_median  # tools/, beside this script
 
 CHUNK = 512
 DECODE_TOKENS = 128
@@ -227,10 +228,10 @@ class Measure:
 
 
 def llama_tg(row: dict) -> float | None:
-    """The median of llama-bench's per-run times, as tok/s (never its mean, avg_ts)."""
+    """llama-bench's decode figure: the median of its samples (never its mean, avg_ts)."""
     for e in row.get("llama_bench", []):
-        if e.get("n_gen") and e.get("samples_ns"):
-            return e["n_gen"] * 1e9 / statistics.median(e["samples_ns"])
+        if e.get("n_gen") and (got := llama_median(e)) is not None:
+            return got.tok_s
     return None
 
 
