@@ -87,7 +87,13 @@ DraftDevice = Annotated[
     str | None,
     typer.Option(help="device for the draft (default: the last target shard's, if local)"),
 ]
-DraftBlock = Annotated[int | None, typer.Option(min=2, help="draft block size (default: trained)")]
+DraftBlock = Annotated[
+    str,
+    typer.Option(
+        help="tokens a speculative step verifies: auto (the most tokens per second from measured "
+        "step costs and the running acceptance) or a fixed 2..trained block"
+    ),
+]
 Temperature = Annotated[float, typer.Option(min=0.0, help="sampling temperature; 0 is greedy")]
 TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="nucleus sampling mass")]
 TopK = Annotated[int, typer.Option(min=0, help="sample among the k most likely; 0: all")]
@@ -178,6 +184,13 @@ class CacheFlags(NamedTuple):
     disk: str = DEFAULTS.disk_prefix_cache
 
 
+def _block(value: int | str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"--draft-block must be 'auto' or a number, got {value!r}") from None
+
+
 def runtime_config(
     target_devices: str = "cpu",
     layer_split: str | None = None,
@@ -186,7 +199,7 @@ def runtime_config(
     threads: int | None = None,
     draft: Path | None = None,
     draft_device: str | None = None,
-    draft_block: int | None = None,
+    draft_block: int | str | None = None,
     cache: CacheFlags = CacheFlags(),  # noqa: B008 (an immutable tuple)
     compute: ComputeFlags = ComputeFlags(),  # noqa: B008 (an immutable tuple)
 ) -> RuntimeConfig:
@@ -205,7 +218,8 @@ def runtime_config(
         cache_type_v=compute.cache_type_v,
         draft=str(draft) if draft else None,
         draft_device=draft_device,
-        draft_block=draft_block,
+        draft_block=None if draft_block in (None, "auto") else _block(draft_block),
+        verify_len="auto" if draft_block == "auto" else "fixed",
         prefix_cache_slots=cache.slots,
         prefix_cache_mb=cache.mb,
         kv_cache_dir=str(cache.kv_dir) if cache.kv_dir else None,
@@ -263,7 +277,7 @@ def generate(
     cache_type_v: CacheTypeV = DEFAULTS.cache_type_v,
     draft: Draft = None,
     draft_device: DraftDevice = None,
-    draft_block: DraftBlock = None,
+    draft_block: DraftBlock = "auto",
     temperature: Temperature = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,

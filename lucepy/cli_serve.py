@@ -67,7 +67,7 @@ def serve(
     cache_type_v: CacheTypeV = DEFAULTS.cache_type_v,
     draft: Draft = None,
     draft_device: DraftDevice = None,
-    draft_block: DraftBlock = None,
+    draft_block: DraftBlock = "auto",
     prefix_cache_slots: CacheSlots = DEFAULTS.prefix_cache_slots,
     prefix_cache_mb: CacheMB = DEFAULTS.prefix_cache_mb,
     kv_cache_dir: KVCacheDir = None,

@@ -6,13 +6,20 @@ one entry point, ``generate``/``stream``. It sits above all three rooms, beside 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 from collections.abc import Iterator
 
 from lucepy.cache.prefix import PrefixCache
+from lucepy.catalog import cache_dir
 from lucepy.decode import ar
+from lucepy.decode.verify_len import StepCosts, VerifyLength, measure
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine as RuntimeEngine
+
+log = logging.getLogger(__name__)
 
 
 class Engine(RuntimeEngine):
@@ -24,6 +31,31 @@ class Engine(RuntimeEngine):
         """Tokens one by one from a fresh sequence (through the prefix cache and the draft when
         there are); ``gen`` collects the finish reason, timings and acceptance stats."""
         return ar.stream(self, prompt_tokens, max_tokens, **kw)
+
+    def verify_lengths(self) -> VerifyLength | None:
+        """The chooser of each speculative step's length (``verify_len="auto"``), one per
+        engine so that its acceptance rates run across requests; None: fixed blocks."""
+        if self.config.verify_len != "auto" or self.draft is None:
+            return None
+        lengths = getattr(self, "_lengths", None)
+        if lengths is None or lengths.costs.block != self.draft.block:
+            lengths = self._lengths = VerifyLength(self._step_costs())
+        return lengths
+
+    def _step_costs(self) -> StepCosts:
+        """Measured once per model, draft, devices and threads, then read from lucepy's cache."""
+        cfg = self.config
+        key = [self.file.identity(), self.draft.file.identity(), cfg.device, cfg.draft_device]
+        key += [cfg.threads, cfg.flash_attn, self.draft.block, os.environ.get("LUCEPY_GGML_LIB")]
+        name = hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
+        path = cache_dir() / "step-costs" / f"{name}.json"
+        if path.is_file():
+            return StepCosts.from_dict(json.loads(path.read_text()))
+        log.info("measuring the cost of verify lengths 1..%d (once)", self.draft.block)
+        costs = measure(self)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(costs.to_dict()) + "\n")
+        return costs
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, **kw) -> ar.Generation:
         """Up to ``max_tokens`` tokens (greedy unless ``sampling`` says otherwise), with text."""

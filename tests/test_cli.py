@@ -126,11 +126,13 @@ def test_generate_with_no_model_answers_with_smollm2(tmp_path):
     prompt = "The capital of France is"
     args = ["generate", "--prompt", prompt, "--max-tokens", "6", "--threads", "2", "--json"]
     out = json.loads(lucepy(*args, home=tmp_path).stdout)
-    assert out["text"].startswith(" Paris") and out["accept"] is None  # raw prompt, no draft
+    # the shipped draft is loaded, but a CPU's measured step costs leave it out (verify_len.py)
+    assert out["text"].startswith(" Paris") and out["accept"] is None
     with Engine(catalog.smollm2_file(), RuntimeConfig(threads=2)) as engine:
         assert out["prompt_tokens"] == engine.tokenizer.encode(prompt)  # no chat template
         assert out["tokens"] == generate(engine, out["prompt_tokens"], 6).tokens
-    assert not (tmp_path / "cache").exists()  # nothing written, nothing downloaded
+    # nothing downloaded; written: the step costs, measured once
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["step-costs"]
 
 
 def test_generate_chat_sends_the_prompt_through_the_chat_template(tmp_path):

@@ -122,10 +122,15 @@ def stream(
     )
     t0 = time.perf_counter()
     try:
+        # measured verify lengths (may time the steps first); a draft that cannot pay here
+        # is left out
+        lengths = getattr(engine, "verify_lengths", lambda: None)() if loop else None
+        if lengths is not None and not lengths.drafts():
+            loop = None
         if loop is None:
             yield from _plain(engine, prompt_tokens, max_tokens, **kw)
         else:
-            yield from loop(engine, prompt_tokens, max_tokens, **kw)
+            yield from loop(engine, prompt_tokens, max_tokens, lengths=lengths, **kw)
         end(engine, gen)
     finally:
         t1 = gen.t_prefilled or time.perf_counter()

@@ -103,7 +103,10 @@ def accept_constrained(
 
 
 def _propose(draft, sampler: Sampler, last: int, pos: int, block: int):
-    """Draft tokens d_1..d_{B-1}, and their distributions q when sampling."""
+    """Draft tokens d_1..d_{B-1}, and their distributions q when sampling (none for B = 1: the
+    step verifies ``last`` alone, a decode that keeps the draft's features up to date)."""
+    if block == 1:
+        return np.zeros(0, dtype=np.int64), []
     if sampler.params.greedy:
         return draft.propose(last, pos, "argmax", block)[1:].astype(np.int64), None
     logits = draft.propose(last, pos, "out", block)
@@ -123,10 +126,12 @@ def stream(
     cancelled: Callable[[], bool] = lambda: False,
     logprobs: int | None = None,
     constraint=None,
+    lengths=None,
 ) -> Iterator[int]:
     """Yield tokens from a fresh sequence; ``gen.accept`` collects the acceptance stats, and
     ``gen.logprobs`` each kept token's log-probability under the target when asked for. Under
     a ``constraint`` each verify row is masked by the grammar after the tokens before it.
+    ``lengths`` (decode/verify_len.py) chooses each step's length; None: the draft's block.
 
     ``engine.draft`` is read after the prefill: starting the sequence may have replaced a draft
     whose worker died."""
@@ -159,17 +164,20 @@ def stream(
             gen.finish_reason = "cancelled"
             return
         pos, last = engine.n_past, gen.tokens[-1]
-        block = min(draft.block, engine.n_ctx - pos)
-        if block == 0:
+        room = min(draft.block, engine.n_ctx - pos)
+        if room == 0:
             return  # the context is full: stop as at max_tokens ("length")
-        if block == 1:  # room for one more token only: decode it as plain greedy would
+        if room == 1:  # room for one more token only: decode it as plain greedy would
             logits = engine.decode(last)
             pending = [choose(sampler, logits, constraint)]
             notes = _notes(logits[None], pending, logprobs)
             continue
+        block = lengths.choose(room) if lengths is not None else room
         pending, notes = _step(
             engine, draft, sampler, stats, last, pos, block, logprobs, constraint
         )
+        if lengths is not None:
+            lengths.record(block, len(pending) - 1)
 
 
 def _notes(rows: np.ndarray, tokens: list[int], top: int | None) -> list:

@@ -29,6 +29,9 @@ class RuntimeConfig:
     draft: str | None = None  # a DFlash draft GGUF
     draft_device: str | None = None  # None: the last target shard's device if local, else cpu
     draft_block: int | None = None  # None: the draft's trained block size
+    # "fixed": every step verifies the block; "auto": the length with the most tokens per second
+    # from measured step costs and the running acceptance (decode/verify_len.py)
+    verify_len: str = "fixed"
     prefix_cache_slots: int = 0  # RAM prefix snapshots kept (LRU); 0: no RAM cache
     prefix_cache_mb: int = 4096  # byte budget of the RAM snapshots
     kv_cache_dir: str | None = None  # disk prefix snapshots live here; None: no disk cache
@@ -45,6 +48,8 @@ class RuntimeConfig:
     kv_pool_rank: str = "lru"  # which chunks the pool keeps: "lru", or "qk" (query-key scores)
 
     def __post_init__(self) -> None:
+        if self.verify_len not in ("fixed", "auto"):
+            raise ConfigError(f"--verify-len must be 'fixed' or 'auto', got {self.verify_len!r}")
         if self.chunk < 1:
             raise ConfigError(f"--chunk must be at least 1, got {self.chunk}")
         if self.max_ctx is not None and self.max_ctx < 1:

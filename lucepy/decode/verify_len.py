@@ -1,0 +1,135 @@
+"""How many tokens each speculative step verifies, from measured costs (``--verify-len auto``).
+
+A step with length k drafts k - 1 tokens (none for k = 1) and verifies [last, d_1..d_{k-1}]: it
+costs ``StepCosts.step(k)`` seconds, measured once per device (``measure``), and commits
+1 + min(J, k - 1) tokens, where J is how many drafts in a row the target accepts. With a_i the
+running rate at which draft i is accepted once the drafts before it were,
+
+    E[committed | k] = 1 + sum_{i < k} a_1 a_2 ... a_i,
+
+and each step takes the k that maximises E[committed | k] / step(k). The rates are counts that
+decay toward ``PRIOR``, so they follow the text; a step of length k informs a_1..a_{j+1} only (a
+draft never offered says nothing). They start at the prior, so drafting is tried before it is
+judged; where even the prior finds no length above 1 worth it (``drafts``), generation decodes
+plainly.
+On ggml-cuda a 16-token verify costs about 2.4 decodes (its kernels change above 8 rows), on a
+CPU about 7: the best k is often far from the trained block.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+PRIOR = (0.6, 2.0)  # each draft's acceptance rate before any step, and its weight in steps
+DECAY = 0.98  # per step: the counts of about the last 50 steps weigh
+CALIBRATION_PROMPT = 64  # tokens before the measured steps
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds per step of length k = 1..block: the draft's pass over k tokens and the target's
+    k-token verify (with its commit). Index 0 is unused."""
+
+    draft: tuple[float, ...]
+    verify: tuple[float, ...]
+
+    @property
+    def block(self) -> int:
+        return len(self.verify) - 1
+
+    def step(self, k: int) -> float:
+        return self.verify[k] + (self.draft[k] if k > 1 else 0.0)
+
+    def to_dict(self) -> dict:
+        return {"draft": list(self.draft), "verify": list(self.verify)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepCosts:
+        return cls(tuple(float(x) for x in d["draft"]), tuple(float(x) for x in d["verify"]))
+
+
+class VerifyLength:
+    """Chooses each step's length; ``record`` feeds it what the step accepted."""
+
+    def __init__(self, costs: StepCosts, prior: tuple[float, float] = PRIOR):
+        n = costs.block  # drafts 1..n-1 at indices 1..n-1
+        self.costs = costs
+        self.prior_offered = np.full(n, prior[1])
+        self.prior_accepted = np.full(n, prior[0] * prior[1])
+        self.offered, self.accepted = self.prior_offered.copy(), self.prior_accepted.copy()
+        self._step = np.array([costs.step(k) for k in range(1, n + 1)])
+
+    def expected(self, accepted=None, offered=None) -> np.ndarray:
+        """E[committed tokens] for k = 1..block (index k - 1), under the running rates or
+        the given counts."""
+        a = self.accepted if accepted is None else accepted
+        o = self.offered if offered is None else offered
+        survive = np.cumprod(a[1:] / o[1:])
+        return 1.0 + np.concatenate([[0.0], np.cumsum(survive)])
+
+    def choose(self, limit: int) -> int:
+        """The best length at most ``limit`` (the room left in the context)."""
+        rate = self.expected()[:limit] / self._step[:limit]
+        return int(np.argmax(rate)) + 1
+
+    def drafts(self) -> bool:
+        """Whether drafting can pay here: the running rates choose a length above 1, or the
+        prior ones do (the rates drift back to them while no drafts are offered). When not,
+        plain decoding is faster than any step of this draft on this device."""
+        prior = self.expected(self.prior_accepted, self.prior_offered) / self._step
+        return self.choose(self.costs.block) > 1 or int(np.argmax(prior)) > 0
+
+    def record(self, k: int, accepted: int) -> None:
+        """A step of length k accepted ``accepted`` drafts: drafts 1..accepted were taken and,
+        if it stopped short of k - 1, draft accepted + 1 was refused. The counts decay toward
+        the prior, so a length given up is tried again once the prior would."""
+        self.offered = DECAY * self.offered + (1 - DECAY) * self.prior_offered
+        self.accepted = DECAY * self.accepted + (1 - DECAY) * self.prior_accepted
+        seen = min(accepted + 1, k - 1)
+        self.offered[1 : seen + 1] += 1
+        self.accepted[1 : accepted + 1] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "rates": np.round(self.accepted[1:] / self.offered[1:], 3).tolist(),
+            "step_ms": np.round(self._step * 1e3, 3).tolist(),
+            "best": self.choose(self.costs.block),
+        }
+
+
+def measure(engine, repeats: int = 3) -> StepCosts:
+    """Time a step of each length on ``engine`` (with its draft) at a short context, as the
+    median of ``repeats`` after a warm-up; then reset the engine. Each verify keeps its first
+    token, so the context grows by one per run."""
+    draft, block = engine.draft, engine.draft.block
+    need = CALIBRATION_PROMPT + (repeats + 1) * 2 * block
+    if engine.n_ctx < need:
+        raise ValueError(f"measuring verify costs needs a context of {need} tokens")
+    engine.reset()
+    tokens = np.arange(CALIBRATION_PROMPT, dtype=np.int32) % engine.params.n_vocab
+    engine.prefill(tokens)
+
+    def timed(fn) -> float:
+        fn()
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs)
+
+    def verify(k: int) -> None:
+        engine.verify(np.ones(k, dtype=np.int32), greedy=True)
+        engine.rollback(1)
+
+    draft_s, verify_s = [0.0, 0.0], [0.0]
+    for k in range(1, block + 1):
+        verify_s.append(timed(lambda k=k: verify(k)))
+        if k > 1:
+            draft_s.append(timed(lambda k=k: draft.propose(1, engine.n_past, "argmax", k)))
+    engine.reset()
+    return StepCosts(tuple(draft_s), tuple(verify_s))

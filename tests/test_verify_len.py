@@ -1,0 +1,82 @@
+"""Verify lengths from measured costs (decode/verify_len.py): the choice, its bookkeeping, and
+speculation with chosen lengths == greedy."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import THREADS
+
+from lucepy.decode.ar import generate
+from lucepy.decode.verify_len import StepCosts, VerifyLength
+from lucepy.engine import Engine
+from lucepy.errors import ConfigError
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.testing.tiny_draft import write_agreeing_pair
+
+PROMPT = list(range(3, 40))
+
+
+def costs(verify: list[float], draft: float = 0.0) -> StepCosts:
+    return StepCosts((0.0, 0.0) + (draft,) * (len(verify) - 1), (0.0, *verify))
+
+
+def test_the_choice_maximises_expected_tokens_per_second():
+    flat = costs([1.0] * 8)  # every length costs the same: the longest wins
+    assert VerifyLength(flat).choose(8) == 8
+    assert VerifyLength(flat).choose(3) == 3  # bounded by the room left
+    steep = costs([1.0 + 0.7 * k for k in range(8)])  # each draft costs 0.7 decodes
+    lengths = VerifyLength(steep, prior=(0.6, 2.0))
+    e = lengths.expected()
+    assert e[0] == 1.0 and np.allclose(e[1:], 1 + np.cumsum(0.6 ** np.arange(1, 8)))
+    rate = e / np.array([steep.step(k) for k in range(1, 9)])
+    assert lengths.choose(8) == int(np.argmax(rate)) + 1 == 1  # 1.6 / 1.7 < 1 / 1
+    assert not lengths.drafts()  # even the prior cannot pay: generation decodes plainly
+    assert VerifyLength(steep, prior=(0.95, 2.0)).drafts()
+
+
+def test_a_step_informs_only_the_drafts_it_offered():
+    lengths = VerifyLength(costs([1.0] * 8), prior=(0.5, 1.0))
+    before = lengths.offered.copy()
+    lengths.record(4, 1)  # drafts 1..3 offered: 1 taken, 2 refused, 3 never judged
+    decayed = 0.98 * before + 0.02 * lengths.prior_offered
+    assert np.allclose(lengths.offered - decayed, [0, 1, 1, 0, 0, 0, 0, 0])
+    lengths.record(3, 2)  # all (two) drafts taken: nothing is known of a third
+    rates = lengths.accepted / lengths.offered
+    assert rates[1] > 0.5 and rates[2] > 0.5 and rates[3] == pytest.approx(0.5)
+    lengths = VerifyLength(costs([1.0 + 0.3 * k for k in range(8)]), prior=(0.5, 1.0))
+    assert lengths.choose(8) > 1
+    for _ in range(200):  # refused every time: the choice falls to plain decoding
+        lengths.record(lengths.choose(8), 0)
+    assert lengths.choose(8) == 1 and lengths.drafts()  # the prior would try again
+
+
+@pytest.mark.parametrize("prior", [(0.9, 2.0), (0.6, 2.0)])
+def test_speculation_with_chosen_lengths_equals_greedy(tmp_path, monkeypatch, prior):
+    monkeypatch.setenv("LUCEPY_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft = write_agreeing_pair(tmp_path)
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256, draft=str(draft), verify_len="auto")
+    with Engine(target, RuntimeConfig(threads=THREADS, max_ctx=256), tokenizer=False) as engine:
+        plain = generate(engine, PROMPT, 60, stop_at_end=False).tokens
+    with Engine(target, cfg, tokenizer=False) as engine:
+        measured = engine.verify_lengths().costs  # measured on this engine, then cached
+        assert all(c > 0 for c in measured.verify[1:]) and measured.block == 8
+        # lengths that vary: each costs its draft and a tenth of a decode per row
+        engine._lengths = VerifyLength(costs([1 + 0.1 * k for k in range(8)], 0.2), prior)
+        chosen = []
+        choose = engine._lengths.choose
+        engine._lengths.choose = lambda limit: chosen.append(choose(limit)) or chosen[-1]
+        gen = generate(engine, PROMPT, 60, stop_at_end=False)
+    assert gen.tokens == plain
+    assert len(set(chosen)) > 1, chosen
+    steps = len(chosen) - 1  # the first choice asked whether drafting pays at all
+    assert gen.accept.steps == steps and sum(gen.accept.histogram) == steps
+    cached = list((tmp_path / "cache" / "step-costs").iterdir())
+    assert len(cached) == 1 and StepCosts.from_dict(json.loads(cached[0].read_text())) == measured
+
+
+def test_a_bad_verify_len_is_refused():
+    with pytest.raises(ConfigError, match="--verify-len must be 'fixed' or 'auto'"):
+        RuntimeConfig(verify_len="sometimes")
