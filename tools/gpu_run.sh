@@ -24,7 +24,9 @@
 # GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit), GPU_RUN_DIAG (set: also the
 # decode without CUDA graphs on both sides, tools/trace_gpu.py's CUPTI trace and its Nsight
 # Compute kernel lists), GPU_RUN_KVPOOL (depths, e.g. 8192,32768,131072: KV Flash's benchmark,
-# tools/bench_kvpool.py, before the others; GPU_RUN_POOL its pool, 4096; adds kvpool.json).
+# tools/bench_kvpool.py, before the others; GPU_RUN_POOL its pool, 4096; adds kvpool.json),
+# GPU_RUN_DFLASH (set: DFlash on SmolLM2, staged first by tools/gpu_train.sh's stage calls, with
+# the shipped draft, against llama.cpp's, tools/bench_dflash.py; adds dflash.json, dflash.md).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -188,7 +190,7 @@ generate_model() {
 }
 
 wait_model() { # the generator is this script's child: poll it, then look for its file
-    while kill -0 "$GEN_PID" 2>/dev/null; do sleep 1; done
+    while ((GEN_PID)) && kill -0 "$GEN_PID" 2>/dev/null; do sleep 1; done
     cat /tmp/lucepy-model.log
     test -f "$MODEL"
 }
@@ -203,8 +205,11 @@ inline wheels "$SETUP" install_wheels || true
 check_gpuref full
 inline cuda-libs "$SETUP" ensure_cuda_libs || true
 
-generate_model >/tmp/lucepy-model.log 2>&1 &
-export GEN_PID=$!
+export GEN_PID=0
+if [[ $SKIP != *" model "* ]]; then
+    generate_model >/tmp/lucepy-model.log 2>&1 &
+    GEN_PID=$!
+fi
 built=0
 step build 480 "$OUTDIR/build.log" build_cuda && built=1
 step devices 30 "$SETUP" python3 -m lucepy devices --json || true
@@ -215,6 +220,14 @@ if ((built)); then
         -p no:cacheprovider || true
 fi
 step model 240 "$SETUP" wait_model || true
+
+if ((built)) && [[ -n ${GPU_RUN_DFLASH:-} ]]; then # SmolLM2 staged by tools/gpu_train.sh
+    step dflash 360 "$BENCHLOG" sh -c "bash tools/gpu_train.sh model && \
+        bash tools/build_llama_dflash.sh '$BUILD' '.sdist/$NAME' && \
+        exec python3 tools/bench_dflash.py --model /tmp/lucepy-smol/model.gguf --device $DEVICE \
+        --llama-dflash '$BUILD/llama-dflash' --json '$OUTDIR/dflash.json' \
+        --md '$OUTDIR/dflash.md'" || true
+fi
 
 THREADS=${GPU_RUN_THREADS:-8}
 NCMOE=$((LAYERS / 2))
