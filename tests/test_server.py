@@ -390,10 +390,11 @@ def test_a_draft_changes_no_greedy_text_and_reports_acceptance(tmp_path):
     target, draft = write_agreeing_pair(tmp_path)
     yaml = tmp_path / "models.yaml"
     yaml.write_text(f"models:\n  drafted:\n    file: {target}\n    draft: {draft}\n")
+    # a fixed block: with auto lengths whether this tiny pair drafts depends on measured times
     runs = {
         "plain": (str(target),),
-        "--draft": (str(target), "--draft", str(draft)),
-        "models.yaml": ("drafted",),
+        "--draft": (str(target), "--draft", str(draft), "--draft-block", "8"),
+        "models.yaml": ("drafted", "--draft-block", "8"),
     }
     answers = {}
     for how, args in runs.items():
