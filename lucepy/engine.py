@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from lucepy.cache.prefix import PrefixCache
 from lucepy.catalog import cache_dir
 from lucepy.decode import ar
-from lucepy.decode.verify_len import StepCosts, VerifyLength, measure
+from lucepy.decode.verify_len import StepCosts, VerifyLength, measurable, measure
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine as RuntimeEngine
 
@@ -36,6 +36,9 @@ class Engine(RuntimeEngine):
         """The chooser of each speculative step's length (``verify_len="auto"``), one per
         engine so that its acceptance rates run across requests; None: fixed blocks."""
         if self.config.verify_len != "auto" or self.draft is None:
+            return None
+        if not measurable(self.n_ctx, self.draft.block):
+            log.warning("a context of %d is too small to time verify lengths: fixed", self.n_ctx)
             return None
         lengths = getattr(self, "_lengths", None)
         if lengths is None or lengths.costs.block != self.draft.block:

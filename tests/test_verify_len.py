@@ -77,6 +77,17 @@ def test_speculation_with_chosen_lengths_equals_greedy(tmp_path, monkeypatch, pr
     assert len(cached) == 1 and StepCosts.from_dict(json.loads(cached[0].read_text())) == measured
 
 
+def test_a_context_too_small_to_time_lengths_keeps_the_block(tmp_path, monkeypatch):
+    monkeypatch.setenv("LUCEPY_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft = write_agreeing_pair(tmp_path)
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=96, draft=str(draft), verify_len="auto")
+    with Engine(target, cfg, tokenizer=False) as engine:
+        assert engine.verify_lengths() is None  # 64 + 4 x 8 + 8 rows would not fit
+        gen = generate(engine, PROMPT, 24, stop_at_end=False)
+    assert gen.accept.steps > 0 and gen.accept.drafted == 7 * gen.accept.steps
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_bad_verify_len_is_refused():
-    with pytest.raises(ConfigError, match="--verify-len must be 'fixed' or 'auto'"):
+    with pytest.raises(ConfigError, match="verify_len must be 'fixed' or 'auto'"):
         RuntimeConfig(verify_len="sometimes")

@@ -2,7 +2,8 @@
 
 The draft's math is lucepy's ``models/dflash.py`` (after the pinned ``src/models/dflash.cpp``):
 per-head RMS norms on q and k, NeoX RoPE, V without a norm, SwiGLU, and the target's embedding
-and head. tests/test_dflash_trained.py checks the shipped draft against a numpy copy of it.
+and head. Its logits were checked against lucepy's draft graph on the same features, weights
+written by tools/dflash_gguf.py (docs/architecture.md, decision 5).
 """
 
 from __future__ import annotations
@@ -59,9 +60,8 @@ class Target:
         for t in r.tensors:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
             shape = tuple(int(n) for n in reversed(t.shape))
-            self.w[t.name] = torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(
-                device, torch.float32
-            )
+            values = np.array(values, dtype=np.float32).reshape(shape)  # a writable copy
+            self.w[t.name] = torch.from_numpy(values).to(device)
         self.embd = self.w["token_embd.weight"]  # [n_vocab, n_embd]
         self.head = self.w.get("output.weight", self.embd)
         self.hd = self.embd.shape[1] // self.n_head

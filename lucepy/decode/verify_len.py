@@ -1,4 +1,4 @@
-"""How many tokens each speculative step verifies, from measured costs (``--verify-len auto``).
+"""How many tokens each speculative step verifies, from measured costs (``--draft-block auto``).
 
 A step with length k drafts k - 1 tokens (none for k = 1) and verifies [last, d_1..d_{k-1}]: it
 costs ``StepCosts.step(k)`` seconds, measured once per device (``measure``), and commits
@@ -101,14 +101,18 @@ class VerifyLength:
         }
 
 
+def measurable(n_ctx: int, block: int, repeats: int = 3) -> bool:
+    """Whether ``measure`` fits a context of ``n_ctx``: its prompt, one kept token per timed
+    verify and the longest verify."""
+    return n_ctx >= CALIBRATION_PROMPT + (repeats + 1) * block + block
+
+
 def measure(engine, repeats: int = 3) -> StepCosts:
     """Time a step of each length on ``engine`` (with its draft) at a short context, as the
     median of ``repeats`` after a warm-up; then reset the engine. Each verify keeps its first
     token, so the context grows by one per run."""
     draft, block = engine.draft, engine.draft.block
-    need = CALIBRATION_PROMPT + (repeats + 1) * 2 * block
-    if engine.n_ctx < need:
-        raise ValueError(f"measuring verify costs needs a context of {need} tokens")
+    assert measurable(engine.n_ctx, block, repeats), "the caller checks measurable()"
     engine.reset()
     tokens = np.arange(CALIBRATION_PROMPT, dtype=np.int32) % engine.params.n_vocab
     engine.prefill(tokens)

@@ -49,7 +49,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.verify_len not in ("fixed", "auto"):
-            raise ConfigError(f"--verify-len must be 'fixed' or 'auto', got {self.verify_len!r}")
+            raise ConfigError(f"verify_len must be 'fixed' or 'auto', got {self.verify_len!r}")
         if self.chunk < 1:
             raise ConfigError(f"--chunk must be at least 1, got {self.chunk}")
         if self.max_ctx is not None and self.max_ctx < 1:
