@@ -140,7 +140,14 @@ def _open_engine(found, placement: tuple, drafting: tuple, cache: CacheFlags):
     )
     what = f"{found.path.name} + draft {draft.name}" if draft else found.path.name
     with tui.status(f"loading {found.name} ({what}) on {config.device}"):
-        return open_engine(found.path, config)
+        engine = open_engine(found.path, config)
+    try:
+        with tui.status("timing the draft's verify lengths (once per device, then cached)"):
+            engine.verify_lengths()  # at load, not in the first request's time to first token
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 def _serve_live(server) -> None:
