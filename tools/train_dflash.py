@@ -74,7 +74,8 @@ def make_data(target: Target, prompts: dict, args, have: int) -> list[tuple]:
 # --- 2. training ---
 @dataclass
 class Corpus:
-    """The training sequences on the device, with the target's features computed once."""
+    """The training sequences, with the target's features computed once: on the device, or in
+    host memory when they would take more than ``gpu_gib`` of it (a batch is then copied in)."""
 
     tokens: torch.Tensor  # [N, L] padded at the end
     plen: torch.Tensor  # [N] prompt lengths: anchors start there
@@ -82,22 +83,28 @@ class Corpus:
     feats: torch.Tensor  # [N, L, n_target_layers * n_embd] bf16
 
     @classmethod
-    def of(cls, target: Target, data: list[tuple], layers: tuple[int, ...], chunk: int = 64):
+    def of(cls, target: Target, data: list, layers: tuple, chunk: int = 64, gpu_gib: float = 60):
         tokens, plen, lens = target.pad(data)
-        feats = torch.empty(
-            *tokens.shape,
-            len(layers) * target.embd.shape[1],
-            dtype=torch.bfloat16,
-            device=tokens.device,
-        )
+        shape = (*tokens.shape, len(layers) * target.embd.shape[1])
+        where = tokens.device if math.prod(shape) * 2 <= gpu_gib * 2**30 else "cpu"
+        feats = torch.empty(*shape, dtype=torch.bfloat16, device=where)
+        if feats.device.type == "cpu" and tokens.is_cuda:
+            feats = feats.pin_memory()
         for i in range(0, len(data), chunk):
             n = int(lens[i : i + chunk].max())
-            feats[i : i + chunk, :n] = target.features(tokens[i : i + chunk, :n], layers)
+            got = target.features(tokens[i : i + chunk, :n], layers)
+            feats[i : i + chunk, :n] = got.to(where, torch.bfloat16)
         return cls(tokens, plen, lens, feats)
 
     def batch(self, idx: torch.Tensor) -> Corpus:
         n = int(self.lens[idx].max())
-        return Corpus(self.tokens[idx, :n], self.plen[idx], self.lens[idx], self.feats[idx, :n])
+        feats = self.feats[idx.to(self.feats.device), :n]
+        return Corpus(
+            self.tokens[idx, :n],
+            self.plen[idx],
+            self.lens[idx],
+            feats.to(self.tokens.device, non_blocking=True),
+        )
 
 
 def loss_of(draft: Draft, embd: torch.Tensor, c: Corpus, anchors: int, gen) -> torch.Tensor:
@@ -214,6 +221,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--data", type=Path, help="sequences made before (JSON), extended and saved")
     ap.add_argument("--layers", type=int, default=DraftConfig.n_layer)
+    ap.add_argument("--features-gib", type=float, default=60.0, help="past this, in host RAM")
     ap.add_argument("--init", type=Path, nargs="+", help="weights.N.npz to go on training from")
     ap.add_argument("--eval-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
@@ -246,8 +254,9 @@ def main() -> None:
     if args.data:
         args.data.write_text(json.dumps(data))
     report["data"] = {"sequences": len(data), "tokens": sum(len(s) for s, _ in data)}
-    corpus = Corpus.of(target, data, cfg.target_layers)
-    log(f"features of {len(data)} sequences: {corpus.feats.nbytes / 2**30:.1f} GiB")
+    corpus = Corpus.of(target, data, cfg.target_layers, gpu_gib=args.features_gib)
+    gib = corpus.feats.nbytes / 2**30
+    log(f"features of {len(data)} sequences: {gib:.1f} GiB, on {corpus.feats.device}")
     report["curve"] = train(draft, target.embd, corpus, args)
     report["heldout"] = evaluate(draft, target, prompts, args.eval_tokens)
     log(f"held-out: {report['heldout']}")
