@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lucepy.decode.verify_len import median_s
 from lucepy.engine import open_engine
 from lucepy.gguf import GGUFFile
 from lucepy.models import architecture_for
@@ -55,13 +56,7 @@ class BenchResult:
 
 
 def _median_rate(n: int, run, repeats: int) -> float:
-    run()  # warm-up: graph builds and first-touch page faults are not what we measure
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return n / statistics.median(times)
+    return n / median_s(run, repeats)
 
 
 def _lucepy(path: Path, prompt: list[int], gen: int, cfg: RuntimeConfig, repeats: int) -> Figures:

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lucepy.decode.verify_len import median_s
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 
@@ -33,17 +34,6 @@ CHUNK = 512
 PREFILL_LENS = (512, 4096)
 DECODE_TOKENS = 128
 VERIFY_BLOCK = 16
-
-
-def median_s(run: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``run`` after one untimed warm-up (graph builds, first touches)."""
-    run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 class Bench:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-ARCH = "dflash"
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the repo, also where lucepy is not installed
+from lucepy.testing.tiny_draft import DRAFT_HPARAMS, draft_writer  # noqa: E402
+
 QUANTS = ("q8_0", "q5_1", "q5_0", "q4_0")  # what gguf-py quantizes
 QUANTIZABLE = ("fc", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -83,20 +86,14 @@ def _tensor(
 def write(
     path: Path, weights: dict[str, np.ndarray], cfg: DraftConfig, target: Path, qtype: str = "q5_1"
 ) -> Path:
-    w = gguf.GGUFWriter(str(path), ARCH)
-    w.add_name("SmolLM2-135M-Instruct DFlash draft (lucepy)")
-    w.add_context_length(cfg.context_length)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
-    w.add_feed_forward_length(cfg.n_ff)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_head_kv)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_array(f"{ARCH}.target_layers", list(cfg.target_layers))
-    w.add_uint32(f"{ARCH}.block_size", cfg.block_size)
+    w = draft_writer(
+        path,
+        "SmolLM2-135M-Instruct DFlash draft (lucepy)",
+        context_length=cfg.context_length,
+        n_embd=cfg.n_embd,
+        rms_eps=cfg.rms_eps,
+        **{k: getattr(cfg, k) for k in DRAFT_HPARAMS},
+    )
     _copy_tokenizer(w, target)
     w.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token)
     for name in sorted(weights):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,6 +102,18 @@ class VerifyLength:
         }
 
 
+def median_s(run: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``run`` over ``repeats`` runs after one untimed warm-up (graph builds
+    and first touches are not what is measured). lucepy's benchmarks time with it too."""
+    run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measurable(n_ctx: int, block: int, repeats: int = 3) -> bool:
     """Whether ``measure`` fits a context of ``n_ctx``: its prompt, one kept token per timed
     verify and the longest verify."""
@@ -117,23 +130,17 @@ def measure(engine, repeats: int = 3) -> StepCosts:
     tokens = np.arange(CALIBRATION_PROMPT, dtype=np.int32) % engine.params.n_vocab
     engine.prefill(tokens)
 
-    def timed(fn) -> float:
-        fn()
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
-        return statistics.median(runs)
-
     def verify(k: int) -> None:
         engine.verify(np.ones(k, dtype=np.int32), greedy=True)
         engine.rollback(1)
 
+    def propose(k: int) -> None:
+        draft.propose(1, engine.n_past, "argmax", k)
+
     draft_s, verify_s = [0.0, 0.0], [0.0]
     for k in range(1, block + 1):
-        verify_s.append(timed(lambda k=k: verify(k)))
+        verify_s.append(median_s(lambda k=k: verify(k), repeats))
         if k > 1:
-            draft_s.append(timed(lambda k=k: draft.propose(1, engine.n_past, "argmax", k)))
+            draft_s.append(median_s(lambda k=k: propose(k), repeats))
     engine.reset()
     return StepCosts(tuple(draft_s), tuple(verify_s))

@@ -85,6 +85,33 @@ def _tensors(d: DraftSpec, t: Qwen35Spec) -> dict[str, np.ndarray]:
     return out
 
 
+DRAFT_HPARAMS = ("n_layer", "n_ff", "n_head", "n_head_kv", "head_dim", "rope_theta")
+DRAFT_HPARAMS += ("target_layers", "block_size")
+
+
+def draft_writer(
+    path: str | Path, name: str, *, context_length: int, n_embd: int, rms_eps: float, **hp
+) -> gguf.GGUFWriter:
+    """A GGUFWriter holding a dflash draft's hyperparameters (``DRAFT_HPARAMS``, what the
+    pinned ``src/models/dflash.cpp`` reads); the caller adds the vocabulary, the mask token and
+    the tensors. tools/dflash_gguf.py writes trained drafts through it too."""
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.add_name(name)
+    w.add_context_length(context_length)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(hp["n_layer"])
+    w.add_feed_forward_length(hp["n_ff"])
+    w.add_head_count(hp["n_head"])
+    w.add_head_count_kv(hp["n_head_kv"])
+    w.add_key_length(hp["head_dim"])
+    w.add_value_length(hp["head_dim"])
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_rope_freq_base(hp["rope_theta"])
+    w.add_array(f"{ARCH}.target_layers", list(hp["target_layers"]))
+    w.add_uint32(f"{ARCH}.block_size", hp["block_size"])
+    return w
+
+
 def write_dflash(
     path: str | Path,
     target: Qwen35Spec | None = None,
@@ -95,20 +122,14 @@ def write_dflash(
     target = target or Qwen35Spec()
     d = dataclasses.replace(spec or DraftSpec(), **overrides)
     vocab = build_vocab(target.n_vocab)
-    w = gguf.GGUFWriter(str(path), ARCH)
-    w.add_name("lucepy tiny dflash draft")
-    w.add_context_length(target.context_length)
-    w.add_embedding_length(target.n_embd)
-    w.add_block_count(d.n_layer)
-    w.add_feed_forward_length(d.n_ff)
-    w.add_head_count(d.n_head)
-    w.add_head_count_kv(d.n_head_kv)
-    w.add_key_length(d.head_dim)
-    w.add_value_length(d.head_dim)
-    w.add_layer_norm_rms_eps(target.rms_eps)
-    w.add_rope_freq_base(d.rope_theta)
-    w.add_array(f"{ARCH}.target_layers", list(d.target_layers))
-    w.add_uint32(f"{ARCH}.block_size", d.block_size)
+    w = draft_writer(
+        path,
+        "lucepy tiny dflash draft",
+        context_length=target.context_length,
+        n_embd=target.n_embd,
+        rms_eps=target.rms_eps,
+        **{k: getattr(d, k) for k in DRAFT_HPARAMS},
+    )
     add_vocab(w, vocab)
     w.add_uint32("tokenizer.ggml.mask_token_id", vocab.id("<|endoftext|>"))
     for name, values in _tensors(d, target).items():
