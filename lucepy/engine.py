@@ -13,9 +13,9 @@ import os
 from collections.abc import Iterator
 
 from lucepy.cache.prefix import PrefixCache
-from lucepy.catalog import cache_dir
 from lucepy.decode import ar
 from lucepy.decode.verify_len import StepCosts, VerifyLength, measurable, measure
+from lucepy.runtime.backends import cache_root
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine as RuntimeEngine
 
@@ -51,7 +51,7 @@ class Engine(RuntimeEngine):
         key = [self.file.identity(), self.draft.file.identity(), cfg.device, cfg.draft_device]
         key += [cfg.threads, cfg.flash_attn, self.draft.block, os.environ.get("LUCEPY_GGML_LIB")]
         name = hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
-        path = cache_dir() / "step-costs" / f"{name}.json"
+        path = cache_root() / "step-costs" / f"{name}.json"
         if path.is_file():
             return StepCosts.from_dict(json.loads(path.read_text()))
         log.info("measuring the cost of verify lengths 1..%d (once)", self.draft.block)
