@@ -79,11 +79,13 @@ class Target:
             cache[i][0][:, :, t0 : t0 + T] = k
             cache[i][1][:, :, t0 : t0 + T] = v
             k, v = cache[i][0][:, :, : t0 + T], cache[i][1][:, :, : t0 + T]
-        r = self.n_head // self.n_kv
-        att = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), attn_mask=mask
-        )
-        x = x + att.transpose(1, 2).reshape(S, T, -1) @ w[b + "attn_output.weight"].T
+        # the query heads of one K/V head side by side as rows: no copy of the cache per head
+        r, hd = self.n_head // self.n_kv, self.hd
+        q = q.reshape(S, self.n_kv, r * T, hd)  # rows j*T + t: head kv*r + j, token t
+        mask = mask.repeat(*([1] * (mask.dim() - 2)), r, 1)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        att = att.view(S, self.n_kv, r, T, hd).permute(0, 3, 1, 2, 4).reshape(S, T, -1)
+        x = x + att @ w[b + "attn_output.weight"].T
         h = rms(x, w[b + "ffn_norm.weight"], self.eps)
         ffn = F.silu(h @ w[b + "ffn_gate.weight"].T) * (h @ w[b + "ffn_up.weight"].T)
         return x + ffn @ w[b + "ffn_down.weight"].T

@@ -2,9 +2,12 @@
 
 - ``heldout``: chat requests written for measuring, which training never sees: tau, tok/s and
   speculative == greedy are measured on them (tools/bench_dflash.py).
-- ``seeds``: the start of a user turn (the chat template's default system message, then an
-  opener such as "Explain"); tools/train_dflash.py lets the target write the rest of the request
-  at temperature 1, then answer it. So the training prompts are what the target generates itself.
+- ``seeds``: the start of a user turn after ``seed_head`` (the chat template's default system
+  message and the user's turn opened): an opener such as "Explain", or a template filled with a
+  topic ("Write a short story about a lighthouse keeper"), 7,000 and more in all.
+  tools/train_dflash.py lets the target write the rest of the request at temperature 1, then
+  answer it. So the training prompts are what the target generates itself. The topics were
+  chosen apart from the held-out prompts' subjects.
 
 Writes tools/dflash_prompts.json:
     python3 tools/dflash_prompts.py [MODEL.gguf]
@@ -55,6 +58,66 @@ OPENERS = [
     "Brainstorm",
 ]  # fmt: skip
 
+TEMPLATES = [
+    "Explain {}", "Tell me about {}", "Write a short poem about {}", "Write a short story about {}",
+    "What is the history of {}", "Give me three facts about {}", "Describe {} in simple terms",
+    "What are the pros and cons of {}", "How would you teach a child about {}",
+    "Write a blog post about {}", "What are common mistakes people make with {}",
+    "Summarize what you know about {}", "Write a haiku about {}", "Compare {} with something",
+    "Why do people care about {}", "Give me a step-by-step guide to {}",
+    "What questions should I ask about {}", "Write a dialogue between two friends about {}",
+    "List some interesting things about {}", "What is the future of {}",
+    "Write a Python program related to {}", "Can you help me understand {}",
+    "Write a product description for {}", "What would happen without {}",
+    "Create a quiz about {}", "Write a speech about {}", "What do experts say about {}",
+    "Give me advice on {}", "Write a limerick about {}", "Plan a lesson about {}",
+]  # fmt: skip
+
+TOPICS = [
+    "volcanoes", "the moon landing", "black holes", "saving money", "learning a new language",
+    "the French Revolution", "electric cars", "coffee", "chess", "the Roman Empire", "dinosaurs",
+    "machine learning", "public speaking", "gardening", "the stock market", "ancient Egypt",
+    "renewable energy", "jazz music", "the human brain", "social media", "baking bread",
+    "the internet", "running a marathon", "meditation", "cats", "dogs", "the solar system",
+    "World War II", "recycling", "friendship", "time management", "the Olympic Games", "chocolate",
+    "trains", "airplanes", "the printing press", "soccer", "basketball", "photography",
+    "the piano", "knitting", "cooking rice", "a job interview", "writing a resume", "budgeting",
+    "credit cards", "mortgages", "the immune system", "DNA", "the heart", "nutrition", "vitamins",
+    "dental care", "the Great Wall of China", "the pyramids", "Shakespeare", "poetry", "novels",
+    "libraries", "museums", "elephants", "whales", "sharks", "penguins", "owls", "rainforests",
+    "deserts", "mountains", "rivers", "glaciers", "hurricanes", "tornadoes", "lightning", "snow",
+    "the seasons", "gravity", "magnets", "electricity", "light", "sound", "atoms", "chemistry",
+    "algebra", "geometry", "fractions", "probability", "statistics", "calculus", "video games",
+    "board games", "puzzles", "magic tricks", "circuses", "theater", "movies", "cartoons",
+    "comic books", "superheroes", "pirates", "knights", "castles", "dragons", "fairy tales",
+    "mythology", "Greek gods", "the Vikings", "samurai", "the Renaissance",
+    "the Industrial Revolution", "democracy", "elections", "taxes", "the United Nations",
+    "human rights", "volunteering", "charity", "kindness", "leadership", "teamwork", "negotiation",
+    "marketing", "starting a business", "customer service", "email etiquette", "remote work",
+    "productivity apps", "spreadsheets", "databases", "SQL", "JavaScript", "HTML", "CSS", "Linux",
+    "git", "sorting algorithms", "binary search", "recursion", "linked lists", "hash tables",
+    "object-oriented programming", "unit testing", "debugging", "cybersecurity", "passwords",
+    "encryption", "cloud computing", "smartphones", "batteries", "solar panels", "wind turbines",
+    "nuclear power", "water pollution", "plastic waste", "composting", "houseplants", "succulents",
+    "roses", "apple trees", "mushrooms", "farming", "tractors", "cheese", "pizza", "sushi",
+    "tacos", "curry", "soup", "salads", "smoothies", "breakfast", "vegetarian diets",
+    "food allergies", "grocery shopping", "meal prep", "kitchen knives", "a road trip",
+    "visiting Paris", "visiting Japan", "learning to swim", "yoga", "hiking boots", "skiing",
+    "surfing", "fishing", "bird watching", "stars and constellations", "telescopes", "Mars",
+    "Jupiter", "comets", "satellites", "rockets", "the ocean floor", "coral reefs", "octopuses",
+    "butterflies", "ants", "spiders", "frogs", "horses", "wolves", "lions", "a lighthouse keeper",
+    "a lost key", "a haunted house", "a talking cat", "a time machine", "a small bakery",
+    "a rainy afternoon", "the first day of school", "moving to a new city", "a family reunion",
+    "a wedding speech", "a thank-you note", "an apology letter", "a cover letter",
+    "a complaint to a landlord", "a book review", "a movie review", "a travel itinerary",
+    "a workout plan", "a New Year's resolution", "habits", "motivation", "stress", "anxiety",
+    "happiness", "gratitude", "journaling", "reading faster", "memory techniques", "note taking",
+    "critical thinking", "logic puzzles", "riddles", "jokes", "emojis", "languages of the world",
+    "grammar", "punctuation", "idioms", "the alphabet", "calligraphy", "origami", "pottery",
+    "woodworking", "sewing", "fashion", "sneakers", "perfume", "architecture", "bridges",
+    "skyscrapers", "tiny houses", "interior design", "furniture", "clocks", "maps", "compasses",
+]  # fmt: skip
+
 
 def chat_tokens(tok, user: str, open_turn: bool) -> list[int]:
     """A one-user-turn chat prompt: the whole request with the assistant's turn opened, or (not
@@ -64,6 +127,7 @@ def chat_tokens(tok, user: str, open_turn: bool) -> list[int]:
     text = chat_text(tok, [{"role": "user", "content": user}])
     if not open_turn:
         text = text[: text.index(user) + len(user)]
+        text = text.removesuffix("\x01")  # the marker of the header alone
     return tok.encode(text, special=True)
 
 
@@ -74,13 +138,22 @@ def build(model: Path) -> dict:
     try:
         turn_end = tok.encode("<|im_end|>", special=True)
         assistant = tok.encode("<|im_end|>\n<|im_start|>assistant\n", special=True)
+        head = chat_tokens(tok, "\x01", False)  # the header: the user's turn opened
+        seeds = OPENERS + [t.format(topic) for t in TEMPLATES for topic in TOPICS]
+        tails = []
+        for text in seeds:
+            whole = chat_tokens(tok, text, False)
+            if whole[: len(head)] != head:
+                raise SystemExit(f"the chat header does not tokenize apart from {text!r}")
+            tails.append(whole[len(head) :])
         return {
             "model": model.name,
             "end": turn_end,  # the token that ends a turn (the request's, the answer's)
             "assistant": assistant,  # appended to a written request: the answer's turn opens
             "heldout_text": HELDOUT,
             "heldout": [chat_tokens(tok, p, True) for p in HELDOUT],
-            "seeds": [chat_tokens(tok, o, False) for o in OPENERS],
+            "seed_head": head,
+            "seeds": tails,
         }
     finally:
         tok.close()
@@ -94,7 +167,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
     args = ap.parse_args()
     data = build(args.model or Path(smollm2_file()))
-    args.out.write_text(json.dumps(data) + "\n")
+    args.out.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     print(f"{args.out}: {len(data['heldout'])} held-out prompts, {len(data['seeds'])} seeds")
 
 

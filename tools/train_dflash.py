@@ -52,7 +52,8 @@ def make_data(target: Target, prompts: dict, args, have: int) -> list[tuple]:
     rng = np.random.default_rng(seed)
     end = prompts["end"][0]
     heldout = {tuple(p) for p in prompts["heldout"]}
-    seeds, out, t0 = prompts["seeds"], [], time.time()
+    seeds = [prompts["seed_head"] + tail for tail in prompts["seeds"]]
+    out, t0 = [], time.time()
     while len(out) < n_seq and time.time() - t0 < args.data_s:
         picks = rng.integers(len(seeds), size=batch).tolist()
         requests = target.generate([seeds[i] for i in picks], 64, 1.0, end, gen)
@@ -74,37 +75,38 @@ def make_data(target: Target, prompts: dict, args, have: int) -> list[tuple]:
 # --- 2. training ---
 @dataclass
 class Corpus:
-    """The training sequences, with the target's features computed once: on the device, or in
-    host memory when they would take more than ``gpu_gib`` of it (a batch is then copied in)."""
+    """The training sequences, with the target's features: computed once and kept on the device,
+    or, when they would take more than ``gpu_gib`` of it, computed again for each batch (100,000
+    sequences' features would take 190 GiB; a batch's cost a third of a training step)."""
 
     tokens: torch.Tensor  # [N, L] padded at the end
     plen: torch.Tensor  # [N] prompt lengths: anchors start there
     lens: torch.Tensor  # [N]
-    feats: torch.Tensor  # [N, L, n_target_layers * n_embd] bf16
+    feats: torch.Tensor | None  # [N, L, n_target_layers * n_embd] bf16, or None: per batch
+    target: Target
+    layers: tuple
 
     @classmethod
     def of(cls, target: Target, data: list, layers: tuple, chunk: int = 64, gpu_gib: float = 60):
         tokens, plen, lens = target.pad(data)
         shape = (*tokens.shape, len(layers) * target.embd.shape[1])
-        where = tokens.device if math.prod(shape) * 2 <= gpu_gib * 2**30 else "cpu"
-        feats = torch.empty(*shape, dtype=torch.bfloat16, device=where)
-        if feats.device.type == "cpu" and tokens.is_cuda:
-            feats = feats.pin_memory()
-        for i in range(0, len(data), chunk):
-            n = int(lens[i : i + chunk].max())
-            got = target.features(tokens[i : i + chunk, :n], layers)
-            feats[i : i + chunk, :n] = got.to(where, torch.bfloat16)
-        return cls(tokens, plen, lens, feats)
+        corpus = cls(tokens, plen, lens, None, target, layers)
+        if math.prod(shape) * 2 <= gpu_gib * 2**30:
+            corpus.feats = torch.empty(*shape, dtype=torch.bfloat16, device=tokens.device)
+            for i in range(0, len(data), chunk):
+                n = int(lens[i : i + chunk].max())
+                got = target.features(tokens[i : i + chunk, :n], layers)
+                corpus.feats[i : i + chunk, :n] = got.to(torch.bfloat16)
+        return corpus
 
     def batch(self, idx: torch.Tensor) -> Corpus:
         n = int(self.lens[idx].max())
-        feats = self.feats[idx.to(self.feats.device), :n]
-        return Corpus(
-            self.tokens[idx, :n],
-            self.plen[idx],
-            self.lens[idx],
-            feats.to(self.tokens.device, non_blocking=True),
-        )
+        tokens = self.tokens[idx, :n]
+        if self.feats is None:
+            feats = self.target.features(tokens, self.layers).to(torch.bfloat16)
+        else:
+            feats = self.feats[idx, :n]
+        return Corpus(tokens, self.plen[idx], self.lens[idx], feats, self.target, self.layers)
 
 
 def loss_of(draft: Draft, embd: torch.Tensor, c: Corpus, anchors: int, gen) -> torch.Tensor:
@@ -212,7 +214,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--prompts", type=Path, default=Path(__file__).with_name("dflash_prompts.json"))
     ap.add_argument("--sequences", type=int, default=16384)
-    ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--gen-batch", type=int, default=2048)
     ap.add_argument("--data-s", type=float, default=150.0, help="data generation time budget")
     ap.add_argument("--train-s", type=float, default=300.0, help="training time budget")
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: time)")
@@ -221,7 +223,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--data", type=Path, help="sequences made before (JSON), extended and saved")
     ap.add_argument("--layers", type=int, default=DraftConfig.n_layer)
-    ap.add_argument("--features-gib", type=float, default=60.0, help="past this, in host RAM")
+    ap.add_argument("--features-gib", type=float, default=40.0, help="past this, per batch")
     ap.add_argument("--init", type=Path, nargs="+", help="weights.N.npz to go on training from")
     ap.add_argument("--eval-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
@@ -255,8 +257,10 @@ def main() -> None:
         args.data.write_text(json.dumps(data))
     report["data"] = {"sequences": len(data), "tokens": sum(len(s) for s, _ in data)}
     corpus = Corpus.of(target, data, cfg.target_layers, gpu_gib=args.features_gib)
-    gib = corpus.feats.nbytes / 2**30
-    log(f"features of {len(data)} sequences: {gib:.1f} GiB, on {corpus.feats.device}")
+    if corpus.feats is None:
+        log(f"features of {len(data)} sequences: computed for each batch")
+    else:
+        log(f"features of {len(data)} sequences: {corpus.feats.nbytes / 2**30:.1f} GiB")
     report["curve"] = train(draft, target.embd, corpus, args)
     report["heldout"] = evaluate(draft, target, prompts, args.eval_tokens)
     log(f"held-out: {report['heldout']}")
