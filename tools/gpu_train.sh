@@ -10,7 +10,7 @@
 # Sequences made before (data.json.xz: use --data /tmp/lucepy-smol/data.json) and weights to go
 # on from (weights.N.npz: --init /tmp/lucepy-smol/weights.N.npz) travel in a folder such as
 # .dflash/, staged the same way. OUTDIR gets train.log, train.json, draft.gguf and
-# weights.0.npz/weights.1.npz (f16 parts that tools/dflash_gguf.py re-writes as a draft here).
+# weights.N.npz (f16 parts of at most ~12 MiB that tools/dflash_gguf.py re-writes as a draft here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=/tmp/lucepy-smol

@@ -199,9 +199,12 @@ def evaluate(draft: Draft, target: Target, prompts: dict, n_tokens: int) -> dict
     }
 
 
-def save(draft: Draft, out: Path, target_path: Path, parts: int = 2) -> None:
+def save(draft: Draft, out: Path, target_path: Path, part_mib: int = 12) -> None:
+    """The weights in f16 parts of at most about ``part_mib`` (what one device call brings back),
+    and the draft GGUF."""
     weights = {k: v.float().cpu().numpy() for k, v in draft.gguf_weights().items()}
     names = sorted(weights)
+    parts = max(2, math.ceil(sum(w.size * 2 for w in weights.values()) / (part_mib << 20)))
     for i in range(parts):
         part = {n: weights[n].astype(np.float16) for n in names[i::parts]}
         np.savez(out / f"weights.{i}.npz", config=config_json(draft.cfg), **part)
