@@ -82,6 +82,14 @@ FlashAttn = Annotated[
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+BatchInvariant = Annotated[
+    bool,
+    typer.Option(
+        "--batch-invariant",
+        help="CPU: ggml's reference kernels, so a row of a step rounds as in a one-row step and "
+        "speculation commits exactly the greedy tokens (prefill about 20% slower)",
+    ),
+]
 Draft = Annotated[Path | None, typer.Option(help="a DFlash draft GGUF: speculative decoding")]
 DraftDevice = Annotated[
     str | None,
@@ -174,6 +182,7 @@ class ComputeFlags(NamedTuple):
     save_expert_profile: bool = False  # serve and generate add their routing counts to it
     kv_pool: int = 0
     kv_pool_rank: str = DEFAULTS.kv_pool_rank
+    batch_invariant: bool = DEFAULTS.batch_invariant
 
 
 class CacheFlags(NamedTuple):
@@ -214,6 +223,7 @@ def runtime_config(
         chunk=chunk,
         threads=threads,
         flash_attn=compute.flash_attn,
+        batch_invariant=compute.batch_invariant,
         cache_type_k=compute.cache_type_k,
         cache_type_v=compute.cache_type_v,
         draft=str(draft) if draft else None,
@@ -292,6 +302,7 @@ def generate(
     expert_profile: ExpertProfile = None,
     kv_pool: KvPool = 0,
     kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
+    batch_invariant: BatchInvariant = False,
     as_json: AsJson = False,
 ):
     """Generate from a prompt: greedy by default, speculative with a draft (--draft or the
@@ -309,7 +320,7 @@ def generate(
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         compute = ComputeFlags(
             flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True,
-            kv_pool, kv_pool_rank,
+            kv_pool, kv_pool_rank, batch_invariant,
         )  # fmt: skip
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         _, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)

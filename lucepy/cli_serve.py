@@ -14,6 +14,7 @@ from lucepy import tui
 from lucepy.cli import (
     DEFAULTS,
     AsJson,
+    BatchInvariant,
     CacheFlags,
     CacheMB,
     CacheSlots,
@@ -78,6 +79,7 @@ def serve(
     expert_profile: ExpertProfile = None,
     kv_pool: KvPool = 0,
     kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
+    batch_invariant: BatchInvariant = False,
 ):
     """Serve MODEL with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     cache = CacheFlags(
@@ -89,7 +91,7 @@ def serve(
 
         compute = ComputeFlags(
             flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True,
-            kv_pool, kv_pool_rank,
+            kv_pool, kv_pool_rank, batch_invariant,
         )  # fmt: skip
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         found, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)

@@ -49,7 +49,8 @@ class Engine(RuntimeEngine):
         """Measured once per model, draft, devices and threads, then read from lucepy's cache."""
         cfg = self.config
         key = [self.file.identity(), self.draft.file.identity(), cfg.device, cfg.draft_device]
-        key += [cfg.threads, cfg.flash_attn, self.draft.block, os.environ.get("LUCEPY_GGML_LIB")]
+        key += [cfg.threads, cfg.flash_attn, cfg.batch_invariant, self.draft.block]
+        key.append(os.environ.get("LUCEPY_GGML_LIB"))
         name = hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
         path = cache_root() / "step-costs" / f"{name}.json"
         if path.is_file():

@@ -2,7 +2,7 @@
 the draft, and llama.cpp's own DFlash (tools/llama_dflash.cpp) on the same two GGUFs, in one run.
 
     python3 tools/bench_dflash.py [--device cpu|cuda:0] [--tokens 256] [--llama-dflash BIN]
-        [--draft D.gguf] [--model M.gguf] [--json OUT.json] [--md OUT.md]
+        [--draft D.gguf] [--model M.gguf] [--batch-invariant] [--json OUT.json] [--md OUT.md]
 
 Every prompt is answered greedily for exactly ``--tokens`` tokens (end tokens do not stop it), so
 lucepy and llama.cpp produce the same lengths. Per configuration: the median over prompts of the
@@ -12,7 +12,8 @@ per verify step, the bonus included) and the histogram of accepted drafts, summe
 with every step verifying 16 tokens, and with ``auto`` lengths (decode/verify_len.py; the JSON
 keeps the measured step costs and the acceptance rates reached; with no drafting that pays,
 ``auto`` decodes plainly and reports no tau). ``--temperature`` adds lucepy's tau when sampling
-(rejection sampling keeps the target's distribution).
+(rejection sampling keeps the target's distribution). ``--batch-invariant`` adds lucepy plain and
+DFlash 16 with RuntimeConfig.batch_invariant (the second's ``same`` against the first's tokens).
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
-def lucepy_runs(args, prompts, draft: Path | None, sampling=None, verify_len="fixed") -> list:
+def lucepy_runs(
+    args, prompts, draft: Path | None, sampling=None, verify_len="fixed", invariant=False
+) -> list:
     cfg = RuntimeConfig(
         device=args.device,
         draft=str(draft) if draft else None,
         threads=args.threads,
         verify_len=verify_len,
+        batch_invariant=invariant,
     )
     with Engine(args.model, cfg, tokenizer=False) as engine:
         engine.generate(prompts[0], 8, stop_at_end=False)  # warm-up: graphs built once
@@ -126,6 +130,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=0, help="the first N held-out prompts (0: all)")
     ap.add_argument("--temperature", type=float, default=0.7, help="0: no sampled run")
     ap.add_argument("--llama-dflash", help="tools/llama_dflash.cpp built (build_llama_dflash.sh)")
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also lucepy plain and DFlash 16 with batch_invariant (CPU: exactly greedy)",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args()
@@ -151,6 +160,11 @@ def main() -> None:
     if args.llama_dflash:
         record("llama.cpp plain", llama_runs(args, prompts, "ar"), base)
         record("llama.cpp DFlash", llama_runs(args, prompts, "dflash"), base)
+    if args.batch_invariant:
+        exact = lucepy_runs(args, prompts, None, invariant=True)
+        record("lucepy plain, batch-invariant", exact, base)
+        runs = lucepy_runs(args, prompts, args.draft, invariant=True)
+        record("lucepy DFlash 16, batch-invariant", runs, [r["tokens"] for r in exact])
     if args.temperature > 0:
         sampling = SamplingParams(temperature=args.temperature, seed=0)
         record(

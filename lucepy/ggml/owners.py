@@ -77,9 +77,20 @@ class Backend(Owner):
             reg != b"RPC"
         )
 
+    @property
+    def is_cpu(self) -> bool:
+        return bool(self.lib.ggml_backend_is_cpu(self.ptr))
+
     def set_threads(self, n: int) -> None:
-        if self.lib.ggml_backend_is_cpu(self.ptr):
+        if self.is_cpu:
             self.lib.ggml_backend_cpu_set_n_threads(self.ptr, n)
+
+    def use_reference_kernels(self) -> None:
+        """ggml-cpu's reference kernels from now on: attention computes every query row alone
+        over the whole cache (no split of the cache across threads for one row, no tiles of
+        rows), and no ops are fused."""
+        if self.is_cpu:
+            self.lib.ggml_backend_cpu_set_use_ref(self.ptr, True)
 
     def synchronize(self) -> None:
         self.lib.ggml_backend_synchronize(self.ptr)

@@ -24,6 +24,9 @@ class RuntimeConfig:
     threads: int | None = None  # CPU threads; None: all cores
     step_deadline_s: float = 30.0  # least time a remote step gets before its worker is replaced
     flash_attn: bool = True  # llama.cpp's -fa: off computes KQ, softmax and V^T KQ as its own ops
+    # local CPU backends run ggml's reference kernels: a row of a step rounds as in a one-row step
+    # (no split-KV or tiled attention), so speculation commits exactly the greedy tokens
+    batch_invariant: bool = False
     cache_type_k: str = "f16"  # KV cache types (llama.cpp's -ctk/-ctv)
     cache_type_v: str = "f16"
     draft: str | None = None  # a DFlash draft GGUF

@@ -72,9 +72,13 @@ def local_backends(lib: Lib) -> set[str]:
     return {info.backend for info in list_devices(lib)}
 
 
-def open_backend(lib: Lib, name: str, threads: int | None = None) -> Backend:
-    """A backend for the local device ``name``."""
+def open_backend(
+    lib: Lib, name: str, threads: int | None = None, batch_invariant: bool = False
+) -> Backend:
+    """A backend for the local device ``name``; ``batch_invariant``: RuntimeConfig's."""
     backend = Backend(lib, find_device(lib, name), name.strip().lower())
     if threads:
         backend.set_threads(threads)
+    if batch_invariant:
+        backend.use_reference_kernels()
     return backend

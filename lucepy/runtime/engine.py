@@ -165,7 +165,9 @@ class Engine:
             layers = range(*sp.layers)
             host = None
             if placement is not None and placement.bytes(layers)[1]:
-                host = open_backend(self.lib, "cpu", self.config.thread_count())
+                host = open_backend(
+                    self.lib, "cpu", self.config.thread_count(), self.config.batch_invariant
+                )
             self.pipeline.add(
                 lambda b=backend, h=host, layers=layers, spec=spec: Shard(
                     self.lib,
@@ -185,8 +187,11 @@ class Engine:
         """A backend for ``spec``, spawning its worker if it needs one. RPC connections are made
         under the pipeline's supervision: a failed handshake must not take the process down."""
         threads = self.config.thread_count()
+        invariant = self.config.batch_invariant
+        if invariant and (spec.where != "local" or spec.backend != "cpu"):
+            log.warning("batch_invariant holds on local CPU devices only, not on %s", spec.name)
         if spec.where == "local":
-            return open_backend(self.lib, spec.device, threads)
+            return open_backend(self.lib, spec.device, threads, invariant)
         endpoint, index = spec.endpoint, int(spec.device) if spec.where == "remote" else 0
         if spec.where == "worker":
             local = spec.backend in local_backends(self.lib)
