@@ -133,6 +133,8 @@ def train(draft: Draft, embd: torch.Tensor, corpus: Corpus, args) -> list[dict]:
     gen = torch.Generator(device=embd.device).manual_seed(args.seed + 1)
     n = corpus.tokens.shape[0]
     curve, t0, step = [], time.time(), 0
+    if args.train_s <= 0 and not args.steps:  # data only
+        return curve
     while True:
         done = (time.time() - t0) / args.train_s
         if done >= 1 or (args.steps and step >= args.steps):
