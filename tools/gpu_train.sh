@@ -7,7 +7,8 @@
 #   here:      tools/gpu_train.sh split [MODEL.gguf]     -> .smol1/ .smol2/ .smol3/ (git-ignored)
 #   calls 1-3: tools/gpu_train.sh stage .smolN           (carry .smolN), one call each
 #   call 4:    tools/gpu_train.sh train OUTDIR [ARGS...] (carry .whl-gguf; ARGS go to train_dflash)
-# Sequences made before (data.json.xz: use --data /tmp/lucepy-smol/data.json) and weights to go
+# Sequences made before (data.json.xz: use --data /tmp/lucepy-smol/data.json; train_dflash makes
+# more until there are --sequences, so pass at most what is there to train at once) and weights to go
 # on from (weights.N.npz: --init /tmp/lucepy-smol/weights.N.npz) travel in a folder such as
 # .dflash/, staged the same way. OUTDIR gets train.log, train.json, draft.gguf and
 # weights.N.npz (f16 parts of at most ~12 MiB that tools/dflash_gguf.py re-writes as a draft here).
