@@ -82,6 +82,15 @@ FlashAttn = Annotated[
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+Parallel = Annotated[
+    int,
+    typer.Option(
+        "--parallel",
+        "-np",
+        min=1,
+        help="sequences decoded together, each with --max-ctx positions (llama-server's -np)",
+    ),
+]
 BatchInvariant = Annotated[
     bool,
     typer.Option(
@@ -183,6 +192,7 @@ class ComputeFlags(NamedTuple):
     kv_pool: int = 0
     kv_pool_rank: str = DEFAULTS.kv_pool_rank
     batch_invariant: bool = DEFAULTS.batch_invariant
+    parallel: int = DEFAULTS.parallel
 
 
 class CacheFlags(NamedTuple):
@@ -224,6 +234,7 @@ def runtime_config(
         threads=threads,
         flash_attn=compute.flash_attn,
         batch_invariant=compute.batch_invariant,
+        parallel=compute.parallel,
         cache_type_k=compute.cache_type_k,
         cache_type_v=compute.cache_type_v,
         draft=str(draft) if draft else None,
@@ -407,6 +418,7 @@ def plan(
     expert_profile: ExpertProfile = None,
     kv_pool: KvPool = 0,
     kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
+    parallel: Parallel = 1,
     as_json: AsJson = False,
 ):
     """Print the load plan (devices, layer ranges, bytes, where the experts go) without loading
@@ -423,6 +435,7 @@ def plan(
             n_cpu_moe=n_cpu_moe,
             kv_pool=kv_pool,
             kv_pool_rank=kv_pool_rank,
+            parallel=parallel,
         )
         config = runtime_config(
             target_devices, target_layer_split, max_ctx,

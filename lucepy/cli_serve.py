@@ -36,6 +36,7 @@ from lucepy.cli import (
     MaxCtx,
     MoeDeviceMB,
     NCpuMoe,
+    Parallel,
     TargetDevices,
     Threads,
     app,
@@ -80,6 +81,7 @@ def serve(
     kv_pool: KvPool = 0,
     kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
     batch_invariant: BatchInvariant = False,
+    parallel: Parallel = 1,
 ):
     """Serve MODEL with an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     cache = CacheFlags(
@@ -91,7 +93,7 @@ def serve(
 
         compute = ComputeFlags(
             flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True,
-            kv_pool, kv_pool_rank, batch_invariant,
+            kv_pool, kv_pool_rank, batch_invariant, parallel,
         )  # fmt: skip
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         found, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)

@@ -96,7 +96,8 @@ def placement_table(shards: list[dict], title: str = "placement") -> Table:
 def plan_table(plan) -> Table:
     table = placement_table(
         [s.to_dict() for s in plan.shards],
-        title=f"{plan.model}: {plan.n_layer} layers, context {plan.max_ctx}",
+        title=f"{plan.model}: {plan.n_layer} layers, context {plan.max_ctx}"
+        + (f" for each of {plan.parallel} sequences" if plan.parallel > 1 else ""),
     )
     lines = list(plan.notes)
     aligned = tuple(s.layers for s in plan.shards)

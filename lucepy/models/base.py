@@ -86,6 +86,7 @@ class GraphSpec:
     capture: tuple[int, ...] = ()  # layers whose entering residual stream is an output
     ring: int = 0  # rows of the sliding-window rings the step attends over (0: the model has none)
     queries: bool = False  # output each full-attention layer's query (``q.L``; KV Flash's QK rank)
+    streams: tuple[int, int] = (0, 0)  # StepBatch's (streams, stream_rows): sequences apart
 
 
 class Builder:
@@ -106,6 +107,7 @@ class Builder:
         self.routes: dict[int, Tensor] = {}  # layer -> the experts its tokens chose [k, T] i32
         self.offload: list[Tensor] = []  # nodes for the host CPU backend (cold experts)
         self.queries = False  # output the queries of full attention (set from GraphSpec.queries)
+        self.streams = (0, 0)  # GraphSpec.streams
 
     def input(self, name: str, gtype: int, *shape: int, kind: str = "step") -> Tensor:
         """An input the host writes every step (runtime sends a graph's step inputs in one copy).
@@ -220,7 +222,40 @@ class Builder:
         then attend with ``q`` over the first n_kv rows under the input ``mask``."""
         mask = self.inputs["mask"]
         views = self.write_kv(cache, st, k, v, self.inputs["rows"], mask.ne[0])
+        if self.streams[0]:
+            return self._stream_attention(cache, q, views, mask, scale, flash)
         return self.attend_kv(cache, q, views, mask, scale, flash)
+
+    def _stream_attention(self, cache: KVCache, q, views: tuple, mask, scale: float, flash: bool):
+        """Attention of S sequences side by side (GraphSpec.streams): ``q`` [hd, nh, T] as
+        [hd, nh, T/S, S], each sequence over its own window of the cache, ggml's 4th dimension
+        (llama.cpp's KV streams). Each token reads its own sequence's rows, not every row."""
+        if cache.k_rot or cache.v_rot:
+            raise ConfigError("batched sequences need an f16 KV cache (--cache-type-k/-v f16)")
+        L, c = self.lib, self.ctx
+        (S, stride), n_kv = self.streams, mask.ne[0]
+        hd, nh, T = q.ne[0], q.ne[1], q.ne[2]
+        t = T // S
+        q4 = L.ggml_reshape_4d(c, q, hd, nh, t, S)
+        kv = []
+        for view in views:  # [hd, nkv, n_kv] of the written cache -> [hd, nkv, n_kv, S]
+            row = view.nb[2]
+            kv.append(
+                L.ggml_view_4d(c, view, hd, view.ne[1], n_kv, S, view.nb[1], row, row * stride, 0)
+            )
+        mask4 = L.ggml_reshape_4d(c, mask, n_kv, t, 1, S)
+        q4 = L.ggml_permute(c, q4, 0, 2, 1, 3)  # [hd, t, nh, S]
+        k4, v4 = (L.ggml_permute(c, x, 0, 2, 1, 3) for x in kv)  # [hd, n_kv, nkv, S]
+        if flash:
+            out = L.ggml_flash_attn_ext(c, q4, k4, v4, mask4, scale, 0.0, 0.0)  # [hd, nh, t, S]
+            L.ggml_flash_attn_ext_set_prec(out, L.GGML_PREC_F32)
+            return L.ggml_reshape_2d(c, out, hd * nh, T)
+        kq = L.ggml_mul_mat(c, k4, q4)  # [n_kv, t, nh, S]
+        L.ggml_mul_mat_set_prec(kq, L.GGML_PREC_F32)
+        kq = L.ggml_soft_max_ext(c, kq, mask4, scale, 0.0)
+        vt = L.ggml_cont(c, L.ggml_transpose(c, v4))  # [n_kv, hd, nkv, S]
+        out = L.ggml_permute(c, L.ggml_mul_mat(c, vt, kq), 0, 2, 1, 3)  # [hd, nh, t, S]
+        return L.ggml_cont_2d(c, out, hd * nh, T)
 
     def write_kv(self, cache: KVCache, st: dict, k, v, rows, n_rows: int) -> tuple:
         """Write ``k``, ``v`` [hd, nkv, T] into ``cache``'s ``rows``; return views of its first

@@ -25,6 +25,11 @@ class StepBatch:
     # pool attends over fewer; a sliding window's ring follows the positions)
     cell_until: np.ndarray | None = None  # [n_kv] int32: a row is seen only by tokens before
     # this position (KV Flash: a chunk paged out inside the step); None: by all
+    # S > 0: the step is sequences 0..S-1, T/S tokens each in sequence order, and sequence s
+    # attends over its own n_kv rows, ``stream_rows`` * s onward (row r of them holds position
+    # r); cell_pos and cell_seq are unused. 0: every token attends over the same n_kv rows.
+    streams: int = 0
+    stream_rows: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -43,6 +48,9 @@ class StepBatch:
         and with ``window`` > 0 fewer than ``window`` positions back), -inf elsewhere. Not
         ``causal``: every token also sees the rest of the step (a DFlash block)."""
         pos = self.pos[:, None] if causal else np.full((self.n_tokens, 1), self.pos.max())
+        if self.streams:  # [T, n_kv] is ggml's [n_kv, T/S, 1, S]: each sequence's own rows
+            ok = np.arange(self.n_kv)[None, :] <= pos
+            return np.where(ok, np.float16(0), NEG_INF).astype(np.float16)
         cpos = self.cell_pos[None, :]
         ok = (cpos >= 0) & (self.cell_seq[None, :] == self.seq[:, None]) & (cpos <= pos)
         if window > 0:

@@ -49,6 +49,7 @@ class RuntimeConfig:
     count_experts: bool = True  # count prompt and verify tokens' experts (decode steps never)
     kv_pool: int = 0  # KV Flash: cache rows of each full-attention layer (runtime/slots.py); 0: all
     kv_pool_rank: str = "lru"  # which chunks the pool keeps: "lru", or "qk" (query-key scores)
+    parallel: int = 1  # sequences decoded in one step (decode/batch.py), max_ctx positions each
 
     def __post_init__(self) -> None:
         if self.verify_len not in ("fixed", "auto"):
@@ -66,6 +67,10 @@ class RuntimeConfig:
                 raise ConfigError(f"--cache-type-{flag} {value!r}: use one of {list(CACHE_TYPES)}")
         if self.n_cpu_moe < 0 or (self.moe_device_mb is not None and self.moe_device_mb < 0):
             raise ConfigError("--n-cpu-moe and --moe-gpu-mb must not be negative")
+        if self.parallel < 1:
+            raise ConfigError(f"--parallel must be at least 1, got {self.parallel}")
+        if self.parallel > 1 and (self.kv_pool or self.draft):
+            raise ConfigError("--parallel above 1 runs without --kv-pool and without a draft")
         if self.kv_pool < 0:
             raise ConfigError(f"--kv-pool must not be negative, got {self.kv_pool}")
         if self.kv_pool_rank not in ("lru", "qk"):

@@ -29,6 +29,7 @@ from lucepy.runtime.kvpool import PagerCopy
 from lucepy.runtime.pipeline import Pipeline, Step, VerifyHandle
 from lucepy.runtime.placement import DeviceSpec, LoadPlan, parse_devices, parse_split, plan_load
 from lucepy.runtime.shard import Shard
+from lucepy.runtime.slots import SeqSlots
 from lucepy.runtime.state import StateCopy, StateSet
 from lucepy.runtime.tokenizer import Tokenizer
 
@@ -50,7 +51,15 @@ def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
                     f"no {spec.backend} build in {backends.default_prefix(spec.backend)}; run "
                     f"`lucepy backends build {spec.backend}`"
                 )
-    plan = plan_load(f, model, specs, split, config.context_for(model.p.n_ctx_train))
+    n_ctx = config.context_for(model.p.n_ctx_train)
+    if config.parallel > 1:
+        whole = [s for s in model.make_state(range(model.p.n_layer), 1) if not s.appends]
+        if whole:
+            raise ConfigError(
+                f"--parallel: {f.architecture}'s recurrent state holds one sequence; decode its "
+                f"requests one at a time (--parallel 1)"
+            )
+    plan = plan_load(f, model, specs, split, n_ctx, config.parallel)
     if 0 < config.kv_pool < plan.max_ctx:
         plan = dataclasses.replace(plan, kv_pool=pool_plan(model, config, plan.max_ctx))
     placement = experts.placement_for(f, model.p, config)
@@ -152,6 +161,9 @@ class Engine:
         self.pipeline = Pipeline(
             self.lib, [], remote, self.n_ctx, deadline_s=self.config.step_deadline_s
         )
+        rows = self.n_ctx * self.config.parallel  # cache rows of every sequence
+        if self.config.parallel > 1:
+            self.pipeline.slots = SeqSlots(self.config.parallel, self.n_ctx)
         if self.config.kv_pool and self.config.kv_pool < self.n_ctx:
             self.pipeline.use_pool(
                 self.n_ctx,
@@ -175,7 +187,7 @@ class Engine:
                     self.file,
                     layers,
                     b,
-                    self.n_ctx,
+                    rows,
                     spec.process,
                     experts=placement,
                     host=h,

@@ -21,10 +21,11 @@ import numpy as np
 from lucepy.errors import StaleVerify, WorkerError
 from lucepy.ggml import Lib
 from lucepy.ggml.lib import rpc_failures
+from lucepy.models.batch import StepBatch
 from lucepy.runtime.experts import ExpertCounts
 from lucepy.runtime.kvpool import HostPool
 from lucepy.runtime.shard import Shard
-from lucepy.runtime.slots import IdentitySlots, PagedSlots
+from lucepy.runtime.slots import IdentitySlots, PagedSlots, SeqSlots
 from lucepy.runtime.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Pipeline:
         self.expert_counts: ExpertCounts | None = None  # set by the engine for a MoE model
         self.deadline_floor_s = deadline_s  # the least a step may take before it is given up
         self._slowest_s = 0.0
-        self.slots: IdentitySlots | PagedSlots = IdentitySlots(n_ctx)
+        self.slots: IdentitySlots | PagedSlots | SeqSlots = IdentitySlots(n_ctx)
         self.host_pool: HostPool | None = None  # KV Flash's paged-out rows (use_pool)
         self.shards: list[Shard] = []
         self.last: list[tuple] = []  # (shard, spec, graph) of the last step, for rollback
@@ -183,8 +184,15 @@ class Pipeline:
             return f"{who} stopped answering ({failures[-1]})"
         return None
 
+    def forward_batch(self, batch: StepBatch, step: Step) -> StepOutput:
+        """A step of several sequences' tokens (``SeqSlots.batch_of``)."""
+        return self.call(lambda: self._run(batch, step), step=True)
+
     def _forward(self, tokens: np.ndarray, pos0: int, step: Step) -> StepOutput:
-        batch = self.slots.batch(tokens, pos0)  # a KV Flash ranking reads the last step's graphs
+        # first: a KV Flash ranking reads the last step's graphs
+        return self._run(self.slots.batch(tokens, pos0), step)
+
+    def _run(self, batch: StepBatch, step: Step) -> StepOutput:
         for shard, spec, _ in self.last:
             shard.release(spec)
         self.steps += 1

@@ -158,6 +158,7 @@ class LoadPlan:
     memory: str = ""  # what the model's state holds, where it is not the whole context
     experts: Any = None  # an ExpertPlacement when routed experts are split (runtime/experts.py)
     kv_pool: dict | None = None  # KV Flash's pool (Engine adds the pager's counts when running)
+    parallel: int = 1  # sequences decoded together, each with max_ctx positions of state
 
     def to_dict(self) -> dict:
         return {
@@ -165,6 +166,7 @@ class LoadPlan:
             "architecture": self.architecture,
             "n_layer": self.n_layer,
             "max_ctx": self.max_ctx,
+            "parallel": self.parallel,
             "shards": [s.to_dict() for s in self.shards],
             "requested": [list(r) for r in self.requested],
             "notes": list(self.notes),
@@ -174,14 +176,17 @@ class LoadPlan:
         }
 
 
-def plan_load(f, model, devices: list[DeviceSpec], split: list[float], max_ctx: int) -> LoadPlan:
-    """Pure: the shards a load would make, with their bytes. Reads only the GGUF index."""
+def plan_load(
+    f, model, devices: list[DeviceSpec], split: list[float], max_ctx: int, parallel: int = 1
+) -> LoadPlan:
+    """Pure: the shards a load would make, with their bytes (``parallel`` sequences of up to
+    ``max_ctx`` positions each). Reads only the GGUF index."""
     requested = layer_ranges(split, model.p.n_layer)
     ranges, notes = honour_split_points(requested, model.split_points(), model.split_reason())
     shards = []
     for spec, layers in zip(devices, ranges, strict=True):
         weights = sum(f.tensors[name].nbytes for name in model.weight_shapes(layers, f))
-        specs = state_specs(model.make_state(layers, max_ctx))
+        specs = state_specs(model.make_state(layers, max_ctx * parallel))
         state = sum(spec_nbytes(t, s) for t, s in specs.values())
         shards.append(
             ShardPlan(
@@ -198,4 +203,5 @@ def plan_load(f, model, devices: list[DeviceSpec], split: list[float], max_ctx: 
         tuple(notes),
         tuple((r.start, r.stop) for r in requested),
         model.memory_note(max_ctx),
+        parallel=parallel,
     )

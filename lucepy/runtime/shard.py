@@ -118,6 +118,7 @@ class Shard:
             mine,
             self.model.ring_span(batch),
             queries,
+            (batch.streams, batch.stream_rows),
         )
 
     def graph(self, spec: GraphSpec) -> CompiledGraph:
@@ -125,7 +126,7 @@ class Shard:
 
     def _build(self, spec: GraphSpec) -> CompiledGraph:
         def build(b):
-            b.queries = spec.queries
+            b.queries, b.streams = spec.queries, spec.streams
             return self.model.build(b, self.w, self.state.t, self.layers, spec)
 
         g = compile_graph(

@@ -1,7 +1,7 @@
 """The KV slot allocator behind the step batch (decision 8). ``IdentitySlots``: one sequence,
 and the cache row of a token is its position. ``PagedSlots`` (KV Flash): a pool of fewer rows
-than the context, managed in chunks of 64 by a pager. Several sequences (batching) would be
-another allocator that fills the same ``StepBatch``.
+than the context, managed in chunks of 64 by a pager. ``SeqSlots``: several sequences, each in
+its own range of rows, one step holding tokens of any of them (batching).
 """
 
 from __future__ import annotations
@@ -64,6 +64,89 @@ class IdentitySlots:
             slots=pos.astype(np.int64),
             cell_pos=cells,
             cell_seq=np.zeros_like(cells),
+        )
+
+
+class SeqSlots:
+    """``n_seq`` sequences of up to ``n_ctx`` positions each: sequence s holds rows
+    ``s * n_ctx + position``, and its tokens attend to its own rows only (the batch's
+    ``cell_seq``). A step's window covers the rows up to the highest one it writes, so a step
+    of the first sequences alone attends over fewer rows. Sequence 0 is also the one-sequence
+    engine's (``batch(tokens, pos0)``), so prefill, snapshots and restores work there as with
+    ``IdentitySlots``."""
+
+    def __init__(self, n_seq: int, n_ctx: int):
+        self.n_seq, self.n_ctx = n_seq, n_ctx
+        self.length = np.zeros(n_seq, dtype=np.int64)  # positions each sequence holds
+
+    def rows(self, n_tokens: int) -> int:
+        return n_tokens
+
+    def readable(self, n_tokens: int) -> bool:
+        return True
+
+    def reset(self, n_tokens: int = 0) -> None:
+        """Sequence 0 starts again (or was restored with ``n_tokens``)."""
+        self.length[0] = n_tokens
+
+    def release(self, seq: int) -> None:
+        """Sequence ``seq`` ends: its rows are masked until written again."""
+        self.length[seq] = 0
+
+    def batch(self, tokens: np.ndarray, pos0: int) -> StepBatch:
+        pos = np.arange(pos0, pos0 + tokens.size, dtype=np.int32)
+        return self.batch_of(tokens, np.zeros_like(pos), pos)
+
+    def batch_of(self, tokens: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> StepBatch:
+        """The step of ``tokens``, token i at position ``pos[i]`` of sequence ``seq[i]``. A
+        sequence holds, after it, the positions before its highest one here."""
+        seq, pos = np.asarray(seq, dtype=np.int32), np.asarray(pos, dtype=np.int32)
+        if seq.size and (seq.min() < 0 or seq.max() >= self.n_seq):
+            raise ValueError(f"sequence ids run 0..{self.n_seq - 1}, got {seq.tolist()}")
+        _check_end(int(pos.max()) + 1, self.n_ctx)
+        np.maximum.at(self.length, seq, pos.astype(np.int64) + 1)
+        slots = seq.astype(np.int64) * self.n_ctx + pos
+        end = int(slots.max()) + 1
+        rows = np.arange(kv_bucket(end, self.n_seq * self.n_ctx, tokens.size), dtype=np.int32)
+        cell_seq, cell_pos = np.divmod(rows, self.n_ctx)
+        cell_pos[cell_pos >= self.length[cell_seq]] = -1
+        return StepBatch(
+            tokens=np.ascontiguousarray(tokens, dtype=np.int32),
+            pos=pos,
+            seq=seq,
+            slots=slots,
+            cell_pos=cell_pos.astype(np.int32),
+            cell_seq=cell_seq.astype(np.int32),
+        )
+
+    def decode_batch(self, tokens: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> StepBatch:
+        """One token for each of the sequences ``seq``, as streams (StepBatch.streams): row s
+        of the step is sequence s, for s = 0..max(seq); a sequence not decoding here gets a
+        stand-in token written to its last row, which no token of its own reaches (a sequence
+        ends a position before it), and its output row is ignored. Every sequence attends over
+        its own window of rows only."""
+        seq = np.asarray(seq, dtype=np.int32)
+        if seq.size != np.unique(seq).size:
+            raise ValueError("a decode step holds one token per sequence")
+        S = int(seq.max()) + 1
+        if S > self.n_seq:
+            raise ValueError(f"sequence ids run 0..{self.n_seq - 1}, got {seq.tolist()}")
+        _check_end(int(np.max(pos)) + 2, self.n_ctx)  # the last row stays the stand-ins'
+        all_pos = np.full(S, self.n_ctx - 1, dtype=np.int32)
+        all_tokens = np.zeros(S, dtype=np.int32)
+        all_pos[seq], all_tokens[seq] = pos, tokens
+        np.maximum.at(self.length, seq, np.asarray(pos, dtype=np.int64) + 1)
+        window = kv_bucket(int(np.max(pos)) + 1, self.n_ctx)
+        stream = np.arange(S, dtype=np.int32)
+        return StepBatch(
+            tokens=all_tokens,
+            pos=all_pos,
+            seq=stream,
+            slots=stream.astype(np.int64) * self.n_ctx + all_pos,
+            cell_pos=np.arange(window, dtype=np.int32),
+            cell_seq=np.zeros(window, dtype=np.int32),
+            streams=S,
+            stream_rows=self.n_ctx,
         )
 
 

@@ -101,8 +101,17 @@ class Served:
             "n_ctx": self.n_ctx,
             "placement": self.placement,
             "kv_pool": self._pool(),
+            "batch": self._batch(),
             **self.worker.stats.snapshot(),
         }
+
+    def _batch(self) -> dict | None:
+        """--parallel: the sequences and the steps run (a decode step's tokens over its steps:
+        how many requests decode together on average)."""
+        batcher = self.worker.batcher
+        if batcher is None:
+            return None
+        return {"parallel": batcher.slots.n_seq, "active": len(batcher.active), **batcher.steps}
 
     def _pool(self) -> dict | None:
         """KV Flash's pool report; read while the engine thread may be paging, so a read that

@@ -7,6 +7,7 @@ The handler sets ``job.cancel`` when its client leaves; the generation stops at 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -15,7 +16,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from lucepy.decode.ar import Generation
+from lucepy.decode.ar import Generation, Timings
+from lucepy.decode.batch import Batcher
 from lucepy.decode.grammar import grammars_for
 from lucepy.decode.sampling import SamplingParams
 from lucepy.errors import GGMLError, ModelFileError, ModelUnavailable
@@ -83,6 +85,7 @@ class Worker:
         self.failure: BaseException | None = None
         self.recovering = False  # a worker died or froze: the engine is reloading it
         self.current: Job | None = None
+        self.batcher: Batcher | None = None  # --parallel above 1
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
@@ -110,6 +113,9 @@ class Worker:
         return f"the model failed ({self.failure}); restart `lucepy serve`"
 
     def _loop(self) -> None:
+        if self.engine.config.parallel > 1:
+            self._batch_loop()
+            return
         while (job := self._jobs.get()) is not None:
             runs = not job.cancel.is_set()
             self.stats.dequeued(runs)
@@ -117,6 +123,97 @@ class Worker:
                 self.current = job
                 self._run(job)
                 self.current = None
+
+    def _batch_loop(self) -> None:
+        """``--parallel N``: jobs of one choice, without a grammar or log-probabilities, decode
+        together (decode/batch.py), each joining at the next step and leaving when it ends or
+        its client goes; any other job runs alone, once the batch has drained."""
+        batcher, running, alone = Batcher(self.engine), {}, collections.deque()
+        self.batcher = batcher
+        while True:
+            try:
+                job = self._jobs.get(block=batcher.idle and not alone)
+            except queue.Empty:
+                job = False
+            while job is not False:
+                if job is None:  # closing: the running jobs end as cancelled
+                    for running_job, _ in running.values():
+                        running_job.cancel.set()
+                    self._step_batch(batcher, running)
+                    return
+                runs = not job.cancel.is_set()
+                self.stats.dequeued(runs)
+                if runs and _batchable(job):
+                    try:
+                        req = batcher.submit(job.prompt_tokens, job.max_tokens, job.sampling)
+                    except Exception as err:  # a bad request fails alone
+                        self.stats.finished("failed")
+                        job.emit(Failed(err))
+                    else:
+                        gen = Generation(prompt_tokens=list(job.prompt_tokens))
+                        running[req] = (job, Choice(self.engine, job, 0, gen))
+                elif runs:
+                    alone.append(job)
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    job = False
+            if batcher.idle and alone:
+                job = self.current = alone.popleft()
+                self._run(job)
+                self.current = None
+            elif not batcher.idle:
+                self._step_batch(batcher, running)
+
+    def _step_batch(self, batcher: Batcher, running: dict) -> None:
+        """One batched step; ends requests whose client left or whose stop string showed."""
+        for req, (job, _) in running.items():
+            if job.cancel.is_set():
+                batcher.cancel(req)
+        try:
+            chosen = batcher.step() if not batcher.idle else []
+        except Exception as err:  # the step failed: every running job fails with it
+            if isinstance(err, FATAL):
+                self.failure = err
+                log.error("the model failed: %s", err)
+            for job, _ in running.values():
+                self.stats.finished("failed")
+                job.emit(Failed(err))
+            running.clear()
+            batcher.clear()
+            self._recover()
+            return
+        is_end = self.engine.tokenizer.is_end
+        for req, token in chosen:
+            self.stats.token()
+            job, choice = running[req]
+            choice.gen.tokens.append(token)
+            if req.finish_reason == "stop" and is_end(token):
+                continue  # counted, not shown (as the one-at-a-time path does)
+            if choice.feed(token):
+                batcher.cancel(req, "stop")
+        for req in [r for r in running if r.done]:
+            job, choice = running.pop(req)
+            self._finish_batched(req, job, choice)
+
+    def _finish_batched(self, req, job: Job, choice: Choice) -> None:
+        gen, now = choice.gen, time.perf_counter()
+        gen.finish_reason = req.finish_reason
+        first = req.t_first or now
+        prefill_ms, decode_ms = (first - req.t_submit) * 1e3, (now - first) * 1e3
+        gen.timings = Timings(
+            round(prefill_ms, 3),
+            round(decode_ms, 3),
+            round(len(gen.prompt_tokens) / max(prefill_ms / 1e3, 1e-9), 3),
+            round(max(len(gen.tokens) - 1, 0) / max(decode_ms / 1e3, 1e-9), 3),
+        )
+        done = choice.done(round((req.t_submit - job.queued_at) * 1e3, 3))
+        outcome = "cancelled" if done.finish_reason == "cancelled" else "completed"
+        self.stats.finished(outcome, [asdict(done)])
+        if outcome == "cancelled" and self._closed:
+            job.emit(Failed(ModelUnavailable("the server shut down during this generation")))
+        else:
+            job.emit(done)
 
     def _run(self, job: Job) -> None:
         try:
@@ -173,6 +270,10 @@ class Worker:
         log.info("engine closed")
 
 
+def _batchable(job: Job) -> bool:
+    return job.n == 1 and job.grammar is None and job.logprobs is None
+
+
 def run_job(engine, job: Job, on_token=lambda: None) -> list[Done]:
     """Generate ``job.n`` choices for ``job`` on this thread, emitting text deltas (with their
     tokens' log-probabilities) as they become safe to show. A cancelled choice ends the job."""
@@ -188,9 +289,66 @@ def run_job(engine, job: Job, on_token=lambda: None) -> list[Done]:
     return dones
 
 
+class Choice:
+    """One choice's answer on its way to the client: tokens detokenized, cut at stop strings,
+    tool calls parsed out, log-probabilities attached, sent as deltas when safe to show."""
+
+    def __init__(self, engine, job: Job, index: int, gen: Generation):
+        self.engine, self.job, self.index, self.gen = engine, job, index, gen
+        self.detok, self.stops = Detokenizer(engine.tokenizer.decode), StopFilter(job.stop)
+        self.calls = ToolCallParser(FORMATS[job.tools]) if job.tools else None
+        self.told = 0  # log-probabilities already sent
+
+    def feed(self, token: int) -> bool:
+        """Show what ``token`` makes safe to show; whether a stop string ended the choice."""
+        text = self.stops.feed(self.detok.push(token))
+        if text:
+            self._send(text)
+        return self.stops.stopped
+
+    def done(self, queue_ms: float) -> Done:
+        """Send the rest, then the choice's ``Done`` (its finish reason set on ``gen``)."""
+        gen = self.gen
+        tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
+        if gen.finish_reason != "cancelled":
+            self._send(tail, final=True)
+        if self.stops.stopped:
+            gen.finish_reason = "stop"
+        if self.calls is not None and self.calls.count and gen.finish_reason == "stop":
+            gen.finish_reason = "tool_calls"
+        return Done(
+            gen.finish_reason,
+            len(gen.prompt_tokens),
+            len(gen.tokens),
+            asdict(gen.timings),
+            queue_ms,
+            gen.accept.to_dict() if gen.accept is not None else None,
+            gen.cache,
+            self.index,
+        )
+
+    def _send(self, text: str, final: bool = False) -> None:
+        found: list[dict] = []
+        if self.calls is not None:
+            text, found = self.calls.feed(text)
+            if final:
+                rest, _ = self.calls.flush()
+                text += rest
+        lp = self._logprobs()
+        if text or found or lp:
+            self.job.emit(Delta(text, self.index, lp, found or None))
+
+    def _logprobs(self) -> list[dict] | None:
+        if self.job.logprobs is None:
+            return None
+        tokenizer = self.engine.tokenizer
+        out = [_logprob_entry(tokenizer, lp) for lp in self.gen.logprobs[self.told :]]
+        self.told = len(self.gen.logprobs)
+        return out
+
+
 def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -> Done:
     gen = Generation(prompt_tokens=list(job.prompt_tokens))
-    detok, stops = Detokenizer(engine.tokenizer.decode), StopFilter(job.stop)
     constraint = None
     if job.grammar is not None:
         grammars = grammars_for(engine.tokenizer, engine.params.n_vocab)
@@ -204,54 +362,14 @@ def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -
         logprobs=job.logprobs,
         constraint=constraint,
     )
-    told = 0  # log-probabilities already sent
-    calls = ToolCallParser(FORMATS[job.tools]) if job.tools else None
-
-    def send(text: str, final: bool = False) -> None:
-        found: list[dict] = []
-        if calls is not None:
-            text, found = calls.feed(text)
-            if final:
-                rest, _ = calls.flush()
-                text += rest
-        lp = notes()
-        if text or found or lp:
-            job.emit(Delta(text, index, lp, found or None))
-
-    def notes() -> list[dict] | None:
-        nonlocal told
-        if job.logprobs is None:
-            return None
-        out = [_logprob_entry(engine.tokenizer, lp) for lp in gen.logprobs[told:]]
-        told = len(gen.logprobs)
-        return out
-
+    choice = Choice(engine, job, index, gen)
     with contextlib.closing(tokens):
         for token in tokens:
             on_token()
-            text = stops.feed(detok.push(token))
-            if text:
-                send(text)
-            if stops.stopped:
+            if choice.feed(token):
                 gen.finish_reason = "stop"
                 break
-    tail = stops.feed(detok.flush()) + stops.flush()
-    if gen.finish_reason != "cancelled":
-        send(tail, final=True)
-    if stops.stopped:
-        gen.finish_reason = "stop"
-    if calls is not None and calls.count and gen.finish_reason == "stop":
-        gen.finish_reason = "tool_calls"
-    return Done(
-        gen.finish_reason,
-        len(gen.prompt_tokens),
-        len(gen.tokens),
-        asdict(gen.timings),
-        queue_ms,
-        gen.accept.to_dict() if gen.accept is not None else None,
-        gen.cache,
-        index,
-    )
+    return choice.done(queue_ms)
 
 
 def _logprob_entry(tokenizer, lp) -> dict:

@@ -1,0 +1,182 @@
+"""Continuous batching: several requests decoded together, one step for all of them.
+
+An engine loaded with ``RuntimeConfig.parallel = N`` holds N sequences, each in its own cache
+rows (``runtime/slots.py``, ``SeqSlots``). ``Batcher`` gives each admitted request a sequence;
+requests beyond N wait in a queue, in arrival order. Each ``step``:
+
+1. admits waiting requests to free sequences;
+2. feeds one prompt chunk of the oldest request still reading its prompt (one step of that
+   sequence alone, so a long prompt delays the running streams by one chunk at a time, not by
+   its whole prefill), and when its prompt is in, chooses its first token;
+3. decodes: the last token of every generating request, in one step of one graph (the weights
+   read once for all of them), and chooses each one's next token from its own logits row;
+4. ends requests that stopped, reached their length or were cancelled, freeing their sequence.
+
+Each request keeps its own sampler. On the CPU with ``batch_invariant`` a request's tokens
+equal those it gets alone (tests/test_batch.py); elsewhere up to the near-tie rule.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lucepy.decode.sampling import Sampler, SamplingParams
+from lucepy.errors import ConfigError
+from lucepy.runtime.pipeline import Step
+from lucepy.runtime.slots import SeqSlots
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop_at_end: bool = True
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    finish_reason: str | None = None  # "length", "stop" or "cancelled" once it has ended
+    seq: int = -1  # its sequence while admitted
+    fed: int = 0  # positions of its sequence written (prompt, then generated tokens)
+    t_submit: float = 0.0
+    t_first: float = 0.0  # perf_counter when its first token was chosen
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def reading(self) -> bool:
+        """Still feeding its prompt."""
+        return self.seq >= 0 and self.fed < len(self.prompt)
+
+
+class Batcher:
+    """Requests on an engine with ``parallel`` sequences, decoded together (module doc)."""
+
+    def __init__(self, engine, chunk: int | None = None):
+        slots = engine.pipeline.slots
+        if not isinstance(slots, SeqSlots):
+            raise ConfigError("batching needs an engine loaded with RuntimeConfig.parallel > 1")
+        self.engine, self.slots = engine, slots
+        self.chunk = min(chunk or engine.config.chunk, engine.model.max_step() or 1 << 30)
+        self.free = list(range(slots.n_seq))
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.active: list[Request] = []  # admitted, in admission order
+        self.steps = {"prefill": 0, "decode": 0, "decoded": 0}  # decoded: tokens in decode steps
+
+    def submit(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_at_end: bool = True,
+    ) -> Request:
+        if not prompt:
+            raise ConfigError("nothing to prefill: the token list is empty")
+        if len(prompt) >= self.slots.n_ctx:
+            raise ConfigError(
+                f"a prompt of {len(prompt)} tokens leaves no room in a sequence's context of "
+                f"{self.slots.n_ctx}"
+            )
+        self.engine._check_tokens(np.asarray(prompt, dtype=np.int32))
+        req = Request(list(prompt), max_tokens, Sampler(sampling), stop_at_end)
+        req.t_submit = time.perf_counter()
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """End ``req`` now (its client went away, or a stop string ended its text, ``reason``
+        "stop"); its sequence is free at once."""
+        if req.done:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+
+    def clear(self) -> None:
+        """Forget every request (after a failed step): all sequences are free."""
+        for req in [*self.waiting, *self.active]:
+            self.cancel(req)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def step(self) -> list[tuple[Request, int]]:
+        """One round (module doc): the tokens chosen in it, as (request, token)."""
+        while self.waiting and self.free:
+            req = self.waiting.popleft()
+            # the lowest free sequence: a decode step runs sequences 0..highest (stand-ins
+            # for those not decoding cost a row each)
+            req.seq, req.fed = min(self.free), 0
+            self.free.remove(req.seq)
+            self.slots.release(req.seq)
+            self.active.append(req)
+        out: list[tuple[Request, int]] = []
+        reading = next((r for r in self.active if r.reading), None)
+        if reading is not None:
+            self._prefill_chunk(reading, out)
+        generating = [r for r in self.active if not r.reading and r.fed < self._held(r)]
+        if generating:
+            self._decode(generating, out)
+        return out
+
+    def run(self) -> None:
+        """Step until every request has ended."""
+        while not self.idle:
+            self.step()
+
+    def _held(self, req: Request) -> int:
+        """Positions of ``req``'s sequence once its last chosen token is fed."""
+        return len(req.prompt) + len(req.tokens)
+
+    def _prefill_chunk(self, req: Request, out: list) -> None:
+        part = np.asarray(req.prompt[req.fed : req.fed + self.chunk], dtype=np.int32)
+        pos = np.arange(req.fed, req.fed + part.size, dtype=np.int32)
+        batch = self.slots.batch_of(part, np.full(part.size, req.seq, dtype=np.int32), pos)
+        res = self.engine.pipeline.forward_batch(batch, Step())
+        self.steps["prefill"] += 1
+        req.fed += part.size
+        if not req.reading:
+            self._choose(req, res.values[-1], out)
+
+    def _decode(self, reqs: list[Request], out: list) -> None:
+        tokens = np.array([r.tokens[-1] for r in reqs], dtype=np.int32)
+        seq = np.array([r.seq for r in reqs], dtype=np.int32)
+        pos = np.array([r.fed for r in reqs], dtype=np.int32)
+        greedy = all(r.sampler.params.greedy for r in reqs)
+        step = Step(logits="all", want="argmax" if greedy else "out")
+        res = self.engine.pipeline.forward_batch(self.slots.decode_batch(tokens, seq, pos), step)
+        self.steps["decode"] += 1
+        self.steps["decoded"] += len(reqs)
+        for req in reqs:  # output row s is sequence s
+            req.fed += 1
+            if greedy:
+                self._take(req, int(res.values[0, req.seq]), out)
+            else:
+                self._choose(req, res.values[req.seq], out)
+
+    def _choose(self, req: Request, logits: np.ndarray, out: list) -> None:
+        self._take(req, req.sampler.sample(logits), out)
+
+    def _take(self, req: Request, token: int, out: list) -> None:
+        if not req.tokens:
+            req.t_first = time.perf_counter()
+        req.tokens.append(token)
+        out.append((req, token))
+        tok = self.engine.tokenizer
+        if req.stop_at_end and tok is not None and tok.is_end(token):
+            self._finish(req, "stop")
+        elif len(req.tokens) >= req.max_tokens or self._held(req) >= self.slots.n_ctx:
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        if req.seq >= 0:
+            self.active.remove(req)
+            self.slots.release(req.seq)
+            self.free.append(req.seq)
+            req.seq = -1

@@ -1,0 +1,106 @@
+"""Continuous batching (decode/batch.py) on SmolLM2: requests decoded together, joining and
+leaving at any step, give exactly the tokens each gives alone; a cancelled request frees its
+sequence for a waiting one; each sequence attends to its own cache rows only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import THREADS
+
+from lucepy.catalog import smollm2_file
+from lucepy.decode.ar import generate
+from lucepy.decode.batch import Batcher
+from lucepy.engine import Engine
+from lucepy.errors import ConfigError
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.runtime.slots import SeqSlots
+
+PROMPTS = Path(__file__).parents[1] / "tools" / "dflash_prompts.json"
+CTX = 256
+
+
+def config(parallel: int) -> RuntimeConfig:
+    return RuntimeConfig(
+        threads=THREADS, max_ctx=CTX, chunk=32, parallel=parallel, batch_invariant=True
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    held = json.loads(PROMPTS.read_text())["heldout"]
+    # different lengths: whole prompts and their first tokens
+    return [p if i % 2 else p[: 12 + 3 * i] for i, p in enumerate(held)]
+
+
+def alone(prompts, lengths) -> list[list[int]]:
+    with Engine(smollm2_file(), config(1), tokenizer=False) as engine:
+        return [
+            generate(engine, p, n, stop_at_end=False).tokens
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+
+
+def test_seq_slots_keep_each_sequence_to_its_rows():
+    slots = SeqSlots(3, 8)
+    batch = slots.batch_of(np.array([5, 6, 7]), np.array([0, 0, 2]), np.array([0, 1, 0]))
+    assert batch.slots.tolist() == [0, 1, 16]
+    mask = batch.mask()
+    seen = [np.flatnonzero(row == 0).tolist() for row in mask]
+    assert seen == [[0], [0, 1], [16]]
+    slots.release(0)
+    batch = slots.batch_of(np.array([9]), np.array([2]), np.array([1]))
+    assert np.flatnonzero(batch.mask()[0] == 0).tolist() == [16, 17]
+    assert batch.cell_pos[:2].tolist() == [-1, -1]  # sequence 0's rows, released
+    with pytest.raises(ValueError, match="sequence ids"):
+        slots.batch_of(np.array([1]), np.array([3]), np.array([0]))
+
+
+def test_eight_requests_together_equal_each_alone_with_a_cancel_and_a_queue(prompts):
+    """Ten requests on eight sequences: two wait; one is cancelled after 6 tokens and a waiting
+    one takes its sequence; prompts are fed in chunks of 32 between decode steps."""
+    picked = prompts[:10]
+    lengths = [24 + 4 * i for i in range(10)]
+    want = alone(picked, lengths)
+    with Engine(smollm2_file(), config(8), tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        pairs = zip(picked, lengths, strict=True)
+        reqs = [batcher.submit(p, n, stop_at_end=False) for p, n in pairs]
+        assert len(batcher.waiting) == 10
+        most = 0
+        while not batcher.idle:
+            batcher.step()
+            most = max(most, len(batcher.active))
+            if len(reqs[3].tokens) == 6 and not reqs[3].done:
+                batcher.cancel(reqs[3])
+        assert most == 8 and batcher.steps["decode"] < sum(lengths) / 4
+    for i, (req, tokens) in enumerate(zip(reqs, want, strict=True)):
+        if i == 3:
+            assert req.finish_reason == "cancelled" and req.tokens == tokens[:6]
+        else:
+            assert req.finish_reason == "length" and req.tokens == tokens, i
+
+
+def test_thirty_two_requests_together_equal_each_alone(prompts):
+    picked = [prompts[i % len(prompts)][: 10 + i] for i in range(32)]
+    lengths = [8 + i % 7 for i in range(32)]
+    want = alone(picked, lengths)
+    with Engine(smollm2_file(), config(32), tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        pairs = zip(picked, lengths, strict=True)
+        reqs = [batcher.submit(p, n, stop_at_end=False) for p, n in pairs]
+        batcher.run()
+    assert [r.tokens for r in reqs] == want
+
+
+def test_parallel_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="parallel"):
+        RuntimeConfig(parallel=0)
+    with pytest.raises(ConfigError, match="draft"):
+        RuntimeConfig(parallel=2, draft="d.gguf")
+    with Engine(smollm2_file(), config(1), tokenizer=False) as engine:
+        with pytest.raises(ConfigError, match="parallel"):
+            Batcher(engine)

@@ -1,0 +1,89 @@
+"""e2e tier: `--parallel` in the server, through the official `openai` client. Requests decode
+together (decode/batch.py), streamed, and each gets the text it gets alone."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import THREADS
+
+from lucepy.catalog import smollm2_file
+from lucepy.decode.ar import generate
+from lucepy.engine import Engine
+from lucepy.errors import ConfigError
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.server.run import Server
+
+PROMPTS = Path(__file__).parents[1] / "tools" / "dflash_prompts.json"
+CTX = 256
+
+
+def config(parallel: int) -> RuntimeConfig:
+    return RuntimeConfig(threads=THREADS, max_ctx=CTX, parallel=parallel, batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(Engine(smollm2_file(), config(4)), name="smol", port=0, log_level="warning")
+    yield srv.start()
+    srv.stop()
+
+
+def streamed(client, tokens: list[int], n: int) -> str:
+    stream = client.completions.create(
+        model="smol", prompt=tokens, max_tokens=n, temperature=0, stream=True
+    )
+    return "".join(chunk.choices[0].text for chunk in stream)
+
+
+def test_eight_streams_on_four_sequences_each_get_their_own_answer(server):
+    prompts = json.loads(PROMPTS.read_text())["heldout"][:8]
+    lengths = [20 + 3 * i for i in range(8)]
+    with Engine(smollm2_file(), config(1)) as engine:
+        want = []
+        for p, n in zip(prompts, lengths, strict=True):
+            gen = generate(engine, p, n)
+            want.append(
+                engine.tokenizer.decode([t for t in gen.tokens if not engine.tokenizer.is_end(t)])
+            )
+    with (
+        openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0) as client,
+        ThreadPoolExecutor(8) as pool,
+    ):
+        futures = [
+            pool.submit(streamed, client, p, n) for p, n in zip(prompts, lengths, strict=True)
+        ]
+        got = [f.result() for f in futures]
+    assert got == want
+    batch = server.status()["batch"]
+    assert batch["parallel"] == 4 and batch["active"] == 0
+    assert batch["decoded"] > 2 * batch["decode"]  # steps decoded several requests at once
+
+
+def test_a_recurrent_model_refuses_parallel(tiny_model):
+    with pytest.raises(ConfigError, match="recurrent state"):
+        Engine(tiny_model(), RuntimeConfig(threads=1, max_ctx=64, parallel=2))
+
+
+def test_a_client_that_leaves_frees_its_sequence(server):
+    prompt = json.loads(PROMPTS.read_text())["heldout"][0]
+    before = server.status()["requests"]["cancelled"]
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0) as client:
+        stream = client.completions.create(
+            model="smol", prompt=prompt, max_tokens=200, temperature=0, stream=True
+        )
+        next(iter(stream))
+        stream.close()  # the client goes away after its first piece of text
+        for _ in range(200):
+            status = server.status()
+            if status["requests"]["cancelled"] == before + 1:
+                break
+            time.sleep(0.05)
+        assert status["requests"]["cancelled"] == before + 1
+        assert status["batch"]["active"] == 0 and status["last"]["completion_tokens"] < 200
+        assert streamed(client, prompt, 4)  # and the server goes on serving
