@@ -23,9 +23,9 @@ PROMPTS = Path(__file__).parents[1] / "tools" / "dflash_prompts.json"
 CTX = 256
 
 
-def config(parallel: int) -> RuntimeConfig:
+def config(parallel: int, **kw) -> RuntimeConfig:
     return RuntimeConfig(
-        threads=THREADS, max_ctx=CTX, chunk=32, parallel=parallel, batch_invariant=True
+        threads=THREADS, max_ctx=CTX, chunk=32, parallel=parallel, batch_invariant=True, **kw
     )
 
 
@@ -96,6 +96,20 @@ def test_thirty_two_requests_together_equal_each_alone(prompts):
     assert [r.tokens for r in reqs] == want
 
 
+def test_a_split_with_a_worker_batches_as_the_unsplit_model(prompts):
+    """Layers 0-14 here, 15-29 in a worker process: the batch's streams cross the split."""
+    picked, lengths = prompts[:6], [12 + 2 * i for i in range(6)]
+    want = alone(picked, lengths)
+    split = config(4, device="cpu,cpu@worker", layer_split="1,1")
+    with Engine(smollm2_file(), split, tokenizer=False) as engine:
+        assert [s.process for s in engine.shards] == ["local", "worker"]
+        batcher = Batcher(engine)
+        pairs = zip(picked, lengths, strict=True)
+        reqs = [batcher.submit(p, n, stop_at_end=False) for p, n in pairs]
+        batcher.run()
+    assert [r.tokens for r in reqs] == want
+
+
 def test_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="parallel"):
         RuntimeConfig(parallel=0)
@@ -104,3 +118,5 @@ def test_parallel_is_refused_where_it_cannot_run():
     with Engine(smollm2_file(), config(1), tokenizer=False) as engine:
         with pytest.raises(ConfigError, match="parallel"):
             Batcher(engine)
+    with pytest.raises(ConfigError, match="needs .* MiB on cpu"):
+        Engine(smollm2_file(), RuntimeConfig(max_ctx=8192, parallel=100_000), tokenizer=False)

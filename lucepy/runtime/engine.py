@@ -24,7 +24,7 @@ from lucepy.models import ModelOptions, architecture_for
 from lucepy.models.state import spec_nbytes, state_specs
 from lucepy.runtime import backends, experts, state, workers
 from lucepy.runtime.config import RuntimeConfig
-from lucepy.runtime.devices import local_backends, open_backend
+from lucepy.runtime.devices import list_devices, local_backends, open_backend
 from lucepy.runtime.kvpool import PagerCopy
 from lucepy.runtime.pipeline import Pipeline, Step, VerifyHandle
 from lucepy.runtime.placement import DeviceSpec, LoadPlan, parse_devices, parse_split, plan_load
@@ -60,6 +60,8 @@ def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
                 f"requests one at a time (--parallel 1)"
             )
     plan = plan_load(f, model, specs, split, n_ctx, config.parallel)
+    if config.parallel > 1:
+        check_fits(plan, list_devices(lib))
     if 0 < config.kv_pool < plan.max_ctx:
         plan = dataclasses.replace(plan, kv_pool=pool_plan(model, config, plan.max_ctx))
     placement = experts.placement_for(f, model.p, config)
@@ -74,6 +76,25 @@ def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
             )
         shards.append(dataclasses.replace(sp, weight_bytes=sp.weight_bytes - host))
     return dataclasses.replace(plan, shards=tuple(shards), experts=placement)
+
+
+def check_fits(plan: LoadPlan, devices: list) -> None:
+    """Refuse a plan whose weights and state do not fit a local device's free memory (the
+    caches of ``--parallel`` sequences grow with N), before any weights load."""
+    free = {d.name: d.memory_free for d in devices}
+    need: dict[str, int] = {}
+    for shard in plan.shards:
+        if shard.process == "local" and shard.device in free:
+            need[shard.device] = need.get(shard.device, 0) + shard.weight_bytes + shard.state_bytes
+    for name, total in need.items():
+        if total > free[name]:
+            per_seq = sum(s.state_bytes for s in plan.shards if s.device == name) // plan.parallel
+            raise ConfigError(
+                f"--parallel {plan.parallel} needs {total / 2**20:,.0f} MiB on {name} (weights "
+                f"and {plan.parallel} x {per_seq / 2**20:,.0f} MiB of cache for {plan.max_ctx} "
+                f"positions each); {free[name] / 2**20:,.0f} MiB are free: lower --parallel or "
+                f"--max-ctx"
+            )
 
 
 def pool_plan(model, config: RuntimeConfig, n_ctx: int) -> dict:
