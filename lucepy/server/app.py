@@ -81,6 +81,7 @@ class Served:
             body.want_logprobs,
             grammar,
             self.tool_format.name if getattr(body, "calls_tools", False) else None,
+            ignore_eos=body.ignore_eos,
         )
 
     async def grammar(self, body) -> str | None:

@@ -54,6 +54,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    ignore_eos: bool = False  # an extension (llama-server's): the end token does not stop it
 
     def problem(self) -> tuple[str, str] | None:
         """(field, message) for the first field that asks for something lucepy does not

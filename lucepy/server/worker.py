@@ -67,6 +67,7 @@ class Job:
     logprobs: int | None = None  # top tokens to report per token; None: no log-probabilities
     grammar: str | None = None  # an llguidance grammar every choice must follow
     tools: str | None = None  # cut tool calls in this format out of the text (server/tools.py)
+    ignore_eos: bool = False  # the end token does not stop the generation
     cancel: threading.Event = field(default_factory=threading.Event)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop | None = None  # the handler's; set by Worker.submit
@@ -145,7 +146,9 @@ class Worker:
                 self.stats.dequeued(runs)
                 if runs and _batchable(job):
                     try:
-                        req = batcher.submit(job.prompt_tokens, job.max_tokens, job.sampling)
+                        req = batcher.submit(
+                            job.prompt_tokens, job.max_tokens, job.sampling, not job.ignore_eos
+                        )
                     except Exception as err:  # a bad request fails alone
                         self.stats.finished("failed")
                         job.emit(Failed(err))
@@ -361,6 +364,7 @@ def _choice(engine, job: Job, index: int, sampling, queue_ms: float, on_token) -
         gen=gen,
         logprobs=job.logprobs,
         constraint=constraint,
+        stop_at_end=not job.ignore_eos,
     )
     choice = Choice(engine, job, index, gen)
     with contextlib.closing(tokens):

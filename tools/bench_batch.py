@@ -1,0 +1,166 @@
+"""Many clients at once: `lucepy serve --parallel N` through the official `openai` client against
+llama.cpp's batched decoding of the same GGUF (llama-batched-bench), in one run.
+
+    python3 tools/bench_batch.py [--model M.gguf] [--device cpu|cuda:0] [--clients 1,4,8,32]
+        [--tokens 256] [--threads T] [--llama-batched-bench BIN] [--json OUT] [--md OUT]
+
+lucepy: a server in this process with ``--parallel N`` (N = clients; 1: the one-at-a-time
+worker), N clients started together, each streaming a completion of exactly ``--tokens`` tokens
+(``ignore_eos``, greedy) after a held-out chat prompt (tools/dflash_prompts.json, cycled).
+Aggregate: all completion tokens over the wall time from the first request to the last token;
+time to first token: the median over clients. Each level runs once after a warm-up request.
+"engine": the same requests on a ``Batcher`` with no server and no clients in the process.
+
+llama.cpp: llama-batched-bench, built from the pinned source against the same build (the pinned
+source has no llama-server), ``-npp P -ntg TOKENS -npl N`` with P the mean prompt length: N
+sequences prefilled together, then decoded together. Its aggregate: (N x TOKENS) over its
+prefill plus decode time, and its decode-only rate. The methods differ: lucepy's clients join a
+running server through HTTP and its prompts are fed a chunk per step between decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from lucepy.catalog import smollm2_file
+from lucepy.decode.batch import Batcher
+from lucepy.engine import Engine
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.server.run import Server
+
+PROMPTS = Path(__file__).with_name("dflash_prompts.json")
+
+
+def one_client(client, prompt: list[int], n: int) -> dict:
+    t0 = time.perf_counter()
+    first, count = None, 0
+    stream = client.completions.create(
+        model="m", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text and first is None:
+            first = time.perf_counter()
+        count += 1
+    return {"t0": t0, "first": first or time.perf_counter(), "end": time.perf_counter()}
+
+
+def lucepy_level(args, prompts, n: int) -> dict:
+    cfg = RuntimeConfig(device=args.device, threads=args.threads, max_ctx=args.max_ctx, parallel=n)
+    srv = Server(Engine(args.model, cfg), name="m", port=0, log_level="warning").start()
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0) as client:
+            one_client(client, prompts[0], 8)  # warm-up: graphs built
+            with ThreadPoolExecutor(n) as pool:
+                runs = list(
+                    pool.map(lambda i: one_client(client, prompts[i % len(prompts)], args.tokens),
+                             range(n))
+                )  # fmt: skip
+            tokens = srv.status()["tokens"]["completion"] - 8
+    finally:
+        srv.stop()
+    wall = max(r["end"] for r in runs) - min(r["t0"] for r in runs)
+    ttft = statistics.median(r["first"] - r["t0"] for r in runs)
+    return {"tok_s": round(tokens / wall, 2), "ttft_ms": round(ttft * 1e3, 1), "tokens": tokens}
+
+
+def engine_level(args, prompts, n: int) -> dict:
+    """The same requests on a Batcher with no server: what the engine does, as
+    llama-batched-bench measures llama.cpp (no HTTP, no client in this process)."""
+    cfg = RuntimeConfig(
+        device=args.device, threads=args.threads, max_ctx=args.max_ctx, parallel=max(n, 2)
+    )
+    with Engine(args.model, cfg, tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        batcher.submit(prompts[0], 8, stop_at_end=False)
+        batcher.run()  # warm-up
+        t0 = time.perf_counter()
+        reqs = [
+            batcher.submit(prompts[i % len(prompts)], args.tokens, stop_at_end=False)
+            for i in range(n)
+        ]
+        batcher.run()
+        wall = time.perf_counter() - t0
+    return {"tok_s": round(n * args.tokens / wall, 2),
+            "ttft_ms": round(statistics.median(r.t_first - t0 for r in reqs) * 1e3, 1)}  # fmt: skip
+
+
+def llama_level(args, prompt_len: int, n: int) -> dict:
+    cmd = [
+        args.llama_batched_bench, "-m", str(args.model), "-c", str(n * (prompt_len + args.tokens)),
+        "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(args.tokens),
+        "-npl", str(n), "-fa", "on", "--output-format", "jsonl",
+    ]  # fmt: skip
+    if args.threads:
+        cmd += ["-t", str(args.threads)]
+    if args.device != "cpu":
+        cmd += ["-ngl", "99"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    total_s = row["t_pp"] + row["t_tg"]
+    return {
+        "tok_s": round(n * args.tokens / total_s, 2),
+        "decode_tok_s": round(row["speed_tg"], 2),
+        "prefill_s": round(row["t_pp"], 3),
+    }
+
+
+def markdown(res: dict) -> str:
+    lines = [
+        "| clients | lucepy server tok/s | TTFT ms | lucepy engine tok/s | TTFT ms "
+        "| llama.cpp tok/s | server / llama.cpp | engine / llama.cpp "
+        "| llama.cpp decode-only tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, r in res["levels"].items():
+        lu, en, ll = r["lucepy"], r["engine"], r.get("llama.cpp")
+        ratios = [f"{x['tok_s'] / ll['tok_s']:.2f}x" if ll else "" for x in (lu, en)]
+        lines.append(
+            f"| {n} | {lu['tok_s']:.1f} | {lu['ttft_ms']:.0f} | {en['tok_s']:.1f} | "
+            f"{en['ttft_ms']:.0f} | {ll['tok_s'] if ll else ''} | {ratios[0]} | {ratios[1]} | "
+            f"{ll['decode_tok_s'] if ll else ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clients", default="1,4,8,32")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--max-ctx", type=int, default=1024, help="positions per sequence")
+    ap.add_argument("--llama-batched-bench", help="llama-batched-bench of the same build")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--md", type=Path)
+    args = ap.parse_args()
+    args.model = args.model or Path(smollm2_file())
+    prompts = json.loads(PROMPTS.read_text())["heldout"]
+    prompt_len = round(statistics.mean(len(p) for p in prompts))
+    res: dict = {"model": str(args.model), "device": args.device, "tokens": args.tokens,
+                 "prompt_len_mean": prompt_len, "levels": {}}  # fmt: skip
+    for n in (int(x) for x in args.clients.split(",")):
+        level = {"lucepy": lucepy_level(args, prompts, n), "engine": engine_level(args, prompts, n)}
+        if args.llama_batched_bench:
+            level["llama.cpp"] = llama_level(args, prompt_len, n)
+        res["levels"][n] = level
+        print(n, json.dumps(level), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1) + "\n")
+    table = markdown(res)
+    print(table)
+    if args.md:
+        args.md.write_text(table)
+
+
+if __name__ == "__main__":
+    main()
