@@ -135,8 +135,7 @@ class Batcher:
 
     def _prefill_chunk(self, req: Request, out: list) -> None:
         part = np.asarray(req.prompt[req.fed : req.fed + self.chunk], dtype=np.int32)
-        pos = np.arange(req.fed, req.fed + part.size, dtype=np.int32)
-        batch = self.slots.batch_of(part, np.full(part.size, req.seq, dtype=np.int32), pos)
+        batch = self.slots.chunk_batch(part, req.seq, req.fed)
         res = self.engine.pipeline.forward_batch(batch, Step())
         self.steps["prefill"] += 1
         req.fed += part.size
@@ -152,12 +151,14 @@ class Batcher:
         res = self.engine.pipeline.forward_batch(self.slots.decode_batch(tokens, seq, pos), step)
         self.steps["decode"] += 1
         self.steps["decoded"] += len(reqs)
-        for req in reqs:  # output row s is sequence s
+        first = min(r.seq for r in reqs)
+        for req in reqs:  # output row i is sequence first + i
             req.fed += 1
+            row = req.seq - first
             if greedy:
-                self._take(req, int(res.values[0, req.seq]), out)
+                self._take(req, int(res.values[0, row]), out)
             else:
-                self._choose(req, res.values[req.seq], out)
+                self._choose(req, res.values[row], out)
 
     def _choose(self, req: Request, logits: np.ndarray, out: list) -> None:
         self._take(req, req.sampler.sample(logits), out)

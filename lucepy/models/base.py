@@ -86,7 +86,7 @@ class GraphSpec:
     capture: tuple[int, ...] = ()  # layers whose entering residual stream is an output
     ring: int = 0  # rows of the sliding-window rings the step attends over (0: the model has none)
     queries: bool = False  # output each full-attention layer's query (``q.L``; KV Flash's QK rank)
-    streams: tuple[int, int] = (0, 0)  # StepBatch's (streams, stream_rows): sequences apart
+    streams: tuple[int, int, int] = (0, 0, 0)  # StepBatch's streams, stream_rows, stream_first
 
 
 class Builder:
@@ -107,7 +107,7 @@ class Builder:
         self.routes: dict[int, Tensor] = {}  # layer -> the experts its tokens chose [k, T] i32
         self.offload: list[Tensor] = []  # nodes for the host CPU backend (cold experts)
         self.queries = False  # output the queries of full attention (set from GraphSpec.queries)
-        self.streams = (0, 0)  # GraphSpec.streams
+        self.streams = (0, 0, 0)  # GraphSpec.streams
 
     def input(self, name: str, gtype: int, *shape: int, kind: str = "step") -> Tensor:
         """An input the host writes every step (runtime sends a graph's step inputs in one copy).
@@ -227,13 +227,14 @@ class Builder:
         return self.attend_kv(cache, q, views, mask, scale, flash)
 
     def _stream_attention(self, cache: KVCache, q, views: tuple, mask, scale: float, flash: bool):
-        """Attention of S sequences side by side (GraphSpec.streams): ``q`` [hd, nh, T] as
-        [hd, nh, T/S, S], each sequence over its own window of the cache, ggml's 4th dimension
-        (llama.cpp's KV streams). Each token reads its own sequence's rows, not every row."""
+        """Attention of S sequences side by side (GraphSpec.streams), from sequence F on: ``q``
+        [hd, nh, T] as [hd, nh, T/S, S], each sequence over its own window of the cache, ggml's
+        4th dimension (llama.cpp's KV streams). Each token reads its own sequence's rows, not
+        every row."""
         if cache.k_rot or cache.v_rot:
             raise ConfigError("batched sequences need an f16 KV cache (--cache-type-k/-v f16)")
         L, c = self.lib, self.ctx
-        (S, stride), n_kv = self.streams, mask.ne[0]
+        (S, stride, first), n_kv = self.streams, mask.ne[0]
         hd, nh, T = q.ne[0], q.ne[1], q.ne[2]
         t = T // S
         q4 = L.ggml_reshape_4d(c, q, hd, nh, t, S)
@@ -241,7 +242,18 @@ class Builder:
         for view in views:  # [hd, nkv, n_kv] of the written cache -> [hd, nkv, n_kv, S]
             row = view.nb[2]
             kv.append(
-                L.ggml_view_4d(c, view, hd, view.ne[1], n_kv, S, view.nb[1], row, row * stride, 0)
+                L.ggml_view_4d(
+                    c,
+                    view,
+                    hd,
+                    view.ne[1],
+                    n_kv,
+                    S,
+                    view.nb[1],
+                    row,
+                    row * stride,
+                    row * stride * first,
+                )  # fmt: skip
             )
         mask4 = L.ggml_reshape_4d(c, mask, n_kv, t, 1, S)
         q4 = L.ggml_permute(c, q4, 0, 2, 1, 3)  # [hd, t, nh, S]

@@ -25,11 +25,13 @@ class StepBatch:
     # pool attends over fewer; a sliding window's ring follows the positions)
     cell_until: np.ndarray | None = None  # [n_kv] int32: a row is seen only by tokens before
     # this position (KV Flash: a chunk paged out inside the step); None: by all
-    # S > 0: the step is sequences 0..S-1, T/S tokens each in sequence order, and sequence s
-    # attends over its own n_kv rows, ``stream_rows`` * s onward (row r of them holds position
-    # r); cell_pos and cell_seq are unused. 0: every token attends over the same n_kv rows.
+    # S > 0: the step is sequences F..F+S-1 (F: ``stream_first``), T/S tokens each in sequence
+    # order, and sequence s attends over its own n_kv rows, ``stream_rows`` * s onward (row r
+    # of them holds position r); cell_pos and cell_seq are unused. 0: every token attends over
+    # the same n_kv rows.
     streams: int = 0
     stream_rows: int = 0
+    stream_first: int = 0
 
     @property
     def n_tokens(self) -> int:

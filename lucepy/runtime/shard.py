@@ -118,7 +118,7 @@ class Shard:
             mine,
             self.model.ring_span(batch),
             queries,
-            (batch.streams, batch.stream_rows),
+            (batch.streams, batch.stream_rows, batch.stream_first),
         )
 
     def graph(self, spec: GraphSpec) -> CompiledGraph:

@@ -119,34 +119,47 @@ class SeqSlots:
             cell_seq=cell_seq.astype(np.int32),
         )
 
+    def chunk_batch(self, tokens: np.ndarray, seq: int, pos0: int) -> StepBatch:
+        """``tokens`` of sequence ``seq`` from position ``pos0``, as one stream over that
+        sequence's own rows (a prompt chunk reads none of the other sequences' rows)."""
+        pos = np.arange(pos0, pos0 + tokens.size, dtype=np.int32)
+        _check_end(pos0 + tokens.size, self.n_ctx)
+        self.length[seq] = max(self.length[seq], pos0 + tokens.size)
+        window = kv_bucket(pos0 + tokens.size, self.n_ctx, tokens.size)
+        return self._streams(np.asarray(tokens, dtype=np.int32), pos, seq, 1, window)
+
     def decode_batch(self, tokens: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> StepBatch:
-        """One token for each of the sequences ``seq``, as streams (StepBatch.streams): row s
-        of the step is sequence s, for s = 0..max(seq); a sequence not decoding here gets a
-        stand-in token written to its last row, which no token of its own reaches (a sequence
-        ends a position before it), and its output row is ignored. Every sequence attends over
-        its own window of rows only."""
+        """One token for each of the sequences ``seq``, as streams (StepBatch.streams): row i
+        of the step is sequence min(seq) + i, up to max(seq); a sequence between them that is
+        not decoding gets a stand-in token written to its last row, which no token of its own
+        reaches (a sequence ends a position before it), and its output row is ignored. Every
+        sequence attends over its own window of rows only."""
         seq = np.asarray(seq, dtype=np.int32)
         if seq.size != np.unique(seq).size:
             raise ValueError("a decode step holds one token per sequence")
-        S = int(seq.max()) + 1
-        if S > self.n_seq:
+        first, S = int(seq.min()), int(seq.max() - seq.min()) + 1
+        if first < 0 or first + S > self.n_seq:
             raise ValueError(f"sequence ids run 0..{self.n_seq - 1}, got {seq.tolist()}")
         _check_end(int(np.max(pos)) + 2, self.n_ctx)  # the last row stays the stand-ins'
         all_pos = np.full(S, self.n_ctx - 1, dtype=np.int32)
         all_tokens = np.zeros(S, dtype=np.int32)
-        all_pos[seq], all_tokens[seq] = pos, tokens
+        all_pos[seq - first], all_tokens[seq - first] = pos, tokens
         np.maximum.at(self.length, seq, np.asarray(pos, dtype=np.int64) + 1)
         window = kv_bucket(int(np.max(pos)) + 1, self.n_ctx)
-        stream = np.arange(S, dtype=np.int32)
+        return self._streams(all_tokens, all_pos, first, S, window)
+
+    def _streams(self, tokens, pos, first: int, S: int, window: int) -> StepBatch:
+        stream = np.repeat(np.arange(first, first + S, dtype=np.int32), tokens.size // S)
         return StepBatch(
-            tokens=all_tokens,
-            pos=all_pos,
+            tokens=tokens,
+            pos=pos,
             seq=stream,
-            slots=stream.astype(np.int64) * self.n_ctx + all_pos,
+            slots=stream.astype(np.int64) * self.n_ctx + pos,
             cell_pos=np.arange(window, dtype=np.int32),
             cell_seq=np.zeros(window, dtype=np.int32),
             streams=S,
             stream_rows=self.n_ctx,
+            stream_first=first,
         )
 
 
