@@ -14,7 +14,7 @@ from conftest import THREADS
 from lucepy.catalog import smollm2_file
 from lucepy.decode.ar import generate
 from lucepy.decode.batch import Batcher
-from lucepy.engine import Engine
+from lucepy.engine import Engine, open_engine
 from lucepy.errors import ConfigError
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.slots import SeqSlots
@@ -94,6 +94,30 @@ def test_thirty_two_requests_together_equal_each_alone(prompts):
         reqs = [batcher.submit(p, n, stop_at_end=False) for p, n in pairs]
         batcher.run()
     assert [r.tokens for r in reqs] == want
+
+
+def test_requests_restore_cached_prefixes_into_their_own_sequences(prompts):
+    """The RAM prefix cache beside batching: a prompt seen before starts from its logits with
+    nothing to prefill; one that goes on from where a finished request's sequence stood
+    restores that sequence and prefills the rest, in chunks, while others decode; tokens equal
+    each request alone."""
+    first = prompts[1]
+    with open_engine(smollm2_file(), config(4, prefix_cache_slots=8), tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        seen = batcher.submit(first, 16, stop_at_end=False)
+        batcher.run()
+        assert seen.cache == {"hit": "none", "restored_tokens": 0, "prefilled_tokens": len(first)}
+        # the positions seen's sequence held when it ended: its prompt and 15 tokens fed
+        longer = first + seen.tokens[:15] + prompts[3][-40:]
+        picked = [first, longer, prompts[5]]
+        reqs = [batcher.submit(p, 20, stop_at_end=False) for p in picked]
+        steps = dict(batcher.steps)
+        batcher.run()
+        chunks = -(-len(prompts[5]) // 32) + 2  # prompts[5]'s, and longer's 40 tokens
+        assert batcher.steps["prefill"] - steps["prefill"] == chunks
+    assert [r.cache["restored_tokens"] for r in reqs] == [len(first), len(first) + 15, 0]
+    assert [r.cache["prefilled_tokens"] for r in reqs] == [0, 40, len(prompts[5])]
+    assert [r.tokens for r in [seen, *reqs]] == alone([first, *picked], [16, 20, 20, 20])
 
 
 def test_a_split_with_a_worker_batches_as_the_unsplit_model(prompts):

@@ -222,14 +222,28 @@ class PrefixCache:
             arrays["logits"] = np.asarray(logits, dtype=np.float32)[None]
         return arrays
 
-    def _save_ram(self, tokens: tuple[int, ...], logits) -> None:
+    # batched sequences (decode/batch.py): RAM slots only, shared with the one-sequence path
+    def lookup(self, prompt: list[int]) -> Slot | None:
+        """The RAM slot of ``prompt``'s longest cached prefix (a batched request's restore)."""
+        slot = self._ram_hit(prompt)
+        if slot is not None:
+            self.slots.move_to_end(slot.tokens)
+        return slot
+
+    def save_sequence(self, tokens, seq: int, logits) -> None:
+        """Keep batched sequence ``seq``'s state of ``tokens`` in a RAM slot."""
+        if self.max_slots:
+            tokens = tuple(int(t) for t in tokens)
+            self._save_ram(tokens, logits, lambda: self.engine.snapshot_sequence(seq, len(tokens)))
+
+    def _save_ram(self, tokens: tuple[int, ...], logits, snapshot=None) -> None:
         old = self.slots.get(tokens)
         if old is not None:  # the same tokens give the same state: keep it, and its logits
             if old.logits is None and logits is not None:
                 old.logits = np.array(logits, dtype=np.float32)
             self.slots.move_to_end(tokens)
             return
-        copies = self.engine.snapshot(len(tokens))
+        copies = snapshot() if snapshot else self.engine.snapshot(len(tokens))
         nbytes = sum(c.nbytes for c in copies.values())
         kept = None if logits is None else np.array(logits, dtype=np.float32)
         self.slots[tokens] = Slot(tokens, copies, kept, nbytes)

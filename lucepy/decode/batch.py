@@ -14,6 +14,11 @@ requests beyond N wait in a queue, in arrival order. Each ``step``:
 
 Each request keeps its own sampler. On the CPU with ``batch_invariant`` a request's tokens
 equal those it gets alone (tests/test_batch.py); elsewhere up to the near-tie rule.
+
+With the engine's prefix cache (its RAM slots; ``--prefix-cache-slots``), an admitted request
+restores its prompt's longest cached prefix into its own sequence's rows (the others go on
+decoding) and prefills only the rest; a prompt, once prefilled, and a request's whole sequence,
+once it ends, are kept for the next ones.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Request:
     fed: int = 0  # positions of its sequence written (prompt, then generated tokens)
     t_submit: float = 0.0
     t_first: float = 0.0  # perf_counter when its first token was chosen
+    cache: dict | None = None  # the prefix cache's report: hit, restored and prefilled tokens
 
     @property
     def done(self) -> bool:
@@ -61,6 +67,7 @@ class Batcher:
         if not isinstance(slots, SeqSlots):
             raise ConfigError("batching needs an engine loaded with RuntimeConfig.parallel > 1")
         self.engine, self.slots = engine, slots
+        self.cache = getattr(engine, "prefix_cache", None)
         self.chunk = min(chunk or engine.config.chunk, engine.model.max_step() or 1 << 30)
         self.free = list(range(slots.n_seq))
         self.waiting: collections.deque[Request] = collections.deque()
@@ -107,6 +114,7 @@ class Batcher:
 
     def step(self) -> list[tuple[Request, int]]:
         """One round (module doc): the tokens chosen in it, as (request, token)."""
+        out: list[tuple[Request, int]] = []
         while self.waiting and self.free:
             req = self.waiting.popleft()
             # the lowest free sequence: a decode step runs sequences 0..highest (stand-ins
@@ -115,7 +123,7 @@ class Batcher:
             self.free.remove(req.seq)
             self.slots.release(req.seq)
             self.active.append(req)
-        out: list[tuple[Request, int]] = []
+            self._restore(req, out)
         reading = next((r for r in self.active if r.reading), None)
         if reading is not None:
             self._prefill_chunk(reading, out)
@@ -133,6 +141,21 @@ class Batcher:
         """Positions of ``req``'s sequence once its last chosen token is fed."""
         return len(req.prompt) + len(req.tokens)
 
+    def _restore(self, req: Request, out: list) -> None:
+        """Start ``req`` from its prompt's longest prefix in the prefix cache's RAM slots."""
+        if self.cache is None:
+            return
+        slot = self.cache.lookup(req.prompt)
+        n = len(slot.tokens) if slot is not None else 0
+        req.cache = {"hit": "ram" if n else "none", "restored_tokens": n,
+                     "prefilled_tokens": len(req.prompt) - n}  # fmt: skip
+        if not n:
+            return
+        self.engine.restore_sequence(slot.copies, req.seq)
+        self.slots.length[req.seq] = req.fed = n
+        if n == len(req.prompt):  # the whole prompt, with its logits: nothing to prefill
+            self._choose(req, slot.logits, out)
+
     def _prefill_chunk(self, req: Request, out: list) -> None:
         part = np.asarray(req.prompt[req.fed : req.fed + self.chunk], dtype=np.int32)
         batch = self.slots.chunk_batch(part, req.seq, req.fed)
@@ -140,6 +163,8 @@ class Batcher:
         self.steps["prefill"] += 1
         req.fed += part.size
         if not req.reading:
+            if self.cache is not None:
+                self.cache.save_sequence(req.prompt, req.seq, res.values[-1])
             self._choose(req, res.values[-1], out)
 
     def _decode(self, reqs: list[Request], out: list) -> None:
@@ -176,6 +201,9 @@ class Batcher:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        if req.seq >= 0 and self.cache is not None and req.fed > len(req.prompt):
+            held = (req.prompt + req.tokens)[: req.fed]  # the positions its rows hold
+            self.cache.save_sequence(held, req.seq, None)
         if req.seq >= 0:
             self.active.remove(req)
             self.slots.release(req.seq)

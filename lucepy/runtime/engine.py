@@ -429,6 +429,26 @@ class Engine:
             self.pipeline.reset(n)
         self.n_past = n
 
+    def snapshot_sequence(self, seq: int, n: int) -> dict[str, StateCopy]:
+        """Copies of batched sequence ``seq``'s first ``n`` positions (``--parallel``): laid out
+        as ``snapshot``'s, so ``restore`` and ``restore_sequence`` take either."""
+        first, out = seq * self.n_ctx, {}
+        try:
+            for key, backend, live, remote in self._states():
+                out[key] = self._run(
+                    remote, lambda b=backend, t=live: StateCopy(self.lib, b, t, n, first)
+                )
+        except BaseException:
+            self.drop_snapshot(out)
+            raise
+        return out
+
+    def restore_sequence(self, copies: dict[str, StateCopy], seq: int) -> None:
+        """Write a snapshot into batched sequence ``seq``'s rows."""
+        first = seq * self.n_ctx
+        for key, _, live, remote in self._states():
+            self._run(remote, lambda c=copies[key], t=live: c.restore(t, first))
+
     def drop_snapshot(self, copies: dict[str, StateCopy]) -> None:
         remote = {key for key, _, _, r in self._states() if r}
         for key, copy in copies.items():

@@ -98,11 +98,12 @@ class Live:
 
 
 class StateCopy:
-    """A copy of some state for ``rows`` cache rows, kept on ``backend`` (a RAM slot's content)."""
+    """A copy of some state for ``rows`` cache rows, kept on ``backend`` (a RAM slot's content);
+    with ``first``, of rows ``first..first+rows`` (a batched sequence's: appending state only)."""
 
-    def __init__(self, lib: Lib, backend: Backend, states: StateSet, rows: int):
+    def __init__(self, lib: Lib, backend: Backend, states: StateSet, rows: int, first: int = 0):
         self.lib, self.rows = lib, rows
-        live = Live(states, rows)
+        live = Live(states, first + rows, first)
         try:
             specs = {k: (int(t.type), live.shapes[k]) for k, t in live.t.items()}
             self.copy = Tensors(lib, backend, specs, f"snapshot of {rows} rows")
@@ -115,8 +116,9 @@ class StateCopy:
     def nbytes(self) -> int:
         return self.copy.nbytes
 
-    def restore(self, states: StateSet) -> None:
-        live = Live(states, self.rows)
+    def restore(self, states: StateSet, first: int = 0) -> None:
+        """Write the copy back, to rows ``first`` onward (another sequence's, when batched)."""
+        live = Live(states, first + self.rows, first)
         try:
             for name, t in live.t.items():
                 self.lib.ggml_backend_tensor_copy(self.copy.t[name], t)

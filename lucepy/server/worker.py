@@ -201,7 +201,7 @@ class Worker:
 
     def _finish_batched(self, req, job: Job, choice: Choice) -> None:
         gen, now = choice.gen, time.perf_counter()
-        gen.finish_reason = req.finish_reason
+        gen.finish_reason, gen.cache = req.finish_reason, req.cache
         first = req.t_first or now
         prefill_ms, decode_ms = (first - req.t_submit) * 1e3, (now - first) * 1e3
         gen.timings = Timings(
