@@ -94,19 +94,20 @@ class Batcher:
         self.waiting.append(req)
         return req
 
-    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+    def cancel(self, req: Request, reason: str = "cancelled", keep: bool = True) -> None:
         """End ``req`` now (its client went away, or a stop string ended its text, ``reason``
-        "stop"); its sequence is free at once."""
+        "stop"); its sequence is free at once, its state kept in the prefix cache (``keep``)."""
         if req.done:
             return
         if req in self.waiting:
             self.waiting.remove(req)
-        self._finish(req, reason)
+        self._finish(req, reason, keep)
 
     def clear(self) -> None:
-        """Forget every request (after a failed step): all sequences are free."""
+        """Forget every request after a failed step (their state is not kept): all sequences
+        are free."""
         for req in [*self.waiting, *self.active]:
-            self.cancel(req)
+            self.cancel(req, keep=False)
 
     @property
     def idle(self) -> bool:
@@ -117,8 +118,8 @@ class Batcher:
         out: list[tuple[Request, int]] = []
         while self.waiting and self.free:
             req = self.waiting.popleft()
-            # the lowest free sequence: a decode step runs sequences 0..highest (stand-ins
-            # for those not decoding cost a row each)
+            # the lowest free sequence: a decode step runs its lowest sequence to its highest
+            # (stand-ins for those between that are not decoding cost a row each)
             req.seq, req.fed = min(self.free), 0
             self.free.remove(req.seq)
             self.slots.release(req.seq)
@@ -199,9 +200,9 @@ class Batcher:
         elif len(req.tokens) >= req.max_tokens or self._held(req) >= self.slots.n_ctx:
             self._finish(req, "length")
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, keep: bool = True) -> None:
         req.finish_reason = reason
-        if req.seq >= 0 and self.cache is not None and req.fed > len(req.prompt):
+        if keep and req.seq >= 0 and self.cache is not None and req.fed > len(req.prompt):
             held = (req.prompt + req.tokens)[: req.fed]  # the positions its rows hold
             self.cache.save_sequence(held, req.seq, None)
         if req.seq >= 0:
