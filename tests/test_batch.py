@@ -137,8 +137,8 @@ def test_a_split_with_a_worker_batches_as_the_unsplit_model(prompts):
 def test_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="parallel"):
         RuntimeConfig(parallel=0)
-    with pytest.raises(ConfigError, match="draft"):
-        RuntimeConfig(parallel=2, draft="d.gguf")
+    with pytest.raises(ConfigError, match="kv-pool"):
+        RuntimeConfig(parallel=2, kv_pool=1024)
     with Engine(smollm2_file(), config(1), tokenizer=False) as engine:
         with pytest.raises(ConfigError, match="parallel"):
             Batcher(engine)

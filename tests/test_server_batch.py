@@ -3,6 +3,7 @@ together (decode/batch.py), streamed, and each gets the text it gets alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,7 @@ import openai
 import pytest
 from conftest import THREADS
 
-from lucepy.catalog import smollm2_file
+from lucepy.catalog import smollm2_draft_file, smollm2_file
 from lucepy.decode.ar import generate
 from lucepy.engine import Engine
 from lucepy.errors import ConfigError
@@ -87,3 +88,41 @@ def test_a_client_that_leaves_frees_its_sequence(server):
         assert status["requests"]["cancelled"] == before + 1
         assert status["batch"]["active"] == 0 and status["last"]["completion_tokens"] < 200
         assert streamed(client, prompt, 4)  # and the server goes on serving
+
+
+def test_a_lone_request_speculates_until_another_arrives_then_both_batch():
+    """--parallel with a draft: the one request of an idle server decodes with the draft; when
+    a second arrives it goes on plainly beside it. Both texts equal greedy decoding alone."""
+    prompts = json.loads(PROMPTS.read_text())["heldout"][:2]
+    lengths = [120, 30]
+    with Engine(smollm2_file(), config(1)) as engine:
+        want = [
+            engine.tokenizer.decode(generate(engine, p, n, stop_at_end=False).tokens)
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+    cfg = dataclasses.replace(config(2), draft=str(smollm2_draft_file()))
+    srv = Server(Engine(smollm2_file(), cfg), name="smol", port=0, log_level="warning").start()
+    try:
+        with (
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0) as client,
+            ThreadPoolExecutor(2) as pool,
+        ):
+            first = client.completions.create(
+                model="smol", prompt=prompts[0], max_tokens=lengths[0], temperature=0,
+                stream=True, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            pieces = [next(iter(first)).choices[0].text]  # it is speculating now
+            second = pool.submit(
+                lambda: client.completions.create(
+                    model="smol", prompt=prompts[1], max_tokens=lengths[1], temperature=0,
+                    extra_body={"ignore_eos": True},
+                ).choices[0].text
+            )  # fmt: skip
+            pieces += [chunk.choices[0].text for chunk in first]
+            got = ["".join(pieces), second.result()]
+        status = srv.status()
+    finally:
+        srv.stop()
+    assert got == want
+    assert status["accept"]["steps"] > 0  # the first request speculated
+    assert status["batch"]["decoded"] > status["batch"]["decode"]  # then two decoded together

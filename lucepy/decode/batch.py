@@ -94,6 +94,22 @@ class Batcher:
         self.waiting.append(req)
         return req
 
+    def adopt(
+        self, prompt: list[int], tokens: list[int], max_tokens: int, sampling, stop_at_end: bool
+    ) -> Request:
+        """Take over a generation that ran alone on the engine's own sequence (sequence 0, with
+        the draft, while the batch was idle) and goes on here, decoding plainly beside new
+        requests. Its state: ``prompt`` and ``tokens`` chosen, all but the last fed."""
+        if not self.idle:
+            raise ValueError("a generation is adopted into an idle batch only")
+        req = Request(list(prompt), max_tokens, Sampler(sampling), stop_at_end)
+        req.tokens, req.seq = list(tokens), 0
+        req.fed = self.slots.length[0] = len(prompt) + len(tokens) - 1
+        req.t_submit = req.t_first = time.perf_counter()
+        self.free.remove(0)
+        self.active.append(req)
+        return req
+
     def cancel(self, req: Request, reason: str = "cancelled", keep: bool = True) -> None:
         """End ``req`` now (its client went away, or a stop string ended its text, ``reason``
         "stop"); its sequence is free at once, its state kept in the prefix cache (``keep``)."""

@@ -69,8 +69,8 @@ class RuntimeConfig:
             raise ConfigError("--n-cpu-moe and --moe-gpu-mb must not be negative")
         if self.parallel < 1:
             raise ConfigError(f"--parallel must be at least 1, got {self.parallel}")
-        if self.parallel > 1 and (self.kv_pool or self.draft):
-            raise ConfigError("--parallel above 1 runs without --kv-pool and without a draft")
+        if self.parallel > 1 and self.kv_pool:
+            raise ConfigError("--parallel above 1 runs without --kv-pool")
         if self.kv_pool < 0:
             raise ConfigError(f"--kv-pool must not be negative, got {self.kv_pool}")
         if self.kv_pool_rank not in ("lru", "qk"):

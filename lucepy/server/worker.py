@@ -165,8 +165,67 @@ class Worker:
                 job = self.current = alone.popleft()
                 self._run(job)
                 self.current = None
+            elif self._lone(batcher, running):
+                self._speculate_alone(batcher, running)
             elif not batcher.idle:
                 self._step_batch(batcher, running)
+
+    def _lone(self, batcher: Batcher, running: dict) -> bool:
+        """One request, not started yet, on an idle batch with a draft: it may speculate."""
+        return (
+            self.engine.draft is not None
+            and len(running) == 1
+            and not batcher.active
+            and len(batcher.waiting) == 1
+        )
+
+    def _speculate_alone(self, batcher: Batcher, running: dict) -> None:
+        """The one request of an idle server decodes with the draft on the engine's own
+        sequence, until another request arrives: at its next step boundary it goes on plainly
+        in the batch (``Batcher.adopt``) and the newcomer joins it. It does not speculate
+        again after that: the draft's cache lacks the positions decoded in the batch."""
+        (req, (job, choice)), engine = running.popitem(), self.engine
+        batcher.cancel(req, "cancelled", keep=False)  # not admitted: the batch is idle again
+        gen, t_start = choice.gen, time.perf_counter()
+        tokens = engine.stream(
+            job.prompt_tokens,
+            job.max_tokens,
+            sampling=job.sampling,
+            cancelled=job.cancel.is_set,
+            gen=gen,
+            stop_at_end=not job.ignore_eos,
+        )
+        self.current = job
+        try:
+            with contextlib.closing(tokens):
+                for token in tokens:
+                    self.stats.token()
+                    if choice.feed(token):
+                        gen.finish_reason = "stop"
+                        break
+                    boundary = engine.n_past == len(gen.prompt_tokens) + len(gen.tokens) - 1
+                    if boundary and not self._jobs.empty():
+                        stop = not job.ignore_eos
+                        req = batcher.adopt(
+                            job.prompt_tokens, gen.tokens, job.max_tokens, job.sampling, stop
+                        )
+                        req.t_submit, req.t_first = t_start, gen.t_prefilled or t_start
+                        running[req] = (job, choice)
+                        return
+        except Exception as err:  # as in _run: the request fails, the model may recover
+            if isinstance(err, FATAL):
+                self.failure = err
+                log.error("the model failed: %s", err)
+            self.stats.finished("failed")
+            job.emit(Failed(err))
+            self._recover()
+            return
+        finally:
+            self.current = None
+        done = choice.done(round((t_start - job.queued_at) * 1e3, 3))
+        self.stats.finished("cancelled" if done.finish_reason == "cancelled" else "completed",
+                            [asdict(done)])  # fmt: skip
+        job.emit(done)
 
     def _step_batch(self, batcher: Batcher, running: dict) -> None:
         """One batched step; ends requests whose client left or whose stop string showed."""
