@@ -134,6 +134,32 @@ def test_a_split_with_a_worker_batches_as_the_unsplit_model(prompts):
     assert [r.tokens for r in reqs] == want
 
 
+def test_recurrent_sequences_batch_as_each_alone(tiny_model):
+    """qwen35 (Gated DeltaNet layers beside attention): each sequence has its own slice of the
+    recurrent state; six requests on four sequences, one cancelled, equal each alone."""
+    path = tiny_model()
+    cfg = dict(threads=THREADS, max_ctx=96, chunk=8, batch_invariant=True)
+    rng = np.random.default_rng(7)
+    with Engine(path, RuntimeConfig(**cfg), tokenizer=False) as engine:
+        picked = [rng.integers(3, engine.params.n_vocab, 5 + 4 * i).tolist() for i in range(6)]
+        lengths = [10 + 3 * i for i in range(6)]
+        want = [
+            generate(engine, p, n, stop_at_end=False).tokens
+            for p, n in zip(picked, lengths, strict=True)
+        ]
+    with Engine(path, RuntimeConfig(**cfg, parallel=4), tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        assert batcher.recurrent and batcher.cache is None
+        pairs = zip(picked, lengths, strict=True)
+        reqs = [batcher.submit(p, n, stop_at_end=False) for p, n in pairs]
+        while not batcher.idle:
+            batcher.step()
+            if len(reqs[1].tokens) == 4:
+                batcher.cancel(reqs[1])
+    assert reqs[1].tokens == want[1][:4]
+    assert [r.tokens for i, r in enumerate(reqs) if i != 1] == want[:1] + want[2:]
+
+
 def test_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="parallel"):
         RuntimeConfig(parallel=0)

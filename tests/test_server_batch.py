@@ -66,9 +66,10 @@ def test_eight_streams_on_four_sequences_each_get_their_own_answer(server):
     assert batch["decoded"] > 2 * batch["decode"]  # steps decoded several requests at once
 
 
-def test_a_recurrent_model_refuses_parallel(tiny_model):
-    with pytest.raises(ConfigError, match="recurrent state"):
-        Engine(tiny_model(), RuntimeConfig(threads=1, max_ctx=64, parallel=2))
+def test_a_sliding_window_model_refuses_parallel():
+    ring = Path(__file__).parent / "fixtures" / "hf" / "gemma4-f32.gguf"
+    with pytest.raises(ConfigError, match="sliding-window"):
+        Engine(ring, RuntimeConfig(threads=1, max_ctx=64, parallel=2))
 
 
 def test_a_client_that_leaves_frees_its_sequence(server):

@@ -4,12 +4,13 @@ llama.cpp's batched decoding of the same GGUF (llama-batched-bench), in one run.
     python3 tools/bench_batch.py [--model M.gguf] [--device cpu|cuda:0] [--clients 1,4,8,32]
         [--tokens 256] [--threads T] [--llama-batched-bench BIN] [--json OUT] [--md OUT]
 
-lucepy: a server in this process with ``--parallel N`` (N = clients; 1: the one-at-a-time
-worker), N clients started together, each streaming a completion of exactly ``--tokens`` tokens
-(``ignore_eos``, greedy) after a held-out chat prompt (tools/dflash_prompts.json, cycled).
+lucepy: `lucepy serve --parallel N` in its own process (N = clients; 1: the one-at-a-time
+worker), N clients here started together, each streaming a completion of exactly ``--tokens``
+tokens (``ignore_eos``, greedy) after a held-out chat prompt (tools/dflash_prompts.json,
+cycled).
 Aggregate: all completion tokens over the wall time from the first request to the last token;
 time to first token: the median over clients. Each level runs once after a warm-up request.
-"engine": the same requests on a ``Batcher`` with no server and no clients in the process.
+"engine": the same requests on a ``Batcher`` in this process, with no server.
 
 llama.cpp: llama-batched-bench, built from the pinned source against the same build (the pinned
 source has no llama-server), ``-npp P -ntg TOKENS -npl N`` with P the mean prompt length: N
@@ -21,9 +22,14 @@ running server through HTTP and its prompts are fed a chunk per step between dec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
+import signal
 import statistics
 import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,39 +40,66 @@ from lucepy.catalog import smollm2_file
 from lucepy.decode.batch import Batcher
 from lucepy.engine import Engine
 from lucepy.runtime.config import RuntimeConfig
-from lucepy.server.run import Server
 
 PROMPTS = Path(__file__).with_name("dflash_prompts.json")
 
 
 def one_client(client, prompt: list[int], n: int) -> dict:
     t0 = time.perf_counter()
-    first, count = None, 0
+    first, tokens = None, 0
     stream = client.completions.create(
         model="m", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )  # fmt: skip
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text and first is None:
             first = time.perf_counter()
-        count += 1
-    return {"t0": t0, "first": first or time.perf_counter(), "end": time.perf_counter()}
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return {"t0": t0, "first": first or end, "end": end, "tokens": tokens}
+
+
+@contextlib.contextmanager
+def lucepy_serve(args, n: int):
+    """`lucepy serve MODEL --parallel N` in its own process, as a user runs it; yields its URL."""
+    cmd = [sys.executable, "-m", "lucepy", "serve", str(args.model), "--port", "0",
+           "--device", args.device, "--max-ctx", str(args.max_ctx),
+           "--parallel", str(n)]  # fmt: skip
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while line := proc.stderr.readline():
+            seen.append(line)
+            found = re.search(r"serving \S+ on (http://\S+)", line)
+            if found:
+                break
+        else:
+            raise SystemExit("lucepy serve exited before serving:\n" + "".join(seen))
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+        yield found.group(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def lucepy_level(args, prompts, n: int) -> dict:
-    cfg = RuntimeConfig(device=args.device, threads=args.threads, max_ctx=args.max_ctx, parallel=n)
-    srv = Server(Engine(args.model, cfg), name="m", port=0, log_level="warning").start()
-    try:
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0) as client:
-            one_client(client, prompts[0], 8)  # warm-up: graphs built
-            with ThreadPoolExecutor(n) as pool:
-                runs = list(
-                    pool.map(lambda i: one_client(client, prompts[i % len(prompts)], args.tokens),
-                             range(n))
-                )  # fmt: skip
-            tokens = srv.status()["tokens"]["completion"] - 8
-    finally:
-        srv.stop()
+    with (
+        lucepy_serve(args, n) as url,
+        openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0) as client,
+    ):
+        one_client(client, prompts[0], 8)  # warm-up: graphs built
+        with ThreadPoolExecutor(n) as pool:
+            runs = list(
+                pool.map(lambda i: one_client(client, prompts[i % len(prompts)], args.tokens),
+                         range(n))
+            )  # fmt: skip
+    tokens = sum(r["tokens"] for r in runs)
     wall = max(r["end"] for r in runs) - min(r["t0"] for r in runs)
     ttft = statistics.median(r["first"] - r["t0"] for r in runs)
     return {"tok_s": round(tokens / wall, 2), "ttft_ms": round(ttft * 1e3, 1), "tokens": tokens}

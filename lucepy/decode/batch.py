@@ -67,7 +67,11 @@ class Batcher:
         if not isinstance(slots, SeqSlots):
             raise ConfigError("batching needs an engine loaded with RuntimeConfig.parallel > 1")
         self.engine, self.slots = engine, slots
-        self.cache = getattr(engine, "prefix_cache", None)
+        # recurrent state (qwen35's delta net) is kept per sequence: a new sequence starts from
+        # zeros there, a decode step takes only sequences that decode (a stand-in token would
+        # change its sequence's state), and snapshots are sequence 0's, so no prefix cache
+        self.recurrent = engine.state_growth()[1] > 0
+        self.cache = None if self.recurrent else getattr(engine, "prefix_cache", None)
         self.chunk = min(chunk or engine.config.chunk, engine.model.max_step() or 1 << 30)
         self.free = list(range(slots.n_seq))
         self.waiting: collections.deque[Request] = collections.deque()
@@ -139,15 +143,30 @@ class Batcher:
             req.seq, req.fed = min(self.free), 0
             self.free.remove(req.seq)
             self.slots.release(req.seq)
+            if self.recurrent:
+                self.engine.clear_sequence(req.seq)
             self.active.append(req)
             self._restore(req, out)
         reading = next((r for r in self.active if r.reading), None)
         if reading is not None:
             self._prefill_chunk(reading, out)
         generating = [r for r in self.active if not r.reading and r.fed < self._held(r)]
-        if generating:
-            self._decode(generating, out)
+        for run in self._runs(generating):
+            self._decode(run, out)
         return out
+
+    def _runs(self, reqs: list[Request]) -> list[list[Request]]:
+        """The decode steps of a round: one for all, or, with recurrent state, one for each run
+        of consecutive sequences."""
+        if not reqs or not self.recurrent:
+            return [reqs] if reqs else []
+        reqs, runs = sorted(reqs, key=lambda r: r.seq), []
+        for req in reqs:
+            if runs and runs[-1][-1].seq == req.seq - 1:
+                runs[-1].append(req)
+            else:
+                runs.append([req])
+        return runs
 
     def run(self) -> None:
         """Step until every request has ended."""

@@ -48,6 +48,7 @@ class ModelOptions:
     cache_type_v: int = GGML_TYPE_F16
     max_step: int = 512  # the most tokens one step feeds (the prefill chunk); sizes KV rings
     kv_pool: int = 0  # tokens a full-attention cache holds under KV Flash's pager; 0: the context
+    n_seq: int = 1  # sequences decoded together (--parallel): recurrent state holds one each
 
     def kv_cache(
         self, layer: int, head_dim: int, n_head_kv: int, n_ctx: int, window: int = 0

@@ -162,8 +162,9 @@ class Qwen35(Architecture):
         for il in layers:
             if p.recurrent[il]:
                 conv = DeltaNetState(
-                    il, p.ssm_conv_kernel - 1, p.conv_dim, p.ssm_state, p.ssm_v_heads
-                )
+                    il, p.ssm_conv_kernel - 1, p.conv_dim, p.ssm_state, p.ssm_v_heads,
+                    self.options.n_seq,
+                )  # fmt: skip
                 out.append(conv)
             else:
                 out.append(self.options.kv_cache(il, p.head_dim, p.n_head_kv, n_ctx))
@@ -276,35 +277,39 @@ class Qwen35(Architecture):
     ) -> Tensor:
         p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
         S, Hk, Hv = p.ssm_state, p.ssm_k_heads, p.ssm_v_heads
+        # batched sequences (GraphSpec.streams): N of them from sequence F, t tokens each, each
+        # with its own slice of the state; otherwise sequence 0 alone
+        N, _, F = g.streams if g.streams[0] else (1, 0, 0)
+        t = T // N
         qkv = L.ggml_mul_mat(c, w[b + "attn_qkv.weight"], x)  # [conv_dim, T]
         z = L.ggml_mul_mat(c, w[b + "attn_gate.weight"], x)  # [value_dim, T]
         beta = L.ggml_sigmoid(c, L.ggml_mul_mat(c, w[b + "ssm_beta.weight"], x))  # [Hv, T]
-        beta = L.ggml_reshape_4d(c, beta, 1, Hv, T, 1)
+        beta = L.ggml_reshape_4d(c, beta, 1, Hv, t, N)
         alpha = L.ggml_mul_mat(c, w[b + "ssm_alpha.weight"], x)  # [Hv, T]
         alpha = L.ggml_softplus(c, L.ggml_add(c, alpha, w[b + "ssm_dt.bias"]))
-        decay = L.ggml_reshape_4d(c, L.ggml_mul(c, alpha, w[b + "ssm_a"]), 1, Hv, T, 1)
+        decay = L.ggml_reshape_4d(c, L.ggml_mul(c, alpha, w[b + "ssm_a"]), 1, Hv, t, N)
 
-        conv = self._conv(g, w, st, il, qkv, T, verify)  # [conv_dim, T] after SiLU
+        conv = self._conv(g, w, st, il, qkv, (t, N, F), verify)  # [conv_dim, T] after SiLU
         es, row = L.ggml_element_size(conv), conv.nb[1]
-        q = L.ggml_view_4d(c, conv, S, Hk, T, 1, es * S, row, row * T, 0)
-        k = L.ggml_view_4d(c, conv, S, Hk, T, 1, es * S, row, row * T, es * p.key_dim)
-        v = L.ggml_view_4d(c, conv, S, Hv, T, 1, es * S, row, row * T, es * 2 * p.key_dim)
+        q = L.ggml_view_4d(c, conv, S, Hk, t, N, es * S, row, row * t, 0)
+        k = L.ggml_view_4d(c, conv, S, Hk, t, N, es * S, row, row * t, es * p.key_dim)
+        v = L.ggml_view_4d(c, conv, S, Hv, t, N, es * S, row, row * t, es * 2 * p.key_dim)
         q, k = self._l2_norm(g, q), self._l2_norm(g, k)
 
-        state = st[f"ssm.{il}"]  # [S, S, Hv]
-        s0 = L.ggml_reshape_4d(c, state, S, S, Hv, 1)
+        n = S * S * Hv  # one sequence's state
+        state = st[f"ssm.{il}"]  # [S, S, Hv] or [S, S, Hv, n_seq]
+        fs = L.ggml_element_size(state)
+        mine = L.ggml_view_1d(c, state, n * N, fs * n * F)  # these sequences' slices
+        s0 = L.ggml_reshape_4d(c, mine, S, S, Hv, N)
         # a verify pass keeps a state snapshot per token (slot s: s tokens back) for rollback
         res = L.ggml_gated_delta_net(c, q, k, v, decay, beta, s0, T if verify else 1)
         if verify:
             g.output(f"gdn.{il}", res)
-        fs = L.ggml_element_size(res)
-        out = L.ggml_view_4d(c, res, S, Hv, T, 1, fs * S, fs * S * Hv, fs * S * Hv * T, 0)
-        new_state = L.ggml_view_1d(c, res, S * S * Hv, fs * S * Hv * T)
-        L.ggml_build_forward_expand(
-            g.gf, L.ggml_cpy(c, new_state, L.ggml_reshape_1d(c, state, S * S * Hv))
-        )
+        out = L.ggml_view_4d(c, res, S, Hv, t, N, fs * S, fs * S * Hv, fs * S * Hv * t, 0)
+        new_state = L.ggml_view_1d(c, res, n * N, fs * S * Hv * T)
+        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, new_state, mine))
 
-        z4 = L.ggml_reshape_4d(c, z, S, Hv, T, 1)
+        z4 = L.ggml_reshape_4d(c, z, S, Hv, t, N)
         out = L.ggml_mul(
             c, g.rms_norm(out, w[b + "ssm_norm.weight"], p.rms_eps), L.ggml_silu(c, z4)
         )
@@ -312,20 +317,23 @@ class Qwen35(Architecture):
         return L.ggml_mul_mat(c, w[b + "ssm_out.weight"], out)  # [n_embd, T]
 
     def _conv(
-        self, g: Builder, w: dict, st: dict, il: int, qkv: Tensor, T: int, verify: bool
+        self, g: Builder, w: dict, st: dict, il: int, qkv: Tensor, seqs: tuple, verify: bool
     ) -> Tensor:
-        """Causal depthwise conv over [saved d_conv-1 columns | this step], saving the new tail."""
+        """Causal depthwise conv over [saved d_conv-1 columns | this step], saving the new tail;
+        ``seqs``: (t tokens, N sequences, from sequence F), each with its own saved columns."""
         p, L, c = self.p, g.lib, g.ctx
-        K1, C = p.ssm_conv_kernel - 1, p.conv_dim
-        state = st[f"conv.{il}"]  # [K1, C]
-        x = L.ggml_concat(c, state, L.ggml_transpose(c, qkv), 0)  # [K1 + T, C]
+        (t, N, F), K1, C = seqs, p.ssm_conv_kernel - 1, p.conv_dim
+        state = st[f"conv.{il}"]  # [K1, C] or [K1, C, n_seq]
+        plane = state.nb[1] * C
+        mine = L.ggml_view_3d(c, state, K1, C, N, state.nb[1], plane, plane * F)
+        steps = L.ggml_permute(c, L.ggml_reshape_3d(c, qkv, C, t, N), 1, 0, 2, 3)  # [t, C, N]
+        x = L.ggml_concat(c, mine, steps, 0)  # [K1 + t, C, N]
         if verify:
             g.output(f"conv.{il}", x)  # the state after token t is columns t+1 .. t+K1
-        tail = L.ggml_view_2d(c, x, K1, C, x.nb[1], g.row_size(x, T))
-        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, state))
-        x3 = L.ggml_reshape_3d(c, x, K1 + T, C, 1)
-        out = L.ggml_ssm_conv(c, x3, w[f"blk.{il}.ssm_conv1d.weight"])  # [C, T, 1]
-        return L.ggml_reshape_2d(c, L.ggml_silu(c, out), C, T)
+        tail = L.ggml_view_3d(c, x, K1, C, N, x.nb[1], x.nb[2], g.row_size(x, t))
+        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, mine))
+        out = L.ggml_ssm_conv(c, x, w[f"blk.{il}.ssm_conv1d.weight"])  # [C, t, N]
+        return L.ggml_reshape_2d(c, L.ggml_silu(c, out), C, t * N)
 
     def _l2_norm(self, g: Builder, t: Tensor) -> Tensor:
         # x / max(||x||, eps) as llama.cpp writes it: rms_norm with eps/n, then scale by 1/sqrt(n)

@@ -40,9 +40,17 @@ class LayerState:
     # whether the views only grow, one row (their outermost dimension) per cache row, with the
     # rows of a shorter view unchanged in a longer one; otherwise a snapshot stores them whole
     appends = False
+    # whether it holds several sequences (--parallel): KV rows by sequence, or a slice of the
+    # recurrent state per sequence (``seq_slices``)
+    sequences = False
 
     def specs(self) -> dict[str, Spec]:
         raise NotImplementedError
+
+    def seq_slices(self) -> dict[str, int]:
+        """Tensors kept whole per sequence, with their sequence count: sequence s is slice s
+        of the outermost dimension (a new sequence starts from zeros there)."""
+        return {}
 
     def views(self, rows: int) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
@@ -69,6 +77,7 @@ class KVCache(LayerState):
     types the run asks for (llama.cpp's -ctk/-ctv; f16 by default)."""
 
     appends = True
+    sequences = True
 
     def __init__(
         self, layer: int, width: int, n_ctx: int, k_type: int, v_type: int, head_dim: int = 0
@@ -94,6 +103,7 @@ class RingKVCache(KVCache):
     position ``p``; a snapshot holds the whole ring."""
 
     appends = False
+    sequences = False
 
     def views(self, rows: int) -> dict[str, tuple[int, ...]]:
         return {self.k: (self.width, self.n_ctx), self.v: (self.width, self.n_ctx)}
@@ -101,25 +111,35 @@ class RingKVCache(KVCache):
 
 class DeltaNetState(LayerState):
     """Gated DeltaNet: ``conv.L`` [K-1, channels] (the conv's last inputs) and ``ssm.L``
-    [S, S, H] (the recurrent matrix per value head). A verify graph outputs ``gdn.L`` (its
-    per-token state snapshots) and ``conv.L`` (the conv input with the saved tail)."""
+    [S, S, H] (the recurrent matrix per value head), with an outer dimension of ``n_seq``
+    sequences when there are several (--parallel). A verify graph outputs ``gdn.L`` (its
+    per-token state snapshots) and ``conv.L`` (the conv input with the saved tail). Snapshots,
+    verify and rollback are sequence 0's (the one-sequence engine's)."""
 
     rolls_back = True
+    sequences = True
 
-    def __init__(self, layer: int, conv_tail: int, channels: int, head_dim: int, heads: int):
+    def __init__(
+        self, layer: int, conv_tail: int, channels: int, head_dim: int, heads: int, n_seq: int = 1
+    ):
         self.layer, self.conv_tail, self.channels = layer, conv_tail, channels
-        self.head_dim, self.heads = head_dim, heads
+        self.head_dim, self.heads, self.n_seq = head_dim, heads, n_seq
         self.conv, self.ssm = f"conv.{layer}", f"ssm.{layer}"
 
     def specs(self) -> dict[str, Spec]:
-        S = self.head_dim
+        S, more = self.head_dim, (self.n_seq,) if self.n_seq > 1 else ()
         return {
-            self.conv: (GGML_TYPE_F32, (self.conv_tail, self.channels)),
-            self.ssm: (GGML_TYPE_F32, (S, S, self.heads)),
+            self.conv: (GGML_TYPE_F32, (self.conv_tail, self.channels, *more)),
+            self.ssm: (GGML_TYPE_F32, (S, S, self.heads, *more)),
         }
 
+    def seq_slices(self) -> dict[str, int]:
+        return {self.conv: self.n_seq, self.ssm: self.n_seq}
+
     def views(self, rows: int) -> dict[str, tuple[int, ...]]:
-        return {name: shape for name, (_, shape) in self.specs().items()}
+        """Sequence 0's slice."""
+        S = self.head_dim
+        return {self.conv: (self.conv_tail, self.channels), self.ssm: (S, S, self.heads)}
 
     def rollback(self, g, st: dict[str, Tensor], outputs: dict, n_tokens: int, keep: int) -> None:
         """Copy back the state after the first ``keep`` of ``n_tokens`` verified tokens: slot
@@ -129,10 +149,12 @@ class DeltaNetState(LayerState):
         fs, n = L.ggml_element_size(res), S * S * H
         slot = n_tokens - keep
         snap = g.alias(res, (n,), (), fs * (S * H * n_tokens + slot * n))
-        state = L.ggml_reshape_1d(c, st[self.ssm], n)
+        state = L.ggml_view_1d(c, st[self.ssm], n, 0)  # sequence 0's
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, snap, state))
         tail = g.alias(x, (K1, x.ne[1]), (x.nb[1],), g.row_size(x, keep))
-        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, st[self.conv]))
+        conv = st[self.conv]
+        conv0 = L.ggml_view_2d(c, conv, K1, conv.ne[1], conv.nb[1], 0)
+        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, conv0))
 
 
 POOL_CHUNK = 64  # KV Flash pages cache rows in chunks of this many positions

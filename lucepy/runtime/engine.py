@@ -53,11 +53,11 @@ def make_plan(f: GGUFFile, model, config: RuntimeConfig, lib) -> LoadPlan:
                 )
     n_ctx = config.context_for(model.p.n_ctx_train)
     if config.parallel > 1:
-        whole = [s for s in model.make_state(range(model.p.n_layer), 1) if not s.appends]
-        if whole:
+        single = [s for s in model.make_state(range(model.p.n_layer), 1) if not s.sequences]
+        if single:
             raise ConfigError(
-                f"--parallel: {f.architecture}'s recurrent state holds one sequence; decode its "
-                f"requests one at a time (--parallel 1)"
+                f"--parallel: {f.architecture}'s sliding-window caches hold one sequence; decode "
+                f"its requests one at a time (--parallel 1)"
             )
     plan = plan_load(f, model, specs, split, n_ctx, config.parallel)
     if config.parallel > 1:
@@ -122,6 +122,7 @@ def model_options(config: RuntimeConfig) -> ModelOptions:
         cache_type_k=types[config.cache_type_k],
         cache_type_v=types[config.cache_type_v],
         kv_pool=config.kv_pool,
+        n_seq=config.parallel,
     )
 
 
@@ -442,6 +443,11 @@ class Engine:
             self.drop_snapshot(out)
             raise
         return out
+
+    def clear_sequence(self, seq: int) -> None:
+        """Batched sequence ``seq`` starts again: its recurrent state zeroed on every shard."""
+        for _, _, live, remote in self._states():
+            self._run(remote, lambda t=live: t.clear_sequence(seq))
 
     def restore_sequence(self, copies: dict[str, StateCopy], seq: int) -> None:
         """Write a snapshot into batched sequence ``seq``'s rows."""

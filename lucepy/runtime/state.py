@@ -67,6 +67,15 @@ class StateSet:
     def clear(self) -> None:
         self.tensors.clear()
 
+    def clear_sequence(self, seq: int) -> None:
+        """Zero sequence ``seq``'s slice of the state kept whole per sequence (a new sequence
+        there starts from nothing; its KV rows are masked until written)."""
+        for s in self.states:
+            for name, n_seq in s.seq_slices().items():
+                t = self.t[name]
+                size = self.lib.ggml_nbytes(t) // n_seq
+                self.lib.ggml_backend_tensor_memset(t, 0, seq * size, size)
+
     def close(self) -> None:
         self.tensors.close()
 
