@@ -26,7 +26,9 @@
 # Compute kernel lists), GPU_RUN_KVPOOL (depths, e.g. 8192,32768,131072: KV Flash's benchmark,
 # tools/bench_kvpool.py, before the others; GPU_RUN_POOL its pool, 4096; adds kvpool.json),
 # GPU_RUN_DFLASH (set: DFlash on SmolLM2, staged first by tools/gpu_train.sh's stage calls, with
-# the shipped draft, against llama.cpp's, tools/bench_dflash.py; adds dflash.json, dflash.md).
+# the shipped draft, against llama.cpp's, tools/bench_dflash.py; adds dflash.json, dflash.md),
+# GPU_RUN_BATCH (clients, e.g. 1,4,8,32: `lucepy serve --parallel N` on the model against
+# llama-batched-bench of the same build, tools/bench_batch.py; adds batch.json, batch.md).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -227,6 +229,14 @@ if ((built)) && [[ -n ${GPU_RUN_DFLASH:-} ]]; then # SmolLM2 staged by tools/gpu
         exec python3 tools/bench_dflash.py --model /tmp/lucepy-smol/model.gguf --device $DEVICE \
         --llama-dflash '$BUILD/llama-dflash' --json '$OUTDIR/dflash.json' \
         --md '$OUTDIR/dflash.md'" || true
+fi
+
+if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_BATCH:-} ]]; then # continuous batching
+    step batch 420 "$BENCHLOG" sh -c "bash tools/build_llama_dflash.sh --batched-bench '$BUILD' \
+        '.sdist/$NAME' && exec python3 tools/bench_batch.py --model '$MODEL' --device $DEVICE \
+        --clients '$GPU_RUN_BATCH' --max-ctx 512 \
+        --llama-batched-bench '$BUILD/llama-batched-bench' --json '$OUTDIR/batch.json' \
+        --md '$OUTDIR/batch.md'" || true
 fi
 
 THREADS=${GPU_RUN_THREADS:-8}
