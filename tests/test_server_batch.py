@@ -127,3 +127,20 @@ def test_a_lone_request_speculates_until_another_arrives_then_both_batch():
     assert got == want
     assert status["accept"]["steps"] > 0  # the first request speculated
     assert status["batch"]["decoded"] > status["batch"]["decode"]  # then two decoded together
+
+
+def test_a_request_the_batch_cannot_take_runs_alone_in_its_turn(server):
+    """Log-probabilities are computed on the one-sequence path: such a request waits for the
+    batch to drain, runs alone, and gets the same text as a batched one."""
+    prompt = json.loads(PROMPTS.read_text())["heldout"][2]
+    with (
+        openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0) as client,
+        ThreadPoolExecutor(3) as pool,
+    ):
+        batched = [pool.submit(streamed, client, prompt, 12) for _ in range(2)]
+        alone = client.completions.create(
+            model="smol", prompt=prompt, max_tokens=12, temperature=0, logprobs=2
+        ).choices[0]
+        texts = [f.result() for f in batched]
+    assert alone.logprobs is not None and len(alone.logprobs.tokens) == 12
+    assert texts == [alone.text, alone.text]

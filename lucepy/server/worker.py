@@ -128,47 +128,53 @@ class Worker:
     def _batch_loop(self) -> None:
         """``--parallel N``: jobs of one choice, without a grammar or log-probabilities, decode
         together (decode/batch.py), each joining at the next step and leaving when it ends or
-        its client goes; any other job runs alone, once the batch has drained."""
-        batcher, running, alone = Batcher(self.engine), {}, collections.deque()
+        its client goes. Jobs join in arrival order: any other job waits for the batch to drain,
+        runs alone, and the jobs behind it wait for it."""
+        batcher, running, pending = Batcher(self.engine), {}, collections.deque()
         self.batcher = batcher
         while True:
             try:
-                job = self._jobs.get(block=batcher.idle and not alone)
+                job = self._jobs.get(block=batcher.idle and not pending)
             except queue.Empty:
                 job = False
             while job is not False:
                 if job is None:  # closing: the running jobs end as cancelled
+                    for waiting in pending:
+                        self.stats.finished("failed")
+                        waiting.emit(Failed(ModelUnavailable(self._unavailable())))
                     for running_job, _ in running.values():
                         running_job.cancel.set()
                     self._step_batch(batcher, running)
                     return
                 runs = not job.cancel.is_set()
                 self.stats.dequeued(runs)
-                if runs and _batchable(job):
-                    try:
-                        req = batcher.submit(
-                            job.prompt_tokens, job.max_tokens, job.sampling, not job.ignore_eos
-                        )
-                    except Exception as err:  # a bad request fails alone
-                        self.stats.finished("failed")
-                        job.emit(Failed(err))
-                    else:
-                        gen = Generation(prompt_tokens=list(job.prompt_tokens))
-                        running[req] = (job, Choice(self.engine, job, 0, gen))
-                elif runs:
-                    alone.append(job)
+                if runs:
+                    pending.append(job)
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     job = False
-            if batcher.idle and alone:
-                job = self.current = alone.popleft()
+            while pending and _batchable(pending[0]):
+                self._join(batcher, running, pending.popleft())
+            if batcher.idle and pending:
+                job = self.current = pending.popleft()
                 self._run(job)
                 self.current = None
             elif self._lone(batcher, running):
                 self._speculate_alone(batcher, running)
             elif not batcher.idle:
                 self._step_batch(batcher, running)
+
+    def _join(self, batcher: Batcher, running: dict, job: Job) -> None:
+        try:
+            stop_at_end = not job.ignore_eos
+            req = batcher.submit(job.prompt_tokens, job.max_tokens, job.sampling, stop_at_end)
+        except Exception as err:  # a bad request fails alone
+            self.stats.finished("failed")
+            job.emit(Failed(err))
+            return
+        gen = Generation(prompt_tokens=list(job.prompt_tokens))
+        running[req] = (job, Choice(self.engine, job, 0, gen))
 
     def _lone(self, batcher: Batcher, running: dict) -> bool:
         """One request, not started yet, on an idle batch with a draft: it may speculate."""
