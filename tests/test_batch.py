@@ -57,6 +57,16 @@ def test_seq_slots_keep_each_sequence_to_its_rows():
     assert batch.cell_pos[:2].tolist() == [-1, -1]  # sequence 0's rows, released
     with pytest.raises(ValueError, match="sequence ids"):
         slots.batch_of(np.array([1]), np.array([3]), np.array([0]))
+    # streams: a decode step of sequences 0 and 2 (1 between them stands in at its last row)
+    step = slots.decode_batch(np.array([4, 5]), np.array([2, 0]), np.array([3, 1]))
+    assert (step.streams, step.stream_first, step.stream_rows) == (3, 0, 8)
+    assert step.slots.tolist() == [1, 15, 19] and step.tokens.tolist() == [5, 0, 4]
+    assert [np.flatnonzero(row == 0).tolist() for row in step.mask()[[0, 2]]] == [
+        [0, 1],
+        [0, 1, 2, 3],
+    ]
+    chunk = slots.chunk_batch(np.array([7, 8, 9]), 1, 2)
+    assert (chunk.streams, chunk.stream_first) == (1, 1) and chunk.slots.tolist() == [10, 11, 12]
 
 
 def test_eight_requests_together_equal_each_alone_with_a_cancel_and_a_queue(prompts):

@@ -1,7 +1,8 @@
 """Continuous batching: several requests decoded together, one step for all of them.
 
 An engine loaded with ``RuntimeConfig.parallel = N`` holds N sequences, each in its own cache
-rows (``runtime/slots.py``, ``SeqSlots``). ``Batcher`` gives each admitted request a sequence;
+rows (``runtime/slots.py``, ``SeqSlots``), and steps them through its ``feed_sequence`` and
+``decode_sequences`` methods. ``Batcher`` gives each admitted request a sequence;
 requests beyond N wait in a queue, in arrival order. Each ``step``:
 
 1. admits waiting requests to free sequences;
@@ -31,8 +32,6 @@ import numpy as np
 
 from lucepy.decode.sampling import Sampler, SamplingParams
 from lucepy.errors import ConfigError
-from lucepy.runtime.pipeline import Step
-from lucepy.runtime.slots import SeqSlots
 
 
 @dataclass(eq=False)
@@ -63,17 +62,16 @@ class Batcher:
     """Requests on an engine with ``parallel`` sequences, decoded together (module doc)."""
 
     def __init__(self, engine, chunk: int | None = None):
-        slots = engine.pipeline.slots
-        if not isinstance(slots, SeqSlots):
+        if engine.n_seq < 2:
             raise ConfigError("batching needs an engine loaded with RuntimeConfig.parallel > 1")
-        self.engine, self.slots = engine, slots
+        self.engine, self.n_ctx = engine, engine.n_ctx
         # recurrent state (qwen35's delta net) is kept per sequence: a new sequence starts from
         # zeros there, a decode step takes only sequences that decode (a stand-in token would
         # change its sequence's state), and snapshots are sequence 0's, so no prefix cache
         self.recurrent = engine.state_growth()[1] > 0
         self.cache = None if self.recurrent else getattr(engine, "prefix_cache", None)
         self.chunk = min(chunk or engine.config.chunk, engine.model.max_step() or 1 << 30)
-        self.free = list(range(slots.n_seq))
+        self.free = list(range(engine.n_seq))
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []  # admitted, in admission order
         self.steps = {"prefill": 0, "decode": 0, "decoded": 0}  # decoded: tokens in decode steps
@@ -87,10 +85,10 @@ class Batcher:
     ) -> Request:
         if not prompt:
             raise ConfigError("nothing to prefill: the token list is empty")
-        if len(prompt) >= self.slots.n_ctx:
+        if len(prompt) >= self.n_ctx:
             raise ConfigError(
                 f"a prompt of {len(prompt)} tokens leaves no room in a sequence's context of "
-                f"{self.slots.n_ctx}"
+                f"{self.n_ctx}"
             )
         self.engine._check_tokens(np.asarray(prompt, dtype=np.int32))
         req = Request(list(prompt), max_tokens, Sampler(sampling), stop_at_end)
@@ -108,7 +106,7 @@ class Batcher:
             raise ValueError("a generation is adopted into an idle batch only")
         req = Request(list(prompt), max_tokens, Sampler(sampling), stop_at_end)
         req.tokens, req.seq = list(tokens), 0
-        req.fed = self.slots.length[0] = len(prompt) + len(tokens) - 1
+        req.fed = len(prompt) + len(tokens) - 1
         req.t_submit = req.t_first = time.perf_counter()
         self.free.remove(0)
         self.active.append(req)
@@ -142,9 +140,7 @@ class Batcher:
             # (stand-ins for those between that are not decoding cost a row each)
             req.seq, req.fed = min(self.free), 0
             self.free.remove(req.seq)
-            self.slots.release(req.seq)
-            if self.recurrent:
-                self.engine.clear_sequence(req.seq)
+            self.engine.release_sequence(req.seq)
             self.active.append(req)
             self._restore(req, out)
         reading = next((r for r in self.active if r.reading), None)
@@ -188,38 +184,34 @@ class Batcher:
         if not n:
             return
         self.engine.restore_sequence(slot.copies, req.seq)
-        self.slots.length[req.seq] = req.fed = n
+        req.fed = n
         if n == len(req.prompt):  # the whole prompt, with its logits: nothing to prefill
             self._choose(req, slot.logits, out)
 
     def _prefill_chunk(self, req: Request, out: list) -> None:
         part = np.asarray(req.prompt[req.fed : req.fed + self.chunk], dtype=np.int32)
-        batch = self.slots.chunk_batch(part, req.seq, req.fed)
-        res = self.engine.pipeline.forward_batch(batch, Step())
+        logits = self.engine.feed_sequence(part, req.seq, req.fed)
         self.steps["prefill"] += 1
         req.fed += part.size
         if not req.reading:
             if self.cache is not None:
-                self.cache.save_sequence(req.prompt, req.seq, res.values[-1])
-            self._choose(req, res.values[-1], out)
+                self.cache.save_sequence(req.prompt, req.seq, logits)
+            self._choose(req, logits, out)
 
     def _decode(self, reqs: list[Request], out: list) -> None:
         tokens = np.array([r.tokens[-1] for r in reqs], dtype=np.int32)
         seq = np.array([r.seq for r in reqs], dtype=np.int32)
         pos = np.array([r.fed for r in reqs], dtype=np.int32)
         greedy = all(r.sampler.params.greedy for r in reqs)
-        step = Step(logits="all", want="argmax" if greedy else "out")
-        res = self.engine.pipeline.forward_batch(self.slots.decode_batch(tokens, seq, pos), step)
+        values = self.engine.decode_sequences(tokens, seq, pos, greedy)
         self.steps["decode"] += 1
         self.steps["decoded"] += len(reqs)
-        first = min(r.seq for r in reqs)
-        for req in reqs:  # output row i is sequence first + i
+        for req, row in zip(reqs, values, strict=True):
             req.fed += 1
-            row = req.seq - first
             if greedy:
-                self._take(req, int(res.values[0, row]), out)
+                self._take(req, int(row), out)
             else:
-                self._choose(req, res.values[row], out)
+                self._choose(req, row, out)
 
     def _choose(self, req: Request, logits: np.ndarray, out: list) -> None:
         self._take(req, req.sampler.sample(logits), out)
@@ -232,7 +224,7 @@ class Batcher:
         tok = self.engine.tokenizer
         if req.stop_at_end and tok is not None and tok.is_end(token):
             self._finish(req, "stop")
-        elif len(req.tokens) >= req.max_tokens or self._held(req) >= self.slots.n_ctx:
+        elif len(req.tokens) >= req.max_tokens or self._held(req) >= self.n_ctx:
             self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str, keep: bool = True) -> None:
@@ -242,6 +234,5 @@ class Batcher:
             self.cache.save_sequence(held, req.seq, None)
         if req.seq >= 0:
             self.active.remove(req)
-            self.slots.release(req.seq)
-            self.free.append(req.seq)
+            self.free.append(req.seq)  # released when it is given again
             req.seq = -1

@@ -444,6 +444,42 @@ class Engine:
             raise
         return out
 
+    # batched sequences (--parallel; decode/batch.py speaks these)
+    @property
+    def n_seq(self) -> int:
+        """Sequences the engine holds (``RuntimeConfig.parallel``), each of ``n_ctx``."""
+        slots = self.pipeline.slots
+        return slots.n_seq if isinstance(slots, SeqSlots) else 1
+
+    def _seq_slots(self) -> SeqSlots:
+        slots = self.pipeline.slots
+        if not isinstance(slots, SeqSlots):
+            raise ConfigError("batched sequences need an engine with RuntimeConfig.parallel > 1")
+        return slots
+
+    def feed_sequence(self, tokens: np.ndarray, seq: int, pos0: int) -> np.ndarray:
+        """A prompt chunk of batched sequence ``seq`` from ``pos0``: its last logits."""
+        batch = self._seq_slots().chunk_batch(tokens, seq, pos0)
+        return self.pipeline.forward_batch(batch, Step()).values[-1]
+
+    def decode_sequences(
+        self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray, greedy: bool
+    ) -> np.ndarray:
+        """One token for each of the batched sequences ``seqs`` (at ``pos``), one step: the
+        argmax per sequence [len(seqs)] (``greedy``), else the logits rows [len(seqs), n_vocab],
+        in the order of ``seqs``."""
+        batch = self._seq_slots().decode_batch(tokens, seqs, pos)
+        step = Step(logits="all", want="argmax" if greedy else "out")
+        values = self.pipeline.forward_batch(batch, step).values
+        rows = np.asarray(seqs) - batch.stream_first  # step row i is sequence first + i
+        return values[0, rows] if greedy else values[rows]
+
+    def release_sequence(self, seq: int) -> None:
+        """Batched sequence ``seq`` starts again: its rows masked until written, its recurrent
+        state zeroed."""
+        self._seq_slots().release(seq)
+        self.clear_sequence(seq)
+
     def clear_sequence(self, seq: int) -> None:
         """Batched sequence ``seq`` starts again: its recurrent state zeroed on every shard."""
         for _, _, live, remote in self._states():
@@ -454,6 +490,8 @@ class Engine:
         first = seq * self.n_ctx
         for key, _, live, remote in self._states():
             self._run(remote, lambda c=copies[key], t=live: c.restore(t, first))
+        slots = self._seq_slots()
+        slots.length[seq] = max(slots.length[seq], next(iter(copies.values())).rows)
 
     def drop_snapshot(self, copies: dict[str, StateCopy]) -> None:
         remote = {key for key, _, _, r in self._states() if r}

@@ -112,7 +112,7 @@ class Served:
         batcher = self.worker.batcher
         if batcher is None:
             return None
-        return {"parallel": batcher.slots.n_seq, "active": len(batcher.active), **batcher.steps}
+        return {"parallel": batcher.engine.n_seq, "active": len(batcher.active), **batcher.steps}
 
     def _pool(self) -> dict | None:
         """KV Flash's pool report; read while the engine thread may be paging, so a read that
