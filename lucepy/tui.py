@@ -197,6 +197,13 @@ def _server_stats(s: dict) -> Table:
     table.add_row("tokens/s", f"{s['tokens_per_s']:.1f} (last 5 s)")
     table.add_row("last request", _dash(timings.get("decode_tok_s"), "{:.1f} tok/s decode"))
     table.add_row("queue", f"{queue['waiting']} waiting, {queue['active']} running")
+    batch = s.get("batch")
+    if batch:
+        per_step = batch["decoded"] / batch["decode"] if batch["decode"] else 0.0
+        table.add_row(
+            "batch",
+            f"{batch['active']} of {batch['parallel']} sequences · {per_step:.1f} decoded a step",
+        )
     table.add_row(
         "requests",
         f"{req['total']} total · {req['completed']} done · {req['cancelled']} cancelled · "

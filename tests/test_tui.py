@@ -73,3 +73,10 @@ def test_models_table_marks_the_default_and_missing_files():
     text = render(tui.models_table(rows, "./models.yaml"))
     assert "lucepy-tiny (default)" in text and "made on first use" in text
     assert "cuda:0,cuda:1" in text and "32768" in text and "missing" in text
+
+
+def test_status_view_shows_the_batch_of_a_parallel_server():
+    batch = {"parallel": 8, "active": 3, "prefill": 4, "decode": 10, "decoded": 25}
+    text = render(tui.status_view({**STATUS, "batch": batch}))
+    assert "3 of 8 sequences" in text and "2.5 decoded a step" in text
+    assert "sequences" not in render(tui.status_view(STATUS))  # one at a time: no batch line
