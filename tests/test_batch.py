@@ -24,9 +24,8 @@ CTX = 256
 
 
 def config(parallel: int, **kw) -> RuntimeConfig:
-    return RuntimeConfig(
-        threads=THREADS, max_ctx=CTX, chunk=32, parallel=parallel, batch_invariant=True, **kw
-    )
+    base = dict(threads=THREADS, max_ctx=CTX, chunk=32, parallel=parallel, batch_invariant=True)
+    return RuntimeConfig(**(base | kw))
 
 
 @pytest.fixture(scope="module")

@@ -125,7 +125,7 @@ class Llama(Architecture):
         Inputs: ``tokens`` (first shard) or ``x``, ``pos``, ``mask``, ``rows``. Outputs as
         qwen35's: logits (last shard) or the activation, ``argmax``, ``feat.L``."""
         p, L, c, T = self.p, g.lib, g.ctx, spec.n_tokens
-        if T > spec.n_kv:
+        if T // max(spec.streams[0], 1) > spec.n_kv:  # each sequence's tokens in its window
             raise ConfigError(f"{T} tokens do not fit a {spec.n_kv}-row attention window")
         if layers.start == 0:
             x = L.ggml_get_rows(c, w["token_embd.weight"], g.input_i32("tokens", T))

@@ -197,7 +197,7 @@ class Qwen35(Architecture):
         and in verify graphs ``gdn.il`` / ``conv.il`` (per-token recurrent snapshots).
         """
         p, L, c, T = self.p, g.lib, g.ctx, spec.n_tokens
-        if spec.n_kv > 0 and T > spec.n_kv:
+        if spec.n_kv > 0 and T // max(spec.streams[0], 1) > spec.n_kv:  # per sequence
             raise ConfigError(f"{T} tokens do not fit a {spec.n_kv}-row attention window")
         if layers.start == 0:
             x = L.ggml_get_rows(c, w["token_embd.weight"], g.input_i32("tokens", T))
