@@ -169,6 +169,24 @@ def test_recurrent_sequences_batch_as_each_alone(tiny_model):
     assert [r.tokens for i, r in enumerate(reqs) if i != 1] == want[:1] + want[2:]
 
 
+def test_more_sequences_at_once_than_rows_in_a_window(prompts):
+    """Twenty requests whose prompt is cached with its logits join in one round and decode
+    together in sequences of 16 positions: a step of more tokens than a sequence's window has
+    rows (each token reads its own window)."""
+    prompt = prompts[0][:6]
+    want = alone([prompt], [8])[0]
+    cfg = config(20, max_ctx=16, prefix_cache_slots=4)
+    with open_engine(smollm2_file(), cfg, tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        batcher.submit(prompt, 1, stop_at_end=False)
+        batcher.run()  # the prompt, with its logits, in the cache
+        reqs = [batcher.submit(prompt, 8, stop_at_end=False) for _ in range(20)]
+        batcher.run()
+        assert all(r.cache["prefilled_tokens"] == 0 for r in reqs)
+        assert batcher.steps["decoded"] == 20 * 7  # 20 rows a step, after each first token
+    assert all(r.tokens == want for r in reqs)
+
+
 def test_parallel_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="parallel"):
         RuntimeConfig(parallel=0)
