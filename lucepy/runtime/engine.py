@@ -430,6 +430,7 @@ class Engine:
             self.pipeline.reset(n)
         self.n_past = n
 
+    # batched sequences (--parallel; decode/batch.py speaks these)
     def snapshot_sequence(self, seq: int, n: int) -> dict[str, StateCopy]:
         """Copies of batched sequence ``seq``'s first ``n`` positions (``--parallel``): laid out
         as ``snapshot``'s, so ``restore`` and ``restore_sequence`` take either."""
@@ -444,7 +445,6 @@ class Engine:
             raise
         return out
 
-    # batched sequences (--parallel; decode/batch.py speaks these)
     @property
     def n_seq(self) -> int:
         """Sequences the engine holds (``RuntimeConfig.parallel``), each of ``n_ctx``."""

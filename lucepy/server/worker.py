@@ -228,10 +228,7 @@ class Worker:
             return
         finally:
             self.current = None
-        done = choice.done(round((t_start - job.queued_at) * 1e3, 3))
-        self.stats.finished("cancelled" if done.finish_reason == "cancelled" else "completed",
-                            [asdict(done)])  # fmt: skip
-        job.emit(done)
+        self._deliver(job, choice.done(round((t_start - job.queued_at) * 1e3, 3)))
 
     def _step_batch(self, batcher: Batcher, running: dict) -> None:
         """One batched step; ends requests whose client left or whose stop string showed."""
@@ -275,7 +272,10 @@ class Worker:
             round(len(gen.prompt_tokens) / max(prefill_ms / 1e3, 1e-9), 3),
             round(max(len(gen.tokens) - 1, 0) / max(decode_ms / 1e3, 1e-9), 3),
         )
-        done = choice.done(round((req.t_submit - job.queued_at) * 1e3, 3))
+        self._deliver(job, choice.done(round((req.t_submit - job.queued_at) * 1e3, 3)))
+
+    def _deliver(self, job: Job, done: Done) -> None:
+        """Count a finished one-choice job and send its Done (a shutdown's cancel: a failure)."""
         outcome = "cancelled" if done.finish_reason == "cancelled" else "completed"
         self.stats.finished(outcome, [asdict(done)])
         if outcome == "cancelled" and self._closed:
