@@ -1,8 +1,13 @@
 """Many clients at once: `lucepy serve --parallel N` through the official `openai` client against
-llama.cpp's batched decoding of the same GGUF (llama-batched-bench), in one run.
+`llama-server -np N` (the same clients) and llama.cpp's batched decoding (llama-batched-bench) of
+the same GGUF, in one run.
 
     python3 tools/bench_batch.py [--model M.gguf] [--device cpu|cuda:0] [--clients 1,4,8,32]
-        [--tokens 256] [--threads T] [--llama-batched-bench BIN] [--json OUT] [--md OUT]
+        [--tokens 256] [--threads T] [--llama-server BIN] [--llama-batched-bench BIN]
+        [--json OUT] [--md OUT]
+
+llama-server: built from the pinned source (its tools/server, target llama-server, same CMake
+flags as the build lucepy loads), ``-np N -c N*max_ctx -fa on``, the same N clients and prompts.
 
 lucepy: `lucepy serve --parallel N` in its own process (N = clients; 1: the one-at-a-time
 worker), N clients here started together, each streaming a completion of exactly ``--tokens``
@@ -12,8 +17,8 @@ Aggregate: all completion tokens over the wall time from the first request to th
 time to first token: the median over clients. Each level runs once after a warm-up request.
 "engine": the same requests on a ``Batcher`` in this process, with no server.
 
-llama.cpp: llama-batched-bench, built from the pinned source against the same build (the pinned
-source has no llama-server), ``-npp P -ntg TOKENS -npl N`` with P the mean prompt length: N
+llama.cpp: llama-batched-bench, built from the pinned source against the same build,
+``-npp P -ntg TOKENS -npl N`` with P the mean prompt length: N
 sequences prefilled together, then decoded together. Its aggregate: (N x TOKENS) over its
 prefill plus decode time, and its decode-only rate. The methods differ: lucepy's clients join a
 running server through HTTP and its prompts are fed a chunk per step between decode steps.
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,11 +57,14 @@ def one_client(client, prompt: list[int], n: int) -> dict:
         model="m", prompt=prompt, max_tokens=n, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     )  # fmt: skip
+    pieces = 0
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].text and first is None:
-            first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            first = first or time.perf_counter()
+            pieces += 1
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+    tokens = tokens or pieces  # a server that sends no usage: one piece a token
     end = time.perf_counter()
     return {"t0": t0, "first": first or end, "end": end, "tokens": tokens}
 
@@ -88,15 +97,49 @@ def lucepy_serve(args, n: int):
             proc.kill()
 
 
+@contextlib.contextmanager
+def llama_serve(args, n: int):
+    """llama-server of the same build with ``-np N``, each slot ``--max-ctx`` positions."""
+    port = 18000 + n
+    cmd = [args.llama_server, "-m", str(args.model), "--port", str(port), "-np", str(n),
+           "-c", str(n * args.max_ctx), "-fa", "on", "--no-webui"]  # fmt: skip
+    if args.threads:
+        cmd += ["-t", str(args.threads)]
+    if args.device != "cpu":
+        cmd += ["-ngl", "99"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited ({proc.returncode}): {' '.join(cmd)}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def lucepy_level(args, prompts, n: int) -> dict:
+    return server_level(lucepy_serve(args, n), prompts, n, args.tokens)
+
+
+def server_level(serving, prompts, n: int, tokens_each: int) -> dict:
     with (
-        lucepy_serve(args, n) as url,
+        serving as url,
         openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0) as client,
     ):
         one_client(client, prompts[0], 8)  # warm-up: graphs built
         with ThreadPoolExecutor(n) as pool:
             runs = list(
-                pool.map(lambda i: one_client(client, prompts[i % len(prompts)], args.tokens),
+                pool.map(lambda i: one_client(client, prompts[i % len(prompts)], tokens_each),
                          range(n))
             )  # fmt: skip
     tokens = sum(r["tokens"] for r in runs)
@@ -161,6 +204,19 @@ def markdown(res: dict) -> str:
             f"{en['ttft_ms']:.0f} | {ll['tok_s'] if ll else ''} | {ratios[0]} | {ratios[1]} | "
             f"{ll['decode_tok_s'] if ll else ''} |"
         )
+    if any("llama-server" in r for r in res["levels"].values()):
+        lines += [
+            "",
+            "| clients | lucepy server tok/s | TTFT ms | llama-server -np N tok/s | TTFT ms "
+            "| lucepy / llama-server |",
+            "|---|---|---|---|---|---|",
+        ]
+        for n, r in res["levels"].items():
+            lu, ls = r["lucepy"], r["llama-server"]
+            lines.append(
+                f"| {n} | {lu['tok_s']:.1f} | {lu['ttft_ms']:.0f} | {ls['tok_s']:.1f} | "
+                f"{ls['ttft_ms']:.0f} | {lu['tok_s'] / ls['tok_s']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -173,6 +229,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--max-ctx", type=int, default=1024, help="positions per sequence")
     ap.add_argument("--llama-batched-bench", help="llama-batched-bench of the same build")
+    ap.add_argument("--llama-server", help="llama-server of the same build")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args()
@@ -183,6 +240,8 @@ def main() -> None:
                  "prompt_len_mean": prompt_len, "levels": {}}  # fmt: skip
     for n in (int(x) for x in args.clients.split(",")):
         level = {"lucepy": lucepy_level(args, prompts, n), "engine": engine_level(args, prompts, n)}
+        if args.llama_server:
+            level["llama-server"] = server_level(llama_serve(args, n), prompts, n, args.tokens)
         if args.llama_batched_bench:
             level["llama.cpp"] = llama_level(args, prompt_len, n)
         res["levels"][n] = level
