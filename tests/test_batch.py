@@ -68,14 +68,25 @@ def test_seq_slots_keep_each_sequence_to_its_rows():
     assert (chunk.streams, chunk.stream_first) == (1, 1) and chunk.slots.tolist() == [10, 11, 12]
 
 
+def seeded(batcher: Batcher, prefixes: list[list[int]]) -> None:
+    """Run ``prefixes`` first, so that the prefix cache holds them."""
+    for p in prefixes:
+        batcher.submit(p, 2, stop_at_end=False)
+    batcher.run()
+
+
 def test_eight_requests_together_equal_each_alone_with_a_cancel_and_a_queue(prompts):
     """Ten requests on eight sequences: two wait; one is cancelled after 6 tokens and a waiting
-    one takes its sequence; prompts are fed in chunks of 32 between decode steps."""
+    one takes its sequence; two start from a cached prefix; prompts are fed in chunks of 32
+    between decode steps."""
     picked = prompts[:10]
     lengths = [24 + 4 * i for i in range(10)]
     want = alone(picked, lengths)
-    with Engine(smollm2_file(), config(8), tokenizer=False) as engine:
+    cfg = config(8, prefix_cache_slots=16)
+    with open_engine(smollm2_file(), cfg, tokenizer=False) as engine:
         batcher = Batcher(engine)
+        seeded(batcher, [picked[5][:20], picked[7][:33]])
+        steps = dict(batcher.steps)
         pairs = zip(picked, lengths, strict=True)
         reqs = [batcher.submit(p, n, stop_at_end=False) for p, n in pairs]
         assert len(batcher.waiting) == 10
@@ -85,7 +96,11 @@ def test_eight_requests_together_equal_each_alone_with_a_cancel_and_a_queue(prom
             most = max(most, len(batcher.active))
             if len(reqs[3].tokens) == 6 and not reqs[3].done:
                 batcher.cancel(reqs[3])
-        assert most == 8 and batcher.steps["decode"] < sum(lengths) / 4
+        assert most == 8 and batcher.steps["decode"] - steps["decode"] < sum(lengths) / 4
+    # at least the seeded prompts (more where a seed's own next token matched); longer prompts
+    # restore the chat template's header they share with a seed
+    restored = [r.cache["restored_tokens"] for r in reqs]
+    assert restored[5] >= 20 and restored[7] >= 33
     for i, (req, tokens) in enumerate(zip(reqs, want, strict=True)):
         if i == 3:
             assert req.finish_reason == "cancelled" and req.tokens == tokens[:6]
@@ -97,11 +112,14 @@ def test_thirty_two_requests_together_equal_each_alone(prompts):
     picked = [prompts[i % len(prompts)][: 10 + i] for i in range(32)]
     lengths = [8 + i % 7 for i in range(32)]
     want = alone(picked, lengths)
-    with Engine(smollm2_file(), config(32), tokenizer=False) as engine:
+    cfg = config(32, prefix_cache_slots=16)
+    with open_engine(smollm2_file(), cfg, tokenizer=False) as engine:
         batcher = Batcher(engine)
+        seeded(batcher, [picked[3][:12], picked[30][:25]])
         pairs = zip(picked, lengths, strict=True)
         reqs = [batcher.submit(p, n, stop_at_end=False) for p, n in pairs]
         batcher.run()
+    assert reqs[3].cache["restored_tokens"] >= 12 and reqs[30].cache["restored_tokens"] >= 25
     assert [r.tokens for r in reqs] == want
 
 
