@@ -204,18 +204,8 @@ def test_gpu_with_a_cpu_worker(split, worker, local, tiny_model, on_gpu):
     assert err.max() <= TF32_TOLERANCE, f"prompt position {err.argmax()}: {err.max():.2e}"
 
 
-def greedy_with_logits(path, n):
-    cfg = RuntimeConfig(device=GPU, threads=THREADS, max_ctx=256)
-    with Engine(path, cfg, tokenizer=False) as engine:
-        logits, tokens, steps = engine.prefill(PROMPT), [], []
-        for _ in range(n):
-            steps.append(logits.copy())
-            tokens.append(int(np.argmax(logits)))
-            logits = engine.decode(tokens[-1])
-    return tokens, steps
-
-
 def greedy_steps(engine, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """``n`` greedy tokens from a fresh sequence, with the logits each was chosen from."""
     engine.reset()
     logits, tokens, steps = engine.prefill(prompt), [], []
     for _ in range(n):
@@ -223,6 +213,23 @@ def greedy_steps(engine, prompt: list[int], n: int) -> tuple[list[int], list[np.
         tokens.append(int(np.argmax(logits)))
         logits = engine.decode(tokens[-1])
     return tokens, steps
+
+
+def greedy_with_logits(path, n):
+    cfg = RuntimeConfig(device=GPU, threads=THREADS, max_ctx=256)
+    with Engine(path, cfg, tokenizer=False) as engine:
+        return greedy_steps(engine, PROMPT, n)
+
+
+def first_difference_is_a_tie(want: list[int], got: list[int], steps) -> int | None:
+    """Where ``got`` first leaves the greedy ``want`` (None: nowhere), after checking that the
+    two tokens were a near-tie in the logits ``want`` was chosen from."""
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        if a != b:
+            gap = steps[i][a] - steps[i][b]
+            assert gap <= 1e-2 * np.abs(steps[i]).max(), f"step {i}: not a tie ({gap:.3g})"
+            return i
+    return None
 
 
 def test_gpu_batched_sequences_equal_each_alone(tiny_model):
@@ -240,11 +247,7 @@ def test_gpu_batched_sequences_equal_each_alone(tiny_model):
         batcher.run()
         assert batcher.steps["decoded"] > batcher.steps["decode"]
     for req, (tokens, steps) in zip(reqs, alone, strict=True):
-        for i, (a, b) in enumerate(zip(tokens, req.tokens, strict=True)):
-            if a != b:
-                gap = steps[i][a] - steps[i][b]
-                assert gap <= 1e-2 * np.abs(steps[i]).max(), f"step {i}: not a tie ({gap:.3g})"
-                break
+        first_difference_is_a_tie(tokens, req.tokens, steps)
 
 
 def test_gpu_greedy_with_draft_equals_greedy(models):
@@ -254,12 +257,8 @@ def test_gpu_greedy_with_draft_equals_greedy(models):
     plain, steps = greedy_with_logits(models["favoured"], N_SPEC)
     spec = generate_on(models["favoured"], GPU, draft=models["agree"])
     assert spec.accept.steps > 0 and sum(spec.accept.histogram[1:-1]) >= 1
-    for i, (a, b) in enumerate(zip(plain, spec.tokens, strict=True)):
-        if a != b:
-            gap = steps[i][a] - steps[i][b]
-            assert gap <= 1e-2 * np.abs(steps[i]).max(), f"step {i}: not a tie ({gap:.3g})"
-            assert i >= 8, f"diverged at step {i}, too early to have tested rollback"
-            break
+    i = first_difference_is_a_tie(plain, spec.tokens, steps)
+    assert i is None or i >= 8, f"diverged at step {i}, too early to have tested rollback"
 
 
 @pytest.mark.parametrize("rank", ["lru", "qk"])

@@ -90,7 +90,7 @@ class Batcher:
                 f"a prompt of {len(prompt)} tokens leaves no room in a sequence's context of "
                 f"{self.n_ctx}"
             )
-        self.engine._check_tokens(np.asarray(prompt, dtype=np.int32))
+        self.engine.check_tokens(np.asarray(prompt, dtype=np.int32))
         req = Request(list(prompt), max_tokens, Sampler(sampling), stop_at_end)
         req.t_submit = time.perf_counter()
         self.waiting.append(req)

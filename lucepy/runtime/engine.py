@@ -354,7 +354,7 @@ class Engine:
     def decode(self, token: int) -> np.ndarray:
         """One token in, the next-token logits [n_vocab] out (a view reused by the next call)."""
         if not 0 <= token < self.params.n_vocab:
-            self._check_tokens(np.array([token]))
+            self.check_tokens(np.array([token]))
         out = self.pipeline.forward(np.array([token], dtype=np.int32), self.n_past, Step())
         self.n_past += 1
         return out.values[0]
@@ -574,7 +574,7 @@ class Engine:
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.size == 0:
             raise ConfigError("nothing to prefill: the token list is empty")
-        self._check_tokens(tokens)
+        self.check_tokens(tokens)
         if self.n_past + tokens.size > self.n_ctx:
             raise ContextOverflow(
                 f"{tokens.size} tokens after {self.n_past} exceed the context of {self.n_ctx}; "
@@ -582,7 +582,8 @@ class Engine:
             )
         return tokens
 
-    def _check_tokens(self, tokens: np.ndarray) -> None:
+    def check_tokens(self, tokens: np.ndarray) -> None:
+        """Refuse a token id outside the vocabulary (a PromptError naming it)."""
         bad = tokens[(tokens < 0) | (tokens >= self.params.n_vocab)]
         if bad.size:
             raise PromptError(

@@ -219,16 +219,11 @@ class Worker:
                         running[req] = (job, choice)
                         return
         except Exception as err:  # as in _run: the request fails, the model may recover
-            if isinstance(err, FATAL):
-                self.failure = err
-                log.error("the model failed: %s", err)
-            self.stats.finished("failed")
-            job.emit(Failed(err))
-            self._recover()
+            self._fail([job], err)
             return
         finally:
             self.current = None
-        self._deliver(job, choice.done(round((t_start - job.queued_at) * 1e3, 3)))
+        self._deliver(job, [choice.done(round((t_start - job.queued_at) * 1e3, 3))])
 
     def _step_batch(self, batcher: Batcher, running: dict) -> None:
         """One batched step; ends requests whose client left or whose stop string showed."""
@@ -238,15 +233,9 @@ class Worker:
         try:
             chosen = batcher.step() if not batcher.idle else []
         except Exception as err:  # the step failed: every running job fails with it
-            if isinstance(err, FATAL):
-                self.failure = err
-                log.error("the model failed: %s", err)
-            for job, _ in running.values():
-                self.stats.finished("failed")
-                job.emit(Failed(err))
-            running.clear()
             batcher.clear()
-            self._recover()
+            self._fail([job for job, _ in running.values()], err)
+            running.clear()
             return
         is_end = self.engine.tokenizer.is_end
         for req, token in chosen:
@@ -272,28 +261,10 @@ class Worker:
             round(len(gen.prompt_tokens) / max(prefill_ms / 1e3, 1e-9), 3),
             round(max(len(gen.tokens) - 1, 0) / max(decode_ms / 1e3, 1e-9), 3),
         )
-        self._deliver(job, choice.done(round((req.t_submit - job.queued_at) * 1e3, 3)))
+        self._deliver(job, [choice.done(round((req.t_submit - job.queued_at) * 1e3, 3))])
 
-    def _deliver(self, job: Job, done: Done) -> None:
-        """Count a finished one-choice job and send its Done (a shutdown's cancel: a failure)."""
-        outcome = "cancelled" if done.finish_reason == "cancelled" else "completed"
-        self.stats.finished(outcome, [asdict(done)])
-        if outcome == "cancelled" and self._closed:
-            job.emit(Failed(ModelUnavailable("the server shut down during this generation")))
-        else:
-            job.emit(done)
-
-    def _run(self, job: Job) -> None:
-        try:
-            dones = run_job(self.engine, job, self.stats.token)
-        except Exception as err:  # every failure goes back to its client
-            if isinstance(err, FATAL):
-                self.failure = err
-                log.error("the model failed: %s", err)
-            self.stats.finished("failed")
-            job.emit(Failed(err))
-            self._recover()
-            return
+    def _deliver(self, job: Job, dones: list[Done]) -> None:
+        """Count a finished job and send its choices' Done (a shutdown's cancel: a failure)."""
         cancelled = any(d.finish_reason == "cancelled" for d in dones)
         outcome = "cancelled" if cancelled else "completed"
         self.stats.finished(outcome, [asdict(d) for d in dones])
@@ -302,6 +273,25 @@ class Worker:
         else:
             for done in dones:
                 job.emit(done)
+
+    def _run(self, job: Job) -> None:
+        try:
+            dones = run_job(self.engine, job, self.stats.token)
+        except Exception as err:  # every failure goes back to its client
+            self._fail([job], err)
+            return
+        self._deliver(job, dones)
+
+    def _fail(self, jobs: list[Job], err: Exception) -> None:
+        """``jobs`` failed with ``err``: each client hears it; a failure that broke the model
+        marks it, and the model comes back at once if it can."""
+        if isinstance(err, FATAL):
+            self.failure = err
+            log.error("the model failed: %s", err)
+        for job in jobs:
+            self.stats.finished("failed")
+            job.emit(Failed(err))
+        self._recover()
 
     def _recover(self) -> None:
         """After a failure that broke the model (a worker died or missed its deadline), reload it
