@@ -53,6 +53,13 @@ def backends_build(
     arch: Annotated[str | None, typer.Option(help="GPU architectures, e.g. 90 or gfx1100")] = None,
     sdist: Annotated[Path | None, typer.Option(help="the pinned sdist, if offline")] = None,
     with_llama_bench: Annotated[bool, typer.Option(help="also build llama-bench")] = False,
+    kernels: Annotated[
+        str | None,
+        typer.Option(
+            help="lucepy: with lucepy's own kernels (cuda's default); ggml: ggml's only, "
+            "into BACKEND-ggml unless --prefix says"
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option(help="print the commands only")] = False,
 ):
     """Build the pinned ggml for BACKEND (with RPC) into its own directory."""
@@ -60,7 +67,7 @@ def backends_build(
     def body():
         from lucepy.runtime import backends
 
-        bplan = backends.plan_build(backend, prefix, arch, with_llama_bench)
+        bplan = backends.plan_build(backend, prefix, arch, with_llama_bench, kernels=kernels)
         tui.show(tui.build_plan(bplan))
         if not dry_run:
             with tui.status(f"building ggml for {backend} ({bplan.jobs} jobs)"):
@@ -79,10 +86,13 @@ def backends_list(as_json: AsJson = False):
 
         builds = backends.list_builds()
         if as_json:
-            tui.print_json(
-                json.dumps({"builds": [{"backend": b, "path": str(p)} for b, p in builds]})
-            )
+            rows = [
+                {"backend": b, "path": str(p), "kernels": backends.build_kernels(p)}
+                for b, p in builds
+            ]
+            tui.print_json(json.dumps({"builds": rows}))
         else:
-            tui.show(tui.builds_table(builds, backends.cache_root() / "ggml"))
+            kernels = [backends.build_kernels(p) for _, p in builds]
+            tui.show(tui.builds_table(builds, kernels, backends.cache_root() / "ggml"))
 
     run_body(body)

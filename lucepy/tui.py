@@ -159,18 +159,24 @@ def _mib(n: int) -> str:
 
 
 def build_plan(plan) -> str:
+    kernels = (
+        f"\n  kernels: lucepy's ({plan.kernels.patch.name} on the pinned source)"
+        if plan.own
+        else "\n  kernels: ggml's"
+    )
     return (
         f"[bold]{plan.backend}[/] → {plan.prefix}\n  cmake {' '.join(plan.cmake_args)}\n"
-        f"  targets: {' '.join(plan.targets)}"
+        f"  targets: {' '.join(plan.targets)}{kernels}"
     )
 
 
-def builds_table(builds: list, root) -> Table:
+def builds_table(builds: list, kernels: list, root) -> Table:
     table = Table(title=f"ggml builds in {root}")
     table.add_column("backend")
+    table.add_column("kernels")
     table.add_column("directory")
-    for backend, path in builds:
-        table.add_row(backend, str(path))
+    for (backend, path), which in zip(builds, kernels, strict=True):
+        table.add_row(backend, _dash(which), str(path))
     return table
 
 

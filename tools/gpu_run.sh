@@ -28,7 +28,13 @@
 # GPU_RUN_DFLASH (set: DFlash on SmolLM2, staged first by tools/gpu_train.sh's stage calls, with
 # the shipped draft, against llama.cpp's, tools/bench_dflash.py; adds dflash.json, dflash.md),
 # GPU_RUN_BATCH (clients, e.g. 1,4,8,32: `lucepy serve --parallel N` on the model against
-# llama-batched-bench of the same build, tools/bench_batch.py; adds batch.json, batch.md).
+# llama-batched-bench of the same build, tools/bench_batch.py; adds batch.json, batch.md),
+# GPU_RUN_KERNELS (set: issue 19's benchmark, tools/bench_kernels.py, on the model in Q4_0 and in
+# Q4_K_M (requantized by llama-quantize), lucepy with its kernels and with ggml's against
+# llama-bench of the unpatched build, and the CUPTI trace of a decode token with each; adds
+# kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json).
+# lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
+# the same source unpatched.
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -55,14 +61,15 @@ if [[ ! -x $CUDA_ROOT/bin/nvcc ]] && command -v nvcc >/dev/null; then
     CUDA_ROOT=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
 fi
 export LUCEPY_CACHE_DIR=${GPU_RUN_CACHE:-/tmp/lucepy-cache}
-export BUILD=$LUCEPY_CACHE_DIR/ggml/cuda
+export BUILD=$LUCEPY_CACHE_DIR/ggml/cuda           # lucepy's: with its own kernels (issue 19)
+export BUILD_GGML=$LUCEPY_CACHE_DIR/ggml/cuda-ggml # llama.cpp's: ggml's kernels, llama-bench
 export LUCEPY_BUILD_DIR=/tmp/lucepy-build # kept: a build cut short resumes on the next call
 export MODEL=/tmp/lucepy-$SHAPE-L$LAYERS-q4_0.gguf
 SITE=/tmp/site
 export PYTHONUNBUFFERED=1
 if command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
 export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
-export LUCEPY_GGML_LIB=$BUILD LLAMA_CPP_LIB_PATH=$BUILD
+export LUCEPY_GGML_LIB=$BUILD LLAMA_CPP_LIB_PATH=$BUILD_GGML
 export LUCEPY_GPU_REF=$REPO/.gpuref # read by tests/test_gpu.py
 SETUP=$OUTDIR/setup.log
 BENCHLOG=$OUTDIR/bench.log
@@ -170,18 +177,24 @@ ensure_cuda_libs() {
     export LD_LIBRARY_PATH=$root/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
 
+# Two builds of one source tree: lucepy's (its kernels hooked in) into $BUILD, then llama.cpp's
+# (unpatched, with llama-bench and llama-quantize) into $BUILD_GGML; the second recompiles only
+# the files the patch touches.
 build_cuda() {
-    if [[ -f $BUILD/libggml-cuda.so && -x $BUILD/llama-bench && -f $BUILD/libllama.so ]]; then
-        echo "reusing $BUILD" && return 0
+    local src=/tmp/lucepy-sdist/$NAME
+    if [[ -f $BUILD/libggml-cuda.so && $(cat "$BUILD/KERNELS" 2>/dev/null) == lucepy &&
+        -x $BUILD_GGML/llama-bench && -f $BUILD_GGML/libllama.so ]]; then
+        echo "reusing $BUILD and $BUILD_GGML" && return 0
     fi
     # a copy outside any git checkout (ggml's CMake would stamp an enclosing repo's commit), with
     # its times kept, so that a resumed build recompiles nothing
-    if [[ ! -d /tmp/lucepy-sdist/$NAME ]]; then
+    if [[ ! -d $src ]]; then
         mkdir -p /tmp/lucepy-sdist && cp -a ".sdist/$NAME" /tmp/lucepy-sdist/
     fi
-    python3 -m lucepy -v backends build cuda --arch 90 --sdist "/tmp/lucepy-sdist/$NAME" \
-        --with-llama-bench
-    ls -la "$BUILD"
+    python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src"
+    python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" --kernels ggml \
+        --with-llama-bench --prefix "$BUILD_GGML"
+    ls -la "$BUILD" "$BUILD_GGML"
 }
 
 generate_model() {
@@ -218,32 +231,57 @@ step devices 30 "$SETUP" python3 -m lucepy devices --json || true
 if ((built)); then
     tests=$(grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')
     # shellcheck disable=SC2086
-    step pytest 120 "$OUTDIR/pytest.txt" python3 -m pytest -m gpu $tests -v -rfEs \
+    step pytest 180 "$OUTDIR/pytest.txt" python3 -m pytest -m gpu $tests -v -rfEs \
         -p no:cacheprovider || true
 fi
 step model 240 "$SETUP" wait_model || true
 
 if ((built)) && [[ -n ${GPU_RUN_DFLASH:-} ]]; then # SmolLM2 staged by tools/gpu_train.sh
     step dflash 360 "$BENCHLOG" sh -c "bash tools/gpu_train.sh model && \
-        bash tools/build_llama_dflash.sh '$BUILD' '.sdist/$NAME' && \
+        bash tools/build_llama_dflash.sh '$BUILD_GGML' '.sdist/$NAME' && \
         exec python3 tools/bench_dflash.py --model /tmp/lucepy-smol/model.gguf --device $DEVICE \
-        --llama-dflash '$BUILD/llama-dflash' --json '$OUTDIR/dflash.json' \
+        --llama-dflash '$BUILD_GGML/llama-dflash' --json '$OUTDIR/dflash.json' \
         --md '$OUTDIR/dflash.md'" || true
 fi
 
 if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_BATCH:-} ]]; then # continuous batching
-    step batch 420 "$BENCHLOG" sh -c "bash tools/build_llama_dflash.sh --batched-bench '$BUILD' \
-        '.sdist/$NAME' && exec python3 tools/bench_batch.py --model '$MODEL' --device $DEVICE \
+    step batch 420 "$BENCHLOG" sh -c "bash tools/build_llama_dflash.sh --batched-bench \
+        '$BUILD_GGML' '.sdist/$NAME' && exec python3 tools/bench_batch.py --model '$MODEL' \
+        --device $DEVICE \
         --clients '$GPU_RUN_BATCH' --max-ctx 512 \
-        --llama-batched-bench '$BUILD/llama-batched-bench' --json '$OUTDIR/batch.json' \
+        --llama-batched-bench '$BUILD_GGML/llama-batched-bench' --json '$OUTDIR/batch.json' \
         --md '$OUTDIR/batch.md'" || true
+fi
+
+if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
+    MODEL_K=${MODEL%-q4_0.gguf}-q4_k_m.gguf
+    step requantize 240 "$BENCHLOG" sh -c "test -f '$MODEL_K' || { '$BUILD_GGML/llama-quantize' \
+        --allow-requantize '$MODEL' '$MODEL_K.part' Q4_K_M 16 && \
+        mv '$MODEL_K.part' '$MODEL_K'; }" || true
+    for m in "$MODEL" "$MODEL_K"; do
+        [[ -f $m ]] || continue
+        tag=$(basename "$m" .gguf)
+        tag=${tag##*-}
+        step "llama-$tag" 120 "$BENCHLOG" sh -c "exec '$BUILD_GGML/llama-bench' -m '$m' -ngl 99 \
+            -fa 1 -p 512 -n 128 -r 5 -o json >'$OUTDIR/llama-bench-$tag.json'" || true
+        step "kernels-$tag" 300 "$BENCHLOG" python3 tools/bench_kernels.py measure "$m" \
+            --device "$DEVICE" --json "$OUTDIR/kernels-$tag.json" || true
+        python3 tools/bench_kernels.py report "$OUTDIR/kernels-$tag.json" \
+            --llama-bench "$OUTDIR/llama-bench-$tag.json" >>"$OUTDIR/kernels.md" 2>&1 || true
+    done
+    for choice in 1 0; do
+        step "trace-$choice" 90 "$OUTDIR/trace.txt" env LUCEPY_CUDA_KERNELS=$choice python3 \
+            tools/trace_gpu.py trace "$MODEL" --device "$DEVICE" \
+            --json "$OUTDIR/trace-kernels$choice.json" || true
+    done
 fi
 
 THREADS=${GPU_RUN_THREADS:-8}
 NCMOE=$((LAYERS / 2))
 if ((built)) && [[ -f $MODEL && $ARCH == qwen35moe ]]; then
-    step llama 200 "$BENCHLOG" sh -c "'$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 -t $THREADS \
-        -p 512 -n 128 -r 3 -o json >'$OUTDIR/llama-bench.json' && exec '$BUILD/llama-bench' \
+    step llama 200 "$BENCHLOG" sh -c "'$BUILD_GGML/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
+        -t $THREADS -p 512 -n 128 -r 3 -o json >'$OUTDIR/llama-bench.json' && \
+        exec '$BUILD_GGML/llama-bench' \
         -m '$MODEL' -ngl 99 -fa 1 -t $THREADS -ncmoe $NCMOE -p 0 -n 128 -r 5 -o json \
         >'$OUTDIR/llama-bench-ncmoe.json'" || true
     step lucepy 330 "$BENCHLOG" python3 tools/bench_moe.py measure "$MODEL" --device "$DEVICE" \
@@ -251,11 +289,11 @@ if ((built)) && [[ -f $MODEL && $ARCH == qwen35moe ]]; then
 elif ((built)) && [[ -f $MODEL ]]; then
     if [[ -n ${GPU_RUN_KVPOOL:-} ]]; then # KV Flash: llama-bench, full cache and pool by depth
         step kvpool 540 "$BENCHLOG" python3 tools/bench_kvpool.py measure "$MODEL" \
-            --device "$DEVICE" --gpu "${DEVICE#cuda:}" --llama-bench "$BUILD/llama-bench" \
+            --device "$DEVICE" --gpu "${DEVICE#cuda:}" --llama-bench "$BUILD_GGML/llama-bench" \
             --depths "$GPU_RUN_KVPOOL" --pool "${GPU_RUN_POOL:-4096}" \
             --json "$OUTDIR/kvpool.json" || true
     fi
-    step llama 150 "$BENCHLOG" sh -c "exec '$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
+    step llama 150 "$BENCHLOG" sh -c "exec '$BUILD_GGML/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
         -p 16,512,4096 -n 128 -d 0,$DEPTH -r 3 -o json >'$OUTDIR/llama-bench.json'" || true
     step lucepy 200 "$BENCHLOG" python3 tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" \
         --depth $DEPTH --json "$OUTDIR/lucepy-bench.json" || true
@@ -265,9 +303,9 @@ elif ((built)) && [[ -f $MODEL ]]; then
         # the same with ggml-cuda's CUDA graphs off, on both sides: what they are worth here
         step profile-nographs 60 "$BENCHLOG" env GGML_CUDA_DISABLE_GRAPHS=1 python3 \
             tools/profile_gpu.py "$MODEL" --device "$DEVICE" --depth 16 || true
-        step llama-nographs 60 "$BENCHLOG" sh -c "'$BUILD/llama-bench' -m '$MODEL' -ngl 99 -fa 1 \
-            -p 0 -n 128 -r 3 && GGML_CUDA_DISABLE_GRAPHS=1 exec '$BUILD/llama-bench' -m '$MODEL' \
-            -ngl 99 -fa 1 -p 0 -n 128 -r 3" || true
+        step llama-nographs 60 "$BENCHLOG" sh -c "'$BUILD_GGML/llama-bench' -m '$MODEL' -ngl 99 \
+            -fa 1 -p 0 -n 128 -r 3 && GGML_CUDA_DISABLE_GRAPHS=1 exec '$BUILD_GGML/llama-bench' \
+            -m '$MODEL' -ngl 99 -fa 1 -p 0 -n 128 -r 3" || true
         step trace 60 "$OUTDIR/trace.txt" python3 tools/trace_gpu.py trace "$MODEL" \
             --device "$DEVICE" --json "$OUTDIR/trace.json" || true
         # every kernel of a few decode tokens, one at a time, under Nsight Compute: lucepy's, then
@@ -279,7 +317,7 @@ elif ((built)) && [[ -f $MODEL ]]; then
             step ncu-lucepy 120 "$BENCHLOG" "$NCU" "${NCU_ARGS[@]}" --log-file /tmp/ncu-lucepy.csv \
                 python3 tools/trace_gpu.py steps "$MODEL" --device "$DEVICE" || true
             step ncu-llama 120 "$BENCHLOG" "$NCU" "${NCU_ARGS[@]}" --log-file /tmp/ncu-llama.csv \
-                "$BUILD/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n 3 -r 1 || true
+                "$BUILD_GGML/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n 3 -r 1 || true
             python3 tools/trace_gpu.py compare /tmp/ncu-lucepy.csv /tmp/ncu-llama.csv \
                 >>"$OUTDIR/trace.txt" 2>&1 || true
         fi

@@ -1,0 +1,192 @@
+"""lucepy's own CUDA kernels (issue 19), the parts a machine without a GPU can check: the piece
+math of vendor/ggml/cuda/lucepy-quants.cuh, compiled for the host, against ggml's own values of
+the same blocks; the patch that hooks the kernels into ggml, applied and taken back strictly; the
+recipe and the CLI. tests/test_gpu_kernels.py runs the kernels themselves."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lucepy.errors import BuildError, ConfigError
+from lucepy.ggml import load
+from lucepy.runtime import backends
+from lucepy.testing.quants import KINDS, dequantize, quantize, quantize_activations
+
+HERE = Path(__file__).parent
+KERNELS = backends.VENDOR / "cuda"
+
+
+@pytest.fixture(scope="module")
+def host_check(tmp_path_factory) -> Path:
+    """tests/cuda/quants_host.cpp built with the host's C++ compiler."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler, "a C++ compiler is needed (the CPU build of ggml needs one too)"
+    exe = tmp_path_factory.mktemp("quants") / "quants_host"
+    subprocess.run(
+        [
+            compiler,
+            "-std=c++17",
+            "-O1",
+            f"-I{KERNELS}",
+            str(HERE / "cuda" / "quants_host.cpp"),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+    )
+    return exe
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_pieces_equal_ggml_values(kind, host_check):
+    """Each 32-value piece of each row, unpacked by the kernels' code, times int8 activations,
+    equals ggml's dequantized values times the same activations (to f32 rounding). The
+    activations' sum is given exactly, so Q4_K's mins are checked as well."""
+    lib = load()
+    gtype, number = KINDS[kind]
+    rng = np.random.default_rng(19)
+    rows, n = 5, 1024
+    weights = rng.normal(size=(rows, n)) * rng.uniform(0.1, 3.0, size=(rows, 1))
+    weights[1, :300] += 2.0  # a row part with an offset: nonzero Q4_K mins
+    raw = quantize(lib, weights, gtype)
+    exact = dequantize(lib, raw, gtype, n).astype(np.float64)
+    x = rng.normal(size=n).astype(np.float32)
+    x[64:96] = 0.0  # an all-zero piece
+    xq, d = quantize_activations(x)
+    xs = xq.astype(np.float64) * d[:, None].astype(np.float64)
+    sums = xs.sum(axis=1).astype(np.float32)
+    ds = np.stack([d, sums], axis=1).astype(np.float32)
+    head = np.array([number, rows, n // 32], dtype=np.int32)
+    run = subprocess.run(
+        [str(host_check)],
+        input=head.tobytes() + raw.tobytes() + xq.tobytes() + ds.tobytes(),
+        capture_output=True,
+        check=True,
+    )
+    ours = np.frombuffer(run.stdout, dtype=np.float32).reshape(rows, n // 32)
+    products = exact.reshape(rows, n // 32, 32) * xs[None]
+    want = products.sum(axis=-1)
+    scale = np.abs(products).sum(axis=-1)
+    assert np.abs(want).max() > 1.0  # the data is not degenerate
+    np.testing.assert_array_less(np.abs(ours - want), 1e-5 * scale + 1e-30)
+    assert np.all(ours[:, 2] == 0.0)  # the zero piece
+
+
+def _pinned_twin(root: Path) -> backends.Kernels:
+    """A source tree whose patched files hold exactly the lines hooks.patch expects (filler
+    elsewhere), and the kernel spec with their hashes before and after patching."""
+    text = (KERNELS / "hooks.patch").read_text()
+    hashes = {}
+    for rel, hunks in backends.parse_patch(text).items():
+        lines: list[str] = []
+        for old_start, old, _, _ in hunks:
+            lines += [f"// line {i}" for i in range(len(lines), old_start - 1)]
+            lines += old
+        lines.append("// end")
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines))
+        hashes[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    spec = backends.plan_build("cuda").kernels
+    twin = root.parent / "twin"
+    shutil.copytree(root, twin)
+    backends.apply_patch(twin, text)
+    sha = {
+        rel: (h, hashlib.sha256((twin / rel).read_bytes()).hexdigest()) for rel, h in hashes.items()
+    }
+    return backends.Kernels(spec.dir, spec.files, spec.patch, sha)
+
+
+def test_the_patch_hooks_and_unhooks_the_pinned_files_only(tmp_path):
+    src = tmp_path / "src"
+    kernels = _pinned_twin(src)
+    target = src / kernels.dir
+
+    def state():
+        return {rel: hashlib.sha256((src / rel).read_bytes()).hexdigest() for rel in kernels.sha256}
+
+    pinned = {rel: pair[0] for rel, pair in kernels.sha256.items()}
+    patched = {rel: pair[1] for rel, pair in kernels.sha256.items()}
+    assert pinned != patched
+    backends.hook_kernels(src, kernels, True)
+    assert state() == patched
+    assert sorted(p.name for p in target.glob("lucepy-*")) == sorted(f.name for f in kernels.files)
+    text = (target / "ggml-cuda.cu").read_text()
+    assert text.count("lucepy_cuda_mul_mat(") == 1 and text.count("lucepy_cuda_graph_begin(") == 1
+    assert (target / "mmvq.cu").read_text().count("lucepy_cuda_mul_mat(") == 1
+    backends.hook_kernels(src, kernels, True)  # a kept tree, patched already
+    assert state() == patched
+    backends.hook_kernels(src, kernels, False)
+    assert state() == pinned and not list(target.glob("lucepy-*"))
+
+    (target / "mmvq.cu").write_text((target / "mmvq.cu").read_text() + "\n// not pinned\n")
+    with pytest.raises(BuildError, match="not the pinned ggml's.*--kernels ggml"):
+        backends.hook_kernels(src, kernels, True)
+    backends.hook_kernels(src, kernels, False)  # ggml's kernels build from any source
+
+
+def test_a_patch_applies_only_where_its_context_matches(tmp_path):
+    (tmp_path / "f.c").write_text("a\nb\nc\nd\n")
+    patch = "--- a/f.c\n+++ b/f.c\n@@ -2,2 +2,3 @@\n b\n+x\n c\n"
+    backends.apply_patch(tmp_path, patch)
+    assert (tmp_path / "f.c").read_text() == "a\nb\nx\nc\nd\n"
+    backends.apply_patch(tmp_path, patch, reverse=True)
+    assert (tmp_path / "f.c").read_text() == "a\nb\nc\nd\n"
+    (tmp_path / "f.c").write_text("a\nB\nc\nd\n")
+    with pytest.raises(BuildError, match="does not match at line 2"):
+        backends.apply_patch(tmp_path, patch)
+
+
+def test_cuda_builds_hook_lucepys_kernels_unless_asked_not_to():
+    ours = backends.plan_build("cuda", arch="90")
+    assert ours.own and ours.which_kernels == "lucepy" and ours.prefix.name == "cuda"
+    assert all(f.exists() for f in (*ours.kernels.files, ours.kernels.patch))
+    for pinned, patched in ours.kernels.sha256.values():
+        assert len(pinned) == len(patched) == 64 and pinned != patched
+    plain = backends.plan_build("cuda", kernels="ggml")
+    assert not plain.own and plain.prefix.name == "cuda-ggml" and plain.kernels is not None
+    assert backends.plan_build("cpu").which_kernels == "ggml"
+    with pytest.raises(ConfigError, match="no kernels of its own for cpu"):
+        backends.plan_build("cpu", kernels="lucepy")
+    with pytest.raises(ConfigError, match="use lucepy or ggml"):
+        backends.plan_build("cuda", kernels="cublas")
+
+
+def test_backends_build_dry_run_says_whose_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("LUCEPY_CACHE_DIR", str(tmp_path))
+
+    def dry(*args):
+        run = subprocess.run(
+            [sys.executable, "-m", "lucepy", "backends", "build", "cuda", "--dry-run", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0, run.stderr
+        return " ".join(run.stdout.split())
+
+    assert "kernels: lucepy's (hooks.patch on the pinned source)" in dry()
+    out = dry("--kernels", "ggml")
+    assert "kernels: ggml's" in out and "cuda-ggml" in out
+    build = tmp_path / "ggml" / "cuda"
+    build.mkdir(parents=True)
+    (build / "libggml-base.so").write_bytes(b"")
+    (build / backends.KERNELS_MARK).write_text("lucepy\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "lucepy", "backends", "list", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(run.stdout)["builds"] == [
+        {"backend": "cuda", "path": str(build), "kernels": "lucepy"}
+    ]

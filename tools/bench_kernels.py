@@ -1,0 +1,169 @@
+"""Issue 19's benchmark: lucepy with its own CUDA kernels against lucepy with ggml's, on the same
+patched build (LUCEPY_CUDA_KERNELS=0 turns ours off), and against llama-bench of the unpatched
+build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same model and GPU, in one run.
+
+    python tools/bench_kernels.py measure MODEL --device cuda:0 --json kernels.json
+    python tools/bench_kernels.py report kernels.json --llama-bench llama.json --md kernels.md
+
+Each kernel choice runs in a process of its own (ggml-cuda's CUDA graphs replay whichever kernels
+they captured). Per choice, as tools/bench_gpu.py measures them: pp512, tg128 at an empty context
+(medians of --repeats runs), and the verify cost curve: the k-token forward of a DFlash verify,
+k = 1..16, over one decode step at the same position, each a median; and how many products
+lucepy's kernels computed (0 with ggml's). ``report`` sets medians beside llama-bench's medians
+(of its samples_ns, never its mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_gpu import CHUNK, DECODE_TOKENS, Bench, llama_rows
+
+from lucepy.decode.verify_len import median_s
+
+CHOICES = ("lucepy", "ggml")
+MAX_K = 16
+
+
+def verify_curve(bench: Bench) -> None:
+    engine = bench.engine
+    engine.reset()
+    engine.prefill(bench.tokens(64), chunk=CHUNK)
+    block = bench.tokens(MAX_K)
+    repeats = max(bench.repeats, 5)
+    decode_s = median_s(lambda: engine.decode(block[0]), repeats)
+    curve = {}
+    for k in range(1, MAX_K + 1):
+
+        def verify(k=k):
+            engine.verify(block[:k], greedy=True)
+            engine.rollback(1)  # keeps one token: the position creeps by one per run
+
+        curve[k] = median_s(verify, repeats) / decode_s
+    bench.record("verify_curve", {"decode_ms": 1e3 * decode_s, "cost_in_decodes": curve})
+
+
+def one(args: argparse.Namespace) -> int:
+    """One kernel choice, in this process (LUCEPY_CUDA_KERNELS set by ``measure``)."""
+    from lucepy.ggml import load
+    from lucepy.ggml.kernels import cuda_kernels
+    from lucepy.runtime.config import RuntimeConfig
+    from lucepy.runtime.engine import Engine
+
+    cfg = RuntimeConfig(device=args.device, max_ctx=2048, chunk=CHUNK)
+    with Engine(args.model, cfg, tokenizer=False) as engine:
+        bench = Bench(engine, args.repeats, Path(args.json))
+        kernels = cuda_kernels(load())
+        on = bool(kernels and kernels.on)
+        if args.kernels == "lucepy" and args.device.startswith("cuda") and not on:
+            raise SystemExit(
+                "bench_kernels: the loaded ggml (LUCEPY_GGML_LIB) has no lucepy kernels: "
+                "build it with `lucepy backends build cuda`"
+            )
+        bench.record("kernels", {"choice": args.kernels, "on": on})
+        bench.prefill(512)
+        engine.reset()
+        bench.decode(0)
+        verify_curve(bench)
+        calls = kernels.calls if kernels else 0
+        bench.record("lucepy_kernel_calls", {"calls": calls})
+    return 0
+
+
+def measure(args: argparse.Namespace) -> int:
+    out = Path(args.json)
+    results: dict = {"model": str(args.model), "device": args.device}
+    failed = 0
+    for choice in CHOICES:
+        part = out.with_suffix(f".{choice}.json")
+        env = dict(os.environ, LUCEPY_CUDA_KERNELS="1" if choice == "lucepy" else "0")
+        cmd = [sys.executable, __file__, "one", str(args.model), "--device", args.device,
+               "--json", str(part), "--repeats", str(args.repeats), "--kernels", choice]
+        done = subprocess.run(cmd, env=env)
+        failed += done.returncode != 0
+        results[choice] = json.loads(part.read_text()) if part.exists() else {}
+        out.write_text(json.dumps(results, indent=1))
+    return 1 if failed else 0
+
+
+def _cell(x: float | None, fmt: str = "{:,.1f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def report(args: argparse.Namespace) -> int:
+    got = json.loads(Path(args.results).read_text())
+    ref, missing = llama_rows([p for p in args.llama_bench if Path(p).exists()])
+    ours, theirs = got.get("lucepy", {}), got.get("ggml", {})
+
+    def rate(side: dict, key: str) -> float | None:
+        return side.get(key, {}).get("tok_s")
+
+    rows = [
+        ("decode tg128", f"tg{DECODE_TOKENS}@d0", (f"tg{DECODE_TOKENS}", 0)),
+        ("prefill pp512", "pp512", ("pp512", 0)),
+    ]
+    lines = [
+        f"# lucepy's CUDA kernels: {got.get('model', '?')} on {got.get('device', '?')}",
+        "",
+        "| test | llama.cpp (unpatched) | lucepy, ggml's kernels | lucepy, own kernels "
+        "| own / llama.cpp | own / ggml's |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, key, llama_key in rows:
+        a, b = rate(theirs, key), rate(ours, key)
+        c = ref[llama_key].tok_s if llama_key in ref else None
+        lines.append(
+            f"| {name} (tok/s) | {_cell(c)} | {_cell(a)} | {_cell(b)} "
+            f"| {_cell(b / c if b and c else None, '{:.2f}×')} "
+            f"| {_cell(b / a if b and a else None, '{:.2f}×')} |"
+        )
+    curves = [s.get("verify_curve", {}).get("cost_in_decodes", {}) for s in (theirs, ours)]
+    lines += [
+        "",
+        "Verify cost: a k-token forward, in decode steps at the same position (medians).",
+        "",
+        "| k | " + " | ".join(str(k) for k in range(1, MAX_K + 1)) + " |",
+        "|---|" + "---|" * MAX_K,
+    ]
+    for label, curve in zip(("ggml's kernels", "own kernels"), curves, strict=True):
+        cells = [_cell(curve.get(str(k)), "{:.2f}") for k in range(1, MAX_K + 1)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    calls = [s.get("lucepy_kernel_calls", {}).get("calls") for s in (theirs, ours)]
+    lines += [
+        "",
+        f"Products computed by lucepy's kernels: {calls[1]} with them on, {calls[0]} off.",
+        *(f"- llama.cpp {m}: no samples, left out" for m in missing),
+    ]
+    text = "\n".join(lines) + "\n"
+    if args.md:
+        Path(args.md).write_text(text)
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/bench_kernels.py", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="lucepy with its kernels and with ggml's")
+    o = sub.add_parser("one", help="(internal) one kernel choice in this process")
+    for p in (m, o):
+        p.add_argument("model")
+        p.add_argument("--device", default="cuda:0")
+        p.add_argument("--json", required=True)
+        p.add_argument("--repeats", type=int, default=5)
+    o.add_argument("--kernels", choices=CHOICES, required=True)
+    r = sub.add_parser("report", help="beside llama-bench, as markdown")
+    r.add_argument("results", help="measure's JSON")
+    r.add_argument("--llama-bench", nargs="*", default=[], help="llama-bench -o json outputs")
+    r.add_argument("--md")
+    args = ap.parse_args(argv)
+    return {"measure": measure, "one": one, "report": report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+// lucepy's own kernels (issue 19, decision 12), hooked into the pinned ggml-cuda by hooks.patch:
+// a quantized weight matrix (Q4_0, Q8_0, Q4_K, Q6_K) times 1 to 16 columns of f32 activations.
+#pragma once
+
+#include "common.cuh"
+
+// Computes dst = src0 x src1 (and, with ggml's mat-vec fusion, its bias, gate and GLU) and returns
+// true, or returns false, having done nothing, for a case it does not take: ggml's own kernels
+// then run.
+bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
+                         const ggml_tensor * src1, ggml_tensor * dst,
+                         const ggml_cuda_mm_fusion_args_host * fusion);
+
+// A graph begins on this context: activations quantized for the last one are stale.
+void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx);
+
+// The context is being destroyed: free what the kernels kept for it.
+void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
+
+// For lucepy's Python side (exported from libggml-cuda): whether the kernels run (1) or ggml's
+// (0); the start value comes from LUCEPY_CUDA_KERNELS (0 turns them off), and the count of
+// matrix products they computed in this process.
+extern "C" {
+GGML_BACKEND_API void lucepy_cuda_kernels_set(int on);
+GGML_BACKEND_API int lucepy_cuda_kernels_get(void);
+GGML_BACKEND_API int64_t lucepy_cuda_kernels_calls(void);
+}

@@ -1,0 +1,183 @@
+// lucepy's own kernels (issue 19, decision 12): one 32-value piece of a quantized weight row,
+// unpacked to signed bytes with its scales, and its dot product with one column of int8
+// activations. Shared by the kernels (lucepy-mm.cu) and by tests/test_cuda_kernels.py, which
+// compiles it with the host's C++ compiler and compares it with ggml's own dequantization.
+//
+// A piece is 32 consecutive weights of a row. Its value i (0..31) is
+//     scale[i / 16] * q[i] - bias
+// with q[i] a signed byte packed four to an int (q[0] holds values 0..3, q[7] values 28..31).
+// Q4_0 and Q8_0 have one piece per block; Q4_K and Q6_K have eight per 256-value super-block.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#define LUCEPY_HD __host__ __device__ __forceinline__
+#else
+#define LUCEPY_HD inline
+#endif
+
+namespace lucepy {
+
+enum Kind : int { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3 };
+
+// bytes of one quant block, and pieces (32 values) per block
+template <int K> struct Layout;
+template <> struct Layout<Q4_0> { static constexpr int bytes = 18, pieces = 1; };
+template <> struct Layout<Q8_0> { static constexpr int bytes = 34, pieces = 1; };
+template <> struct Layout<Q4_K> { static constexpr int bytes = 144, pieces = 8; };
+template <> struct Layout<Q6_K> { static constexpr int bytes = 210, pieces = 8; };
+
+struct Piece {
+    int q[8];
+    float scale[2];  // values 0..15, values 16..31
+    float bias;      // subtracted from every value (Q4_K's min)
+};
+
+LUCEPY_HD int dp4a(int a, int b, int acc) {
+#if defined(__CUDA_ARCH__)
+    return __dp4a(a, b, acc);
+#else
+    for (int i = 0; i < 4; i++) {
+        acc += int(int8_t(a >> (8 * i))) * int(int8_t(b >> (8 * i)));
+    }
+    return acc;
+#endif
+}
+
+// a - b in each byte, wrapping: a nibble minus 8 becomes its signed byte
+LUCEPY_HD int sub_bytes(int a, int b) {
+#if defined(__CUDA_ARCH__)
+    return int(__vsub4(unsigned(a), unsigned(b)));
+#else
+    unsigned out = 0;
+    for (int i = 0; i < 4; i++) {
+        out |= unsigned(uint8_t((a >> (8 * i)) - (b >> (8 * i)))) << (8 * i);
+    }
+    return int(out);
+#endif
+}
+
+// four bytes at an address aligned to 2 (the blocks of 18, 34 and 210 bytes are)
+LUCEPY_HD int load_a2(const uint8_t * p) {
+#if defined(__CUDA_ARCH__)
+    const uint16_t * h = reinterpret_cast<const uint16_t *>(p);
+    return int(uint32_t(h[0]) | (uint32_t(h[1]) << 16));
+#else
+    int v;
+    memcpy(&v, p, 4);
+    return v;
+#endif
+}
+
+LUCEPY_HD int load_a4(const uint8_t * p) {
+#if defined(__CUDA_ARCH__)
+    return *reinterpret_cast<const int *>(p);
+#else
+    return load_a2(p);
+#endif
+}
+
+LUCEPY_HD float load_half(const uint8_t * p) {
+#if defined(__CUDACC__)
+    return __half2float(*reinterpret_cast<const __half *>(p));
+#else  // IEEE binary16, for the host check
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const int sign = h >> 15, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    float v;
+    if (exponent == 0) {
+        v = float(mantissa) * (1.0f / 16777216.0f);  // 2^-24: subnormal
+    } else if (exponent == 31) {
+        v = mantissa ? __builtin_nanf("") : __builtin_inff();
+    } else {
+        v = float(1024 + mantissa) * __builtin_ldexpf(1.0f, exponent - 25);
+    }
+    return sign ? -v : v;
+#endif
+}
+
+// piece `at` (0..pieces-1) of the block at `b`
+template <int K> LUCEPY_HD void unpack(const uint8_t * b, int at, Piece & p);
+
+// Q4_0: half d, 16 bytes of nibbles; value i < 16 is the low nibble of byte i, value 16 + i its
+// high nibble; both minus 8
+template <> LUCEPY_HD void unpack<Q4_0>(const uint8_t * b, int, Piece & p) {
+    const float d = load_half(b);
+    for (int i = 0; i < 4; i++) {
+        const int v = load_a2(b + 2 + 4 * i);
+        p.q[i] = sub_bytes(v & 0x0F0F0F0F, 0x08080808);
+        p.q[4 + i] = sub_bytes((v >> 4) & 0x0F0F0F0F, 0x08080808);
+    }
+    p.scale[0] = p.scale[1] = d;
+    p.bias = 0.0f;
+}
+
+// Q8_0: half d, 32 signed bytes
+template <> LUCEPY_HD void unpack<Q8_0>(const uint8_t * b, int, Piece & p) {
+    const float d = load_half(b);
+    for (int i = 0; i < 8; i++) {
+        p.q[i] = load_a2(b + 2 + 4 * i);
+    }
+    p.scale[0] = p.scale[1] = d;
+    p.bias = 0.0f;
+}
+
+// Q4_K: half d, half dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles. Pieces 2g and
+// 2g + 1 share bytes 32g..32g+31 (low nibbles, then high ones); piece j is d*sc[j]*q - dmin*m[j].
+template <> LUCEPY_HD void unpack<Q4_K>(const uint8_t * b, int at, Piece & p) {
+    const float d = load_half(b);
+    const float dmin = load_half(b + 2);
+    const uint8_t * sm = b + 4;
+    int sc, m;
+    if (at < 4) {
+        sc = sm[at] & 63;
+        m = sm[at + 4] & 63;
+    } else {
+        sc = (sm[at + 4] & 0x0F) | ((sm[at - 4] >> 6) << 4);
+        m = (sm[at + 4] >> 4) | ((sm[at] >> 6) << 4);
+    }
+    const uint8_t * qs = b + 16 + 32 * (at / 2);
+    const int shift = 4 * (at % 2);
+    for (int i = 0; i < 8; i++) {
+        p.q[i] = (load_a4(qs + 4 * i) >> shift) & 0x0F0F0F0F;
+    }
+    p.scale[0] = p.scale[1] = d * float(sc);
+    p.bias = dmin * float(m);
+}
+
+// Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales (one per 16 values),
+// half d. Each half of the block (128 values) holds four pieces: piece k of half h takes the
+// low (k < 2) or high nibble of ql[64h + 32(k % 2) + i] and bits 2k, 2k+1 of qh[32h + i]; minus 32.
+template <> LUCEPY_HD void unpack<Q6_K>(const uint8_t * b, int at, Piece & p) {
+    const int h = at / 4;
+    const int k = at % 4;
+    const uint8_t * ql = b + 64 * h + 32 * (k % 2);
+    const uint8_t * qh = b + 128 + 32 * h;
+    const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192) + 8 * h + 2 * k;
+    const int lo_shift = 4 * (k / 2);
+    const int hi_shift = 2 * k;
+    for (int i = 0; i < 8; i++) {
+        const int lo = (load_a2(ql + 4 * i) >> lo_shift) & 0x0F0F0F0F;
+        const int hi = ((load_a2(qh + 4 * i) >> hi_shift) & 0x03030303) << 4;
+        p.q[i] = sub_bytes(lo | hi, 0x20202020);
+    }
+    const float d = load_half(b + 208);
+    p.scale[0] = d * float(sc[0]);
+    p.scale[1] = d * float(sc[1]);
+    p.bias = 0.0f;
+}
+
+// the piece times one column's 32 activations, quantized as x = dx * xq, with sx their exact sum
+LUCEPY_HD float dot(const Piece & p, const int (&xq)[8], float dx, float sx) {
+    int lo = 0, hi = 0;
+    for (int i = 0; i < 4; i++) {
+        lo = dp4a(p.q[i], xq[i], lo);
+        hi = dp4a(p.q[4 + i], xq[4 + i], hi);
+    }
+    return dx * (p.scale[0] * float(lo) + p.scale[1] * float(hi)) - p.bias * sx;
+}
+
+}  // namespace lucepy
