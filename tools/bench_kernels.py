@@ -82,8 +82,20 @@ def measure(args: argparse.Namespace) -> int:
     for choice in CHOICES:
         part = out.with_suffix(f".{choice}.json")
         env = dict(os.environ, LUCEPY_CUDA_KERNELS="1" if choice == "lucepy" else "0")
-        cmd = [sys.executable, __file__, "one", str(args.model), "--device", args.device,
-               "--json", str(part), "--repeats", str(args.repeats), "--kernels", choice]
+        cmd = [
+            sys.executable,
+            __file__,
+            "one",
+            str(args.model),
+            "--device",
+            args.device,
+            "--json",
+            str(part),
+            "--repeats",
+            str(args.repeats),
+            "--kernels",
+            choice,
+        ]
         done = subprocess.run(cmd, env=env)
         failed += done.returncode != 0
         results[choice] = json.loads(part.read_text()) if part.exists() else {}
