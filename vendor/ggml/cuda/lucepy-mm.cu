@@ -3,11 +3,12 @@
 // ggml-cuda reads the weights of a decode at about a third of an H200's bandwidth, and leaves its
 // vector kernels for its tiled ones above 8 columns, so that a 16-token DFlash verify costs 2.4
 // decodes. Here every column count from 1 to 16 reads each weight byte once:
-//   - a CTA owns 8 rows (4 output rows and their gate rows when ggml fuses the FFN's gate, up and
-//     GLU for one column) and streams them through shared memory in chunks, with cp.async, three
-//     chunks in flight, in the widest copies the row alignment allows;
-//   - each thread takes one 32-value piece of the chunk for all 8 rows and up to 4 columns, so
-//     that the activations it loads serve 8 rows;
+//   - rows stream through shared memory in chunks, with cp.async, three chunks in flight, in the
+//     widest copies the row alignment allows;
+//   - 1-4 columns: a CTA owns 8 rows (4 output rows and their gate rows when ggml fuses the
+//     FFN's gate, up and GLU for one column); each thread takes one 32-value piece for all 8
+//     rows, so that the activations it loads serve 8 rows, and multiplies with dp4a;
+//   - 5-16 columns: a CTA owns 16 rows and multiplies them with tensor cores (mma.sync on int8);
 //   - the activations are quantized to int8 once per graph and source tensor (Q, K and V share
 //     theirs; so do gate and up), not once per product.
 // See lucepy-quants.cuh for the piece format, and hooks.patch for where ggml calls in.
@@ -253,6 +254,185 @@ __global__ void __launch_bounds__(THREADS) mul_mat(const Args a) {
     }
 }
 
+// --- 5 to 16 columns: tensor cores -------------------------------------------------------------
+//
+// A CTA owns 16 rows and its 4 warps take every 4th piece of a chunk. Per piece a warp multiplies
+// the 16 rows' int8 values by up to 16 columns' (one or two m16n8 tiles) with mma.sync, k = 32
+// (Q6_K: two k = 16, for its two scales a piece), and scales the exact int32 sums into float
+// accumulators. Fragments (PTX ISA, integer m16n8k32 / m16n8k16, g = lane / 4, t = lane % 4):
+//   A: reg 0 row g, values 4t..4t+3; reg 1 row g + 8, the same; regs 2, 3 as 0, 1 for values
+//      16+4t..16+4t+3 (k = 16: regs 0, 1 only, values 4t..4t+3 of the 16)
+//   B: reg 0 column g, values 4t..4t+3; reg 1 values 16+4t.. (k = 16: reg 0 only)
+//   C: regs 0, 1 row g, columns 2t, 2t + 1; regs 2, 3 row g + 8, the same columns
+
+constexpr int MMA_ROWS = 16;
+constexpr int MMA_WARPS = THREADS / 32;
+constexpr int MMA_PIECES = 32;  // pieces per chunk and row
+
+template <int K> struct MmaChunk {
+    static constexpr int blocks = MMA_PIECES / Layout<K>::pieces;
+    static constexpr int bytes = blocks * Layout<K>::bytes;
+    static constexpr int pitch = (bytes + 15) / 16 * 16 + 16;  // + 16: rows g and g + 1 apart in banks
+    static constexpr int smem = STAGES * MMA_ROWS * pitch;
+};
+
+__device__ __forceinline__ void mma_k32(int (&c)[4], int a0, int a1, int a2, int a3, int b0,
+                                        int b1) {
+#if __CUDA_ARCH__ >= GGML_CUDA_CC_AMPERE
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    NO_DEVICE_CODE;  // the host takes this path from Ampere up only
+#endif
+}
+
+__device__ __forceinline__ void mma_k16(int (&c)[4], int a0, int a1, int b0) {
+#if __CUDA_ARCH__ >= GGML_CUDA_CC_AMPERE
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+        "{%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+#else
+    NO_DEVICE_CODE;
+#endif
+}
+
+template <int K, int NC>
+__global__ void __launch_bounds__(THREADS) mul_mat_mma(const Args a) {
+    using Ch = MmaChunk<K>;
+    using L = Layout<K>;
+    constexpr int TILES = (NC + 7) / 8;
+    extern __shared__ __align__(16) uint8_t smem[];
+
+    const int tid = threadIdx.x;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * MMA_ROWS;
+    const int nblocks = a.npieces / L::pieces;
+    const int nchunks = (nblocks + Ch::blocks - 1) / Ch::blocks;
+
+    auto issue = [&](int ch) {
+        if (ch < nchunks) {
+            const int b0 = ch * Ch::blocks;
+            const int bytes = min(Ch::blocks, nblocks - b0) * L::bytes;
+            uint8_t * stage = smem + (ch % STAGES) * MMA_ROWS * Ch::pitch;
+            for (int r = 0; r < MMA_ROWS; r++) {
+                const int row = row0 + r;
+                if (row >= a.nrows) {
+                    break;
+                }
+                const uint8_t * src = a.w + row * a.row_stride + int64_t(b0) * L::bytes;
+                for (int o = tid * a.unit; o < bytes; o += THREADS * a.unit) {
+                    copy_async(stage + r * Ch::pitch + o, src + o, a.unit);
+                }
+            }
+        }
+        copy_commit();
+    };
+
+    float acc[TILES][4];
+#pragma unroll
+    for (int j = 0; j < TILES; j++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            acc[j][e] = 0.0f;
+        }
+    }
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        issue(s);
+    }
+    for (int ch = 0; ch < nchunks; ch++) {
+        issue(ch + STAGES - 1);
+        copy_wait<STAGES - 1>();
+        __syncthreads();
+        const uint8_t * stage = smem + (ch % STAGES) * MMA_ROWS * Ch::pitch;
+        for (int p = warp; p < MMA_PIECES; p += MMA_WARPS) {
+            const int piece = ch * MMA_PIECES + p;
+            if (piece >= a.npieces) {
+                break;
+            }
+            // rows past the end hold stale bytes: only their own outputs see them, and are dropped
+            const uint8_t * top = stage + g * Ch::pitch + (p / L::pieces) * L::bytes;
+            const uint8_t * low = top + 8 * Ch::pitch;
+            const int at = p % L::pieces;
+            int a0, a1, a2, a3;
+            ints<K>(top, at, t, a0, a2);
+            ints<K>(low, at, t, a1, a3);
+            const Scales st = scales<K>(top, at);
+            const Scales sl = scales<K>(low, at);
+#pragma unroll
+            for (int j = 0; j < TILES; j++) {
+                const int cb = 8 * j + g;  // this thread's column of B
+                int b0 = 0, b1 = 0;
+                if (cb < NC) {
+                    const int * x = a.xq + (int64_t(piece) * NC + cb) * 8;
+                    b0 = x[t];
+                    b1 = x[4 + t];
+                }
+                const int c0 = 8 * j + 2 * t;  // this thread's columns of C
+                const float2 d0 = c0 < NC ? a.xds[int64_t(piece) * NC + c0] : make_float2(0, 0);
+                const float2 d1 =
+                    c0 + 1 < NC ? a.xds[int64_t(piece) * NC + c0 + 1] : make_float2(0, 0);
+                if constexpr (K == Q6_K) {
+                    int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+                    mma_k16(lo, a0, a1, b0);
+                    mma_k16(hi, a2, a3, b1);
+                    acc[j][0] += (float(lo[0]) * st.s0 + float(hi[0]) * st.s1) * d0.x;
+                    acc[j][1] += (float(lo[1]) * st.s0 + float(hi[1]) * st.s1) * d1.x;
+                    acc[j][2] += (float(lo[2]) * sl.s0 + float(hi[2]) * sl.s1) * d0.x;
+                    acc[j][3] += (float(lo[3]) * sl.s0 + float(hi[3]) * sl.s1) * d1.x;
+                } else {
+                    int c[4] = {0, 0, 0, 0};
+                    mma_k32(c, a0, a1, a2, a3, b0, b1);
+                    acc[j][0] += float(c[0]) * (st.s0 * d0.x) - st.bias * d0.y;
+                    acc[j][1] += float(c[1]) * (st.s0 * d1.x) - st.bias * d1.y;
+                    acc[j][2] += float(c[2]) * (sl.s0 * d0.x) - sl.bias * d0.y;
+                    acc[j][3] += float(c[3]) * (sl.s0 * d1.x) - sl.bias * d1.y;
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // the warps' sums: element e of tile j of lane l is row (e / 2) * 8 + l / 4, column
+    // 8j + 2 (l % 4) + e % 2
+    float * red = reinterpret_cast<float *>(smem);
+    static_assert(MMA_WARPS * TILES * 4 * 32 * sizeof(float) <= Ch::smem, "room to reduce");
+#pragma unroll
+    for (int j = 0; j < TILES; j++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            red[((warp * TILES + j) * 4 + e) * 32 + lane] = acc[j][e];
+        }
+    }
+    __syncthreads();
+    for (int o = tid; o < MMA_ROWS * NC; o += THREADS) {
+        const int r = o % MMA_ROWS;
+        const int c = o / MMA_ROWS;
+        const int row = row0 + r;
+        if (row >= a.nrows) {
+            continue;
+        }
+        const int j = c / 8;
+        const int e = (r / 8) * 2 + c % 2;
+        const int l = (r % 8) * 4 + (c % 8) / 2;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MMA_WARPS; w++) {
+            v += red[((w * TILES + j) * 4 + e) * 32 + l];
+        }
+        a.dst[c * a.dst_stride + row] = v;
+    }
+}
+
 // One warp per 32-value piece and column: 32 int8 values, their scale and their exact sum.
 __global__ void quantize(const float * __restrict__ x, int64_t col_stride, int npieces, int ncols,
                          int8_t * __restrict__ xq, float2 * __restrict__ xds) {
@@ -389,16 +569,42 @@ template <int K, int NC, bool GATE> void launch(const Args & a, cudaStream_t str
     CUDA_CHECK(cudaGetLastError());
 }
 
+template <int K, int NC> void launch_mma(const Args & a, cudaStream_t stream, int device) {
+    constexpr int smem = MmaChunk<K>::smem;
+    static bool raised[GGML_CUDA_MAX_DEVICES] = {};
+    if (smem > 48 * 1024 && !raised[device]) {
+        CUDA_CHECK(cudaFuncSetAttribute(mul_mat_mma<K, NC>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        raised[device] = true;
+    }
+    const dim3 grid(unsigned((a.nrows + MMA_ROWS - 1) / MMA_ROWS));
+    mul_mat_mma<K, NC><<<grid, THREADS, smem, stream>>>(a);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+constexpr int MMA_FROM = 5;  // columns from which tensor cores take over (from Ampere)
+
 template <int K, size_t... I> constexpr auto table(std::index_sequence<I...>) {
     return std::array<Launch, sizeof...(I)>{&launch<K, int(I) + 1, false>...};
 }
 
-template <int K> Launch pick(int ncols, bool gate) {
-    static constexpr auto plain = table<K>(std::make_index_sequence<MAX_COLS>{});
-    return gate ? &launch<K, 1, true> : plain[ncols - 1];
+template <int K, size_t... I> constexpr auto mma_table(std::index_sequence<I...>) {
+    return std::array<Launch, sizeof...(I)>{&launch_mma<K, int(I) + MMA_FROM>...};
 }
 
-template <int K> int chunk_bytes(int ncols) {
+template <int K> Launch pick(int ncols, bool gate, bool mma) {
+    static constexpr auto plain = table<K>(std::make_index_sequence<MAX_COLS>{});
+    static constexpr auto cores = mma_table<K>(std::make_index_sequence<MAX_COLS - MMA_FROM + 1>{});
+    if (gate) {
+        return &launch<K, 1, true>;
+    }
+    return mma ? cores[ncols - MMA_FROM] : plain[ncols - 1];
+}
+
+template <int K> int chunk_bytes(int ncols, bool mma) {
+    if (mma) {
+        return MmaChunk<K>::bytes;
+    }
     return ncols <= 4 ? Chunk<K, 1>::bytes : ncols <= 8 ? Chunk<K, 5>::bytes : Chunk<K, 9>::bytes;
 }
 
@@ -467,12 +673,13 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
             return false;
         }
     }
+    const bool mma = ncols >= MMA_FROM && !gate && cc >= GGML_CUDA_CC_AMPERE;
     int chunk = 0;
     switch (kind) {
-        case Q4_0: chunk = chunk_bytes<Q4_0>(int(ncols)); break;
-        case Q8_0: chunk = chunk_bytes<Q8_0>(int(ncols)); break;
-        case Q4_K: chunk = chunk_bytes<Q4_K>(int(ncols)); break;
-        default: chunk = chunk_bytes<Q6_K>(int(ncols)); break;
+        case Q4_0: chunk = chunk_bytes<Q4_0>(int(ncols), mma); break;
+        case Q8_0: chunk = chunk_bytes<Q8_0>(int(ncols), mma); break;
+        case Q4_K: chunk = chunk_bytes<Q4_K>(int(ncols), mma); break;
+        default: chunk = chunk_bytes<Q6_K>(int(ncols), mma); break;
     }
     const int unit = copy_unit(src0, gate, chunk);
     if (unit == 0) {
@@ -509,10 +716,10 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
 
     Launch run = nullptr;
     switch (kind) {
-        case Q4_0: run = pick<Q4_0>(int(ncols), gate != nullptr); break;
-        case Q8_0: run = pick<Q8_0>(int(ncols), gate != nullptr); break;
-        case Q4_K: run = pick<Q4_K>(int(ncols), gate != nullptr); break;
-        default: run = pick<Q6_K>(int(ncols), gate != nullptr); break;
+        case Q4_0: run = pick<Q4_0>(int(ncols), gate != nullptr, mma); break;
+        case Q8_0: run = pick<Q8_0>(int(ncols), gate != nullptr, mma); break;
+        case Q4_K: run = pick<Q4_K>(int(ncols), gate != nullptr, mma); break;
+        default: run = pick<Q6_K>(int(ncols), gate != nullptr, mma); break;
     }
     run(a, stream, ctx.device);
     g_calls.fetch_add(1, std::memory_order_relaxed);

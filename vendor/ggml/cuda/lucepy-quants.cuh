@@ -99,37 +99,43 @@ LUCEPY_HD float load_half(const uint8_t * p) {
 #endif
 }
 
-// piece `at` (0..pieces-1) of the block at `b`
-template <int K> LUCEPY_HD void unpack(const uint8_t * b, int at, Piece & p);
+// A piece's scales: values 0..15 and 16..31 are scale0 * q and scale1 * q, minus bias.
+struct Scales {
+    float s0, s1, bias;
+};
+
+// of piece `at` (0..pieces-1) of the block at `b`: the scales, and ints t and 4 + t (values 4t..4t+3
+// and 16+4t..16+4t+3), the two that a thread of an m16n8k32 tensor-core product holds of a row
+template <int K> LUCEPY_HD Scales scales(const uint8_t * b, int at);
+template <int K> LUCEPY_HD void ints(const uint8_t * b, int at, int t, int & lo, int & hi);
 
 // Q4_0: half d, 16 bytes of nibbles; value i < 16 is the low nibble of byte i, value 16 + i its
 // high nibble; both minus 8
-template <> LUCEPY_HD void unpack<Q4_0>(const uint8_t * b, int, Piece & p) {
+template <> LUCEPY_HD Scales scales<Q4_0>(const uint8_t * b, int) {
     const float d = load_half(b);
-    for (int i = 0; i < 4; i++) {
-        const int v = load_a2(b + 2 + 4 * i);
-        p.q[i] = sub_bytes(v & 0x0F0F0F0F, 0x08080808);
-        p.q[4 + i] = sub_bytes((v >> 4) & 0x0F0F0F0F, 0x08080808);
-    }
-    p.scale[0] = p.scale[1] = d;
-    p.bias = 0.0f;
+    return {d, d, 0.0f};
+}
+
+template <> LUCEPY_HD void ints<Q4_0>(const uint8_t * b, int, int t, int & lo, int & hi) {
+    const int v = load_a2(b + 2 + 4 * t);
+    lo = sub_bytes(v & 0x0F0F0F0F, 0x08080808);
+    hi = sub_bytes((v >> 4) & 0x0F0F0F0F, 0x08080808);
 }
 
 // Q8_0: half d, 32 signed bytes
-template <> LUCEPY_HD void unpack<Q8_0>(const uint8_t * b, int, Piece & p) {
+template <> LUCEPY_HD Scales scales<Q8_0>(const uint8_t * b, int) {
     const float d = load_half(b);
-    for (int i = 0; i < 8; i++) {
-        p.q[i] = load_a2(b + 2 + 4 * i);
-    }
-    p.scale[0] = p.scale[1] = d;
-    p.bias = 0.0f;
+    return {d, d, 0.0f};
+}
+
+template <> LUCEPY_HD void ints<Q8_0>(const uint8_t * b, int, int t, int & lo, int & hi) {
+    lo = load_a2(b + 2 + 4 * t);
+    hi = load_a2(b + 18 + 4 * t);
 }
 
 // Q4_K: half d, half dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles. Pieces 2g and
 // 2g + 1 share bytes 32g..32g+31 (low nibbles, then high ones); piece j is d*sc[j]*q - dmin*m[j].
-template <> LUCEPY_HD void unpack<Q4_K>(const uint8_t * b, int at, Piece & p) {
-    const float d = load_half(b);
-    const float dmin = load_half(b + 2);
+template <> LUCEPY_HD Scales scales<Q4_K>(const uint8_t * b, int at) {
     const uint8_t * sm = b + 4;
     int sc, m;
     if (at < 4) {
@@ -139,35 +145,53 @@ template <> LUCEPY_HD void unpack<Q4_K>(const uint8_t * b, int at, Piece & p) {
         sc = (sm[at + 4] & 0x0F) | ((sm[at - 4] >> 6) << 4);
         m = (sm[at + 4] >> 4) | ((sm[at] >> 6) << 4);
     }
+    const float s = load_half(b) * float(sc);
+    return {s, s, load_half(b + 2) * float(m)};
+}
+
+template <> LUCEPY_HD void ints<Q4_K>(const uint8_t * b, int at, int t, int & lo, int & hi) {
     const uint8_t * qs = b + 16 + 32 * (at / 2);
     const int shift = 4 * (at % 2);
-    for (int i = 0; i < 8; i++) {
-        p.q[i] = (load_a4(qs + 4 * i) >> shift) & 0x0F0F0F0F;
-    }
-    p.scale[0] = p.scale[1] = d * float(sc);
-    p.bias = dmin * float(m);
+    lo = (load_a4(qs + 4 * t) >> shift) & 0x0F0F0F0F;
+    hi = (load_a4(qs + 16 + 4 * t) >> shift) & 0x0F0F0F0F;
 }
 
 // Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales (one per 16 values),
 // half d. Each half of the block (128 values) holds four pieces: piece k of half h takes the
 // low (k < 2) or high nibble of ql[64h + 32(k % 2) + i] and bits 2k, 2k+1 of qh[32h + i]; minus 32.
-template <> LUCEPY_HD void unpack<Q6_K>(const uint8_t * b, int at, Piece & p) {
+template <> LUCEPY_HD Scales scales<Q6_K>(const uint8_t * b, int at) {
+    const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192) + 8 * (at / 4) + 2 * (at % 4);
+    const float d = load_half(b + 208);
+    return {d * float(sc[0]), d * float(sc[1]), 0.0f};
+}
+
+template <> LUCEPY_HD void ints<Q6_K>(const uint8_t * b, int at, int t, int & lo, int & hi) {
     const int h = at / 4;
     const int k = at % 4;
     const uint8_t * ql = b + 64 * h + 32 * (k % 2);
     const uint8_t * qh = b + 128 + 32 * h;
-    const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192) + 8 * h + 2 * k;
     const int lo_shift = 4 * (k / 2);
     const int hi_shift = 2 * k;
-    for (int i = 0; i < 8; i++) {
-        const int lo = (load_a2(ql + 4 * i) >> lo_shift) & 0x0F0F0F0F;
-        const int hi = ((load_a2(qh + 4 * i) >> hi_shift) & 0x03030303) << 4;
-        p.q[i] = sub_bytes(lo | hi, 0x20202020);
+    int q[2];
+    for (int i = 0; i < 2; i++) {
+        const int at4 = 4 * (t + 4 * i);
+        const int low = (load_a2(ql + at4) >> lo_shift) & 0x0F0F0F0F;
+        const int high = ((load_a2(qh + at4) >> hi_shift) & 0x03030303) << 4;
+        q[i] = sub_bytes(low | high, 0x20202020);
     }
-    const float d = load_half(b + 208);
-    p.scale[0] = d * float(sc[0]);
-    p.scale[1] = d * float(sc[1]);
-    p.bias = 0.0f;
+    lo = q[0];
+    hi = q[1];
+}
+
+// the whole piece, for the kernels that give a thread all of it
+template <int K> LUCEPY_HD void unpack(const uint8_t * b, int at, Piece & p) {
+    const Scales s = scales<K>(b, at);
+    for (int t = 0; t < 4; t++) {
+        ints<K>(b, at, t, p.q[t], p.q[4 + t]);
+    }
+    p.scale[0] = s.s0;
+    p.scale[1] = s.s1;
+    p.bias = s.bias;
 }
 
 // the piece times one column's 32 activations, quantized as x = dx * xq, with sx their exact sum
