@@ -123,6 +123,37 @@ def test_thirty_two_requests_together_equal_each_alone(prompts):
     assert [r.tokens for r in reqs] == want
 
 
+def test_batched_requests_use_the_disk_cache_across_a_restart(prompts, tmp_path):
+    """Disk snapshots only (no RAM slots): batched requests write their prompts' snapshots;
+    after a restart, requests restore them into other sequences than they were written from
+    (one goes on from a cached prompt and prefills the rest, one is a cached prompt whole and
+    prefills nothing) and equal each request alone; the one-sequence path restores a snapshot
+    that a batched sequence wrote."""
+    picked = [prompts[3], prompts[5]]
+    disk = dict(prefix_cache_slots=0, kv_cache_dir=str(tmp_path), disk_prefix_cache="full")
+    with open_engine(smollm2_file(), config(4, **disk), tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        for p in picked:
+            batcher.submit(p, 4, stop_at_end=False)
+        batcher.run()
+    assert len(list(tmp_path.glob("*"))) >= 2
+    later = [prompts[9], picked[0] + prompts[7][-20:], picked[1]]
+    want = alone(later, [12, 12, 12])
+    with open_engine(smollm2_file(), config(4, **disk), tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        reqs = [batcher.submit(p, 12, stop_at_end=False) for p in later]  # sequences 0, 1, 2
+        batcher.run()
+    assert [r.tokens for r in reqs] == want
+    assert reqs[1].cache["hit"] == "disk" and reqs[1].cache["restored_tokens"] >= len(picked[0])
+    assert reqs[1].cache["prefilled_tokens"] > 0
+    assert reqs[2].cache == {"hit": "disk", "restored_tokens": len(picked[1]),
+                             "prefilled_tokens": 0}  # fmt: skip
+    with open_engine(smollm2_file(), config(1, **disk), tokenizer=False) as engine:
+        again = generate(engine, later[1], 12, stop_at_end=False)  # written by sequence 1
+    assert again.cache["hit"] == "disk" and again.cache["prefilled_tokens"] == 0
+    assert again.tokens == want[1]
+
+
 def test_requests_restore_cached_prefixes_into_their_own_sequences(prompts):
     """The RAM prefix cache beside batching: a prompt seen before starts from its logits with
     nothing to prefill; one that goes on from where a finished request's sequence stood

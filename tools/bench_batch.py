@@ -14,8 +14,10 @@ worker), N clients here started together, each streaming a completion of exactly
 tokens (``ignore_eos``, greedy) after a held-out chat prompt (tools/dflash_prompts.json,
 cycled).
 Aggregate: all completion tokens over the wall time from the first request to the last token;
-time to first token: the median over clients. Each level runs once after a warm-up request.
-"engine": the same requests on a ``Batcher`` in this process, with no server.
+time to first token: the median over clients. Each level runs ``--repeats`` times (3), each run a
+fresh server (no cache carried over) after a warm-up request, lucepy's and llama-server's runs
+taking turns; the table gives the medians of the runs (all samples in the JSON).
+"engine": the same requests on a ``Batcher`` in this process, with no server, as often.
 
 llama.cpp: llama-batched-bench, built from the pinned source against the same build,
 ``-npp P -ntg TOKENS -npl N`` with P the mean prompt length: N
@@ -48,6 +50,8 @@ from lucepy.engine import Engine
 from lucepy.runtime.config import RuntimeConfig
 
 PROMPTS = Path(__file__).with_name("dflash_prompts.json")
+# the warm-up's prompt: no measured prompt starts with it, so no side gets a cache hit from it
+WARM_UP = list(range(100, 116))
 
 
 def one_client(client, prompt: list[int], n: int) -> dict:
@@ -136,7 +140,7 @@ def server_level(serving, prompts, n: int, tokens_each: int) -> dict:
         serving as url,
         openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0) as client,
     ):
-        one_client(client, prompts[0], 8)  # warm-up: graphs built
+        one_client(client, WARM_UP, 8)  # warm-up: graphs built
         with ThreadPoolExecutor(n) as pool:
             runs = list(
                 pool.map(lambda i: one_client(client, prompts[i % len(prompts)], tokens_each),
@@ -156,7 +160,7 @@ def engine_level(args, prompts, n: int) -> dict:
     )
     with Engine(args.model, cfg, tokenizer=False) as engine:
         batcher = Batcher(engine)
-        batcher.submit(prompts[0], 8, stop_at_end=False)
+        batcher.submit(WARM_UP, 8, stop_at_end=False)
         batcher.run()  # warm-up
         t0 = time.perf_counter()
         reqs = [
@@ -191,6 +195,8 @@ def llama_level(args, prompt_len: int, n: int) -> dict:
 
 def markdown(res: dict) -> str:
     lines = [
+        f"Medians of {res['repeats']} runs per level and side, each on a fresh server.",
+        "",
         "| clients | lucepy server tok/s | TTFT ms | lucepy engine tok/s | TTFT ms "
         "| llama.cpp tok/s | server / llama.cpp | engine / llama.cpp "
         "| llama.cpp decode-only tok/s |",
@@ -220,6 +226,12 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def median_of(runs: list[dict]) -> dict:
+    """The median aggregate and time to first token of several runs of one level, and the runs."""
+    out = {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "tokens"}
+    return {**out, "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -227,6 +239,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--clients", default="1,4,8,32")
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per level and side (medians)")
     ap.add_argument("--max-ctx", type=int, default=1024, help="positions per sequence")
     ap.add_argument("--llama-batched-bench", help="llama-batched-bench of the same build")
     ap.add_argument("--llama-server", help="llama-server of the same build")
@@ -237,15 +250,21 @@ def main() -> None:
     prompts = json.loads(PROMPTS.read_text())["heldout"]
     prompt_len = round(statistics.mean(len(p) for p in prompts))
     res: dict = {"model": str(args.model), "device": args.device, "tokens": args.tokens,
-                 "prompt_len_mean": prompt_len, "levels": {}}  # fmt: skip
+                 "repeats": args.repeats, "prompt_len_mean": prompt_len, "levels": {}}  # fmt: skip
     for n in (int(x) for x in args.clients.split(",")):
-        level = {"lucepy": lucepy_level(args, prompts, n), "engine": engine_level(args, prompts, n)}
-        if args.llama_server:
-            level["llama-server"] = server_level(llama_serve(args, n), prompts, n, args.tokens)
-        if args.llama_batched_bench:
-            level["llama.cpp"] = llama_level(args, prompt_len, n)
+        sides: dict[str, list] = {}
+        for _ in range(args.repeats):  # the sides take turns, so that drift touches both
+            sides.setdefault("lucepy", []).append(lucepy_level(args, prompts, n))
+            if args.llama_server:
+                run = server_level(llama_serve(args, n), prompts, n, args.tokens)
+                sides.setdefault("llama-server", []).append(run)
+            sides.setdefault("engine", []).append(engine_level(args, prompts, n))
+            if args.llama_batched_bench:
+                sides.setdefault("llama.cpp", []).append(llama_level(args, prompt_len, n))
+        level = {side: median_of(runs) for side, runs in sides.items()}
         res["levels"][n] = level
-        print(n, json.dumps(level), flush=True)
+        print(n, json.dumps({k: {m: v[m] for m in v if m != "runs"} for k, v in level.items()}),
+              flush=True)  # fmt: skip
         if args.json:
             args.json.write_text(json.dumps(res, indent=1) + "\n")
     table = markdown(res)

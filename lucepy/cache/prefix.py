@@ -222,19 +222,42 @@ class PrefixCache:
             arrays["logits"] = np.asarray(logits, dtype=np.float32)[None]
         return arrays
 
-    # batched sequences (decode/batch.py): RAM slots only, shared with the one-sequence path
-    def lookup(self, prompt: list[int]) -> Slot | None:
-        """The RAM slot of ``prompt``'s longest cached prefix (a batched request's restore)."""
-        slot = self._ram_hit(prompt)
-        if slot is not None:
-            self.slots.move_to_end(slot.tokens)
-        return slot
+    # batched sequences (decode/batch.py), sharing the slots and files of the one-sequence path
+    def restore_sequence(self, prompt: list[int], seq: int) -> tuple[str, int, np.ndarray | None]:
+        """Restore ``prompt``'s longest cached prefix (RAM or disk) into batched sequence
+        ``seq``: the hit ("ram", "disk" or "none"), the tokens restored and, for a whole
+        prompt, its logits."""
+        while True:
+            ram = self._ram_hit(prompt)
+            entry = self.disk.find(prompt) if self.disk else None
+            if ram is not None and (entry is None or len(ram.tokens) >= len(entry.tokens)):
+                self.engine.restore_sequence(ram.copies, seq)
+                self.slots.move_to_end(ram.tokens)
+                return "ram", len(ram.tokens), ram.logits
+            if entry is None:
+                return "none", 0, None
+            arrays = self.disk.load(entry)
+            if arrays is None:  # a bad file, gone with what hung from it: look again
+                continue
+            logits = arrays.pop("logits", None)
+            try:
+                self.engine.load_sequence(arrays, seq, len(entry.tokens))
+            except (KeyError, ValueError) as err:
+                log.warning("prefix cache: %s does not fit this engine: %s", entry.path, err)
+                return "none", 0, None
+            return "disk", len(entry.tokens), None if logits is None else logits[0]
 
     def save_sequence(self, tokens, seq: int, logits) -> None:
-        """Keep batched sequence ``seq``'s state of ``tokens`` in a RAM slot."""
+        """Keep batched sequence ``seq``'s state of ``tokens``: in a RAM slot, and on disk as a
+        whole snapshot (no link: the sequence continues no snapshot of the files' lineage)."""
+        tokens = tuple(int(t) for t in tokens)
         if self.max_slots:
-            tokens = tuple(int(t) for t in tokens)
             self._save_ram(tokens, logits, lambda: self.engine.snapshot_sequence(seq, len(tokens)))
+        if self.disk is not None and self.policy.wants(len(tokens)):
+            arrays = self.engine.export_sequence(seq, len(tokens))
+            if logits is not None:
+                arrays["logits"] = np.asarray(logits, dtype=np.float32)[None]
+            self.disk.save(tokens, arrays, self.appended)
 
     def _save_ram(self, tokens: tuple[int, ...], logits, snapshot=None) -> None:
         old = self.slots.get(tokens)

@@ -16,10 +16,12 @@ requests beyond N wait in a queue, in arrival order. Each ``step``:
 Each request keeps its own sampler. On the CPU with ``batch_invariant`` a request's tokens
 equal those it gets alone (tests/test_batch.py); elsewhere up to the near-tie rule.
 
-With the engine's prefix cache (its RAM slots; ``--prefix-cache-slots``), an admitted request
-restores its prompt's longest cached prefix into its own sequence's rows (the others go on
-decoding) and prefills only the rest; a prompt, once prefilled, and a request's whole sequence,
-once it ends, are kept for the next ones.
+With the engine's prefix cache (its RAM slots, ``--prefix-cache-slots``, and its disk files,
+``--kv-cache-dir``), an admitted request restores its prompt's longest cached prefix into its own
+sequence's rows (the others go on decoding) and prefills only the rest; a prompt, once
+prefilled, and a request's whole sequence, once it ends, are kept for the next ones. A batched
+sequence's disk snapshots are whole ones (no links, no interval snapshots inside a prompt) and
+are the same files as the one-sequence path's: either restores the other's.
 """
 
 from __future__ import annotations
@@ -174,19 +176,17 @@ class Batcher:
         return len(req.prompt) + len(req.tokens)
 
     def _restore(self, req: Request, out: list) -> None:
-        """Start ``req`` from its prompt's longest prefix in the prefix cache's RAM slots."""
+        """Start ``req`` from its prompt's longest prefix in the prefix cache (RAM or disk)."""
         if self.cache is None:
             return
-        slot = self.cache.lookup(req.prompt)
-        n = len(slot.tokens) if slot is not None else 0
-        req.cache = {"hit": "ram" if n else "none", "restored_tokens": n,
+        hit, n, logits = self.cache.restore_sequence(req.prompt, req.seq)
+        req.cache = {"hit": hit, "restored_tokens": n,
                      "prefilled_tokens": len(req.prompt) - n}  # fmt: skip
         if not n:
             return
-        self.engine.restore_sequence(slot.copies, req.seq)
         req.fed = n
-        if n == len(req.prompt):  # the whole prompt, with its logits: nothing to prefill
-            self._choose(req, slot.logits, out)
+        if n == len(req.prompt):  # a whole prompt is cached with its logits: nothing to prefill
+            self._choose(req, logits, out)
 
     def _prefill_chunk(self, req: Request, out: list) -> None:
         part = np.asarray(req.prompt[req.fed : req.fed + self.chunk], dtype=np.int32)

@@ -445,6 +445,26 @@ class Engine:
             raise
         return out
 
+    def export_sequence(self, seq: int, n: int) -> dict[str, np.ndarray]:
+        """Host arrays of batched sequence ``seq``'s first ``n`` positions, laid out as
+        ``export_state(n)``'s (a disk snapshot of either restores into either)."""
+        first, out = seq * self.n_ctx, {}
+        for key, _, live, remote in self._states():
+            arrays = self._run(remote, lambda t=live: state.export(t, first + n, first))
+            out.update({f"{key}/{name}": a for name, a in arrays.items()})
+        return out
+
+    def load_sequence(self, arrays: dict[str, np.ndarray], seq: int, n: int) -> None:
+        """Write ``export_sequence`` or ``export_state`` arrays of ``n`` positions into batched
+        sequence ``seq``'s rows."""
+        first = seq * self.n_ctx
+        for key, _, live, remote in self._states():
+            prefix = key + "/"
+            mine = {k[len(prefix) :]: a for k, a in arrays.items() if k.startswith(prefix)}
+            self._run(remote, lambda t=live, m=mine: state.load(t, m, n, first))
+        slots = self._seq_slots()
+        slots.length[seq] = max(slots.length[seq], n)
+
     @property
     def n_seq(self) -> int:
         """Sequences the engine holds (``RuntimeConfig.parallel``), each of ``n_ctx``."""

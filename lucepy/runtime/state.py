@@ -156,9 +156,10 @@ def export(states: StateSet, rows: int, since: int = 0) -> dict[str, np.ndarray]
         live.close()
 
 
-def load(states: StateSet, arrays: dict[str, np.ndarray], rows: int) -> None:
-    """Write host arrays from ``export`` back into the live state."""
-    live = Live(states, rows)
+def load(states: StateSet, arrays: dict[str, np.ndarray], rows: int, first: int = 0) -> None:
+    """Write host arrays from ``export`` back into the live state; with ``first``, the
+    appending tensors' ``rows`` rows from row ``first`` on (a batched sequence's)."""
+    live = Live(states, first + rows, first)
     try:
         for name, t in live.t.items():
             arr, want = np.ascontiguousarray(arrays[name]), _host(t, live.shapes[name])
