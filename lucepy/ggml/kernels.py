@@ -17,6 +17,7 @@ _ffi.cdef(
     void lucepy_cuda_kernels_set(int on);
     int lucepy_cuda_kernels_get(void);
     int64_t lucepy_cuda_kernels_calls(void);
+    int64_t lucepy_cuda_kernels_quantized(void);
     """
 )
 
@@ -34,8 +35,14 @@ class CudaKernels:
 
     @property
     def calls(self) -> int:
-        """Matrix products lucepy's kernels computed in this process (on every CUDA device)."""
+        """Matrix products lucepy's kernels computed in this process (on every CUDA device);
+        not those a captured CUDA graph replays (no host code runs for them)."""
         return int(self.handle.lucepy_cuda_kernels_calls())
+
+    @property
+    def quantized(self) -> int:
+        """Activations quantized for them (one per graph and source tensor), counted alike."""
+        return int(self.handle.lucepy_cuda_kernels_quantized())
 
 
 def cuda_kernels(lib: Lib) -> CudaKernels | None:

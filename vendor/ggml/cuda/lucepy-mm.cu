@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -461,6 +462,7 @@ __global__ void quantize(const float * __restrict__ x, int64_t col_stride, int n
 
 std::atomic<int> g_on{-1};
 std::atomic<int64_t> g_calls{0};
+std::atomic<int64_t> g_quantized{0};
 
 bool enabled() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -473,8 +475,10 @@ bool enabled() {
 }
 
 // Quantized activations of one source tensor, kept for the rest of the graph: the key is the
-// tensor (node and data) and the graph's number on its context. Buffers only grow; one that a
-// captured CUDA graph may still use is kept, never freed.
+// tensor (node and data) and the graph's number on its context, and only a tensor of the graph
+// is kept (ggml's mul_mat_id fallback passes each expert a temporary tensor on its stack, at the
+// same address and data for different contents). Buffers only grow; one that a captured CUDA
+// graph may still use is kept, never freed.
 struct Kept {
     const ggml_tensor * node = nullptr;
     const void * data = nullptr;
@@ -490,6 +494,25 @@ struct ContextState {
     uint64_t clock = 0;
     Kept slot[SLOTS];
     std::vector<uint8_t *> retired;
+    const ggml_cgraph * cgraph = nullptr;  // the graph being computed
+    std::unordered_set<const ggml_tensor *> members;  // its nodes and leafs, once asked
+    bool listed = false;
+
+    bool in_graph(const ggml_tensor * t) {
+        if (cgraph == nullptr) {
+            return false;
+        }
+        if (!listed) {
+            for (int i = 0; i < cgraph->n_nodes; i++) {
+                members.insert(cgraph->nodes[i]);
+            }
+            for (int i = 0; i < cgraph->n_leafs; i++) {
+                members.insert(cgraph->leafs[i]);
+            }
+            listed = true;
+        }
+        return members.count(t) != 0;
+    }
 };
 
 std::mutex g_mutex;
@@ -514,6 +537,7 @@ void run_quantize(const ggml_tensor * src1, int64_t npieces, uint8_t * buf, cuda
                                               src1->nb[1] / int64_t(sizeof(float)), int(npieces),
                                               int(ncols), xq, xds);
     CUDA_CHECK(cudaGetLastError());
+    g_quantized.fetch_add(1, std::memory_order_relaxed);
 }
 
 // the quantized activations of src1 on ctx's stream: kept ones, or quantized now into a slot
@@ -690,9 +714,9 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     cudaStream_t stream = ctx.stream();
     uint8_t * quantized = nullptr;
     ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
-    if (ctx.curr_stream_no == 0) {
+    if (ctx.curr_stream_no == 0 && state_of(ctx).in_graph(src1)) {
         quantized = kept_quantized(ctx, src1, npieces);
-    } else {  // ggml's concurrent streams: no sharing across them
+    } else {  // not a tensor of the graph, or ggml's concurrent streams: nothing shared
         quantized = scratch.alloc(quantized_bytes(npieces, ncols));
         run_quantize(src1, npieces, quantized, stream);
     }
@@ -726,8 +750,12 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     return true;
 }
 
-void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx) {
-    lucepy::state_of(ctx).graph++;
+void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph) {
+    lucepy::ContextState & st = lucepy::state_of(ctx);
+    st.graph++;
+    st.cgraph = cgraph;
+    st.members.clear();
+    st.listed = false;
 }
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx) {
@@ -756,13 +784,14 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context &, const ggml_tensor *, const
     return false;
 }
 
-void lucepy_cuda_graph_begin(ggml_backend_cuda_context &) {}
+void lucepy_cuda_graph_begin(ggml_backend_cuda_context &, const ggml_cgraph *) {}
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context &) {}
 
 namespace lucepy {
 std::atomic<int> g_on{0};
 std::atomic<int64_t> g_calls{0};
+std::atomic<int64_t> g_quantized{0};
 }  // namespace lucepy
 
 #endif
@@ -783,5 +812,9 @@ int lucepy_cuda_kernels_get(void) {
 
 int64_t lucepy_cuda_kernels_calls(void) {
     return lucepy::g_calls.load(std::memory_order_relaxed);
+}
+
+int64_t lucepy_cuda_kernels_quantized(void) {
+    return lucepy::g_quantized.load(std::memory_order_relaxed);
 }
 }

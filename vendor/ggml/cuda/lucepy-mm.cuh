@@ -11,17 +11,19 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
                          const ggml_tensor * src1, ggml_tensor * dst,
                          const ggml_cuda_mm_fusion_args_host * fusion);
 
-// A graph begins on this context: activations quantized for the last one are stale.
-void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx);
+// ``cgraph`` begins on this context: activations quantized for the last one are stale.
+void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph);
 
 // The context is being destroyed: free what the kernels kept for it.
 void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
 
 // For lucepy's Python side (exported from libggml-cuda): whether the kernels run (1) or ggml's
-// (0); the start value comes from LUCEPY_CUDA_KERNELS (0 turns them off), and the count of
-// matrix products they computed in this process.
+// (0); the start value comes from LUCEPY_CUDA_KERNELS (0 turns them off); the count of
+// matrix products they computed in this process, and of activations they quantized for them.
+// Launches that a captured CUDA graph replays are not counted: no host code runs for them.
 extern "C" {
 GGML_BACKEND_API void lucepy_cuda_kernels_set(int on);
 GGML_BACKEND_API int lucepy_cuda_kernels_get(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_calls(void);
+GGML_BACKEND_API int64_t lucepy_cuda_kernels_quantized(void);
 }
