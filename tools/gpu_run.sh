@@ -28,7 +28,8 @@
 # GPU_RUN_DFLASH (set: DFlash on SmolLM2, staged first by tools/gpu_train.sh's stage calls, with
 # the shipped draft, against llama.cpp's, tools/bench_dflash.py; adds dflash.json, dflash.md),
 # GPU_RUN_BATCH (clients, e.g. 1,4,8,32: `lucepy serve --parallel N` on the model against
-# llama-batched-bench of the same build, tools/bench_batch.py; adds batch.json, batch.md),
+# llama-server -np N and llama-batched-bench of the unpatched build, tools/bench_batch.py, medians
+# of 3 runs a level; adds batch.json, batch.md),
 # GPU_RUN_KERNELS (set: issue 19's benchmark, tools/bench_kernels.py, on the model in Q4_0 and in
 # Q4_K_M (requantized by llama-quantize), lucepy with its kernels and with ggml's against
 # llama-bench of the unpatched build, and the CUPTI trace of a decode token with each; adds
@@ -197,6 +198,27 @@ build_cuda() {
     ls -la "$BUILD" "$BUILD_GGML"
 }
 
+# llama-server for GPU_RUN_BATCH: the unpatched build's tree (LUCEPY_BUILD_DIR, left unpatched by
+# build_cuda) configured again with the server on, its sources from .sdist/server-ui.tar.xz
+build_llama_server() {
+    local src=/tmp/lucepy-sdist/$NAME/vendor/llama.cpp tree=$LUCEPY_BUILD_DIR/build
+    local f
+    if [[ -x $BUILD_GGML/llama-server ]]; then
+        echo "reusing $BUILD_GGML/llama-server" && return 0
+    fi
+    if [[ ! -f .sdist/server-ui.tar.xz ]]; then
+        echo "no .sdist/server-ui.tar.xz: run tools/prepare_gpu_carry.sh" && return 1
+    fi
+    tar -xJf .sdist/server-ui.tar.xz -C "$src"
+    cmake -S "$src" -B "$tree" -DLLAMA_BUILD_SERVER=ON >/dev/null
+    cmake --build "$tree" -j "$(nproc)" --target llama-server
+    for f in "$tree"/bin/llama-server "$tree"/bin/lib*.so*; do # what the build dir lacks
+        [[ -e $BUILD_GGML/$(basename "$f") ]] || cp -a "$f" "$BUILD_GGML"/
+    done
+    if ldd "$BUILD_GGML/llama-server" | grep "not found"; then return 1; fi
+    echo "built $BUILD_GGML/llama-server"
+}
+
 generate_model() {
     if [[ -f $MODEL ]]; then echo "reusing $MODEL" && return 0; fi
     python3 -m lucepy.testing.big "$MODEL.part" --arch "$ARCH" --type q4_0 --layers "$LAYERS" \
@@ -210,7 +232,7 @@ wait_model() { # the generator is this script's child: poll it, then look for it
     test -f "$MODEL"
 }
 
-export -f build_cuda wait_model
+export -f build_cuda build_llama_server wait_model
 
 # --- the run ---
 say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
@@ -245,10 +267,13 @@ if ((built)) && [[ -n ${GPU_RUN_DFLASH:-} ]]; then # SmolLM2 staged by tools/gpu
 fi
 
 if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_BATCH:-} ]]; then # continuous batching
-    step batch 420 "$BENCHLOG" sh -c "bash tools/build_llama_dflash.sh --batched-bench \
+    server=()
+    if step llama-server 240 "$OUTDIR/build.log" build_llama_server; then
+        server=(--llama-server "$BUILD_GGML/llama-server")
+    fi
+    step batch 540 "$BENCHLOG" sh -c "bash tools/build_llama_dflash.sh --batched-bench \
         '$BUILD_GGML' '.sdist/$NAME' && exec python3 tools/bench_batch.py --model '$MODEL' \
-        --device $DEVICE \
-        --clients '$GPU_RUN_BATCH' --max-ctx 512 \
+        --device $DEVICE --clients '$GPU_RUN_BATCH' --max-ctx 512 ${server[*]} \
         --llama-batched-bench '$BUILD_GGML/llama-batched-bench' --json '$OUTDIR/batch.json' \
         --md '$OUTDIR/batch.md'" || true
 fi
