@@ -279,26 +279,25 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_BATCH:-} ]]; then # continuous batc
 fi
 
 if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
-    MODEL_K=${MODEL%-q4_0.gguf}-q4_k_m.gguf
-    step requantize 240 "$BENCHLOG" sh -c "test -f '$MODEL_K' || { '$BUILD_GGML/llama-quantize' \
-        --allow-requantize '$MODEL' '$MODEL_K.part' Q4_K_M 16 && \
-        mv '$MODEL_K.part' '$MODEL_K'; }" || true
-    for m in "$MODEL" "$MODEL_K"; do
-        [[ -f $m ]] || continue
-        tag=$(basename "$m" .gguf)
-        tag=${tag##*-}
-        step "llama-$tag" 120 "$BENCHLOG" sh -c "exec '$BUILD_GGML/llama-bench' -m '$m' -ngl 99 \
-            -fa 1 -p 512 -n 128 -r 5 -o json >'$OUTDIR/llama-bench-$tag.json'" || true
-        step "kernels-$tag" 300 "$BENCHLOG" python3 tools/bench_kernels.py measure "$m" \
-            --device "$DEVICE" --json "$OUTDIR/kernels-$tag.json" || true
-        python3 tools/bench_kernels.py report "$OUTDIR/kernels-$tag.json" \
-            --llama-bench "$OUTDIR/llama-bench-$tag.json" >>"$OUTDIR/kernels.md" 2>&1 || true
-    done
+    kernels_bench() { # kernels_bench MODEL TAG: llama-bench (unpatched), then lucepy both ways
+        step "llama-$2" 120 "$BENCHLOG" sh -c "exec '$BUILD_GGML/llama-bench' -m '$1' -ngl 99 \
+            -fa 1 -p 512 -n 128 -r 5 -o json >'$OUTDIR/llama-bench-$2.json'" || true
+        step "kernels-$2" 300 "$BENCHLOG" python3 tools/bench_kernels.py measure "$1" \
+            --device "$DEVICE" --json "$OUTDIR/kernels-$2.json" || true
+        python3 tools/bench_kernels.py report "$OUTDIR/kernels-$2.json" \
+            --llama-bench "$OUTDIR/llama-bench-$2.json" >>"$OUTDIR/kernels.md" 2>&1 || true
+    }
+    kernels_bench "$MODEL" q4_0
     for choice in 1 0; do
         step "trace-$choice" 90 "$OUTDIR/trace.txt" env LUCEPY_CUDA_KERNELS=$choice python3 \
             tools/trace_gpu.py trace "$MODEL" --device "$DEVICE" \
             --json "$OUTDIR/trace-kernels$choice.json" || true
     done
+    MODEL_K=${MODEL%-q4_0.gguf}-q4_k_m.gguf
+    step requantize 240 "$BENCHLOG" sh -c "test -f '$MODEL_K' || { '$BUILD_GGML/llama-quantize' \
+        --allow-requantize '$MODEL' '$MODEL_K.part' Q4_K_M 16 && \
+        mv '$MODEL_K.part' '$MODEL_K'; }" || true
+    if [[ -f $MODEL_K ]]; then kernels_bench "$MODEL_K" q4_k_m; fi
 fi
 
 THREADS=${GPU_RUN_THREADS:-8}
