@@ -1,6 +1,7 @@
 """Issue 19's benchmark: lucepy with its own CUDA kernels against lucepy with ggml's, on the same
-patched build (LUCEPY_CUDA_KERNELS=0 turns ours off), and against llama-bench of the unpatched
-build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same model and GPU, in one run.
+patched build (LUCEPY_CUDA_KERNELS=1 turns ours on: off by default), and against llama-bench of
+the unpatched build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same model and GPU, in one
+run.
 
     python tools/bench_kernels.py measure MODEL --device cuda:0 --json kernels.json
     python tools/bench_kernels.py report kernels.json --llama-bench llama.json --md kernels.md

@@ -192,6 +192,10 @@ build_cuda() {
     if [[ ! -d $src ]]; then
         mkdir -p /tmp/lucepy-sdist && cp -a ".sdist/$NAME" /tmp/lucepy-sdist/
     fi
+    # configure wants vendor/miniaudio (only mtmd compiles it): carried in server-ui.tar.xz
+    if [[ ! -d $src/vendor/llama.cpp/vendor/miniaudio ]]; then
+        tar -xJf .sdist/server-ui.tar.xz -C "$src/vendor/llama.cpp" vendor/miniaudio
+    fi
     python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src"
     python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" --kernels ggml \
         --with-llama-bench --prefix "$BUILD_GGML"
@@ -253,7 +257,9 @@ step devices 30 "$SETUP" python3 -m lucepy devices --json || true
 if ((built)); then
     tests=$(grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')
     # shellcheck disable=SC2086
-    step pytest 180 "$OUTDIR/pytest.txt" python3 -m pytest -m gpu $tests -v -rfEs \
+    # with lucepy's kernels on (they are off by default): every GPU test runs on them
+    step pytest 180 "$OUTDIR/pytest.txt" env LUCEPY_CUDA_KERNELS=1 python3 -m pytest -m gpu \
+        $tests -v -rfEs \
         -p no:cacheprovider || true
 fi
 step model 240 "$SETUP" wait_model || true

@@ -51,6 +51,7 @@ tar -xzf "$SDIST" -C .sdist \
     --exclude="$NAME/vendor/llama.cpp/tests" --exclude="$NAME/vendor/llama.cpp/examples" \
     --exclude="$NAME/vendor/llama.cpp/.github" --exclude="$NAME/vendor/llama.cpp/gguf-py" \
     --exclude="$NAME/vendor/llama.cpp/tools/ui" --exclude="$NAME/vendor/llama.cpp/tools/server" \
+    --exclude="$NAME/vendor/llama.cpp/vendor/miniaudio" \
     --exclude="$NAME/vendor/llama.cpp/.devops" --exclude="$NAME/vendor/llama.cpp/conversion" \
     --exclude="$NAME/docs" --exclude="$NAME/examples" --exclude="$NAME/tests" \
     --exclude="$NAME/docker" --exclude="$NAME/.git" --exclude="$NAME/.github" \
@@ -60,11 +61,14 @@ tar -xzf "$SDIST" -C .sdist \
     done)
 test -f ".sdist/$NAME/vendor/llama.cpp/CMakeLists.txt"
 test -f ".sdist/$NAME/llama_cpp/llama_cpp.py"
-# llama-server's sources (tools/server and the web UI it links), compressed: 2.3 MB instead of
-# 10, for GPU_RUN_BATCH's llama-server -np N (tools/gpu_run.sh unpacks them there)
+# llama-server's sources (tools/server, the web UI it links, and the audio library of the mtmd
+# library it links), compressed: 2.8 MB instead of 14, for GPU_RUN_BATCH's llama-server -np N
+# (tools/gpu_run.sh unpacks them there; no other target needs them)
 tmp=$(mktemp -d)
-tar -xzf "$SDIST" -C "$tmp" "$NAME/vendor/llama.cpp/tools/server" "$NAME/vendor/llama.cpp/tools/ui"
-tar -cJf .sdist/server-ui.tar.xz -C "$tmp/$NAME/vendor/llama.cpp" tools/server tools/ui
+tar -xzf "$SDIST" -C "$tmp" "$NAME/vendor/llama.cpp/tools/server" "$NAME/vendor/llama.cpp/tools/ui" \
+    "$NAME/vendor/llama.cpp/vendor/miniaudio"
+tar -cJf .sdist/server-ui.tar.xz -C "$tmp/$NAME/vendor/llama.cpp" tools/server tools/ui \
+    vendor/miniaudio
 rm -rf "$tmp"
 echo "sdist: $(du -sh .sdist | cut -f1)"
 

@@ -104,7 +104,21 @@ def summary(tokens: list[list[tuple[str, float, float]]]) -> dict:
         "gaps_over_5us": statistics.median(
             sum(1 for a, b in zip(t, t[1:], strict=False) if b[1] - a[2] > 5) for t in tokens
         ),
+        "top_kernels": by_kernel(tokens, 12),
     }
+
+
+def by_kernel(tokens: list[list[tuple[str, float, float]]], top: int) -> list[dict]:
+    """The kernels that take the most time a token: launches and microseconds a token."""
+    n, busy, count = len(tokens), collections.Counter(), collections.Counter()
+    for t in tokens:
+        for name, s, e in t:
+            busy[short(name)[:60]] += e - s
+            count[short(name)[:60]] += 1
+    return [
+        {"kernel": k, "per_token": count[k] / n, "us": round(us / n, 1)}
+        for k, us in busy.most_common(top)
+    ]
 
 
 def lucepy_engine(model: str, device: str, warm: int):

@@ -1,6 +1,7 @@
 """lucepy's own CUDA kernels (decision 12) in the loaded ggml: whether the build has them (a build
 of `lucepy backends build cuda`), switching them on and off in this process, and how many matrix
-products they computed. ``LUCEPY_CUDA_KERNELS=0`` starts a process with them off."""
+products they computed. They are off unless ``LUCEPY_CUDA_KERNELS=1`` starts a process with
+them on."""
 
 from __future__ import annotations
 

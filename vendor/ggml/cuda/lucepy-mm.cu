@@ -100,7 +100,7 @@ struct Args {
     const uint8_t * gate;     // the fused gate's weights, or null
     int64_t row_stride;
     const int * xq;           // [piece][column][8 ints]: 32 int8 activations
-    const float2 * xds;       // [piece][column]: (scale, exact sum)
+    const float2 * xds;       // [piece][column]: (scale, scale * sum of the int8 values)
     float * dst;              // [column][row], columns dst_stride floats apart
     int64_t dst_stride;
     const float * x_bias;     // fused bias of the product, or null
@@ -159,8 +159,9 @@ __global__ void __launch_bounds__(THREADS) mul_mat(const Args a) {
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        issue(s);
+        issue(s);  // weights: no kernel before this one writes them
     }
+    ggml_cuda_pdl_sync();  // the activations: the kernel before has finished
     for (int ch = 0; ch < nchunks; ch++) {
         issue(ch + STAGES - 1);
         copy_wait<STAGES - 1>();
@@ -201,6 +202,8 @@ __global__ void __launch_bounds__(THREADS) mul_mat(const Args a) {
         }
         __syncthreads();
     }
+
+    ggml_cuda_pdl_lc();  // the next kernel may start (and fetch its own weights)
 
     // sum over the slots of each group: across a warp's lanes, then across the group's warps
     constexpr int WARPS = THREADS / 32;
@@ -350,6 +353,7 @@ __global__ void __launch_bounds__(THREADS) mul_mat_mma(const Args a) {
     for (int s = 0; s < STAGES - 1; s++) {
         issue(s);
     }
+    ggml_cuda_pdl_sync();
     for (int ch = 0; ch < nchunks; ch++) {
         issue(ch + STAGES - 1);
         copy_wait<STAGES - 1>();
@@ -403,6 +407,8 @@ __global__ void __launch_bounds__(THREADS) mul_mat_mma(const Args a) {
         __syncthreads();
     }
 
+    ggml_cuda_pdl_lc();
+
     // the warps' sums: element e of tile j of lane l is row (e / 2) * 8 + l / 4, column
     // 8j + 2 (l % 4) + e % 2
     float * red = reinterpret_cast<float *>(smem);
@@ -434,9 +440,13 @@ __global__ void __launch_bounds__(THREADS) mul_mat_mma(const Args a) {
     }
 }
 
-// One warp per 32-value piece and column: 32 int8 values, their scale and their exact sum.
-__global__ void quantize(const float * __restrict__ x, int64_t col_stride, int npieces, int ncols,
-                         int8_t * __restrict__ xq, float2 * __restrict__ xds) {
+// One warp per 32-value piece and column: 32 int8 values, their scale, and the sum of the
+// values they stand for (scale times their sum).
+// (No __restrict__ here or in Args: ggml-cuda finds it unsafe beside programmatic dependent launch.)
+__global__ void quantize(const float * x, int64_t col_stride, int npieces, int ncols, int8_t * xq,
+                         float2 * xds) {
+    ggml_cuda_pdl_lc();    // the product after this may start fetching its weights
+    ggml_cuda_pdl_sync();  // x: the kernel before has finished
     const int piece = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int c = blockIdx.y;
     const int lane = threadIdx.x % 32;
@@ -444,17 +454,22 @@ __global__ void quantize(const float * __restrict__ x, int64_t col_stride, int n
         return;
     }
     const float v = x[c * col_stride + int64_t(piece) * 32 + lane];
-    float amax = fabsf(v), sum = v;
+    float amax = fabsf(v);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
         amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
     }
     const float d = amax / 127.0f;
+    const int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
+    int sum = q;  // of the quantized values: a min's error then cancels the values' (Q4_K)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    }
     const int64_t at = int64_t(piece) * ncols + c;
-    xq[at * 32 + lane] = int8_t(amax == 0.0f ? 0 : __float2int_rn(v / d));
+    xq[at * 32 + lane] = int8_t(q);
     if (lane == 0) {
-        xds[at] = make_float2(d, sum);
+        xds[at] = make_float2(d, d * float(sum));
     }
 }
 
@@ -467,8 +482,8 @@ std::atomic<int64_t> g_quantized{0};
 bool enabled() {
     int on = g_on.load(std::memory_order_relaxed);
     if (on < 0) {
-        const char * env = std::getenv("LUCEPY_CUDA_KERNELS");
-        on = (env && env[0] == '0') ? 0 : 1;
+        const char * env = std::getenv("LUCEPY_CUDA_KERNELS");  // off unless asked: measured
+        on = (env && env[0] == '1') ? 1 : 0;                    // slower than ggml's so far
         g_on.store(on, std::memory_order_relaxed);
     }
     return on == 1;
@@ -533,10 +548,10 @@ void run_quantize(const ggml_tensor * src1, int64_t npieces, uint8_t * buf, cuda
     float2 * xds = reinterpret_cast<float2 *>(buf + npieces * ncols * 32);
     constexpr int WARPS = 8;
     const dim3 grid(unsigned((npieces + WARPS - 1) / WARPS), unsigned(ncols));
-    quantize<<<grid, WARPS * 32, 0, stream>>>(static_cast<const float *>(src1->data),
-                                              src1->nb[1] / int64_t(sizeof(float)), int(npieces),
-                                              int(ncols), xq, xds);
-    CUDA_CHECK(cudaGetLastError());
+    ggml_cuda_kernel_launch(quantize, ggml_cuda_kernel_launch_params(grid, WARPS * 32, 0, stream),
+                            static_cast<const float *>(src1->data),
+                            src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols), xq,
+                            xds);
     g_quantized.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -589,8 +604,8 @@ template <int K, int NC, bool GATE> void launch(const Args & a, cudaStream_t str
     }
     constexpr int out = GATE ? ROWS / 2 : ROWS;
     const dim3 grid(unsigned((a.nrows + out - 1) / out));
-    mul_mat<K, NC, GATE><<<grid, THREADS, smem, stream>>>(a);
-    CUDA_CHECK(cudaGetLastError());
+    ggml_cuda_kernel_launch(mul_mat<K, NC, GATE>,
+                            ggml_cuda_kernel_launch_params(grid, THREADS, smem, stream), a);
 }
 
 template <int K, int NC> void launch_mma(const Args & a, cudaStream_t stream, int device) {
@@ -602,8 +617,8 @@ template <int K, int NC> void launch_mma(const Args & a, cudaStream_t stream, in
         raised[device] = true;
     }
     const dim3 grid(unsigned((a.nrows + MMA_ROWS - 1) / MMA_ROWS));
-    mul_mat_mma<K, NC><<<grid, THREADS, smem, stream>>>(a);
-    CUDA_CHECK(cudaGetLastError());
+    ggml_cuda_kernel_launch(mul_mat_mma<K, NC>,
+                            ggml_cuda_kernel_launch_params(grid, THREADS, smem, stream), a);
 }
 
 constexpr int MMA_FROM = 5;  // columns from which tensor cores take over (from Ampere)

@@ -18,7 +18,7 @@ void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph 
 void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
 
 // For lucepy's Python side (exported from libggml-cuda): whether the kernels run (1) or ggml's
-// (0); the start value comes from LUCEPY_CUDA_KERNELS (0 turns them off); the count of
+// (0); the start value comes from LUCEPY_CUDA_KERNELS (1 turns them on); the count of
 // matrix products they computed in this process, and of activations they quantized for them.
 // Launches that a captured CUDA graph replays are not counted: no host code runs for them.
 extern "C" {

@@ -194,7 +194,7 @@ template <int K> LUCEPY_HD void unpack(const uint8_t * b, int at, Piece & p) {
     p.bias = s.bias;
 }
 
-// the piece times one column's 32 activations, quantized as x = dx * xq, with sx their exact sum
+// the piece times one column's 32 activations, quantized as x = dx * xq, with sx = dx * sum(xq)
 LUCEPY_HD float dot(const Piece & p, const int (&xq)[8], float dx, float sx) {
     int lo = 0, hi = 0;
     for (int i = 0; i < 4; i++) {
