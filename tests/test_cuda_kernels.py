@@ -190,3 +190,21 @@ def test_backends_build_dry_run_says_whose_kernels(tmp_path, monkeypatch):
     assert json.loads(run.stdout)["builds"] == [
         {"backend": "cuda", "path": str(build), "kernels": "lucepy"}
     ]
+
+
+def test_a_build_installs_over_the_one_before(tmp_path):
+    """Libraries and their soname links are copied over an earlier build's (a rebuild into the
+    same directory failed on the links), with the kernels mark."""
+    built = tmp_path / "bin"
+    built.mkdir()
+    (built / "libggml-cuda.so.0.25.3").write_bytes(b"new")
+    (built / "libggml-cuda.so.0").symlink_to("libggml-cuda.so.0.25.3")
+    (built / "other.o").write_bytes(b"")
+    plan = backends.plan_build("cuda", prefix=tmp_path / "prefix")
+    for _ in range(2):
+        backends.install(built, plan)
+    prefix = plan.prefix
+    assert (prefix / "libggml-cuda.so.0").is_symlink()
+    assert (prefix / "libggml-cuda.so.0").read_bytes() == b"new"
+    assert not (prefix / "other.o").exists()
+    assert backends.build_kernels(prefix) == "lucepy"

@@ -203,13 +203,22 @@ def build(plan: BuildPlan, sdist: Path | None = None) -> Path:
             ["cmake", "--build", str(out), "-j", str(plan.jobs), "--target", *plan.targets],
             "compile",
         )
-        plan.prefix.mkdir(parents=True, exist_ok=True)
-        for path in (out / "bin").iterdir():
-            if path.name.startswith(("libggml", "libllama")) or path.name in plan.targets:
-                shutil.copy2(path, plan.prefix / path.name, follow_symlinks=False)
-        (plan.prefix / KERNELS_MARK).write_text(plan.which_kernels + "\n")
+        install(out / "bin", plan)
     log.info("built ggml for %s into %s", plan.backend, plan.prefix)
     return plan.prefix
+
+
+def install(built: Path, plan: BuildPlan) -> None:
+    """Copy a build's libraries (symlinks as symlinks) and targets into ``plan.prefix``, over
+    those of a build before it, and record whose kernels they run."""
+    plan.prefix.mkdir(parents=True, exist_ok=True)
+    for path in built.iterdir():
+        if path.name.startswith(("libggml", "libllama")) or path.name in plan.targets:
+            target = plan.prefix / path.name
+            if target.is_symlink() or target.exists():
+                target.unlink()
+            shutil.copy2(path, target, follow_symlinks=False)
+    (plan.prefix / KERNELS_MARK).write_text(plan.which_kernels + "\n")
 
 
 def _sha256(path: Path) -> str:
