@@ -12,6 +12,10 @@
 //   - the activations are quantized to int8 once per graph and source tensor (Q, K and V share
 //     theirs; so do gate and up), not once per product.
 // See lucepy-quants.cuh for the piece format, and hooks.patch for where ggml calls in.
+//
+// Measured on an H200 (docs/BENCHMARKS.md): still slower than ggml's kernels (decode 0.92x), so
+// off unless LUCEPY_CUDA_KERNELS=1. A decode's products are small enough to be latency-bound,
+// which staging through shared memory does not help.
 
 #include "lucepy-mm.cuh"
 #include "lucepy-quants.cuh"
