@@ -35,7 +35,8 @@
 # llama-bench of the unpatched build, and the CUPTI trace of a decode token with each; adds
 # kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
-# the same source unpatched.
+# the same source unpatched. GPU_RUN_STACK (set: lucepy's benchmark again with
+# LUCEPY_STACK_MATMULS=1, products of one input stacked into one; adds lucepy-stacked.json).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -327,6 +328,11 @@ elif ((built)) && [[ -f $MODEL ]]; then
         -p 16,512,4096 -n 128 -d 0,$DEPTH -r 3 -o json >'$OUTDIR/llama-bench.json'" || true
     step lucepy 200 "$BENCHLOG" python3 tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" \
         --depth $DEPTH --json "$OUTDIR/lucepy-bench.json" || true
+    if [[ -n ${GPU_RUN_STACK:-} ]]; then # the same with stacked products (decision 2)
+        step lucepy-stacked 200 "$BENCHLOG" env LUCEPY_STACK_MATMULS=1 python3 \
+            tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" --depth $DEPTH \
+            --json "$OUTDIR/lucepy-stacked.json" || true
+    fi
     step profile 60 "$BENCHLOG" python3 tools/profile_gpu.py "$MODEL" --device "$DEVICE" \
         --depth 16 || true
     if [[ -n ${GPU_RUN_DIAG:-} ]]; then # diagnostics: a minute or two more

@@ -49,6 +49,9 @@ class ModelOptions:
     max_step: int = 512  # the most tokens one step feeds (the prefill chunk); sizes KV rings
     kv_pool: int = 0  # tokens a full-attention cache holds under KV Flash's pager; 0: the context
     n_seq: int = 1  # sequences decoded together (--parallel): recurrent state holds one each
+    # products of one input as one matrix (Architecture.stacked): bit-identical on the CPU and no
+    # faster there (measured); off until a GPU measures the launches it saves
+    stack_matmuls: bool = False
 
     def kv_cache(
         self, layer: int, head_dim: int, n_head_kv: int, n_ctx: int, window: int = 0
@@ -192,6 +195,29 @@ class Builder:
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self.lib.ggml_mul(self.ctx, self.lib.ggml_rms_norm(self.ctx, x, eps), weight)
+
+    def part(self, t: Tensor, first: int, n: int) -> Tensor:
+        """Rows ``first..first+n`` of a product [rows, T] of stacked weights
+        (``Architecture.stacked``) as a tensor [n, T] with rows back to back: a view for one
+        token, a copy for more (reshapes and some CUDA ops need them so)."""
+        L, c = self.lib, self.ctx
+        view = L.ggml_view_2d(c, t, n, t.ne[1], t.nb[1], first * L.ggml_element_size(t))
+        return view if t.ne[1] == 1 else L.ggml_cont(c, view)
+
+    def products(self, w: dict, x: Tensor, weights: dict[str, int], stacks: dict) -> dict:
+        """``x`` times each of ``weights`` (graph key -> its rows), one product per stack of them
+        that the loader made (``stacks``: graph key -> the keys stacked, in row order)."""
+        out = {}
+        for key, parts in stacks.items():
+            if key in w and set(parts) <= set(weights) and not set(parts) & set(out):
+                y, first = self.lib.ggml_mul_mat(self.ctx, w[key], x), 0
+                for name in parts:
+                    out[name] = self.part(y, first, weights[name])
+                    first += weights[name]
+        for name in weights:
+            if name not in out:
+                out[name] = self.lib.ggml_mul_mat(self.ctx, w[name], x)
+        return out
 
     def swiglu_ffn(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
         L, c = self.lib, self.ctx
@@ -398,8 +424,9 @@ class ArchitectureProtocol(Protocol):
     def weight_shapes(self, layers: range, f: GGUFFile) -> dict[str, tuple[int, ...]]:
         """The GGUF tensors ``layers`` need (the embedding with layer 0, the head with the last)."""
 
-    def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str]:
-        """Graph key -> GGUF tensor of the weights used only as mul_mat's first operand."""
+    def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str | tuple[str, ...]]:
+        """Graph key -> GGUF tensor of the weights used only as mul_mat's first operand, or
+        tensors whose rows the loader stacks into one (``Architecture.stacked``)."""
 
     def make_state(self, layers: range, n_ctx: int) -> list[LayerState]:
         """The per-layer state of ``layers`` for a context of ``n_ctx`` tokens."""
@@ -421,6 +448,7 @@ class Architecture:
     registry: ClassVar[dict[str, type[Architecture]]] = {}
     gguf_name: ClassVar[str] = ""
     p: Any
+    options: ModelOptions
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -466,6 +494,34 @@ class Architecture:
             out["output_norm.weight"] = (p.n_embd,)
             tied = f is not None and "output.weight" not in f.tensors
             out["token_embd.weight" if tied else "output.weight"] = (p.n_embd, p.n_vocab)
+        return out
+
+    def stacked(self, f: GGUFFile, key: str, parts: tuple[str, ...]) -> dict[str, tuple]:
+        """``{key: parts}`` when the weights ``parts`` of products of one input can be one matrix
+        (the same type and row length: rows stacked in this order, so one product and one launch
+        instead of several, each part a view of the result); else nothing. llama.cpp's own
+        converters stack some (qwen35's attn_qkv); this stacks the rest at load time."""
+        if not self.options.stack_matmuls or not all(n in f.tensors for n in parts):
+            return {}
+        kinds = {(int(f.tensors[n].type), f.tensors[n].shape[0]) for n in parts}
+        return {key: parts} if len(kinds) == 1 else {}
+
+    def stack_all(
+        self, f: GGUFFile, layers: range, stacks: dict[str, tuple[str, ...]], out: dict
+    ) -> dict:
+        """``out`` (graph key -> source) with each layer's ``stacks`` (key suffix -> the weight
+        names stacked, ``.weight`` left off), the first that can be of those sharing a weight,
+        in place of their parts."""
+        for il in layers:
+            b, claimed = f"blk.{il}.", set()
+            for key, names in stacks.items():
+                parts = tuple(f"{b}{n}.weight" for n in names)
+                if claimed & set(parts):
+                    continue
+                found = self.stacked(f, b + key, parts)
+                if found:
+                    claimed |= set(parts)
+                    out = {k: v for k, v in out.items() if k not in parts} | found
         return out
 
     def head_matmul(self, layers: range, f: GGUFFile) -> dict[str, str]:

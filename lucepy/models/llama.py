@@ -34,6 +34,7 @@ from lucepy.models.state import LayerState
 ROPE_NORMAL = 0  # LLAMA_ROPE_TYPE_NORM: rotate adjacent pairs
 _MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _BIASES = ("attn_q", "attn_k", "attn_v", "attn_output")
+_QKV = "attn_qkv.stacked"  # the graph key of attn_q, attn_k and attn_v stacked (not a GGUF name)
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,13 @@ class Llama(Architecture):
                 out[f"{b}{m}.bias"] = (width[m],)
         return out
 
-    def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str]:
-        out = {f"blk.{il}.{m}.weight": f"blk.{il}.{m}.weight" for il in layers for m in _MATMULS}
+    def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str | tuple[str, ...]]:
+        out: dict[str, str | tuple[str, ...]] = {
+            f"blk.{il}.{m}.weight": f"blk.{il}.{m}.weight" for il in layers for m in _MATMULS
+        }
+        biased = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+        if not any(n.endswith(biased) for n in self.optional):  # Q, K and V: one product
+            out = self.stack_all(f, layers, {_QKV: ("attn_q", "attn_k", "attn_v")}, out)
         return out | self.head_matmul(layers, f)
 
     def make_state(self, layers: range, n_ctx: int) -> list[LayerState]:
@@ -176,9 +182,17 @@ class Llama(Architecture):
     def _attention(self, g: Builder, w: dict, st: dict, il: int, x: Tensor) -> Tensor:
         p, L, c, b, T = self.p, g.lib, g.ctx, f"blk.{il}.", x.ne[1]
         hd, nkv = p.head_dim, p.n_head_kv
-        q = L.ggml_reshape_3d(c, self._proj(g, w, b + "attn_q", x), hd, p.n_head, T)
-        k = L.ggml_reshape_3d(c, self._proj(g, w, b + "attn_k", x), hd, nkv, T)
-        v = L.ggml_reshape_3d(c, self._proj(g, w, b + "attn_v", x), hd, nkv, T)
+        if b + _QKV in w:  # one product (no biases then): Q, K and V are parts of its rows
+            names = {f"{b}{m}.weight": m for m in ("attn_q", "attn_k", "attn_v")}
+            rows = {"attn_q": hd * p.n_head, "attn_k": hd * nkv, "attn_v": hd * nkv}
+            stack = {b + _QKV: tuple(names)}
+            y = g.products(w, x, {n: rows[m] for n, m in names.items()}, stack)
+            q, k, v = (y[f"{b}{m}.weight"] for m in ("attn_q", "attn_k", "attn_v"))
+        else:
+            q, k, v = (self._proj(g, w, b + m, x) for m in ("attn_q", "attn_k", "attn_v"))
+        q = L.ggml_reshape_3d(c, q, hd, p.n_head, T)
+        k = L.ggml_reshape_3d(c, k, hd, nkv, T)
+        v = L.ggml_reshape_3d(c, v, hd, nkv, T)
         q, k = self._rope(g, w, q), self._rope(g, w, k)
         cache = self.kv_state(il)
         scale = p.attn_scale or 1.0 / math.sqrt(hd)

@@ -311,6 +311,33 @@ def get(lib: Lib, g: CompiledGraph, name: str, t: Any) -> np.ndarray:
     return host
 
 
+def _stackable(lib: Lib, backend: Backend, f: GGUFFile, matmul: dict) -> dict:
+    """``matmul`` with each stack (a tuple of sources) kept only where all its parts would land in
+    the buffer type that it lands in, else taken apart into its parts (their own keys): a CPU
+    repacks a tensor by its row count, and a stack computed by other kernels than its parts
+    would round otherwise than llama.cpp, which multiplies them apart."""
+    out: dict = {}
+    for key, src in matmul.items():
+        if isinstance(src, tuple):
+            alone = matmul_placement(lib, backend, {n: _spec(f, n) for n in src})
+            whole = matmul_placement(lib, backend, {key: _spec(f, src)}).get(key)
+            if any(alone.get(n) != whole for n in src):
+                out.update({n: n for n in src})
+                continue
+        out[key] = src
+    return out
+
+
+def _spec(f: GGUFFile, source: str | tuple[str, ...]) -> tuple[int, tuple[int, ...]]:
+    """(ggml type, shape) of a file tensor, or of several stacked by rows (same type and row
+    length: Model.stacked checked)."""
+    if isinstance(source, str):
+        return int(f.tensors[source].type), f.tensors[source].shape
+    first = f.tensors[source[0]]
+    rows = sum(f.tensors[n].shape[1] for n in source)
+    return int(first.type), (first.shape[0], rows)
+
+
 class Tensors:
     """Named tensors in backend buffers: a model's weights, or persistent state. One buffer per
     buffer type: the backend's own, and for CPU weights the repacked types that take them."""
@@ -353,9 +380,12 @@ class Tensors:
         first operand to their GGUF source; on the CPU those go where llama.cpp puts them (a
         repacked buffer type, ``lucepy.ggml.bufts``). A key that is not a file tensor (a tied head)
         is the same tensor as its source unless it lands in another buffer type, then a copy."""
-        matmul = matmul or {}
-        source = {n: n for n in names} | matmul
-        specs = {k: (int(f.tensors[s].type), f.tensors[s].shape) for k, s in source.items()}
+        matmul = _stackable(lib, backend, f, matmul or {})
+        # a key whose source is several tensors is their rows stacked (Architecture.stacked):
+        # the parts are loaded only as that
+        parts = {n for src in matmul.values() if isinstance(src, tuple) for n in src}
+        source = {n: n for n in names if n not in parts} | matmul
+        specs = {k: _spec(f, s) for k, s in source.items()}
         placement = matmul_placement(lib, backend, {k: specs[k] for k in matmul})
         shared = {
             k: src
@@ -366,8 +396,12 @@ class Tensors:
             lib, backend, {k: v for k, v in specs.items() if k not in shared}, what, placement
         )
         for name, t in out.t.items():
-            info = f.tensors[source[name]]
-            lib.ggml_backend_tensor_set(t, ffi.from_buffer(f.data(source[name])), 0, info.nbytes)
+            src = source[name]
+            if isinstance(src, tuple):  # in one piece: a repacked buffer takes whole tensors only
+                data = np.concatenate([np.frombuffer(f.data(n), dtype=np.uint8) for n in src])
+            else:
+                data = f.data(src)
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(data), 0, lib.ggml_nbytes(t))
         for k, src in shared.items():
             out.t[k] = out.t[src]
         return out

@@ -1,0 +1,77 @@
+"""Stacked products (Architecture.stacked): weights of products of one input loaded as one matrix
+(llama's Q, K and V; qwen35's delta-net input pairs and attention's Q, K and V), one product, each
+part a view of its rows. On the CPU the results are the separate products' to the bit, and a
+stack whose parts a CPU would repack otherwise than the whole is kept apart."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import THREADS
+
+import lucepy.runtime.engine as engine_module
+from lucepy.catalog import smollm2_file
+from lucepy.ggml import load
+from lucepy.gguf import GGUFFile
+from lucepy.runtime import graphs
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.runtime.engine import Engine
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+PROMPT = list(range(40, 75))
+
+
+def run(path, stack: bool, monkeypatch) -> tuple[list[str], np.ndarray, list[np.ndarray]]:
+    """The stacked keys, prompt logits (in chunks of 16) and 4 decode steps' logits."""
+    plain = engine_module.model_options
+    monkeypatch.setattr(
+        engine_module,
+        "model_options",
+        lambda cfg: dataclasses.replace(plain(cfg), stack_matmuls=stack),
+    )
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256, chunk=16)
+    with Engine(path, cfg, tokenizer=False) as engine:
+        keys = [k for k in engine.shards[0].w if k.endswith(".stacked")]
+        prompt = engine.prefill(PROMPT, all_logits=True).copy()
+        steps = [engine.decode(7 + i).copy() for i in range(4)]
+    monkeypatch.setattr(engine_module, "model_options", plain)
+    return keys, prompt, steps
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        smollm2_file(),
+        FIXTURES / "qwen35-q8_0.gguf",
+        FIXTURES / "qwen35-q4_k_m.gguf",
+        FIXTURES / "llama-untied-q8_0.gguf",
+    ],
+    ids=lambda p: Path(p).stem,
+)
+def test_stacked_products_equal_separate_ones(path, monkeypatch):
+    keys, prompt, steps = run(path, True, monkeypatch)
+    none, prompt0, steps0 = run(path, False, monkeypatch)
+    assert keys and not none, "nothing was stacked"
+    np.testing.assert_array_equal(prompt, prompt0)
+    for a, b in zip(steps, steps0, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_stack_whose_parts_repack_otherwise_is_kept_apart(monkeypatch):
+    """Parts that would land in another buffer type than their stack (a CPU repacks by row
+    count) are loaded apart, under their own names."""
+    path = FIXTURES / "qwen35-q8_0.gguf"
+    with GGUFFile(path) as f:
+        qkv = ("blk.0.attn_qkv.weight", "blk.0.attn_gate.weight")
+        pair = ("blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight")
+        matmul = {"blk.0.ssm_qkvz.stacked": qkv, "blk.0.ssm_ba.stacked": pair}
+
+        def placement(lib, backend, weights):  # the stack of the pair repacks, its parts not
+            return {k: "repacked" for k in weights if k == "blk.0.ssm_ba.stacked"}
+
+        monkeypatch.setattr(graphs, "matmul_placement", placement)
+        out = graphs._stackable(load(), None, f, matmul)
+    assert out == {"blk.0.ssm_qkvz.stacked": qkv, pair[0]: pair[0], pair[1]: pair[1]}
