@@ -330,7 +330,7 @@ def _stackable(lib: Lib, backend: Backend, f: GGUFFile, matmul: dict) -> dict:
 
 def _spec(f: GGUFFile, source: str | tuple[str, ...]) -> tuple[int, tuple[int, ...]]:
     """(ggml type, shape) of a file tensor, or of several stacked by rows (same type and row
-    length: Model.stacked checked)."""
+    length: Architecture.stacked checked)."""
     if isinstance(source, str):
         return int(f.tensors[source].type), f.tensors[source].shape
     first = f.tensors[source[0]]
