@@ -35,7 +35,8 @@
 # llama-bench of the unpatched build, and the CUPTI trace of a decode token with each; adds
 # kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
-# the same source unpatched. GPU_RUN_STACK (set: lucepy's benchmark again with
+# the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
+# runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with
 # LUCEPY_STACK_MATMULS=1, products of one input stacked into one; adds lucepy-stacked.json).
 set -euo pipefail
 
@@ -55,7 +56,7 @@ laguna) export LAYERS=${GPU_RUN_LAYERS:-40} SHAPE=laguna-xs2 ;;
 *) echo "gpu_run: GPU_RUN_ARCH=$ARCH: use qwen35, gemma4, qwen35moe or laguna" >&2 && exit 2 ;;
 esac
 DEADLINE=${GPU_RUN_DEADLINE:-570}
-SKIP=" ${GPU_RUN_SKIP:-} "
+export SKIP=" ${GPU_RUN_SKIP:-} "
 DEPTH=8192
 DEVICE=${GPU_RUN_DEVICE:-cuda:0}
 CUDA_ROOT=${GPU_RUN_CUDA:-/usr/local/cuda}
@@ -183,11 +184,15 @@ ensure_cuda_libs() {
 # (unpatched, with llama-bench and llama-quantize) into $BUILD_GGML; the second recompiles only
 # the files the patch touches.
 build_cuda() {
-    local src=/tmp/lucepy-sdist/$NAME
-    if [[ -f $BUILD/libggml-cuda.so && $(cat "$BUILD/KERNELS" 2>/dev/null) == lucepy &&
-        -x $BUILD_GGML/llama-bench && -f $BUILD_GGML/libllama.so ]]; then
-        echo "reusing $BUILD and $BUILD_GGML" && return 0
+    local src=/tmp/lucepy-sdist/$NAME ggml=1 ours=0 theirs=1
+    if [[ $SKIP == *" build-ggml "* ]]; then ggml=0; fi # lucepy's build only: no llama.cpp steps
+    if [[ -f $BUILD/libggml-cuda.so && $(cat "$BUILD/KERNELS" 2>/dev/null) == lucepy ]]; then
+        ours=1
     fi
+    if ((ggml)) && [[ ! -x $BUILD_GGML/llama-bench || ! -f $BUILD_GGML/libllama.so ]]; then
+        theirs=0
+    fi
+    if ((ours && theirs)); then echo "reusing the builds" && return 0; fi
     # a copy outside any git checkout (ggml's CMake would stamp an enclosing repo's commit), with
     # its times kept, so that a resumed build recompiles nothing
     if [[ ! -d $src ]]; then
@@ -198,9 +203,11 @@ build_cuda() {
         tar -xJf .sdist/server-ui.tar.xz -C "$src/vendor/llama.cpp" vendor/miniaudio
     fi
     python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src"
-    python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" --kernels ggml \
-        --with-llama-bench --prefix "$BUILD_GGML"
-    ls -la "$BUILD" "$BUILD_GGML"
+    if ((ggml)); then
+        python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" --kernels ggml \
+            --with-llama-bench --prefix "$BUILD_GGML"
+    fi
+    ls -la "$BUILD" "$BUILD_GGML" || true
 }
 
 # llama-server for GPU_RUN_BATCH: the unpatched build's tree (LUCEPY_BUILD_DIR, left unpatched by
