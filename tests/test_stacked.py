@@ -1,5 +1,6 @@
 """Stacked products (Architecture.stacked): weights of products of one input loaded as one matrix
-(llama's Q, K and V; qwen35's delta-net input pairs and attention's Q, K and V), one product, each
+(llama's Q, K and V; qwen35's delta-net input pairs and attention's Q, K and V; laguna's Q, K, V
+and output gate), one product, each
 part a view of its rows. On the CPU the results are the separate products' to the bit, and a
 stack whose parts a CPU would repack otherwise than the whole is kept apart."""
 
@@ -48,6 +49,8 @@ def run(path, stack: bool, monkeypatch) -> tuple[list[str], np.ndarray, list[np.
         FIXTURES / "qwen35-q8_0.gguf",
         FIXTURES / "qwen35-q4_k_m.gguf",
         FIXTURES / "llama-untied-q8_0.gguf",
+        FIXTURES / "laguna-xs-q8_0.gguf",
+        FIXTURES / "laguna-m-q8_0.gguf",
     ],
     ids=lambda p: Path(p).stem,
 )

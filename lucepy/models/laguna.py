@@ -51,6 +51,12 @@ GATING_SIGMOID = 2  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID, laguna's default wh
 _MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_gate", "ffn_gate", "ffn_up")
 _MATMULS += ("ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _MATMULS += ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+# products of the attention input that the loader stacks into one (Architecture.stacked), the
+# first that fits: Q, K, V and the output gate, or Q, K and V
+_STACKS = {
+    "attn_qkvg.stacked": ("attn_q", "attn_k", "attn_v", "attn_gate"),
+    "attn_qkv.stacked": ("attn_q", "attn_k", "attn_v"),
+}
 
 
 @dataclass(frozen=True)
@@ -258,13 +264,13 @@ class Laguna(SlidingWindow, Architecture):
             b + "ffn_down_shexp.weight": (sh, E),
         }
 
-    def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str]:
+    def matmul_weights(self, layers: range, f: GGUFFile) -> dict[str, str | tuple[str, ...]]:
         out = {
             n: n
             for n in self.weight_shapes(layers, f)
             if n.startswith("blk.") and n.endswith(".weight") and n.split(".")[2] in _MATMULS
         }
-        return out | self.head_matmul(layers, f)
+        return self.stack_all(f, layers, _STACKS, out) | self.head_matmul(layers, f)
 
     def make_state(self, layers: range, n_ctx: int) -> list[LayerState]:
         """Per layer: a ring of the window plus the longest step (sliding), or the context."""
@@ -340,10 +346,14 @@ class Laguna(SlidingWindow, Architecture):
     def _attention(self, g: Builder, w: dict, st: dict, il: int, x: Tensor) -> Tensor:
         p, L, c, b, T = self.p, g.lib, g.ctx, f"blk.{il}.", x.ne[1]
         hd, nh, nkv = p.head_dim, p.heads[il], p.heads_kv[il]
-        q = L.ggml_reshape_3d(c, L.ggml_mul_mat(c, w[b + "attn_q.weight"], x), hd, nh, T)
-        k = L.ggml_reshape_3d(c, L.ggml_mul_mat(c, w[b + "attn_k.weight"], x), hd, nkv, T)
-        v = L.ggml_reshape_3d(c, L.ggml_mul_mat(c, w[b + "attn_v.weight"], x), hd, nkv, T)
-        gate = L.ggml_mul_mat(c, w[b + "attn_gate.weight"], x)  # [nh or hd*nh, T]: from the input
+        rows = {"attn_q": hd * nh, "attn_k": hd * nkv, "attn_v": hd * nkv}
+        rows["attn_gate"] = nh if p.gate_per_head[il] else hd * nh
+        stacks = {b + k: tuple(f"{b}{n}.weight" for n in ns) for k, ns in _STACKS.items()}
+        y = g.products(w, x, {f"{b}{n}.weight": r for n, r in rows.items()}, stacks)
+        q = L.ggml_reshape_3d(c, y[b + "attn_q.weight"], hd, nh, T)
+        k = L.ggml_reshape_3d(c, y[b + "attn_k.weight"], hd, nkv, T)
+        v = L.ggml_reshape_3d(c, y[b + "attn_v.weight"], hd, nkv, T)
+        gate = y[b + "attn_gate.weight"]  # [nh or hd*nh, T]: from the input
         q = self._rope(g, g.rms_norm(q, w[b + "attn_q_norm.weight"], p.rms_eps), il)
         k = self._rope(g, g.rms_norm(k, w[b + "attn_k_norm.weight"], p.rms_eps), il)
         cache, scale, flash = self.kv_state(il), 1.0 / math.sqrt(hd), self.options.flash_attn
