@@ -104,28 +104,43 @@ class PrefixCache:
 
     def _restore(self, prompt: list[int]) -> tuple[str, int, np.ndarray | None]:
         self.lineage = None
+        hit, n, logits, entry = self._take(
+            prompt,
+            lambda slot: self.engine.restore(slot.copies, len(slot.tokens)),
+            self.engine.load_state,
+            self.engine.reset,
+        )
+        if hit == "ram":
+            self._continue(prompt[:n])
+        elif hit == "disk":
+            self.lineage = entry.key
+        return hit, n, logits
+
+    def _take(self, prompt: list[int], into_ram, into_disk, undo=None) -> tuple:
+        """Write ``prompt``'s longest cached prefix, a RAM slot (``into_ram(slot)``) or a disk
+        snapshot (``into_disk(arrays, n)``; ``undo()`` after one that does not fit): the hit
+        ("ram", "disk" or "none"), the tokens restored, a whole prompt's logits, the entry."""
         while True:
             ram = self._ram_hit(prompt)
             entry = self.disk.find(prompt) if self.disk else None
             if ram is not None and (entry is None or len(ram.tokens) >= len(entry.tokens)):
-                self.engine.restore(ram.copies, len(ram.tokens))
+                into_ram(ram)
                 self.slots.move_to_end(ram.tokens)
-                self._continue(ram.tokens)
-                return "ram", len(ram.tokens), ram.logits
+                return "ram", len(ram.tokens), ram.logits, None
             if entry is None:
-                return "none", 0, None
+                return "none", 0, None, None
             arrays = self.disk.load(entry)
             if arrays is None:  # a bad file, gone with what hung from it: look again
                 continue
             logits = arrays.pop("logits", None)
             try:
-                self.engine.load_state(arrays, len(entry.tokens))
+                into_disk(arrays, len(entry.tokens))
             except (KeyError, ValueError) as err:
                 log.warning("prefix cache: %s does not fit this engine: %s", entry.path, err)
-                self.engine.reset()
-                return "none", 0, None
-            self.lineage = entry.key
-            return "disk", len(entry.tokens), None if logits is None else logits[0]
+                if undo is not None:
+                    undo()
+                return "none", 0, None, None
+            return "disk", len(entry.tokens), None if logits is None else logits[0], entry
 
     def _continue(self, tokens) -> None:
         """The engine now holds ``tokens``: links go on from their disk snapshot, if any."""
@@ -227,25 +242,12 @@ class PrefixCache:
         """Restore ``prompt``'s longest cached prefix (RAM or disk) into batched sequence
         ``seq``: the hit ("ram", "disk" or "none"), the tokens restored and, for a whole
         prompt, its logits."""
-        while True:
-            ram = self._ram_hit(prompt)
-            entry = self.disk.find(prompt) if self.disk else None
-            if ram is not None and (entry is None or len(ram.tokens) >= len(entry.tokens)):
-                self.engine.restore_sequence(ram.copies, seq)
-                self.slots.move_to_end(ram.tokens)
-                return "ram", len(ram.tokens), ram.logits
-            if entry is None:
-                return "none", 0, None
-            arrays = self.disk.load(entry)
-            if arrays is None:  # a bad file, gone with what hung from it: look again
-                continue
-            logits = arrays.pop("logits", None)
-            try:
-                self.engine.load_sequence(arrays, seq, len(entry.tokens))
-            except (KeyError, ValueError) as err:
-                log.warning("prefix cache: %s does not fit this engine: %s", entry.path, err)
-                return "none", 0, None
-            return "disk", len(entry.tokens), None if logits is None else logits[0]
+        hit, n, logits, _ = self._take(
+            prompt,
+            lambda slot: self.engine.restore_sequence(slot.copies, seq),
+            lambda arrays, n: self.engine.load_sequence(arrays, seq, n),
+        )
+        return hit, n, logits
 
     def save_sequence(self, tokens, seq: int, logits) -> None:
         """Keep batched sequence ``seq``'s state of ``tokens``: in a RAM slot, and on disk as a

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -449,20 +450,14 @@ class Engine:
     def export_sequence(self, seq: int, n: int) -> dict[str, np.ndarray]:
         """Host arrays of batched sequence ``seq``'s first ``n`` positions, laid out as
         ``export_state(n)``'s (a disk snapshot of either restores into either)."""
-        first, out = seq * self.n_ctx, {}
-        for key, _, live, remote in self._states():
-            arrays = self._run(remote, lambda t=live: state.export(t, first + n, first))
-            out.update({f"{key}/{name}": a for name, a in arrays.items()})
-        return out
+        first = seq * self.n_ctx
+        return self._export_arrays(lambda key: (first + n, first))
 
     def load_sequence(self, arrays: dict[str, np.ndarray], seq: int, n: int) -> None:
         """Write ``export_sequence`` or ``export_state`` arrays of ``n`` positions into batched
         sequence ``seq``'s rows."""
         first = seq * self.n_ctx
-        for key, _, live, remote in self._states():
-            prefix = key + "/"
-            mine = {k[len(prefix) :]: a for k, a in arrays.items() if k.startswith(prefix)}
-            self._run(remote, lambda t=live, m=mine: state.load(t, m, n, first))
+        self._load_arrays(arrays, lambda key: (n, first))
         slots = self._seq_slots()
         slots.length[seq] = max(slots.length[seq], n)
 
@@ -531,14 +526,33 @@ class Engine:
         paged = not self.pipeline.slots.readable(n)
         if paged and since:
             raise ValueError("once the KV pool has paged, a snapshot holds the whole pool")
-        out = {}
-        for key, _, live, remote in self._states():
-            rows, first = self._rows(key, n), self._rows(key, since) if since else 0
-            arrays = self._run(remote, lambda t=live, r=rows, f=first: state.export(t, r, f))
-            out.update({f"{key}/{name}": a for name, a in arrays.items()})
+        out = self._export_arrays(
+            lambda key: (self._rows(key, n), self._rows(key, since) if since else 0)
+        )
         if paged:
             out.update({f"pager/{k}": a for k, a in self.pipeline.pager_state().items()})
         return out
+
+    def _export_arrays(self, rows: Callable[[str], tuple[int, int]]) -> dict[str, np.ndarray]:
+        """Host arrays of every state, named ``key/name``; ``rows(key)``: (the end row, the first
+        row of the appending tensors)."""
+        out = {}
+        for key, _, live, remote in self._states():
+            end, first = rows(key)
+            arrays = self._run(remote, lambda t=live, e=end, f=first: state.export(t, e, f))
+            out.update({f"{key}/{name}": a for name, a in arrays.items()})
+        return out
+
+    def _load_arrays(
+        self, arrays: dict[str, np.ndarray], rows: Callable[[str], tuple[int, int]]
+    ) -> None:
+        """Write ``_export_arrays``'s arrays back; ``rows(key)``: (the rows, the first row)."""
+        for key, _, live, remote in self._states():
+            mine = {
+                name.split("/", 1)[1]: a for name, a in arrays.items() if name.startswith(key + "/")
+            }
+            count, first = rows(key)
+            self._run(remote, lambda t=live, m=mine, r=count, f=first: state.load(t, m, r, f))
 
     def _rows(self, key: str, n: int) -> int:
         """Cache rows of state ``key`` that hold the first ``n`` tokens (the draft's KV is not
@@ -575,12 +589,7 @@ class Engine:
             self.pipeline.load_pager(pager)  # first: it says which rows the arrays hold
         else:
             self.pipeline.reset(n)
-        for key, _, live, remote in self._states():
-            mine = {
-                name.split("/", 1)[1]: a for name, a in arrays.items() if name.startswith(key + "/")
-            }
-            rows = self._rows(key, n)
-            self._run(remote, lambda t=live, m=mine, r=rows: state.load(t, m, r))
+        self._load_arrays(arrays, lambda key: (self._rows(key, n), 0))
         self.n_past = n
 
     def state_dtypes(self) -> dict[str, str]:

@@ -560,9 +560,8 @@ void run_quantize(const ggml_tensor * src1, int64_t npieces, uint8_t * buf, cuda
 }
 
 // the quantized activations of src1 on ctx's stream: kept ones, or quantized now into a slot
-uint8_t * kept_quantized(ggml_backend_cuda_context & ctx, const ggml_tensor * src1,
-                         int64_t npieces) {
-    ContextState & st = state_of(ctx);
+uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
+                         const ggml_tensor * src1, int64_t npieces) {
     const size_t need = quantized_bytes(npieces, src1->ne[1]);
     Kept * oldest = &st.slot[0];
     auto age = [&](const Kept & k) { return k.graph == st.graph ? k.used : 0; };  // stale first
@@ -733,8 +732,9 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     cudaStream_t stream = ctx.stream();
     uint8_t * quantized = nullptr;
     ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
-    if (ctx.curr_stream_no == 0 && state_of(ctx).in_graph(src1)) {
-        quantized = kept_quantized(ctx, src1, npieces);
+    ContextState & st = state_of(ctx);
+    if (ctx.curr_stream_no == 0 && st.in_graph(src1)) {
+        quantized = kept_quantized(st, ctx, src1, npieces);
     } else {  // not a tensor of the graph, or ggml's concurrent streams: nothing shared
         quantized = scratch.alloc(quantized_bytes(npieces, ncols));
         run_quantize(src1, npieces, quantized, stream);
@@ -770,6 +770,9 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
 }
 
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph) {
+    if (!lucepy::enabled()) {  // ggml's kernels: nothing kept (the next begin with ours bumps)
+        return;
+    }
     lucepy::ContextState & st = lucepy::state_of(ctx);
     st.graph++;
     st.cgraph = cgraph;
