@@ -153,6 +153,15 @@ NCpuMoe = Annotated[
         "--n-cpu-moe", min=0, help="keep all experts of the first N layers in host RAM (llama.cpp)"
     ),
 ]
+ColdExperts = Annotated[
+    str,
+    typer.Option(
+        "--cold-experts",
+        help="who computes the experts in host RAM (--moe-gpu-mb, --n-cpu-moe): cpu (the host's "
+        "CPU, in the same step, as llama.cpp) or device (the GPU, reading them from pinned host "
+        "RAM over the bus)",
+    ),
+]
 KvPool = Annotated[
     int,
     typer.Option(
@@ -193,6 +202,7 @@ class ComputeFlags(NamedTuple):
     kv_pool_rank: str = DEFAULTS.kv_pool_rank
     batch_invariant: bool = DEFAULTS.batch_invariant
     parallel: int = DEFAULTS.parallel
+    cold_experts: str = DEFAULTS.cold_experts
 
 
 class CacheFlags(NamedTuple):
@@ -248,6 +258,7 @@ def runtime_config(
         disk_prefix_cache=cache.disk,
         moe_device_mb=compute.moe_device_mb,
         n_cpu_moe=compute.n_cpu_moe,
+        cold_experts=compute.cold_experts,
         expert_profile=str(compute.expert_profile) if compute.expert_profile else None,
         save_expert_profile=compute.save_expert_profile,
         kv_pool=compute.kv_pool,
@@ -310,6 +321,7 @@ def generate(
     disk_prefix_cache: DiskPolicy = DEFAULTS.disk_prefix_cache,
     moe_gpu_mb: MoeDeviceMB = None,
     n_cpu_moe: NCpuMoe = 0,
+    cold_experts: ColdExperts = DEFAULTS.cold_experts,
     expert_profile: ExpertProfile = None,
     kv_pool: KvPool = 0,
     kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
@@ -331,7 +343,7 @@ def generate(
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         compute = ComputeFlags(
             flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True,
-            kv_pool, kv_pool_rank, batch_invariant,
+            kv_pool, kv_pool_rank, batch_invariant, cold_experts=cold_experts,
         )  # fmt: skip
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         _, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)
@@ -415,6 +427,7 @@ def plan(
     max_ctx: MaxCtx = None,
     moe_gpu_mb: MoeDeviceMB = None,
     n_cpu_moe: NCpuMoe = 0,
+    cold_experts: ColdExperts = DEFAULTS.cold_experts,
     expert_profile: ExpertProfile = None,
     kv_pool: KvPool = 0,
     kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
@@ -433,6 +446,7 @@ def plan(
         moe = ComputeFlags(
             moe_device_mb=moe_gpu_mb,
             n_cpu_moe=n_cpu_moe,
+            cold_experts=cold_experts,
             kv_pool=kv_pool,
             kv_pool_rank=kv_pool_rank,
             parallel=parallel,

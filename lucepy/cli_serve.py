@@ -21,6 +21,7 @@ from lucepy.cli import (
     CacheTypeK,
     CacheTypeV,
     Chunk,
+    ColdExperts,
     ComputeFlags,
     DiskPolicy,
     Draft,
@@ -77,6 +78,7 @@ def serve(
     disk_prefix_cache: DiskPolicy = DEFAULTS.disk_prefix_cache,
     moe_gpu_mb: MoeDeviceMB = None,
     n_cpu_moe: NCpuMoe = 0,
+    cold_experts: ColdExperts = DEFAULTS.cold_experts,
     expert_profile: ExpertProfile = None,
     kv_pool: KvPool = 0,
     kv_pool_rank: KvPoolRank = DEFAULTS.kv_pool_rank,
@@ -93,7 +95,7 @@ def serve(
 
         compute = ComputeFlags(
             flash_attn, cache_type_k, cache_type_v, moe_gpu_mb, n_cpu_moe, expert_profile, True,
-            kv_pool, kv_pool_rank, batch_invariant, parallel,
+            kv_pool, kv_pool_rank, batch_invariant, parallel, cold_experts,
         )  # fmt: skip
         placement = (target_devices, target_layer_split, max_ctx, chunk, threads, compute)
         found, engine = open_model(model, placement, (draft, draft_device, draft_block), cache)

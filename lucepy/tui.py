@@ -113,7 +113,8 @@ def plan_table(plan) -> Table:
         more = ", ..." if len(split) > 8 else ""
         lines.append(
             f"experts: {plan.experts.policy}; {_mib(device)} on the device, {_mib(host)} in host "
-            f"RAM; {len(split)} layers split"
+            f"RAM ({'read by the device' if plan.experts.reads else 'computed by the CPU'}); "
+            f"{len(split)} layers split"
             + (f" (experts kept: {', '.join(kept)}{more})" if split else "")
         )
     if plan.kv_pool:

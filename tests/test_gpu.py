@@ -25,6 +25,7 @@ from test_speculative import run as generate_on
 from test_split import run as run_split
 
 from lucepy.decode.batch import Batcher
+from lucepy.engine import open_engine
 from lucepy.gguf import GGUFFile
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
@@ -154,13 +155,17 @@ def test_gpu_gemma4_matches_llama_cpp(tmp_path):
 
 
 def test_gpu_experts_in_host_ram_equal_all_on_the_gpu():
-    """qwen35moe with half its experts (by --n-cpu-moe, and by hotness) computed by the CPU in
-    the same step: the GPU-only tokens, logits within TF32, and the cold matmuls on the CPU."""
+    """qwen35moe with half its experts (by --n-cpu-moe, and by hotness) in host RAM, computed by
+    the CPU in the same step, or by the GPU reading them there (--cold-experts device): the
+    GPU-only tokens, logits within TF32; the cold matmuls on the CPU (the GPU, the CPU and back
+    in every graph), or on the GPU from pinned host memory (one split)."""
     from lucepy.ggml import Sched
 
     path = Path(__file__).parent / "fixtures" / "hf" / "qwen35moe-f32.gguf"
     runs = []
-    for extra in ({}, {"n_cpu_moe": 2}, {"moe_device_mb": 0.1}):
+    placements = ({"n_cpu_moe": 2}, {"moe_device_mb": 0.1})
+    reads = [dict(p, cold_experts="device") for p in placements]
+    for extra in ({}, *placements, *reads):
         cfg = RuntimeConfig(device=GPU, threads=THREADS, max_ctx=256, **extra)
         with Engine(path, cfg, tokenizer=False) as engine:
             logits = engine.prefill(PROMPT, chunk=16, all_logits=True).copy()
@@ -169,9 +174,13 @@ def test_gpu_experts_in_host_ram_equal_all_on_the_gpu():
                 tokens.append(int(np.argmax(engine.decode(tokens[-1]))))
             scheds = [g.alloc for g in engine.shard.graphs.values() if isinstance(g.alloc, Sched)]
             splits = [engine.lib.ggml_backend_sched_get_n_splits(s.ptr) for s in scheds]
-        runs.append((logits, tokens, splits))
-    for logits, tokens, splits in runs[1:]:
-        assert splits and min(splits) >= 2  # the GPU, the CPU and back, in every graph
+            pinned = engine.shard.split and engine.shard.split[1].buffer_types()
+            if extra.get("cold_experts"):
+                host = engine.lib.ggml_backend_dev_host_buffer_type(engine.shard.backend.device)
+                assert pinned and all(b == host for b in pinned)
+        runs.append((logits, tokens, splits, extra.get("cold_experts") == "device"))
+    for logits, tokens, splits, read in runs[1:]:
+        assert splits and (max(splits) == 1 if read else min(splits) >= 2)
         err = rel_err(logits, runs[0][0])
         assert err.max() <= TF32_TOLERANCE, f"row {err.argmax()}: {err.max():.2e}"
         assert tokens == runs[0][1]
@@ -248,6 +257,44 @@ def test_gpu_batched_sequences_equal_each_alone(tiny_model):
         assert batcher.steps["decoded"] > batcher.steps["decode"]
     for req, (tokens, steps) in zip(reqs, alone, strict=True):
         first_difference_is_a_tie(tokens, req.tokens, steps)
+
+
+LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama-untied-f32.gguf"
+
+
+@pytest.mark.parametrize("parallel", [8, 32])
+def test_gpu_batched_requests_equal_each_alone(parallel):
+    """Issue 16's cross-talk check on CUDA (llama, converter-made): parallel + 2 requests of
+    different lengths on ``parallel`` sequences, two of them restoring a cached prefix, one
+    cancelled after 6 tokens (a waiting one takes its sequence); each request's tokens equal its
+    tokens alone, up to a near-tie (a many-row step and a one-row step run different kernels)."""
+    rng, n = np.random.default_rng(16 + parallel), parallel + 2
+    cfg = dict(device=GPU, threads=THREADS, max_ctx=256, chunk=32)
+    with Engine(LLAMA, RuntimeConfig(**cfg), tokenizer=False) as engine:
+        picked = [rng.integers(3, engine.params.n_vocab, 12 + 3 * i).tolist() for i in range(n)]
+        lengths = [12 + i % 9 for i in range(n)]
+        alone = [greedy_steps(engine, p, k) for p, k in zip(picked, lengths, strict=True)]
+    cfg |= dict(parallel=parallel, prefix_cache_slots=16)
+    with open_engine(LLAMA, RuntimeConfig(**cfg), tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        for p in (picked[5][:12], picked[7][:24]):  # the prefix cache holds these
+            batcher.submit(p, 2, stop_at_end=False)
+        batcher.run()
+        reqs = [
+            batcher.submit(p, k, stop_at_end=False) for p, k in zip(picked, lengths, strict=True)
+        ]
+        most = 0
+        while not batcher.idle:
+            batcher.step()
+            most = max(most, len(batcher.active))
+            if len(reqs[3].tokens) == 6 and not reqs[3].done:
+                batcher.cancel(reqs[3])
+    assert most == parallel
+    assert reqs[5].cache["restored_tokens"] >= 12 and reqs[7].cache["restored_tokens"] >= 24
+    assert reqs[3].finish_reason == "cancelled" and len(reqs[3].tokens) == 6
+    for req, (tokens, steps) in zip(reqs, alone, strict=True):
+        k = len(req.tokens)
+        first_difference_is_a_tie(tokens[:k], req.tokens, steps[:k])
 
 
 def test_gpu_greedy_with_draft_equals_greedy(models):

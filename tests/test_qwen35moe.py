@@ -61,7 +61,8 @@ def _split_report(engine, g) -> tuple[int, set[str]]:
             name = ffi.string(lib.ggml_get_name(node.src[0])).decode()
             if name.endswith(".cold"):
                 backend = lib.ggml_backend_sched_get_tensor_backend(sched.ptr, node)
-                on.add("host" if backend == engine.shard.host.ptr else "device")
+                host = engine.shard.host
+                on.add("host" if host is not None and backend == host.ptr else "device")
     return lib.ggml_backend_sched_get_n_splits(sched.ptr), on
 
 
@@ -89,6 +90,28 @@ def test_hybrid_placement_equals_one_backend(placement, one_backend, tmp_path):
     np.testing.assert_array_equal(logits, one_backend[0])
     assert tokens == one_backend[1]
     assert n_split and split and all(n == 2 * n_split + 1 and on == {"host"} for n, on in split)
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [{"n_cpu_moe": 2}, {"moe_device_mb": 0}, {"moe_device_mb": _mb(3)}],
+    ids=["n-cpu-moe-2", "all-in-host-RAM", "3-on-the-device"],
+)
+def test_cold_experts_read_by_the_device_equal_one_backend(
+    placement, one_backend, tmp_path, monkeypatch
+):
+    """--cold-experts device: the cold experts' matmuls run on the device (here a CPU standing
+    in for a GPU, so that the graph goes through the scheduler as on a GPU), reading the host
+    part's weights where they are; no host backend, one split a graph, and the one-backend
+    result, bit for bit."""
+    monkeypatch.setattr(Backend, "is_local_gpu", property(lambda self: True))
+    config = cfg(tmp_path, cold_experts="device", **placement)
+    logits, tokens, _, (split, n_split) = run(MODEL, config)
+    np.testing.assert_array_equal(logits, one_backend[0])
+    assert tokens == one_backend[1]
+    assert n_split and split and all(s == (1, {"device"}) for s in split)
+    with Engine(MODEL, config, tokenizer=False) as engine:
+        assert engine.shard.host is None and engine.shard.reads
 
 
 def test_on_a_gpu_a_moe_graph_runs_through_the_scheduler(one_backend, tmp_path, monkeypatch):

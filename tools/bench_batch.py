@@ -17,7 +17,8 @@ Aggregate: all completion tokens over the wall time from the first request to th
 time to first token: the median over clients. Each level runs ``--repeats`` times (3), each run a
 fresh server (no cache carried over) after a warm-up request, lucepy's and llama-server's runs
 taking turns; the table gives the medians of the runs (all samples in the JSON).
-"engine": the same requests on a ``Batcher`` in this process, with no server, as often.
+"engine": the same requests on a ``Batcher`` in this process, with no server, as often
+(``--no-engine`` leaves it out).
 
 llama.cpp: llama-batched-bench, built from the pinned source against the same build,
 ``-npp P -ntg TOKENS -npl N`` with P the mean prompt length: N
@@ -203,11 +204,12 @@ def markdown(res: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for n, r in res["levels"].items():
-        lu, en, ll = r["lucepy"], r["engine"], r.get("llama.cpp")
-        ratios = [f"{x['tok_s'] / ll['tok_s']:.2f}x" if ll else "" for x in (lu, en)]
+        lu, en, ll = r["lucepy"], r.get("engine"), r.get("llama.cpp")
+        ratios = [f"{x['tok_s'] / ll['tok_s']:.2f}x" if ll and x else "" for x in (lu, en)]
+        engine = f"{en['tok_s']:.1f} | {en['ttft_ms']:.0f}" if en else " | "
         lines.append(
-            f"| {n} | {lu['tok_s']:.1f} | {lu['ttft_ms']:.0f} | {en['tok_s']:.1f} | "
-            f"{en['ttft_ms']:.0f} | {ll['tok_s'] if ll else ''} | {ratios[0]} | {ratios[1]} | "
+            f"| {n} | {lu['tok_s']:.1f} | {lu['ttft_ms']:.0f} | {engine} | "
+            f"{ll['tok_s'] if ll else ''} | {ratios[0]} | {ratios[1]} | "
             f"{ll['decode_tok_s'] if ll else ''} |"
         )
     if any("llama-server" in r for r in res["levels"].values()):
@@ -243,6 +245,7 @@ def main() -> None:
     ap.add_argument("--max-ctx", type=int, default=1024, help="positions per sequence")
     ap.add_argument("--llama-batched-bench", help="llama-batched-bench of the same build")
     ap.add_argument("--llama-server", help="llama-server of the same build")
+    ap.add_argument("--no-engine", action="store_true", help="leave out the engine side")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args()
@@ -258,7 +261,8 @@ def main() -> None:
             if args.llama_server:
                 run = server_level(llama_serve(args, n), prompts, n, args.tokens)
                 sides.setdefault("llama-server", []).append(run)
-            sides.setdefault("engine", []).append(engine_level(args, prompts, n))
+            if not args.no_engine:
+                sides.setdefault("engine", []).append(engine_level(args, prompts, n))
             if args.llama_batched_bench:
                 sides.setdefault("llama.cpp", []).append(llama_level(args, prompt_len, n))
         level = {side: median_of(runs) for side, runs in sides.items()}

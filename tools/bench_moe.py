@@ -12,8 +12,10 @@ report that sets it beside llama-bench's JSON from the same build, model and GPU
    fits what a split layer costs a token and what one expert read from host RAM costs, and so
    the split cost in reads that the hotness placement weighs (``experts.SPLIT_COST``);
 3. ``--n-cpu-moe N`` (all experts of the first N layers in host RAM, llama.cpp's placement) and
-   hotness (the same bytes of experts on the GPU, placed by ``--moe-gpu-mb``), loaded together
-   and their decodes taken in turns.
+   hotness (the same bytes of experts on the GPU, placed by ``--moe-gpu-mb``), each with its cold
+   experts computed by the CPU and read by the GPU from pinned host RAM (``--cold-experts
+   device``), loaded together and their decodes taken in turns; pp512 of the hotness placement
+   read by the GPU.
 
 (2) and (3) measure tg128 only: their prompt processing runs the cold experts on the CPU, where
 llama.cpp copies them to the GPU for big batches. Medians of ``--repeats`` runs after a warm-up.
@@ -56,6 +58,8 @@ def measure_one(
     out: dict = {"load_s": time.perf_counter() - t0}
     placed = engine.plan.experts
     out["policy"] = placed.policy if placed is not None else "all on the device"
+    if placed is not None and placed.reads:
+        out["policy"] += ", cold experts read by the device"
     if placed is None:  # all on the device: every layer's experts
         n_expert = engine.params.n_expert
         layers = experts.expert_layers(engine.file, engine.params.n_layer)
@@ -130,12 +134,22 @@ def measure(args: argparse.Namespace) -> int:
     cfg = RuntimeConfig(**base, moe_device_mb=budget_mb, expert_profile=str(profile))
     hot, hot_engine = measure_one(args.model, cfg, 0, False)
     hot["split_cost"] = experts.SPLIT_COST
-    with ncm_engine, hot_engine:
-        rates: dict = {"n_cpu_moe": [], "hotness": []}
+    read = {"cold_experts": "device"}
+    ncm_read, ncm_read_engine = measure_one(
+        args.model, RuntimeConfig(**base, n_cpu_moe=args.n_cpu_moe, **read), 0, False
+    )
+    cfg = RuntimeConfig(**base, moe_device_mb=budget_mb, expert_profile=str(profile), **read)
+    hot_read, hot_read_engine = measure_one(args.model, cfg, args.repeats, True)
+    hot_read["split_cost"] = experts.READ_SPLIT_COST
+    placed = {"n_cpu_moe": (ncm, ncm_engine), "hotness": (hot, hot_engine),
+              "n_cpu_moe_read": (ncm_read, ncm_read_engine),
+              "hotness_read": (hot_read, hot_read_engine)}  # fmt: skip
+    with ncm_engine, hot_engine, ncm_read_engine, hot_read_engine:
+        rates: dict = {key: [] for key in placed}
         for _ in range(args.repeats):
-            for key, engine in (("n_cpu_moe", ncm_engine), ("hotness", hot_engine)):
+            for key, (_, engine) in placed.items():
                 rates[key] += tg_only(engine, 1)["runs"]
-    for key, figures in (("n_cpu_moe", ncm), ("hotness", hot)):
+    for key, (figures, _) in placed.items():
         figures[f"tg{DECODE}"] = {"tok_s": statistics.median(rates[key]), "runs": rates[key]}
         save(key, figures)
     save("split_cost_fit", split_cost_fit(results, len(layers), k, args.n_cpu_moe))
@@ -213,8 +227,11 @@ def report(args: argparse.Namespace) -> int:
     bare = ours.get("all_on_device_uncounted", {})
     fit = ours.get("split_cost_fit", {})
     extra = [
+        ("hotness_read", "lucepy hotness, its cold experts read by the GPU from pinned host RAM "
+         f"(--cold-experts device), vs llama.cpp --n-cpu-moe {n}"),
+        ("n_cpu_moe_read", f"lucepy --n-cpu-moe {n}, read by the GPU, vs llama.cpp's"),
         ("split_every_layer", "lucepy, every layer split, its k least chosen experts in RAM"),
-    ]
+    ]  # fmt: skip
     lines = [
         f"# MoE GPU benchmark: {ours.get('model', '?')} on {ours.get('device', '?')}, "
         f"{ours.get('threads', '?')} CPU threads",
@@ -248,7 +265,7 @@ def report(args: argparse.Namespace) -> int:
         *(
             f"| {d.get('policy', '?')} | {gib(d.get('expert_bytes_device'))} | "
             f"{gib(d.get('expert_bytes_host'))} | {gib(d.get('weight_bytes_device'))} |"
-            for d in (allg, ncm, hot, ours.get("split_every_layer"))
+            for d in (allg, ncm, hot, ours.get("hotness_read"), ours.get("split_every_layer"))
             if d
         ),
         "",
@@ -258,6 +275,13 @@ def report(args: argparse.Namespace) -> int:
         "llama.cpp's --n-cpu-moe keeps the same experts in host RAM as lucepy's, so its GPU "
         "holds the same bytes. Medians on both sides (llama-bench's samples_ns).",
     ]
+    if tok_s(ours.get("hotness_read", {}), f"pp{PROMPT}"):
+        lines += [
+            "",
+            f"pp{PROMPT} with the hotness placement read by the GPU: "
+            f"{tok_s(ours['hotness_read'], f'pp{PROMPT}'):,.1f} tok/s (all on the GPU: "
+            f"{cell(tok_s(allg, f'pp{PROMPT}'))}).",
+        ]
     if fit.get("split_cost"):
         lines += [
             "",

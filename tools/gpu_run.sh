@@ -10,6 +10,10 @@
 #   tools/prepare_gpu_carry.sh          # here: .whl/, .sdist/ and .gpuref/
 #   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".sdist", ".gpuref"]
 #
+# or, with both CUDA builds made here beforehand (no build there: about 4.5 minutes less a call),
+#   tools/prebuild_gpu.sh build         # here: .gpubuild/ (replaces .sdist)
+#   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".gpubuild", ".gpuref"]
+#
 # .gpuref holds llama.cpp's logits for the GPU tests, made here by tools/make_gpu_ref.py (its CUDA
 # Python path segfaults there). The run stops at once, saying what to run, if it is missing or made
 # for other tiny models than the tests write (unless GPU_RUN_SKIP names pytest).
@@ -29,7 +33,8 @@
 # the shipped draft, against llama.cpp's, tools/bench_dflash.py; adds dflash.json, dflash.md),
 # GPU_RUN_BATCH (clients, e.g. 1,4,8,32: `lucepy serve --parallel N` on the model against
 # llama-server -np N and llama-batched-bench of the unpatched build, tools/bench_batch.py, medians
-# of 3 runs a level; adds batch.json, batch.md),
+# of 3 runs a level; "engine" and "batched-bench" in GPU_RUN_SKIP leave out those sides; adds
+# batch.json, batch.md),
 # GPU_RUN_KERNELS (set: issue 19's benchmark, tools/bench_kernels.py, on the model in Q4_0 and in
 # Q4_K_M (requantized by llama-quantize), lucepy with its kernels and with ggml's against
 # llama-bench of the unpatched build, and the CUPTI trace of a decode token with each; adds
@@ -68,6 +73,10 @@ export BUILD=$LUCEPY_CACHE_DIR/ggml/cuda           # lucepy's: with its own kern
 export BUILD_GGML=$LUCEPY_CACHE_DIR/ggml/cuda-ggml # llama.cpp's: ggml's kernels, llama-bench
 export LUCEPY_BUILD_DIR=/tmp/lucepy-build # kept: a build cut short resumes on the next call
 export MODEL=/tmp/lucepy-$SHAPE-L$LAYERS-q4_0.gguf
+# the sdist (.sdist) or, from tools/prebuild_gpu.sh, the builds and the parts of it still read
+SOURCES=.sdist
+if [[ ! -d .sdist && -d .gpubuild ]]; then SOURCES=.gpubuild; fi
+export SOURCES
 SITE=/tmp/site
 export PYTHONUNBUFFERED=1
 if command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
@@ -129,7 +138,7 @@ stop() { # stop MESSAGE: the run cannot do its job; say why and what to do, in t
 # Python packages, full (after the wheels) writes the tests' tiny models again and compares
 check_gpuref() {
     local found fix='on the CPU machine, run tools/prepare_gpu_carry.sh (or just python'
-    fix+=' tools/make_gpu_ref.py .gpuref), then carry [".whl", ".sdist", ".gpuref"]'
+    fix+=' tools/make_gpu_ref.py .gpuref), then carry [".whl", ".sdist" or ".gpubuild", ".gpuref"]'
     if [[ $SKIP == *" pytest "* ]]; then return 0; fi
     if [[ ! -d $LUCEPY_GPU_REF ]]; then
         stop "no .gpuref (llama.cpp's logits for the GPU tests) was carried: $fix; or set" \
@@ -145,7 +154,7 @@ install_wheels() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" .whl/*.whl
     # llama-cpp-python's Python side, as source; LLAMA_CPP_LIB_PATH points it at our libllama
-    cp -r ".sdist/$NAME/llama_cpp" "$SITE/"
+    cp -r "$SOURCES/$NAME/llama_cpp" "$SITE/"
     python3 -c "import cffi, gguf, typer, fastapi; print('python packages ok')"
 }
 
@@ -180,11 +189,31 @@ ensure_cuda_libs() {
     export LD_LIBRARY_PATH=$root/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
 
+# The builds made by tools/prebuild_gpu.sh, when carried and made from what this checkout would
+# build (its stamp): unpacked into $BUILD and $BUILD_GGML, and checked to load here
+unpack_prebuilt() {
+    local want have
+    [[ -f .gpubuild/builds.tar.xz && ! -f $BUILD/libggml-cuda.so ]] || return 0
+    want=$(bash tools/prebuild_gpu.sh stamp) && have=$(cat .gpubuild/STAMP)
+    if [[ $want != "$have" ]]; then
+        echo ".gpubuild was made from other sources or build flags: run tools/prebuild_gpu.sh" \
+            "build again (building here instead)" && return 0
+    fi
+    mkdir -p "$(dirname "$BUILD")" && tar -xJf .gpubuild/builds.tar.xz -C "$(dirname "$BUILD")"
+    if ldd "$BUILD"/lib*.so "$BUILD_GGML"/lib*.so "$BUILD_GGML"/llama-* | grep 'not found'; then
+        echo "the prebuilt libraries do not load here (building here instead)"
+        rm -rf "$BUILD" "$BUILD_GGML"
+        return 0
+    fi
+    echo "unpacked the prebuilt builds (stamp $have)"
+}
+
 # Two builds of one source tree: lucepy's (its kernels hooked in) into $BUILD, then llama.cpp's
 # (unpatched, with llama-bench and llama-quantize) into $BUILD_GGML; the second recompiles only
 # the files the patch touches.
 build_cuda() {
     local src=/tmp/lucepy-sdist/$NAME ggml=1 ours=0 theirs=1
+    unpack_prebuilt
     if [[ $SKIP == *" build-ggml "* ]]; then ggml=0; fi # lucepy's build only: no llama.cpp steps
     if [[ -f $BUILD/libggml-cuda.so && $(cat "$BUILD/KERNELS" 2>/dev/null) == lucepy ]]; then
         ours=1
@@ -193,6 +222,9 @@ build_cuda() {
         theirs=0
     fi
     if ((ours && theirs)); then echo "reusing the builds" && return 0; fi
+    if [[ ! -d .sdist ]]; then
+        echo "no .sdist to build from: carry it, or .gpubuild from tools/prebuild_gpu.sh" && return 1
+    fi
     # a copy outside any git checkout (ggml's CMake would stamp an enclosing repo's commit), with
     # its times kept, so that a resumed build recompiles nothing
     if [[ ! -d $src ]]; then
@@ -244,7 +276,7 @@ wait_model() { # the generator is this script's child: poll it, then look for it
     test -f "$MODEL"
 }
 
-export -f build_cuda build_llama_server wait_model
+export -f unpack_prebuilt build_cuda build_llama_server wait_model
 
 # --- the run ---
 say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
@@ -274,22 +306,26 @@ step model 240 "$SETUP" wait_model || true
 
 if ((built)) && [[ -n ${GPU_RUN_DFLASH:-} ]]; then # SmolLM2 staged by tools/gpu_train.sh
     step dflash 360 "$BENCHLOG" sh -c "bash tools/gpu_train.sh model && \
-        bash tools/build_llama_dflash.sh '$BUILD_GGML' '.sdist/$NAME' && \
+        bash tools/build_llama_dflash.sh '$BUILD_GGML' '$SOURCES/$NAME' && \
         exec python3 tools/bench_dflash.py --model /tmp/lucepy-smol/model.gguf --device $DEVICE \
         --llama-dflash '$BUILD_GGML/llama-dflash' --json '$OUTDIR/dflash.json' \
         --md '$OUTDIR/dflash.md'" || true
 fi
 
 if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_BATCH:-} ]]; then # continuous batching
-    server=()
+    server=() sides=() prep=true
     if step llama-server 240 "$OUTDIR/build.log" build_llama_server; then
         server=(--llama-server "$BUILD_GGML/llama-server")
     fi
-    step batch 540 "$BENCHLOG" sh -c "bash tools/build_llama_dflash.sh --batched-bench \
-        '$BUILD_GGML' '.sdist/$NAME' && exec python3 tools/bench_batch.py --model '$MODEL' \
-        --device $DEVICE --clients '$GPU_RUN_BATCH' --max-ctx 512 ${server[*]} \
-        --llama-batched-bench '$BUILD_GGML/llama-batched-bench' --json '$OUTDIR/batch.json' \
-        --md '$OUTDIR/batch.md'" || true
+    # "engine" and "batched-bench" in GPU_RUN_SKIP leave those sides out (servers only)
+    if [[ $SKIP == *" engine "* ]]; then sides+=(--no-engine); fi
+    if [[ $SKIP != *" batched-bench "* ]]; then
+        prep="bash tools/build_llama_dflash.sh --batched-bench '$BUILD_GGML' '$SOURCES/$NAME'"
+        sides+=(--llama-batched-bench "'$BUILD_GGML/llama-batched-bench'")
+    fi
+    step batch 540 "$BENCHLOG" sh -c "$prep && exec python3 tools/bench_batch.py \
+        --model '$MODEL' --device $DEVICE --clients '$GPU_RUN_BATCH' --max-ctx 512 \
+        ${server[*]} ${sides[*]} --json '$OUTDIR/batch.json' --md '$OUTDIR/batch.md'" || true
 fi
 
 if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19

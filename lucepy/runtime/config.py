@@ -47,6 +47,9 @@ class RuntimeConfig:
     expert_profile: str | None = None  # None: <cache>/experts/<model identity>.npz
     save_expert_profile: bool = False  # add this run's routing counts to the profile on close
     count_experts: bool = True  # count prompt and verify tokens' experts (decode steps never)
+    # who computes the experts in host RAM: "cpu", a host CPU backend in the same step (as
+    # llama.cpp's --n-cpu-moe); "device", the shard's GPU, reading them from pinned host RAM
+    cold_experts: str = "cpu"
     kv_pool: int = 0  # KV Flash: cache rows of each full-attention layer (runtime/slots.py); 0: all
     kv_pool_rank: str = "lru"  # which chunks the pool keeps: "lru", or "qk" (query-key scores)
     parallel: int = 1  # sequences decoded in one step (decode/batch.py), max_ctx positions each
@@ -75,6 +78,8 @@ class RuntimeConfig:
             raise ConfigError(f"--kv-pool must not be negative, got {self.kv_pool}")
         if self.kv_pool_rank not in ("lru", "qk"):
             raise ConfigError(f"--kv-pool-rank {self.kv_pool_rank!r}: use lru or qk")
+        if self.cold_experts not in ("cpu", "device"):
+            raise ConfigError(f"--cold-experts {self.cold_experts!r}: use cpu or device")
         if self.n_cpu_moe and self.moe_device_mb is not None:
             raise ConfigError("use --n-cpu-moe or --moe-gpu-mb, not both")
         if self.cache_type_v != "f16" and not self.flash_attn:

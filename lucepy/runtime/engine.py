@@ -200,7 +200,13 @@ class Engine:
             backend = self._open(spec)
             layers = range(*sp.layers)
             host = None
-            if placement is not None and placement.bytes(layers)[1]:
+            cold = placement is not None and placement.bytes(layers)[1] > 0
+            if cold and placement.reads and spec.where != "local":
+                raise ConfigError(
+                    f"--cold-experts device: {spec.name} is not in this process, so it cannot "
+                    f"read experts from this host's RAM; use --cold-experts cpu"
+                )
+            if cold and not placement.reads:
                 host = open_backend(
                     self.lib, "cpu", self.config.thread_count(), self.config.batch_invariant
                 )

@@ -51,12 +51,12 @@ def placement_for(f: GGUFFile, params, config) -> ExpertPlacement | None:
         return None
     if not n_expert:
         raise ConfigError(f"{f.path}: --n-cpu-moe and --moe-gpu-mb need a model with experts")
-    k = params.n_expert_used
+    k, reads = params.n_expert_used, config.cold_experts == "device"
     if config.n_cpu_moe:
-        return by_layers(f, params.n_layer, n_expert, config.n_cpu_moe, k)
+        return by_layers(f, params.n_layer, n_expert, config.n_cpu_moe, k, reads)
     counts = ExpertCounts.load(profile_for(f, config), params.n_layer, n_expert).counts
     budget = int(config.moe_device_mb * 2**20)
-    return by_hotness(f, params.n_layer, n_expert, counts, budget, k)
+    return by_hotness(f, params.n_layer, n_expert, counts, budget, k, reads)
 
 
 def expert_bytes(f: GGUFFile, il: int) -> int:
@@ -77,6 +77,7 @@ class ExpertPlacement:
     hot: dict[int, tuple[int, ...]]
     expert_bytes: dict[int, int]  # layer -> bytes of one expert
     padding: int = 0  # all-zero experts beside the device part of a split layer (runtime/shard.py)
+    reads: bool = False  # the device computes the cold experts, reading them from host RAM
 
     def is_split(self, il: int) -> bool:
         return il in self.hot
@@ -101,6 +102,7 @@ class ExpertPlacement:
         device, host = self.bytes()
         return {
             "policy": self.policy,
+            "cold_experts": "device" if self.reads else "cpu",
             "device_bytes": device,
             "host_bytes": host,
             "hot": {str(il): len(e) for il, e in sorted(self.hot.items())},
@@ -108,14 +110,15 @@ class ExpertPlacement:
 
 
 def by_layers(
-    f: GGUFFile, n_layer: int, n_expert: int, n_cpu_moe: int, padding: int = 0
-) -> ExpertPlacement:
+    f: GGUFFile, n_layer: int, n_expert: int, n_cpu_moe: int, padding: int = 0,
+    reads: bool = False,
+) -> ExpertPlacement:  # fmt: skip
     """llama.cpp's ``--n-cpu-moe N``: all experts of layers 0..N-1 stay in host RAM (counted
     by layer index, dense layers too: laguna's leading dense layer is one of the N)."""
     layers = expert_layers(f, n_layer)
     sizes = {il: expert_bytes(f, il) for il in layers}
     hot = {il: () for il in layers if il < n_cpu_moe}
-    return ExpertPlacement(f"n-cpu-moe {n_cpu_moe}", n_expert, hot, sizes, padding)
+    return ExpertPlacement(f"n-cpu-moe {n_cpu_moe}", n_expert, hot, sizes, padding, reads)
 
 
 # A layer split between the device and host RAM costs a decode step about this much on top of
@@ -123,6 +126,9 @@ def by_layers(
 # synchronisation and the host graph. Fitted on two H200 machines (tools/bench_moe.py): 0.26 ms
 # a split and 0.021 ms a read (12.4), 0.23 and 0.034 ms (6.8). docs/BENCHMARKS.md, issue 12.
 SPLIT_COST = 10.0
+# The same when the device reads its cold experts from host RAM (``reads``): no trip, no host
+# graph, only the cold part's few extra kernels; a read is then one expert over the bus.
+READ_SPLIT_COST = 1.0
 
 
 def by_hotness(
@@ -132,6 +138,7 @@ def by_hotness(
     counts: np.ndarray | None,
     budget: int,
     k: int = 0,
+    reads: bool = False,
 ) -> ExpertPlacement:
     """The placement under ``budget`` bytes of experts on the device that costs a decode step
     the least host work, with ``counts`` (the profile) as the odds that a token chooses each
@@ -139,11 +146,11 @@ def by_hotness(
 
     A layer may keep all its experts on the device (no host work), or its ``n`` most chosen ones
     plus ``k`` padding experts (runtime/shard.py) and the rest in host RAM. Then a token costs
-    ``SPLIT_COST`` plus one read per cold expert it chooses (one read when it chooses none: the
-    host part still runs). Over the layers this is a knapsack, solved exactly by dynamic
-    programming over the budget in units of one expert. Without a profile every expert is as
-    likely, no split pays, and whole layers go to the device (llama.cpp's ``--n-cpu-moe``, from
-    the last layers back)."""
+    ``SPLIT_COST`` (``READ_SPLIT_COST`` when the device ``reads`` its cold experts) plus one read
+    per cold expert it chooses (one read when it chooses none: the host part still runs). Over
+    the layers this is a knapsack, solved exactly by dynamic programming over the budget in units
+    of one expert. Without a profile every expert is as likely, no split pays, and whole layers go
+    to the device (llama.cpp's ``--n-cpu-moe``, from the last layers back)."""
     layers = expert_layers(f, n_layer)
     sizes = {il: expert_bytes(f, il) for il in layers}
     if counts is None:
@@ -153,7 +160,8 @@ def by_hotness(
     best = np.zeros(units + 1)  # least host cost of the layers so far within b units
     picks = []
     for il in layers:
-        order, cost, size = layer_options(counts[il], k, -(-sizes[il] // unit))
+        split_cost = READ_SPLIT_COST if reads else SPLIT_COST
+        order, cost, size = layer_options(counts[il], k, -(-sizes[il] // unit), split_cost)
         new, pick = np.full(units + 1, np.inf), np.zeros(units + 1, dtype=np.int32)
         for n in range(n_expert, -1, -1):  # ties: more on the device, so the later layers
             if size[n] > units:
@@ -172,10 +180,12 @@ def by_hotness(
             split[il] = tuple(sorted(int(e) for e in order[:n]))
     source = "profile" if counts.any() else "no profile: whole layers"
     policy = f"hotness ({source}), {budget / 2**20:,.1f} MiB of experts on the device"
-    return ExpertPlacement(policy, n_expert, dict(sorted(split.items())), sizes, k)
+    return ExpertPlacement(policy, n_expert, dict(sorted(split.items())), sizes, k, reads)
 
 
-def layer_options(row: np.ndarray, k: int, size: int) -> tuple[np.ndarray, ...]:
+def layer_options(
+    row: np.ndarray, k: int, size: int, split_cost: float = SPLIT_COST
+) -> tuple[np.ndarray, ...]:
     """For a layer whose experts were chosen ``row`` times: its experts, most chosen first (ties
     to the lower index), and for each ``n`` of them on the device (0..n_expert) the host cost of
     a decode step (``by_hotness``) and the device units it takes."""
@@ -187,7 +197,7 @@ def layer_options(row: np.ndarray, k: int, size: int) -> tuple[np.ndarray, ...]:
     with np.errstate(divide="ignore"):
         log_none = np.log1p(-odds)
     none = np.exp(np.concatenate([np.cumsum(log_none[::-1])[::-1], [0.0]]))
-    cost = SPLIT_COST + cold + none
+    cost = split_cost + cold + none
     cost[X] = 0.0
     n = np.arange(X + 1)
     units = np.where(n == 0, 0, (n + k) * size)

@@ -228,8 +228,9 @@ def compile_graph(
 ) -> CompiledGraph:
     """Build a graph with ``build(builder) -> output`` and allocate its compute buffer. With a
     ``host`` CPU backend, the nodes the builder offloads (cold experts) run there, the rest on
-    ``backend``, through a ggml_backend_sched that copies between them. ``routing``: output the
-    experts each MoE layer chose.
+    ``backend``, through a ggml_backend_sched that copies between them; the weights the builder
+    lists in ``reads`` (cold experts in pinned host RAM) stay with the device's ops that read
+    them. ``routing``: output the experts each MoE layer chose.
 
     A graph with routed experts goes through the scheduler given a ``host`` even when nothing is
     offloaded: the scheduler lets the backend see the graph first (ggml-cuda then keeps the
@@ -262,6 +263,10 @@ def compile_graph(
                 alloc.assign(node, host)
             elif node.op not in VIEW_OPS:
                 alloc.assign(node, backend)
+        # cold expert weights in pinned host RAM that the device reads: the scheduler would
+        # give them to the host (the device's ggml does not claim host buffers) and copy them
+        for t in b.reads:
+            alloc.assign(t, backend)
         if "routing" in b.outputs:  # a leaf the copies fill: the scheduler cannot place it
             alloc.assign(b.outputs["routing"], backend)
         for t in b.inputs.values():  # written on the device, not on the host and copied over
@@ -409,6 +414,9 @@ class Tensors:
     @property
     def nbytes(self) -> int:
         return sum(buf.nbytes for _, buf in self._parts)
+
+    def buffer_types(self) -> list[Any]:
+        return [self.lib.ggml_backend_buffer_get_type(buf.ptr) for _, buf in self._parts]
 
     def clear(self) -> None:
         for _, buf in self._parts:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from lucepy.errors import ConfigError
 from lucepy.ggml import GGML_TYPE_F32, Backend, Lib, ffi
 from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
@@ -54,8 +55,10 @@ class Shard:
         # False rebuilds every step: only to test that reuse changes nothing
         self.reuse_graphs = True
         split = [il for il in layers if experts is not None and experts.is_split(il)]
-        self.host = host if split else None  # the CPU backend of the experts in host RAM
-        if split and host is None:
+        # the experts in host RAM: computed by a host CPU backend, or read by the device
+        self.reads = bool(split) and experts.reads
+        self.host = host if split and not self.reads else None
+        if split and not self.reads and host is None:
             raise ValueError("a shard with experts in host RAM needs a host backend")
         # a MoE graph on a GPU runs through the scheduler (graphs.compile_graph), which needs a
         # CPU backend beside the device even when no expert is in host RAM
@@ -75,7 +78,7 @@ class Shard:
         self.split = []
         if split:
             k = model.p.n_expert_used
-            self.split = split_experts(lib, backend, host, f, experts, split, k)
+            self.split = split_experts(lib, backend, self.host, f, experts, split, k)
         self.w = {**self.weights.t, **{k: v for t in self.split for k, v in t.t.items()}}
         self.state = StateSet(
             lib, backend, model.make_state(layers, n_ctx), f"state of layers {layers}"
@@ -126,7 +129,7 @@ class Shard:
 
     def _build(self, spec: GraphSpec) -> CompiledGraph:
         def build(b):
-            b.queries, b.streams = spec.queries, spec.streams
+            b.queries, b.streams, b.cold_reads = spec.queries, spec.streams, self.reads
             return self.model.build(b, self.w, self.state.t, self.layers, spec)
 
         g = compile_graph(
@@ -230,7 +233,7 @@ class Shard:
 def split_experts(
     lib: Lib,
     device: Backend,
-    host: Backend,
+    host: Backend | None,
     f: GGUFFile,
     placement: ExpertPlacement,
     layers,
@@ -238,7 +241,8 @@ def split_experts(
 ) -> list[Tensors]:
     """The routed experts of ``layers`` in two parts: on ``device`` the hot ones and the tables
     from expert to index (and 0/1 mask) in each part, in ``host`` (a CPU backend) the cold ones
-    as ``NAME.cold``. Each part keeps its experts in expert order."""
+    as ``NAME.cold``; with no ``host`` (``placement.reads``) the cold ones in the device's pinned
+    host RAM, which it reads. Each part keeps its experts in expert order."""
     X, k = placement.n_expert, n_used
     device_specs, host_specs, data = {}, {}, {}
     for il in layers:
@@ -265,14 +269,41 @@ def split_experts(
             data[name + ".cold"] = raw[list(cold)]
     # experts in the buffer types a one-backend load would give them (repacked on a CPU)
     where = []
-    for backend, specs in ((device, device_specs), (host, host_specs)):
+    for backend, specs in ((device, device_specs), (host or device, host_specs)):
         weights = {k: v for k, v in specs.items() if ".experts." not in k}
         where.append(matmul_placement(lib, backend, weights))
+    if host is None:
+        where[1] = _pinned(lib, device, host_specs) or where[1]
     what = f"experts of layers {layers}"
     parts = [Tensors(lib, device, device_specs, f"device {what}", where[0])]
-    parts.append(Tensors(lib, host, host_specs, f"host {what}", where[1]))
+    parts.append(Tensors(lib, host or device, host_specs, f"host {what}", where[1]))
+    if host is None:
+        _check_pinned(lib, device, parts[1])
     for part in parts:
         for key, t in part.t.items():
             arr = np.ascontiguousarray(data[key])
             lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
     return parts
+
+
+def _pinned(lib: Lib, device: Backend, specs: dict) -> dict[str, Any] | None:
+    """``specs`` in the device's pinned host buffer type, which its kernels read in place (CUDA:
+    page-locked memory in the unified address space); None on a CPU, whose memory is host RAM."""
+    buft = lib.ggml_backend_dev_host_buffer_type(device.device)
+    if buft != ffi.NULL:
+        return {name: buft for name in specs}
+    if lib.ggml_backend_is_cpu(device.ptr):
+        return None
+    raise ConfigError(f"{device.name} has no pinned host memory to read experts from: "
+                      f"use --cold-experts cpu")  # fmt: skip
+
+
+def _check_pinned(lib: Lib, device: Backend, cold: Tensors) -> None:
+    """ggml hands out plain host memory when it cannot pin (CUDA's cudaMallocHost failed), which
+    the device cannot read: refuse that rather than fault mid-step."""
+    pinned = lib.ggml_backend_dev_host_buffer_type(device.device)
+    if pinned != ffi.NULL and any(buft != pinned for buft in cold.buffer_types()):
+        raise ConfigError(
+            f"could not pin {cold.nbytes / 2**20:,.0f} MiB of host RAM for the experts the "
+            f"device reads there: use --cold-experts cpu, or keep more on the device"
+        )
