@@ -284,5 +284,13 @@ def test_placement_flags_are_refused_where_they_mean_nothing(tmp_path):
     assert result.exit_code != 0 and "no expert profile" in result.output
     with pytest.raises(ConfigError, match="not both"):
         RuntimeConfig(n_cpu_moe=2, moe_device_mb=100)
+    result = CliRunner().invoke(
+        app, ["plan", str(MODEL), "--n-cpu-moe", "2", "--cold-experts", "gpu"]
+    )
+    assert result.exit_code != 0 and "use cpu or device" in result.output
+    plan = ["plan", str(MODEL), "--n-cpu-moe", "2", "--cold-experts", "device", "--json"]
+    result = CliRunner().invoke(app, plan)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["experts"]["cold_experts"] == "device"
     with pytest.raises(ConfigError, match="local devices only"):
         Engine(MODEL, cfg(tmp_path, device="cpu@worker", n_cpu_moe=2), tokenizer=False)

@@ -10,8 +10,9 @@
 #   tools/prepare_gpu_carry.sh          # here: .whl/, .sdist/ and .gpuref/
 #   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".sdist", ".gpuref"]
 #
-# or, with both CUDA builds made here beforehand (no build there: about 4.5 minutes less a call),
-#   tools/prebuild_gpu.sh build         # here: .gpubuild/ (replaces .sdist)
+# or, with the CUDA build made here beforehand (no build there: 4-5 minutes less a call),
+#   tools/prebuild_gpu.sh build         # here: .gpubuild/, .gpubuild1/ (they replace .sdist)
+#   tools/prebuild_gpu.sh stage .gpubuild1   # there, carry [".gpubuild1"], then at once:
 #   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".gpubuild", ".gpuref"]
 #
 # .gpuref holds llama.cpp's logits for the GPU tests, made here by tools/make_gpu_ref.py (its CUDA
@@ -25,6 +26,8 @@
 # Knobs: GPU_RUN_ARCH (qwen35, gemma4, qwen35moe or laguna), GPU_RUN_LAYERS (the real model's),
 # GPU_RUN_THREADS (8: CPU threads of the MoE runs, both sides),
 # GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest llama"), GPU_RUN_DEVICE (cuda:0),
+# GPU_RUN_TESTS (the GPU test files, default all), GPU_RUN_TEST_KERNELS (1: they run on lucepy's
+# kernels; 0: on ggml's, the default of a user's run),
 # GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit), GPU_RUN_DIAG (set: also the
 # decode without CUDA graphs on both sides, tools/trace_gpu.py's CUPTI trace and its Nsight
 # Compute kernel lists), GPU_RUN_KVPOOL (depths, e.g. 8192,32768,131072: KV Flash's benchmark,
@@ -189,23 +192,24 @@ ensure_cuda_libs() {
     export LD_LIBRARY_PATH=$root/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
 
-# The builds made by tools/prebuild_gpu.sh, when carried and made from what this checkout would
-# build (its stamp): unpacked into $BUILD and $BUILD_GGML, and checked to load here
+# The build made by tools/prebuild_gpu.sh (llama.cpp's, unpatched), when carried and staged and
+# made from what this checkout would build: unpacked into $BUILD_GGML, checked to load here, and
+# lucepy runs on it too (its own kernels are off by default); GPU_RUN_KERNELS still builds
+# lucepy's. Runs in this shell: what it exports must reach the steps.
 unpack_prebuilt() {
-    local want have
-    [[ -f .gpubuild/builds.tar.xz && ! -f $BUILD/libggml-cuda.so ]] || return 0
-    want=$(bash tools/prebuild_gpu.sh stamp) && have=$(cat .gpubuild/STAMP)
-    if [[ $want != "$have" ]]; then
-        echo ".gpubuild was made from other sources or build flags: run tools/prebuild_gpu.sh" \
-            "build again (building here instead)" && return 0
-    fi
-    mkdir -p "$(dirname "$BUILD")" && tar -xJf .gpubuild/builds.tar.xz -C "$(dirname "$BUILD")"
-    if ldd "$BUILD"/lib*.so "$BUILD_GGML"/lib*.so "$BUILD_GGML"/llama-* | grep 'not found'; then
+    [[ -f .gpubuild/STAMP && ! -x $BUILD_GGML/llama-bench ]] || return 0
+    bash tools/prebuild_gpu.sh unpack "$(dirname "$BUILD_GGML")" || {
+        echo "(building here instead)" && return 0
+    }
+    if ldd "$BUILD_GGML"/lib*.so "$BUILD_GGML"/llama-* | grep 'not found'; then
         echo "the prebuilt libraries do not load here (building here instead)"
-        rm -rf "$BUILD" "$BUILD_GGML"
+        rm -rf "$BUILD_GGML"
         return 0
     fi
-    echo "unpacked the prebuilt builds (stamp $have)"
+    if [[ -z ${GPU_RUN_KERNELS:-} ]]; then
+        export BUILD=$BUILD_GGML LUCEPY_GGML_LIB=$BUILD_GGML
+        echo "lucepy and llama.cpp both run on the prebuilt $BUILD_GGML"
+    fi
 }
 
 # Two builds of one source tree: lucepy's (its kernels hooked in) into $BUILD, then llama.cpp's
@@ -213,10 +217,11 @@ unpack_prebuilt() {
 # the files the patch touches.
 build_cuda() {
     local src=/tmp/lucepy-sdist/$NAME ggml=1 ours=0 theirs=1
-    unpack_prebuilt
     if [[ $SKIP == *" build-ggml "* ]]; then ggml=0; fi # lucepy's build only: no llama.cpp steps
     if [[ -f $BUILD/libggml-cuda.so && $(cat "$BUILD/KERNELS" 2>/dev/null) == lucepy ]]; then
         ours=1
+    elif [[ $BUILD == "$BUILD_GGML" && -f $BUILD/libggml-cuda.so ]]; then
+        ours=1 # lucepy on llama.cpp's build (unpack_prebuilt)
     fi
     if ((ggml)) && [[ ! -x $BUILD_GGML/llama-bench || ! -f $BUILD_GGML/libllama.so ]]; then
         theirs=0
@@ -276,7 +281,7 @@ wait_model() { # the generator is this script's child: poll it, then look for it
     test -f "$MODEL"
 }
 
-export -f unpack_prebuilt build_cuda build_llama_server wait_model
+export -f build_cuda build_llama_server wait_model
 
 # --- the run ---
 say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
@@ -285,6 +290,7 @@ check_gpuref quick
 inline wheels "$SETUP" install_wheels || true
 check_gpuref full
 inline cuda-libs "$SETUP" ensure_cuda_libs || true
+inline prebuilt "$SETUP" unpack_prebuilt || true
 
 export GEN_PID=0
 if [[ $SKIP != *" model "* ]]; then
@@ -295,12 +301,12 @@ built=0
 step build 480 "$OUTDIR/build.log" build_cuda && built=1
 step devices 30 "$SETUP" python3 -m lucepy devices --json || true
 if ((built)); then
-    tests=$(grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')
+    tests=${GPU_RUN_TESTS:-$(grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')}
     # shellcheck disable=SC2086
-    # with lucepy's kernels on (they are off by default): every GPU test runs on them
-    step pytest 180 "$OUTDIR/pytest.txt" env LUCEPY_CUDA_KERNELS=1 python3 -m pytest -m gpu \
-        $tests -v -rfEs \
-        -p no:cacheprovider || true
+    # with lucepy's kernels on (they are off by default; GPU_RUN_TEST_KERNELS=0 leaves them
+    # off): every GPU test runs on them
+    step pytest 180 "$OUTDIR/pytest.txt" env LUCEPY_CUDA_KERNELS=${GPU_RUN_TEST_KERNELS:-1} \
+        python3 -m pytest -m gpu $tests -v -rfEs -p no:cacheprovider || true
 fi
 step model 240 "$SETUP" wait_model || true
 

@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# Build here, on the CPU machine, the CUDA builds that tools/gpu_run.sh otherwise makes on the GPU
-# machine (about 4.5 minutes of its device time every call, as each call starts bare), and pack
-# them for the carry:
+# Build here, on the CPU machine, the CUDA build that tools/gpu_run.sh otherwise makes on the GPU
+# machine (4-5 minutes of its device time every call, as each call starts bare), and pack it for
+# the carry:
 #
-#   tools/prebuild_gpu.sh build [SDIST_DIR]   # here (30-60 min on 2 cores) -> .gpubuild/
+#   tools/prebuild_gpu.sh build [SDIST_DIR]   # here (about 30 min on 2 cores) -> .gpubuild*/
+#   tools/prebuild_gpu.sh stage .gpubuild1    # there, carry [".gpubuild1"]: one call a part,
+#                                             # on the still-warm machine (it is kept 30 s)
 #   tools/gpu_run.sh OUTDIR                   # there, carry [".whl", ".gpubuild", ".gpuref"]
-#   tools/prebuild_gpu.sh stamp               # what the builds were made from (gpu_run checks it)
+#   tools/prebuild_gpu.sh stamp               # what the build was made from (gpu_run checks it)
 #
-# .gpubuild/ (git-ignored) holds:
-#   builds.tar.xz   lucepy's build (its kernels hooked in, prefix cuda) and llama.cpp's unpatched
-#                   one (llama-bench, llama-quantize, llama-server; prefix cuda-ggml), for sm_90
-#   STAMP           tools/prebuild_gpu.sh stamp of the checkout that made them
-#   llama_cpp_python-0.3.36/   what the run still reads from the sdist: the llama_cpp Python
-#                   package and the headers, common/ and batched-bench sources that
-#                   tools/build_llama_dflash.sh compiles against (seconds, there)
-# gpu_run.sh unpacks the builds when the STAMP equals this checkout's and builds from .sdist
-# otherwise (or stops, saying to run this again, when no .sdist was carried).
+# The build is llama.cpp's, unpatched (prefix cuda-ggml: libggml*, libllama*, llama-bench,
+# llama-quantize, llama-server; sm_90), and lucepy loads it too (lucepy's own kernels are off by
+# default; a run that measures them, GPU_RUN_KERNELS, builds there). Packed it is about 45 MB,
+# more than one call carries beside the repo and the wheels (64 MiB in all), so it is split:
+#   .gpubuild/      STAMP (this checkout's stamp, the parts and their sha256), the last part, and
+#                   what the run still reads from the sdist: the llama_cpp Python package and the
+#                   headers, common/ and batched-bench sources that tools/build_llama_dflash.sh
+#                   compiles against (seconds, there)
+#   .gpubuild1/ ... the other parts, each staged by its own call into /tmp/lucepy-gpubuild
+# gpu_run.sh unpacks the build when every part is there and the STAMP equals this checkout's, and
+# builds from .sdist otherwise (or stops, saying so, when no .sdist was carried). All of them are
+# git-ignored (.git/info/exclude).
 #
 # This machine needs nvcc (CUDA 13, as there) and cuBLAS's headers, but no GPU, no cuBLAS library
 # and no driver: the link uses stub libraries with the right sonames (libcublas.so.13,
@@ -30,12 +35,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=llama_cpp_python-0.3.36
 ARCH=90
+STAGE=/tmp/lucepy-gpubuild
+PART_MB=34 # a stage call carries the repo (about 27 MiB) and one part
+LAST_MB=20 # the run carries the repo, the wheels, .gpuref and .gpubuild
 
-# stamp: the build recipes, lucepy's CUDA sources and the exact build commands of both builds
+# stamp: the build recipes and the exact build command
 stamp() {
     {
-        cat vendor/ggml/recipes.toml vendor/ggml/cuda/*
-        python3 -m lucepy backends build cuda --arch $ARCH --prefix /p --dry-run
+        cat vendor/ggml/recipes.toml
         python3 -m lucepy backends build cuda --arch $ARCH --prefix /p --dry-run --kernels ggml \
             --with-llama-bench
     } | sha256sum | cut -d' ' -f1
@@ -54,14 +61,19 @@ stubs() {
             tr -d '( ' | sort -u | sed 's/^/LUCEPY_STUB /'
     } >"$tmp/names.c"
     gcc -E -P -I "$cuda/include" -I "$inc" "$tmp/names.c" | awk '$1 == "LUCEPY_STUB" {print $2}' |
-        grep -E '^cu' | sort -u | sed 's/.*/void &(void) {}/' >"$tmp/stub.c"
+        sort -u >"$tmp/names"
+    # each name in the library that has it: the link records which libraries are needed
+    grep -E '^cublas[A-Z]' "$tmp/names" | sed 's/.*/void &(void) {}/' >"$tmp/cublas.c"
+    grep -E '^cu[A-Z]' "$tmp/names" | sed 's/.*/void &(void) {}/' >"$tmp/cuda.c"
+    echo 'void cublasLtCreate(void) {}' >"$tmp/cublasLt.c"
     mkdir -p "$dir/stubs"
-    for so in libcublas.so.13 libcublasLt.so.13; do
-        gcc -shared -fPIC -o "$dir/$so" -Wl,-soname,$so "$tmp/stub.c"
-        ln -sf $so "$dir/${so%.13}"
+    for so in cublas cublasLt; do
+        gcc -shared -fPIC -o "$dir/lib$so.so.13" -Wl,-soname,lib$so.so.13 "$tmp/$so.c"
+        ln -sf lib$so.so.13 "$dir/lib$so.so"
     done
-    gcc -shared -fPIC -o "$dir/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 "$tmp/stub.c"
-    echo "stubs: $(wc -l <"$tmp/stub.c") functions in $dir"
+    gcc -shared -fPIC -o "$dir/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 "$tmp/cuda.c"
+    ln -sf libcuda.so "$dir/stubs/libcuda.so.1"
+    echo "stubs: $(wc -l <"$tmp/cublas.c") cuBLAS and $(wc -l <"$tmp/cuda.c") driver functions"
     rm -rf "$tmp"
 }
 
@@ -98,36 +110,93 @@ build() {
 
     export CUDACXX=$work/cuda/bin/nvcc CUDAToolkit_ROOT=$work/cuda PATH=$work/cuda/bin:$PATH
     export LUCEPY_BUILD_DIR=$work/tree
+    # the linker looks for a library's own needs (libcublas.so.13, ...) here
+    export LD_LIBRARY_PATH=$work/cuda/lib64:$work/cuda/lib64/stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     if command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
     rm -rf "$out" && mkdir -p "$out"
-    python3 -m lucepy -v backends build cuda --arch $ARCH --sdist "$src" --prefix "$out/cuda"
     python3 -m lucepy -v backends build cuda --arch $ARCH --sdist "$src" --kernels ggml \
         --with-llama-bench --prefix "$out/cuda-ggml"
-    # llama-server: the unpatched tree again, the server on (as gpu_run.sh's build_llama_server)
+    # llama-server: the same tree again, the server on (as gpu_run.sh's build_llama_server)
     cmake -S "$src/vendor/llama.cpp" -B "$work/tree/build" -DLLAMA_BUILD_SERVER=ON >/dev/null
     cmake --build "$work/tree/build" -j "$(nproc)" --target llama-server
     for f in "$work/tree/build/bin/llama-server" "$work/tree/build/bin"/lib*.so*; do
         [[ -e $out/cuda-ggml/$(basename "$f") ]] || cp -a "$f" "$out/cuda-ggml/"
     done
-    if ldd "$out"/cuda*/lib*.so "$out/cuda-ggml/llama-server" | grep -q 'lucepy-prebuild'; then
+    if ldd "$out"/cuda-ggml/lib*.so "$out/cuda-ggml/llama-server" | grep -q 'lucepy-prebuild'; then
         echo "prebuild_gpu: a build links a stub by path" >&2 && exit 1
     fi
+    pack "$sdist" "$out"
+}
 
-    rm -rf .gpubuild && mkdir -p ".gpubuild/$NAME/vendor/llama.cpp/tools"
-    tar -cJf .gpubuild/builds.tar.xz -C "$out" cuda cuda-ggml
+# pack SDIST OUT: .gpubuild (STAMP, sources, the last part) and .gpubuild1.. (the other parts)
+pack() {
+    local sdist=$1 out=$2 tmp parts n i=0 d
+    rm -rf .gpubuild .gpubuild[0-9]* && mkdir -p ".gpubuild/$NAME/vendor/llama.cpp/tools"
+    tmp=$(mktemp -d)
+    tar -cf - -C "$out" cuda-ggml | xz -T2 -6 >"$tmp/build.tar.xz"
+    (cd "$tmp" && split -b ${PART_MB}M build.tar.xz part.)
+    parts=("$tmp"/part.*)
+    n=${#parts[@]}
+    {
+        echo "stamp $(stamp)"
+        echo "parts $n $(sha256sum "$tmp/build.tar.xz" | cut -d' ' -f1)"
+    } >.gpubuild/STAMP
+    for d in "${parts[@]}"; do
+        i=$((i + 1))
+        if ((i == n)) && (($(stat -c %s "$d") <= LAST_MB * 2**20)); then
+            mv "$d" .gpubuild/
+        else
+            mkdir -p ".gpubuild$i" && mv "$d" ".gpubuild$i/"
+        fi
+    done
+    rm -rf "$tmp"
     cp -a "$sdist/llama_cpp" ".gpubuild/$NAME/"
     for d in include common ggml/include vendor/nlohmann tools/batched-bench; do
         mkdir -p ".gpubuild/$NAME/vendor/llama.cpp/$(dirname $d)"
         cp -a "$sdist/vendor/llama.cpp/$d" ".gpubuild/$NAME/vendor/llama.cpp/$d"
     done
-    stamp >.gpubuild/STAMP
-    grep -qxF /.gpubuild/ .git/info/exclude || echo /.gpubuild/ >>.git/info/exclude
-    du -sh .gpubuild .whl .gpuref 2>/dev/null || true
-    echo "carry [\".whl\", \".gpubuild\", \".gpuref\"] (no .sdist needed)"
+    for d in .gpubuild .gpubuild[0-9]*; do
+        grep -qxF "/$d/" .git/info/exclude || echo "/$d/" >>.git/info/exclude
+    done
+    du -sh .gpubuild* .whl .gpuref 2>/dev/null || true
+    echo "stage each .gpubuildN (tools/prebuild_gpu.sh stage .gpubuildN, carry [\".gpubuildN\"])," \
+        "then run with carry [\".whl\", \".gpubuild\", \".gpuref\"] (no .sdist needed)"
+}
+
+# stage DIR: there, a carried part into $STAGE, where gpu_run.sh finds it
+stage() {
+    mkdir -p $STAGE && cp "${1:?a carried folder such as .gpubuild1}"/part.* $STAGE/ && ls -la $STAGE
+}
+
+# unpack PREFIX_DIR: there, the parts (staged, or carried in .gpubuild*) checked and unpacked into
+# PREFIX_DIR/cuda-ggml; says why not and fails when a part is missing or the stamp differs
+unpack() {
+    local into=$1 want n sum
+    [[ -f .gpubuild/STAMP ]] || { echo "no .gpubuild/STAMP" && return 1; }
+    want=$(stamp)
+    if [[ $(awk '$1 == "stamp" {print $2}' .gpubuild/STAMP) != "$want" ]]; then
+        echo ".gpubuild was made from other recipes or build flags: run tools/prebuild_gpu.sh" \
+            "build again" && return 1
+    fi
+    read -r _ n sum < <(grep '^parts ' .gpubuild/STAMP)
+    mkdir -p $STAGE && cp .gpubuild*/part.* $STAGE/ 2>/dev/null || true
+    if (($(find $STAGE -name 'part.*' | wc -l) != n)); then
+        echo "$n parts make the build; staged: $(cd $STAGE && echo part.*): stage the others" \
+            "(tools/prebuild_gpu.sh stage .gpubuildN) on this warm machine first" && return 1
+    fi
+    if [[ $(cat $STAGE/part.* | sha256sum | cut -d' ' -f1) != "$sum" ]]; then
+        echo "the staged parts are not those of .gpubuild/STAMP: stage them again" && return 1
+    fi
+    mkdir -p "$into" && cat $STAGE/part.* | xz -d | tar -xf - -C "$into"
+    echo "unpacked $n parts into $into/cuda-ggml"
 }
 
 case ${1:-} in
 stamp) stamp ;;
 build) build "${2:-}" ;;
-*) echo "usage: tools/prebuild_gpu.sh build [SDIST_DIR] | stamp" >&2 && exit 2 ;;
+pack) pack "${2:?SDIST}" "${3:?OUT}" ;;
+stage) stage "${2:-}" ;;
+unpack) unpack "${2:?the folder that gets cuda-ggml}" ;;
+*) echo "usage: tools/prebuild_gpu.sh build [SDIST_DIR] | stage DIR | unpack DIR | stamp" >&2
+    exit 2 ;;
 esac

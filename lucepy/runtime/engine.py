@@ -201,12 +201,7 @@ class Engine:
             layers = range(*sp.layers)
             host = None
             cold = placement is not None and placement.bytes(layers)[1] > 0
-            if cold and placement.reads and spec.where != "local":
-                raise ConfigError(
-                    f"--cold-experts device: {spec.name} is not in this process, so it cannot "
-                    f"read experts from this host's RAM; use --cold-experts cpu"
-                )
-            if cold and not placement.reads:
+            if cold and not placement.reads:  # the CPU that computes them
                 host = open_backend(
                     self.lib, "cpu", self.config.thread_count(), self.config.batch_invariant
                 )
