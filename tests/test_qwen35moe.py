@@ -94,8 +94,8 @@ def test_hybrid_placement_equals_one_backend(placement, one_backend, tmp_path):
 
 @pytest.mark.parametrize(
     "placement",
-    [{"n_cpu_moe": 2}, {"moe_device_mb": 0}, {"moe_device_mb": _mb(3)}],
-    ids=["n-cpu-moe-2", "all-in-host-RAM", "3-on-the-device"],
+    [{"n_cpu_moe": 2}, {"moe_device_mb": 0}, {"moe_device_mb": _mb(20)}],
+    ids=["n-cpu-moe-2", "all-in-host-RAM", "20-on-the-device"],
 )
 def test_cold_experts_read_by_the_device_equal_one_backend(
     placement, one_backend, tmp_path, monkeypatch
@@ -103,7 +103,7 @@ def test_cold_experts_read_by_the_device_equal_one_backend(
     """--cold-experts device: the cold experts' matmuls run on the device (here a CPU standing
     in for a GPU, so that the graph goes through the scheduler as on a GPU), reading the host
     part's weights where they are; no host backend, one split a graph, and the one-backend
-    result, bit for bit."""
+    result, bit for bit. Layers go whole (20 experts' budget: 2 of the 4 layers of 8)."""
     monkeypatch.setattr(Backend, "is_local_gpu", property(lambda self: True))
     config = cfg(tmp_path, cold_experts="device", **placement)
     logits, tokens, _, (split, n_split) = run(MODEL, config)
@@ -112,6 +112,7 @@ def test_cold_experts_read_by_the_device_equal_one_backend(
     assert n_split and split and all(s == (1, {"device"}) for s in split)
     with Engine(MODEL, config, tokenizer=False) as engine:
         assert engine.shard.host is None and engine.shard.reads
+        assert all(not hot for hot in engine.plan.experts.hot.values())  # whole layers only
 
 
 def test_on_a_gpu_a_moe_graph_runs_through_the_scheduler(one_backend, tmp_path, monkeypatch):
@@ -173,6 +174,12 @@ def test_the_budget_goes_where_it_saves_the_most_host_work():
         even = experts.by_hotness(f, 4, N_EXPERT, None, 2 * N_EXPERT * one, K)
         assert even.hot == {0: (), 1: ()}
         assert experts.by_layers(f, 4, N_EXPERT, 1).hot == {0: ()}
+        # read from host RAM by the device, a split costs k reads as a cold layer does: whole
+        # layers only, skew or not
+        for units in (3, 12, 19):
+            read = experts.by_hotness(f, 4, N_EXPERT, counts, units * one, K, reads=True)
+            assert read.reads and all(hot == () for hot in read.hot.values())
+            assert len(read.hot) == 4 - units // N_EXPERT
 
 
 def test_routing_counts_every_choice_and_the_profile_drives_the_next_placement(tmp_path):

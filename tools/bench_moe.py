@@ -140,7 +140,6 @@ def measure(args: argparse.Namespace) -> int:
     )
     cfg = RuntimeConfig(**base, moe_device_mb=budget_mb, expert_profile=str(profile), **read)
     hot_read, hot_read_engine = measure_one(args.model, cfg, args.repeats, True)
-    hot_read["split_cost"] = experts.READ_SPLIT_COST
     placed = {"n_cpu_moe": (ncm, ncm_engine), "hotness": (hot, hot_engine),
               "n_cpu_moe_read": (ncm_read, ncm_read_engine),
               "hotness_read": (hot_read, hot_read_engine)}  # fmt: skip

@@ -80,8 +80,8 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
             ids = L.ggml_cast(c, ids, GGML_TYPE_I32)
             one = _part(g, w, b, "", names, h, ids, weights, act, scale, r)
         elif g.cold_reads:  # the device runs them, reading the weights from host RAM
-            if out is not None:
-                ids = _own_cold_expert(g, ids, L.ggml_get_rows(c, w[f"{b}experts.hot_mask"], flat))
+            if out is not None:  # experts.by_hotness never splits a layer read from host RAM
+                raise ValueError(f"{b}: a split layer's experts cannot be read from host RAM")
             ids = L.ggml_cast(c, ids, GGML_TYPE_I32)
             g.reads += [w[f"{b}{n}.weight.cold"] for n in names if f"{b}{n}.weight.cold" in w]
             one = _part(g, w, b, ".cold", names, h, ids, weights, act, scale, r)

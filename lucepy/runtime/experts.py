@@ -126,9 +126,6 @@ def by_layers(
 # synchronisation and the host graph. Fitted on two H200 machines (tools/bench_moe.py): 0.26 ms
 # a split and 0.021 ms a read (12.4), 0.23 and 0.034 ms (6.8). docs/BENCHMARKS.md, issue 12.
 SPLIT_COST = 10.0
-# The same when the device reads its cold experts from host RAM (``reads``): no trip, no host
-# graph, only the cold part's few extra kernels; a read is then one expert over the bus.
-READ_SPLIT_COST = 1.0
 
 
 def by_hotness(
@@ -146,11 +143,17 @@ def by_hotness(
 
     A layer may keep all its experts on the device (no host work), or its ``n`` most chosen ones
     plus ``k`` padding experts (runtime/shard.py) and the rest in host RAM. Then a token costs
-    ``SPLIT_COST`` (``READ_SPLIT_COST`` when the device ``reads`` its cold experts) plus one read
-    per cold expert it chooses (one read when it chooses none: the host part still runs). Over
-    the layers this is a knapsack, solved exactly by dynamic programming over the budget in units
-    of one expert. Without a profile every expert is as likely, no split pays, and whole layers go
-    to the device (llama.cpp's ``--n-cpu-moe``, from the last layers back)."""
+    ``SPLIT_COST`` plus one read per cold expert it chooses (one read when it chooses none: the
+    host part still runs). Over the layers this is a knapsack, solved exactly by dynamic
+    programming over the budget in units of one expert. Without a profile every expert is as
+    likely, no split pays, and whole layers go to the device (llama.cpp's ``--n-cpu-moe``, from
+    the last layers back).
+
+    When the device ``reads`` its cold experts from host RAM, no layer is split: ggml-cuda's
+    expert kernels read one expert for every slot of a token, so a split layer's host part reads
+    k experts over the bus whatever the token chose (the padding or repeated expert of a slot
+    whose expert is on the device too), as much as a layer whose experts are all in host RAM
+    (measured on the H200: docs/BENCHMARKS.md). Whole layers go to the device, the last first."""
     layers = expert_layers(f, n_layer)
     sizes = {il: expert_bytes(f, il) for il in layers}
     if counts is None:
@@ -160,8 +163,9 @@ def by_hotness(
     best = np.zeros(units + 1)  # least host cost of the layers so far within b units
     picks = []
     for il in layers:
-        split_cost = READ_SPLIT_COST if reads else SPLIT_COST
-        order, cost, size = layer_options(counts[il], k, -(-sizes[il] // unit), split_cost)
+        order, cost, size = layer_options(counts[il], k, -(-sizes[il] // unit))
+        if reads:  # whole layers only (see above)
+            cost[1:n_expert] = np.inf
         new, pick = np.full(units + 1, np.inf), np.zeros(units + 1, dtype=np.int32)
         for n in range(n_expert, -1, -1):  # ties: more on the device, so the later layers
             if size[n] > units:
@@ -179,13 +183,13 @@ def by_hotness(
         if n < n_expert:
             split[il] = tuple(sorted(int(e) for e in order[:n]))
     source = "profile" if counts.any() else "no profile: whole layers"
+    if reads:
+        source = "whole layers: the rest is read from host RAM"
     policy = f"hotness ({source}), {budget / 2**20:,.1f} MiB of experts on the device"
     return ExpertPlacement(policy, n_expert, dict(sorted(split.items())), sizes, k, reads)
 
 
-def layer_options(
-    row: np.ndarray, k: int, size: int, split_cost: float = SPLIT_COST
-) -> tuple[np.ndarray, ...]:
+def layer_options(row: np.ndarray, k: int, size: int) -> tuple[np.ndarray, ...]:
     """For a layer whose experts were chosen ``row`` times: its experts, most chosen first (ties
     to the lower index), and for each ``n`` of them on the device (0..n_expert) the host cost of
     a decode step (``by_hotness``) and the device units it takes."""
@@ -197,7 +201,7 @@ def layer_options(
     with np.errstate(divide="ignore"):
         log_none = np.log1p(-odds)
     none = np.exp(np.concatenate([np.cumsum(log_none[::-1])[::-1], [0.0]]))
-    cost = split_cost + cold + none
+    cost = SPLIT_COST + cold + none
     cost[X] = 0.0
     n = np.arange(X + 1)
     units = np.where(n == 0, 0, (n + k) * size)
