@@ -45,7 +45,8 @@
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
 # runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with
-# LUCEPY_STACK_MATMULS=1, products of one input stacked into one; adds lucepy-stacked.json).
+# LUCEPY_STACK_MATMULS=0, products of one input not stacked into one, as before they were by
+# default; adds lucepy-unstacked.json).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -197,14 +198,18 @@ ensure_cuda_libs() {
 # lucepy runs on it too (its own kernels are off by default); GPU_RUN_KERNELS still builds
 # lucepy's. Runs in this shell: what it exports must reach the steps.
 unpack_prebuilt() {
-    [[ -f .gpubuild/STAMP && ! -x $BUILD_GGML/llama-bench ]] || return 0
-    bash tools/prebuild_gpu.sh unpack "$(dirname "$BUILD_GGML")" || {
-        echo "(building here instead)" && return 0
-    }
-    if ldd "$BUILD_GGML"/lib*.so "$BUILD_GGML"/llama-* | grep 'not found'; then
-        echo "the prebuilt libraries do not load here (building here instead)"
-        rm -rf "$BUILD_GGML"
-        return 0
+    [[ -f .gpubuild/STAMP ]] || return 0
+    if [[ ! -f $BUILD_GGML/PREBUILT ]]; then # not unpacked by an earlier run on this machine
+        [[ ! -x $BUILD_GGML/llama-bench ]] || return 0 # built here: keep that
+        bash tools/prebuild_gpu.sh unpack "$(dirname "$BUILD_GGML")" || {
+            echo "(building here instead)" && return 0
+        }
+        if ldd "$BUILD_GGML"/lib*.so "$BUILD_GGML"/llama-* | grep 'not found'; then
+            echo "the prebuilt libraries do not load here (building here instead)"
+            rm -rf "$BUILD_GGML"
+            return 0
+        fi
+        cp .gpubuild/STAMP "$BUILD_GGML/PREBUILT"
     fi
     if [[ -z ${GPU_RUN_KERNELS:-} ]]; then
         export BUILD=$BUILD_GGML LUCEPY_GGML_LIB=$BUILD_GGML
@@ -377,10 +382,10 @@ elif ((built)) && [[ -f $MODEL ]]; then
         -p 16,512,4096 -n 128 -d 0,$DEPTH -r 3 -o json >'$OUTDIR/llama-bench.json'" || true
     step lucepy 200 "$BENCHLOG" python3 tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" \
         --depth $DEPTH --json "$OUTDIR/lucepy-bench.json" || true
-    if [[ -n ${GPU_RUN_STACK:-} ]]; then # the same with stacked products (decision 2)
-        step lucepy-stacked 200 "$BENCHLOG" env LUCEPY_STACK_MATMULS=1 python3 \
+    if [[ -n ${GPU_RUN_STACK:-} ]]; then # the same without stacked products (decision 2)
+        step lucepy-unstacked 200 "$BENCHLOG" env LUCEPY_STACK_MATMULS=0 python3 \
             tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" --depth $DEPTH \
-            --json "$OUTDIR/lucepy-stacked.json" || true
+            --json "$OUTDIR/lucepy-unstacked.json" || true
     fi
     step profile 60 "$BENCHLOG" python3 tools/profile_gpu.py "$MODEL" --device "$DEVICE" \
         --depth 16 || true

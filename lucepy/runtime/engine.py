@@ -124,7 +124,8 @@ def model_options(config: RuntimeConfig) -> ModelOptions:
         cache_type_v=types[config.cache_type_v],
         kv_pool=config.kv_pool,
         n_seq=config.parallel,
-        stack_matmuls=os.environ.get("LUCEPY_STACK_MATMULS") == "1",  # to measure it
+        # on by default; LUCEPY_STACK_MATMULS=0 turns it off, to measure it
+        stack_matmuls=os.environ.get("LUCEPY_STACK_MATMULS", "1") != "0",
     )
 
 
