@@ -78,3 +78,19 @@ def test_a_stack_whose_parts_repack_otherwise_is_kept_apart(monkeypatch):
         monkeypatch.setattr(graphs, "matmul_placement", placement)
         out = graphs._stackable(load(), None, f, matmul)
     assert out == {"blk.0.ssm_qkvz.stacked": qkv, pair[0]: pair[0], pair[1]: pair[1]}
+
+
+def test_products_stack_by_default_where_a_device_is_not_a_cpu(monkeypatch):
+    from lucepy.runtime.config import RuntimeConfig
+    from lucepy.runtime.engine import model_options
+
+    def stacked(device: str) -> bool:
+        return model_options(RuntimeConfig(device=device)).stack_matmuls
+
+    monkeypatch.delenv("LUCEPY_STACK_MATMULS", raising=False)
+    assert not stacked("cpu") and not stacked("cpu,cpu@worker")
+    assert stacked("cuda:0") and stacked("cpu@worker,cuda:0")
+    monkeypatch.setenv("LUCEPY_STACK_MATMULS", "0")
+    assert not stacked("cuda:0")
+    monkeypatch.setenv("LUCEPY_STACK_MATMULS", "1")
+    assert stacked("cpu")

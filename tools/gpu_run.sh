@@ -45,8 +45,8 @@
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
 # runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with
-# LUCEPY_STACK_MATMULS=0, products of one input not stacked into one, as before they were by
-# default; adds lucepy-unstacked.json).
+# LUCEPY_STACK_MATMULS=0, products of one input not stacked into one, as they are on a CPU and
+# were everywhere before; adds lucepy-unstacked.json).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}

@@ -49,9 +49,9 @@ class ModelOptions:
     max_step: int = 512  # the most tokens one step feeds (the prefill chunk); sizes KV rings
     kv_pool: int = 0  # tokens a full-attention cache holds under KV Flash's pager; 0: the context
     n_seq: int = 1  # sequences decoded together (--parallel): recurrent state holds one each
-    # products of one input as one matrix (Architecture.stacked): bit-identical on the CPU and no
-    # faster there; on the H200 laguna decodes 1.10x and qwen35 1.03x faster (decision 2)
-    stack_matmuls: bool = True
+    # products of one input as one matrix (Architecture.stacked): on a GPU (runtime/engine.py's
+    # _stacking) they save launches; on a CPU no faster, and f32 sums move in the last bits
+    stack_matmuls: bool = False
 
     def kv_cache(
         self, layer: int, head_dim: int, n_head_kv: int, n_ctx: int, window: int = 0
