@@ -94,25 +94,35 @@ def test_hybrid_placement_equals_one_backend(placement, one_backend, tmp_path):
 
 @pytest.mark.parametrize(
     "placement",
-    [{"n_cpu_moe": 2}, {"moe_device_mb": 0}, {"moe_device_mb": _mb(20)}],
-    ids=["n-cpu-moe-2", "all-in-host-RAM", "20-on-the-device"],
+    [{"n_cpu_moe": 2}, {"moe_device_mb": 0}, {"moe_device_mb": _mb(3)}, {"moe_device_mb": _mb(20)}],
+    ids=["n-cpu-moe-2", "all-in-host-RAM", "3-on-the-device", "20-on-the-device"],
 )
 def test_cold_experts_read_by_the_device_equal_one_backend(
     placement, one_backend, tmp_path, monkeypatch
 ):
     """--cold-experts device: the cold experts' matmuls run on the device (here a CPU standing
     in for a GPU, so that the graph goes through the scheduler as on a GPU), reading the host
-    part's weights where they are; no host backend, one split a graph, and the one-backend
-    result, bit for bit. Layers go whole (20 experts' budget: 2 of the 4 layers of 8)."""
+    part's weights where they are: each layer one tensor a matrix, its hot experts first, and
+    the ids mapped there; no host backend, one split a graph, and the one-backend result, bit
+    for bit."""
     monkeypatch.setattr(Backend, "is_local_gpu", property(lambda self: True))
     config = cfg(tmp_path, cold_experts="device", **placement)
     logits, tokens, _, (split, n_split) = run(MODEL, config)
     np.testing.assert_array_equal(logits, one_backend[0])
     assert tokens == one_backend[1]
-    assert n_split and split and all(s == (1, {"device"}) for s in split)
+    assert n_split and split and all(n == 1 for n, _ in split)  # no trip to a host
     with Engine(MODEL, config, tokenizer=False) as engine:
         assert engine.shard.host is None and engine.shard.reads
-        assert all(not hot for hot in engine.plan.experts.hot.values())  # whole layers only
+        engine.prefill(PROMPT[:20])
+        lib, shard = engine.lib, engine.shard
+        read = {il for il, hot in engine.plan.experts.hot.items()}
+        assert all(f"blk.{il}.experts.order" in shard.w for il in read)
+        for g in shard.graphs.values():  # every expert matmul on the device, none on a host
+            for i in range(lib.ggml_graph_n_nodes(g.gf)):
+                node = lib.ggml_graph_node(g.gf, i)
+                if node.op == lib.GGML_OP_MUL_MAT_ID:
+                    on = lib.ggml_backend_sched_get_tensor_backend(g.alloc.ptr, node)
+                    assert on == shard.backend.ptr
 
 
 def test_on_a_gpu_a_moe_graph_runs_through_the_scheduler(one_backend, tmp_path, monkeypatch):
@@ -174,12 +184,22 @@ def test_the_budget_goes_where_it_saves_the_most_host_work():
         even = experts.by_hotness(f, 4, N_EXPERT, None, 2 * N_EXPERT * one, K)
         assert even.hot == {0: (), 1: ()}
         assert experts.by_layers(f, 4, N_EXPERT, 1).hot == {0: ()}
-        # read from host RAM by the device, a split costs k reads as a cold layer does: whole
-        # layers only, skew or not
+        # read from host RAM by the device: a token costs one read per cold expert it chooses,
+        # no split cost, no padding; the program still finds the cheapest combination
         for units in (3, 12, 19):
             read = experts.by_hotness(f, 4, N_EXPERT, counts, units * one, K, reads=True)
-            assert read.reads and all(hot == () for hot in read.hot.values())
-            assert len(read.hot) == 4 - units // N_EXPERT
+            options = [experts.layer_options(counts[il], K, 1, reads=True) for il in range(4)]
+            best = min(
+                sum(options[il][1][n] for il, n in enumerate(ns))
+                for ns in itertools.product(range(N_EXPERT + 1), repeat=4)
+                if sum(ns) <= units
+            )
+            ns = [len(read.hot.get(il, range(N_EXPERT))) for il in range(4)]
+            assert sum(options[il][1][n] for il, n in enumerate(ns)) == pytest.approx(best)
+            assert read.reads and read.padding == 0 and read.bytes()[0] <= units * one
+        # a granule a matrix set aside: 12 experts' bytes less 4 layers x 3 matrices x one
+        spare = experts.by_hotness(f, 4, N_EXPERT, counts, 24 * one, K, reads=True, granule=one)
+        assert spare.bytes()[0] <= 12 * one
 
 
 def test_routing_counts_every_choice_and_the_profile_drives_the_next_placement(tmp_path):

@@ -110,9 +110,8 @@ class Builder:
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value never changes
         self.routes: dict[int, Tensor] = {}  # layer -> the experts its tokens chose [k, T] i32
         self.offload: list[Tensor] = []  # nodes for the host CPU backend (cold experts)
-        # cold experts the device reads from its pinned host RAM (RuntimeConfig.cold_experts
-        # "device"): their weights stay with the device's ops; set by the shard
-        self.cold_reads = False
+        # expert weights the device reads from host RAM (RuntimeConfig.cold_experts "device"):
+        # they stay with the device's ops
         self.reads: list[Tensor] = []
         self.queries = False  # output the queries of full attention (set from GraphSpec.queries)
         self.streams = (0, 0, 0)  # GraphSpec.streams

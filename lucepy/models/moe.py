@@ -51,15 +51,22 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
     device experts under the usual names (then ``k`` all-zero padding experts), its host ones
     under ``NAME.cold``, f32 tables from expert to index in each part (``experts.hot`` /
     ``experts.cold``, 0 where the expert is not there) with 0/1 masks (``experts.hot_mask`` /
-    ``experts.cold_mask``), and the padding indices ``experts.hot_pad`` [1, k]. The host part runs
-    on the host CPU backend (``g.offload``), or with ``g.cold_reads`` on the device, which reads
-    those weights from its pinned host RAM (``g.reads``)."""
+    ``experts.cold_mask``), and the padding indices ``experts.hot_pad`` [1, k]; the host part
+    runs on the host CPU backend (``g.offload``). A layer whose cold experts the device reads in
+    host RAM has one tensor per matrix, its hot experts first, and ``experts.order``, an f32
+    table from expert to its place there; the device runs it all (``g.reads``)."""
     names = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
     scale = w.get(b + "ffn_down_exps.scale")
     L, c = g.lib, g.ctx
     E, T = x.ne[0], x.ne[1]
     k = r.chosen.ne[0]
     h = L.ggml_reshape_3d(c, x, E, 1, T)
+    if b + "experts.order" in w:  # read from host RAM: one tensor, the hot experts first
+        flat = L.ggml_reshape_1d(c, L.ggml_cont(c, r.chosen), k * T)
+        ids = L.ggml_reshape_2d(c, L.ggml_get_rows(c, w[b + "experts.order"], flat), k, T)
+        ids = L.ggml_cast(c, ids, GGML_TYPE_I32)
+        g.reads += [w[f"{b}{n}.weight"] for n in names if f"{b}{n}.weight" in w]
+        return _sum_slots(g, _part(g, w, b, "", names, h, ids, r.weights, act, scale, r))
     if b + "experts.cold" not in w:
         return _sum_slots(g, _part(g, w, b, "", names, h, r.chosen, r.weights, act, scale, r))
     flat = L.ggml_reshape_1d(c, L.ggml_cont(c, r.chosen), k * T)
@@ -79,12 +86,6 @@ def layer_experts(g: Builder, w: dict, b: str, x: Tensor, r: Route, act: str = "
             ids = L.ggml_add(c, L.ggml_mul(c, ids, L.ggml_reshape_2d(c, mask, k, T)), pad)
             ids = L.ggml_cast(c, ids, GGML_TYPE_I32)
             one = _part(g, w, b, "", names, h, ids, weights, act, scale, r)
-        elif g.cold_reads:  # the device runs them, reading the weights from host RAM
-            if out is not None:  # experts.by_hotness never splits a layer read from host RAM
-                raise ValueError(f"{b}: a split layer's experts cannot be read from host RAM")
-            ids = L.ggml_cast(c, ids, GGML_TYPE_I32)
-            g.reads += [w[f"{b}{n}.weight.cold"] for n in names if f"{b}{n}.weight.cold" in w]
-            one = _part(g, w, b, ".cold", names, h, ids, weights, act, scale, r)
         else:
             if out is not None:
                 ids = _own_cold_expert(g, ids, L.ggml_get_rows(c, w[f"{b}experts.hot_mask"], flat))

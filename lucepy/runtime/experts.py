@@ -56,7 +56,9 @@ def placement_for(f: GGUFFile, params, config) -> ExpertPlacement | None:
         return by_layers(f, params.n_layer, n_expert, config.n_cpu_moe, k, reads)
     counts = ExpertCounts.load(profile_for(f, config), params.n_layer, n_expert).counts
     budget = int(config.moe_device_mb * 2**20)
-    return by_hotness(f, params.n_layer, n_expert, counts, budget, k, reads)
+    gpu = any(not d.strip().startswith("cpu") for d in config.device.split(","))
+    granule = READ_GRANULE if reads and gpu else 0
+    return by_hotness(f, params.n_layer, n_expert, counts, budget, k, reads, granule)
 
 
 def expert_bytes(f: GGUFFile, il: int) -> int:
@@ -126,6 +128,9 @@ def by_layers(
 # synchronisation and the host graph. Fitted on two H200 machines (tools/bench_moe.py): 0.26 ms
 # a split and 0.021 ms a read (12.4), 0.23 and 0.034 ms (6.8). docs/BENCHMARKS.md, issue 12.
 SPLIT_COST = 10.0
+# A layer read by the device from host RAM maps its hot experts' bytes of each matrix in whole
+# units of this (CUDA's virtual memory granularity on the H200): ggml/vmm.py.
+READ_GRANULE = 2 << 20
 
 
 def by_hotness(
@@ -136,6 +141,7 @@ def by_hotness(
     budget: int,
     k: int = 0,
     reads: bool = False,
+    granule: int = 0,
 ) -> ExpertPlacement:
     """The placement under ``budget`` bytes of experts on the device that costs a decode step
     the least host work, with ``counts`` (the profile) as the odds that a token chooses each
@@ -149,23 +155,22 @@ def by_hotness(
     likely, no split pays, and whole layers go to the device (llama.cpp's ``--n-cpu-moe``, from
     the last layers back).
 
-    When the device ``reads`` its cold experts from host RAM, no layer is split: ggml-cuda's
-    expert kernels read one expert for every slot of a token, so a split layer's host part reads
-    k experts over the bus whatever the token chose (the padding or repeated expert of a slot
-    whose expert is on the device too), as much as a layer whose experts are all in host RAM
-    (measured on the H200: docs/BENCHMARKS.md). Whole layers go to the device, the last first."""
+    When the device ``reads`` its cold experts from host RAM, a layer is one tensor per matrix
+    over both memories (runtime/shard.py's ReadExperts): a token costs one read over the bus
+    per cold expert it chooses, nothing else, and no padding experts; each split layer's device
+    part is rounded up to the mapping ``granule`` (on a GPU), which the budget sets aside first."""
     layers = expert_layers(f, n_layer)
     sizes = {il: expert_bytes(f, il) for il in layers}
     if counts is None:
         counts = np.zeros((n_layer, n_expert), dtype=np.int64)
     unit = min(sizes.values())
+    if reads:  # each layer's device part may round up by one granule a matrix
+        budget = max(0, budget - len(layers) * len(EXPERT_TENSORS) * granule)
     units = budget // unit
     best = np.zeros(units + 1)  # least host cost of the layers so far within b units
     picks = []
     for il in layers:
-        order, cost, size = layer_options(counts[il], k, -(-sizes[il] // unit))
-        if reads:  # whole layers only (see above)
-            cost[1:n_expert] = np.inf
+        order, cost, size = layer_options(counts[il], k, -(-sizes[il] // unit), reads)
         new, pick = np.full(units + 1, np.inf), np.zeros(units + 1, dtype=np.int32)
         for n in range(n_expert, -1, -1):  # ties: more on the device, so the later layers
             if size[n] > units:
@@ -184,12 +189,15 @@ def by_hotness(
             split[il] = tuple(sorted(int(e) for e in order[:n]))
     source = "profile" if counts.any() else "no profile: whole layers"
     if reads:
-        source = "whole layers: the rest is read from host RAM"
+        source += "; the rest read by the device"
     policy = f"hotness ({source}), {budget / 2**20:,.1f} MiB of experts on the device"
-    return ExpertPlacement(policy, n_expert, dict(sorted(split.items())), sizes, k, reads)
+    padding = 0 if reads else k
+    return ExpertPlacement(policy, n_expert, dict(sorted(split.items())), sizes, padding, reads)
 
 
-def layer_options(row: np.ndarray, k: int, size: int) -> tuple[np.ndarray, ...]:
+def layer_options(
+    row: np.ndarray, k: int, size: int, reads: bool = False
+) -> tuple[np.ndarray, ...]:
     """For a layer whose experts were chosen ``row`` times: its experts, most chosen first (ties
     to the lower index), and for each ``n`` of them on the device (0..n_expert) the host cost of
     a decode step (``by_hotness``) and the device units it takes."""
@@ -201,10 +209,10 @@ def layer_options(row: np.ndarray, k: int, size: int) -> tuple[np.ndarray, ...]:
     with np.errstate(divide="ignore"):
         log_none = np.log1p(-odds)
     none = np.exp(np.concatenate([np.cumsum(log_none[::-1])[::-1], [0.0]]))
-    cost = SPLIT_COST + cold + none
+    cost = cold if reads else SPLIT_COST + cold + none
     cost[X] = 0.0
     n = np.arange(X + 1)
-    units = np.where(n == 0, 0, (n + k) * size)
+    units = n * size if reads else np.where(n == 0, 0, (n + k) * size)
     units[X] = X * size
     return order, cost, units
 

@@ -263,8 +263,8 @@ def compile_graph(
                 alloc.assign(node, host)
             elif node.op not in VIEW_OPS:
                 alloc.assign(node, backend)
-        # cold expert weights in pinned host RAM that the device reads: the scheduler would
-        # give them to the host (the device's ggml does not claim host buffers) and copy them
+        # expert weights in host RAM that the device reads: the scheduler would give them to
+        # the host (they are in a CPU buffer to ggml) and copy them every step
         for t in b.reads:
             alloc.assign(t, backend)
         if "routing" in b.outputs:  # a leaf the copies fill: the scheduler cannot place it
@@ -414,9 +414,6 @@ class Tensors:
     @property
     def nbytes(self) -> int:
         return sum(buf.nbytes for _, buf in self._parts)
-
-    def buffer_types(self) -> list[Any]:
-        return [self.lib.ggml_backend_buffer_get_type(buf.ptr) for _, buf in self._parts]
 
     def clear(self) -> None:
         for _, buf in self._parts:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from lucepy.errors import ConfigError
-from lucepy.ggml import GGML_TYPE_F32, Backend, Lib, ffi
+from lucepy.ggml import GGML_TYPE_F32, Backend, Context, Lib, ffi
 from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import GraphSpec
@@ -75,10 +75,12 @@ class Shard:
             f"weights of layers {layers}",
             matmul={k: v for k, v in model.matmul_weights(layers, f).items() if k not in moved},
         )
-        self.split = []
-        if split:
+        self.split: list[Tensors | ReadExperts] = []
+        if split and self.reads:
+            self.split = [ReadExperts(lib, backend, f, experts, split)]
+        elif split:
             k = model.p.n_expert_used
-            self.split = split_experts(lib, backend, self.host, f, experts, split, k)
+            self.split = split_experts(lib, backend, host, f, experts, split, k)
         self.w = {**self.weights.t, **{k: v for t in self.split for k, v in t.t.items()}}
         self.state = StateSet(
             lib, backend, model.make_state(layers, n_ctx), f"state of layers {layers}"
@@ -129,7 +131,7 @@ class Shard:
 
     def _build(self, spec: GraphSpec) -> CompiledGraph:
         def build(b):
-            b.queries, b.streams, b.cold_reads = spec.queries, spec.streams, self.reads
+            b.queries, b.streams = spec.queries, spec.streams
             return self.model.build(b, self.w, self.state.t, self.layers, spec)
 
         g = compile_graph(
@@ -233,7 +235,7 @@ class Shard:
 def split_experts(
     lib: Lib,
     device: Backend,
-    host: Backend | None,
+    host: Backend,
     f: GGUFFile,
     placement: ExpertPlacement,
     layers,
@@ -241,8 +243,7 @@ def split_experts(
 ) -> list[Tensors]:
     """The routed experts of ``layers`` in two parts: on ``device`` the hot ones and the tables
     from expert to index (and 0/1 mask) in each part, in ``host`` (a CPU backend) the cold ones
-    as ``NAME.cold``; with no ``host`` (``placement.reads``) the cold ones in the device's pinned
-    host RAM, which it reads. Each part keeps its experts in expert order."""
+    as ``NAME.cold``. Each part keeps its experts in expert order."""
     X, k = placement.n_expert, n_used
     device_specs, host_specs, data = {}, {}, {}
     for il in layers:
@@ -269,16 +270,12 @@ def split_experts(
             data[name + ".cold"] = raw[list(cold)]
     # experts in the buffer types a one-backend load would give them (repacked on a CPU)
     where = []
-    for backend, specs in ((device, device_specs), (host or device, host_specs)):
+    for backend, specs in ((device, device_specs), (host, host_specs)):
         weights = {k: v for k, v in specs.items() if ".experts." not in k}
         where.append(matmul_placement(lib, backend, weights))
-    if host is None:
-        where[1] = _pinned(lib, device, host_specs) or where[1]
     what = f"experts of layers {layers}"
     parts = [Tensors(lib, device, device_specs, f"device {what}", where[0])]
-    parts.append(Tensors(lib, host or device, host_specs, f"host {what}", where[1]))
-    if host is None:
-        _check_pinned(lib, device, parts[1])
+    parts.append(Tensors(lib, host, host_specs, f"host {what}", where[1]))
     for part in parts:
         for key, t in part.t.items():
             arr = np.ascontiguousarray(data[key])
@@ -286,24 +283,84 @@ def split_experts(
     return parts
 
 
-def _pinned(lib: Lib, device: Backend, specs: dict) -> dict[str, Any] | None:
-    """``specs`` in the device's pinned host buffer type, which its kernels read in place (CUDA:
-    page-locked memory in the unified address space); None on a CPU, whose memory is host RAM."""
-    buft = lib.ggml_backend_dev_host_buffer_type(device.device)
-    if buft != ffi.NULL:
-        return {name: buft for name in specs}
-    if lib.ggml_backend_is_cpu(device.ptr):
-        return None
-    raise ConfigError(f"{device.name} has no pinned host memory to read experts from: "
-                      f"use --cold-experts cpu")  # fmt: skip
+class ReadExperts:
+    """The routed experts of ``layers`` that the device reads from host RAM (``placement.reads``):
+    per layer and matrix one tensor, its hot experts first (on the device) and its cold ones
+    after (in host RAM), and ``blk.N.experts.order``, an f32 table from expert to its place.
+    On a local GPU the tensor is one address range over both memories (``ggml.vmm``), which the
+    device's expert kernels read in place; on a CPU it is one plain buffer in that order."""
 
+    def __init__(self, lib: Lib, device: Backend, f: GGUFFile, placement: ExpertPlacement, layers):
+        self.lib, self.t = lib, {}
+        self._memory: list = []  # SplitMemory ranges, each with its ggml context and buffer
+        tables, specs, data, hot_bytes = {}, {}, {}, {}
+        for il in layers:
+            X = placement.n_expert
+            hot = placement.hot[il]
+            order = [*hot, *placement.cold(il)]
+            where = np.zeros((X, 1), dtype=np.float32)
+            where[order, 0] = np.arange(X, dtype=np.float32)
+            tables[f"blk.{il}.experts.order"] = (GGML_TYPE_F32, (1, X))
+            data[f"blk.{il}.experts.order"] = where
+            for n in EXPERT_TENSORS:
+                name = f"blk.{il}.{n}.weight"
+                info = f.tensors[name]
+                raw = np.frombuffer(f.data(name), dtype=np.uint8).reshape(X, -1)
+                specs[name] = (int(info.type), tuple(info.shape[:3]))
+                data[name] = raw[order]
+                hot_bytes[name] = len(hot) * raw.shape[1]
+        reg = lib.ggml_backend_dev_backend_reg(device.device)
+        cuda = ffi.string(lib.ggml_backend_reg_name(reg)) == b"CUDA"
+        if not cuda and not lib.ggml_backend_is_cpu(device.ptr):
+            raise ConfigError(f"--cold-experts device is built for CUDA devices, not {device.name}")
+        if cuda:
+            self._tables = Tensors(lib, device, tables, f"expert order of layers {layers}")
+            ordinal = int("".join(ch for ch in device.name if ch.isdigit()) or 0)
+            for name, spec in specs.items():
+                self.t[name] = self._split(ordinal, name, spec, data[name], hot_bytes[name])
+        else:  # a CPU: host RAM already
+            self._tables = Tensors(lib, device, {**tables, **specs}, f"experts of layers {layers}")
+            for name, t in self._tables.t.items():
+                arr = np.ascontiguousarray(data[name])
+                lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+        self.t.update(self._tables.t)
+        if cuda:
+            for name in tables:
+                arr = np.ascontiguousarray(data[name])
+                lib.ggml_backend_tensor_set(self.t[name], ffi.from_buffer(arr), 0, arr.nbytes)
+        on_device = sum(m.device_bytes for m, _, _ in self._memory)
+        self.nbytes = on_device + (self._tables.nbytes if cuda else 0)
+        self.host_nbytes = sum(m.size - m.device_bytes for m, _, _ in self._memory)
 
-def _check_pinned(lib: Lib, device: Backend, cold: Tensors) -> None:
-    """ggml hands out plain host memory when it cannot pin (CUDA's cudaMallocHost failed), which
-    the device cannot read: refuse that rather than fault mid-step."""
-    pinned = lib.ggml_backend_dev_host_buffer_type(device.device)
-    if pinned != ffi.NULL and any(buft != pinned for buft in cold.buffer_types()):
-        raise ConfigError(
-            f"could not pin {cold.nbytes / 2**20:,.0f} MiB of host RAM for the experts the "
-            f"device reads there: use --cold-experts cpu, or keep more on the device"
-        )
+    def _split(self, ordinal: int, name: str, spec: tuple, data: np.ndarray, device_bytes: int):
+        from lucepy.ggml.vmm import SplitMemory
+
+        gtype, shape = spec
+        memory = SplitMemory(ordinal, data.nbytes, device_bytes)
+        ctx = Context(self.lib, 2)
+        try:
+            ne = ffi.new("int64_t[4]", [*shape, 1])
+            t = self.lib.ggml_new_tensor(ctx.ptr, gtype, 3, ne)
+            self.lib.ggml_set_name(t, name.encode())
+            buf = self.lib.ggml_backend_cpu_buffer_from_ptr(
+                ffi.cast("void *", memory.ptr), memory.size
+            )
+            self.lib.ggml_backend_tensor_alloc(buf, t, ffi.cast("void *", memory.ptr))
+        except BaseException:
+            ctx.close()
+            memory.close()
+            raise
+        self._memory.append((memory, ctx, buf))
+        memory.write(0, np.ascontiguousarray(data))
+        return t
+
+    def close(self) -> None:
+        self._tables.close()
+        for memory, ctx, buf in self._memory:
+            self.lib.ggml_backend_buffer_free(buf)
+            ctx.close()
+            memory.close()
+        self._memory = []
+
+    def abandon(self) -> None:
+        self.close()  # all of it lives in this process
