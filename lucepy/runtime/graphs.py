@@ -229,8 +229,8 @@ def compile_graph(
     """Build a graph with ``build(builder) -> output`` and allocate its compute buffer. With a
     ``host`` CPU backend, the nodes the builder offloads (cold experts) run there, the rest on
     ``backend``, through a ggml_backend_sched that copies between them; the weights the builder
-    lists in ``reads`` (cold experts in pinned host RAM) stay with the device's ops that read
-    them. ``routing``: output the experts each MoE layer chose.
+    lists in ``reads`` (experts partly in host RAM, ggml/vmm.py) stay with the device's ops that
+    read them. ``routing``: output the experts each MoE layer chose.
 
     A graph with routed experts goes through the scheduler given a ``host`` even when nothing is
     offloaded: the scheduler lets the backend see the graph first (ggml-cuda then keeps the

@@ -287,77 +287,77 @@ class ReadExperts:
     """The routed experts of ``layers`` that the device reads from host RAM (``placement.reads``):
     per layer and matrix one tensor, its hot experts first (on the device) and its cold ones
     after (in host RAM), and ``blk.N.experts.order``, an f32 table from expert to its place.
-    On a local GPU the tensor is one address range over both memories (``ggml.vmm``), which the
-    device's expert kernels read in place; on a CPU it is one plain buffer in that order."""
+    On a CUDA device the tensor is one address range over both memories (``ggml.vmm``), which
+    the device's expert kernels read in place; on a CPU it is one plain buffer in that order."""
 
     def __init__(self, lib: Lib, device: Backend, f: GGUFFile, placement: ExpertPlacement, layers):
         self.lib, self.t = lib, {}
-        self._memory: list = []  # SplitMemory ranges, each with its ggml context and buffer
-        tables, specs, data, hot_bytes = {}, {}, {}, {}
-        for il in layers:
-            X = placement.n_expert
-            hot = placement.hot[il]
-            order = [*hot, *placement.cold(il)]
-            where = np.zeros((X, 1), dtype=np.float32)
-            where[order, 0] = np.arange(X, dtype=np.float32)
-            tables[f"blk.{il}.experts.order"] = (GGML_TYPE_F32, (1, X))
-            data[f"blk.{il}.experts.order"] = where
-            for n in EXPERT_TENSORS:
-                name = f"blk.{il}.{n}.weight"
-                info = f.tensors[name]
-                raw = np.frombuffer(f.data(name), dtype=np.uint8).reshape(X, -1)
-                specs[name] = (int(info.type), tuple(info.shape[:3]))
-                data[name] = raw[order]
-                hot_bytes[name] = len(hot) * raw.shape[1]
+        self._memory: list = []  # (SplitMemory, its ggml context, the buffer around it)
         reg = lib.ggml_backend_dev_backend_reg(device.device)
         cuda = ffi.string(lib.ggml_backend_reg_name(reg)) == b"CUDA"
         if not cuda and not lib.ggml_backend_is_cpu(device.ptr):
             raise ConfigError(f"--cold-experts device is built for CUDA devices, not {device.name}")
-        if cuda:
-            self._tables = Tensors(lib, device, tables, f"expert order of layers {layers}")
+        X = placement.n_expert
+        orders = {il: [*placement.hot[il], *placement.cold(il)] for il in layers}
+        tables = {f"blk.{il}.experts.order": (GGML_TYPE_F32, (1, X)) for il in layers}
+        specs = {}
+        for il in layers:
+            for n in EXPERT_TENSORS:
+                info = f.tensors[f"blk.{il}.{n}.weight"]
+                specs[f"blk.{il}.{n}.weight"] = (int(info.type), tuple(info.shape[:3]), il)
+
+        def reordered(name: str, il: int) -> np.ndarray:  # one matrix at a time: no second copy
+            raw = np.frombuffer(f.data(name), dtype=np.uint8).reshape(X, -1)
+            return np.ascontiguousarray(raw[orders[il]])
+
+        what = f"experts of layers {layers}"
+        plain = tables if cuda else {**tables, **{k: v[:2] for k, v in specs.items()}}
+        self._tables = Tensors(lib, device, plain, what)
+        try:
+            for il in layers:
+                where = np.zeros((X, 1), dtype=np.float32)
+                where[orders[il], 0] = np.arange(X, dtype=np.float32)
+                self._set(self._tables.t[f"blk.{il}.experts.order"], where)
             ordinal = int("".join(ch for ch in device.name if ch.isdigit()) or 0)
-            for name, spec in specs.items():
-                self.t[name] = self._split(ordinal, name, spec, data[name], hot_bytes[name])
-        else:  # a CPU: host RAM already
-            self._tables = Tensors(lib, device, {**tables, **specs}, f"experts of layers {layers}")
-            for name, t in self._tables.t.items():
-                arr = np.ascontiguousarray(data[name])
-                lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+            for name, (gtype, shape, il) in specs.items():
+                data = reordered(name, il)
+                if cuda:
+                    hot = len(placement.hot[il]) * (data.nbytes // X)
+                    self.t[name] = self._split(ordinal, name, gtype, shape, data, hot)
+                else:
+                    self._set(self._tables.t[name], data)
+        except BaseException:
+            self.close()
+            raise
         self.t.update(self._tables.t)
-        if cuda:
-            for name in tables:
-                arr = np.ascontiguousarray(data[name])
-                lib.ggml_backend_tensor_set(self.t[name], ffi.from_buffer(arr), 0, arr.nbytes)
         on_device = sum(m.device_bytes for m, _, _ in self._memory)
         self.nbytes = on_device + (self._tables.nbytes if cuda else 0)
         self.host_nbytes = sum(m.size - m.device_bytes for m, _, _ in self._memory)
 
-    def _split(self, ordinal: int, name: str, spec: tuple, data: np.ndarray, device_bytes: int):
+    def _set(self, t, arr: np.ndarray) -> None:
+        self.lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+
+    def _split(self, ordinal: int, name: str, gtype: int, shape: tuple, data, device_bytes: int):
+        """``data`` in a range whose first ``device_bytes`` are GPU memory, as a ggml tensor."""
         from lucepy.ggml.vmm import SplitMemory
 
-        gtype, shape = spec
         memory = SplitMemory(ordinal, data.nbytes, device_bytes)
         ctx = Context(self.lib, 2)
-        try:
-            ne = ffi.new("int64_t[4]", [*shape, 1])
-            t = self.lib.ggml_new_tensor(ctx.ptr, gtype, 3, ne)
-            self.lib.ggml_set_name(t, name.encode())
-            buf = self.lib.ggml_backend_cpu_buffer_from_ptr(
-                ffi.cast("void *", memory.ptr), memory.size
-            )
-            self.lib.ggml_backend_tensor_alloc(buf, t, ffi.cast("void *", memory.ptr))
-        except BaseException:
-            ctx.close()
-            memory.close()
-            raise
-        self._memory.append((memory, ctx, buf))
-        memory.write(0, np.ascontiguousarray(data))
+        self._memory.append((memory, ctx, None))
+        t = self.lib.ggml_new_tensor(ctx.ptr, gtype, 3, ffi.new("int64_t[4]", [*shape, 1]))
+        self.lib.ggml_set_name(t, name.encode())
+        base = ffi.cast("void *", memory.ptr)
+        buf = self.lib.ggml_backend_cpu_buffer_from_ptr(base, memory.size)
+        self._memory[-1] = (memory, ctx, buf)
+        self.lib.ggml_backend_tensor_alloc(buf, t, base)
+        memory.write(0, data)  # never through ggml: to it this is host memory
         return t
 
     def close(self) -> None:
         self._tables.close()
         for memory, ctx, buf in self._memory:
-            self.lib.ggml_backend_buffer_free(buf)
+            if buf is not None:
+                self.lib.ggml_backend_buffer_free(buf)
             ctx.close()
             memory.close()
         self._memory = []
