@@ -247,7 +247,11 @@ def test_routing_counts_every_choice_and_the_profile_drives_the_next_placement(t
     assert top == [int(np.argmax(saved[0])), round(saved[0].max() / saved[0].sum(), 4)]
 
 
-@pytest.mark.parametrize("placement", [{}, {"n_cpu_moe": 3}], ids=["one-backend", "hybrid"])
+@pytest.mark.parametrize(
+    "placement",
+    [{}, {"n_cpu_moe": 3}, {"moe_device_mb": _mb(12), "cold_experts": "device"}],
+    ids=["one-backend", "hybrid", "read-by-the-device"],
+)
 def test_restored_equals_fresh_and_the_delta_is_prefilled_in_chunks(placement, tmp_path):
     """A RAM hit (turn 2 after turn 1), then after a restart a disk hit (turn 3 after the
     snapshot of turn 2): each delta of 50 tokens takes 4 steps of 16, not 50 of 1."""
