@@ -88,6 +88,11 @@ class RuntimeConfig:
                 "--no-flash-attn or use --cache-type-v f16"
             )
 
+    @property
+    def beyond_cpus(self) -> bool:
+        """Whether a device of the run is not a CPU (a GPU, here or in a worker)."""
+        return any(not d.strip().startswith("cpu") for d in self.device.split(","))
+
     def context_for(self, n_ctx_train: int) -> int:
         return self.max_ctx or min(n_ctx_train, DEFAULT_CTX)
 

@@ -122,7 +122,7 @@ def _stacking(config: RuntimeConfig) -> bool:
     forced = os.environ.get("LUCEPY_STACK_MATMULS")
     if forced in ("0", "1"):
         return forced == "1"
-    return any(not d.strip().startswith("cpu") for d in config.device.split(","))
+    return config.beyond_cpus
 
 
 def model_options(config: RuntimeConfig) -> ModelOptions:

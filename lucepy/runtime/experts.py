@@ -57,8 +57,7 @@ def placement_for(f: GGUFFile, params, config) -> ExpertPlacement | None:
         return by_layers(f, params.n_layer, n_expert, config.n_cpu_moe, k, reads)
     counts = ExpertCounts.load(profile_for(f, config), params.n_layer, n_expert).counts
     budget = int(config.moe_device_mb * 2**20)
-    gpu = any(not d.strip().startswith("cpu") for d in config.device.split(","))
-    granule = READ_GRANULE if reads and gpu else 0
+    granule = READ_GRANULE if reads and config.beyond_cpus else 0
     return by_hotness(f, params.n_layer, n_expert, counts, budget, k, reads, granule)
 
 
