@@ -246,3 +246,19 @@ def test_parallel_is_refused_where_it_cannot_run():
             Batcher(engine)
     with pytest.raises(ConfigError, match="needs .* MiB on cpu"):
         Engine(smollm2_file(), RuntimeConfig(max_ctx=8192, parallel=100_000), tokenizer=False)
+
+
+def test_prompts_that_arrive_together_are_read_in_one_round(prompts):
+    """With no request decoding, a round feeds the chunks of every waiting prompt (32 tokens in
+    all here), so that they decode together; while requests decode, one chunk a round."""
+    with open_engine(smollm2_file(), config(8), tokenizer=False) as engine:
+        batcher = Batcher(engine)
+        first = [batcher.submit(p[:8], 20, stop_at_end=False) for p in prompts[:5]]
+        batcher.step()  # 4 prompts of 8 tokens fill the round's 32; the fifth waits for the next
+        assert [len(r.tokens) for r in first] == [2, 2, 2, 2, 0]
+        batcher.step()  # now others decode: the fifth prompt's chunk alone
+        later = [batcher.submit(p[:8], 4, stop_at_end=False) for p in prompts[5:7]]
+        batcher.step()
+        assert [len(r.tokens) for r in later] == [2, 0]  # its first token, then decoded
+        batcher.run()
+    assert all(r.finish_reason == "length" for r in first + later)

@@ -8,7 +8,9 @@ requests beyond N wait in a queue, in arrival order. Each ``step``:
 1. admits waiting requests to free sequences;
 2. feeds one prompt chunk of the oldest request still reading its prompt (one step of that
    sequence alone, so a long prompt delays the running streams by one chunk at a time, not by
-   its whole prefill), and when its prompt is in, chooses its first token;
+   its whole prefill), and when its prompt is in, chooses its first token; while no request is
+   decoding, the chunks of every prompt being read, up to one chunk's tokens in all (requests
+   that arrive together then decode together, as llama-server's do);
 3. decodes: the last token of every generating request, in one step of one graph (the weights
    read once for all of them), and chooses each one's next token from its own logits row;
 4. ends requests that stopped, reached their length or were cancelled, freeing their sequence.
@@ -145,13 +147,20 @@ class Batcher:
             self.engine.release_sequence(req.seq)
             self.active.append(req)
             self._restore(req, out)
-        reading = next((r for r in self.active if r.reading), None)
-        if reading is not None:
-            self._prefill_chunk(reading, out)
-        generating = [r for r in self.active if not r.reading and r.fed < self._held(r)]
-        for run in self._runs(generating):
+        # one prompt chunk a round while others decode (they stall by one chunk at most); with
+        # none decoding there is no one to stall: the chunks of every prompt being read, up to
+        # one chunk's tokens in all, so that requests that came together decode together
+        budget, decoding = self.chunk, bool(self._generating())
+        for req in [r for r in self.active if r.reading]:
+            if budget < self.chunk and (budget <= 0 or decoding):
+                break
+            budget -= self._prefill_chunk(req, out)
+        for run in self._runs(self._generating()):
             self._decode(run, out)
         return out
+
+    def _generating(self) -> list[Request]:
+        return [r for r in self.active if not r.reading and r.fed < self._held(r)]
 
     def _runs(self, reqs: list[Request]) -> list[list[Request]]:
         """The decode steps of a round: one for all, or, with recurrent state, one for each run
@@ -188,7 +197,8 @@ class Batcher:
         if n == len(req.prompt):  # a whole prompt is cached with its logits: nothing to prefill
             self._choose(req, logits, out)
 
-    def _prefill_chunk(self, req: Request, out: list) -> None:
+    def _prefill_chunk(self, req: Request, out: list) -> int:
+        """Feed ``req``'s next prompt chunk; the tokens fed."""
         part = np.asarray(req.prompt[req.fed : req.fed + self.chunk], dtype=np.int32)
         logits = self.engine.feed_sequence(part, req.seq, req.fed)
         self.steps["prefill"] += 1
@@ -197,6 +207,7 @@ class Batcher:
             if self.cache is not None:
                 self.cache.save_sequence(req.prompt, req.seq, logits)
             self._choose(req, logits, out)
+        return int(part.size)
 
     def _decode(self, reqs: list[Request], out: list) -> None:
         tokens = np.array([r.tokens[-1] for r in reqs], dtype=np.int32)
