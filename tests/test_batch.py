@@ -75,6 +75,18 @@ def seeded(batcher: Batcher, prefixes: list[list[int]]) -> None:
     batcher.run()
 
 
+def run_cancelling(batcher: Batcher, req, after: int) -> int:
+    """Step until every request has ended, cancelling ``req`` once it has ``after`` tokens; the
+    most requests active at once."""
+    most = 0
+    while not batcher.idle:
+        batcher.step()
+        most = max(most, len(batcher.active))
+        if len(req.tokens) == after and not req.done:
+            batcher.cancel(req)
+    return most
+
+
 def test_eight_requests_together_equal_each_alone_with_a_cancel_and_a_queue(prompts):
     """Ten requests on eight sequences: two wait; one is cancelled after 6 tokens and a waiting
     one takes its sequence; two start from a cached prefix; prompts are fed in chunks of 32
@@ -90,12 +102,7 @@ def test_eight_requests_together_equal_each_alone_with_a_cancel_and_a_queue(prom
         pairs = zip(picked, lengths, strict=True)
         reqs = [batcher.submit(p, n, stop_at_end=False) for p, n in pairs]
         assert len(batcher.waiting) == 10
-        most = 0
-        while not batcher.idle:
-            batcher.step()
-            most = max(most, len(batcher.active))
-            if len(reqs[3].tokens) == 6 and not reqs[3].done:
-                batcher.cancel(reqs[3])
+        most = run_cancelling(batcher, reqs[3], 6)
         assert most == 8 and batcher.steps["decode"] - steps["decode"] < sum(lengths) / 4
     # at least the seeded prompts (more where a seed's own next token matched); longer prompts
     # restore the chat template's header they share with a seed

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import THREADS
+from test_batch import run_cancelling, seeded
 from test_kv_pool import engine as pool_engine
 from test_kv_pool import paged_run
 from test_kv_pool import tokens as pool_tokens
@@ -313,18 +314,11 @@ def test_gpu_batched_requests_equal_each_alone(parallel):
     cfg |= dict(parallel=parallel, prefix_cache_slots=16)
     with open_engine(LLAMA, RuntimeConfig(**cfg), tokenizer=False) as engine:
         batcher = Batcher(engine)
-        for p in (picked[5][:12], picked[7][:24]):  # the prefix cache holds these
-            batcher.submit(p, 2, stop_at_end=False)
-        batcher.run()
+        seeded(batcher, [picked[5][:12], picked[7][:24]])  # the prefix cache holds these
         reqs = [
             batcher.submit(p, k, stop_at_end=False) for p, k in zip(picked, lengths, strict=True)
         ]
-        most = 0
-        while not batcher.idle:
-            batcher.step()
-            most = max(most, len(batcher.active))
-            if len(reqs[3].tokens) == 6 and not reqs[3].done:
-                batcher.cancel(reqs[3])
+        most = run_cancelling(batcher, reqs[3], 6)
     assert most == parallel
     assert reqs[5].cache["restored_tokens"] >= 12 and reqs[7].cache["restored_tokens"] >= 24
     assert reqs[3].finish_reason == "cancelled" and len(reqs[3].tokens) == 6

@@ -106,7 +106,7 @@ build() {
         tar -xJf "$(dirname "$sdist")/server-ui.tar.xz" -C "$src/vendor/llama.cpp"
     fi
     ggml_cuda=$src/vendor/llama.cpp/ggml/src/ggml-cuda
-    stubs "$work/cuda/lib64" "$work/cuda" "$inc" "$ggml_cuda" vendor/ggml/cuda
+    stubs "$work/cuda/lib64" "$work/cuda" "$inc" "$ggml_cuda"
 
     export CUDACXX=$work/cuda/bin/nvcc CUDAToolkit_ROOT=$work/cuda PATH=$work/cuda/bin:$PATH
     export LUCEPY_BUILD_DIR=$work/tree
