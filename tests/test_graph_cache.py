@@ -13,6 +13,7 @@ from lucepy.runtime import graphs
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 from lucepy.runtime.graphs import GraphCache
+from lucepy.runtime.slots import kv_bucket
 
 
 class Fake:
@@ -37,6 +38,22 @@ def test_least_recently_used_graphs_go_first_and_the_newest_always_stays():
     cache.get("d", lambda: big)  # alone over the budget: it stays, the others go
     assert list(cache) == ["d"] and cache.nbytes == 500 and not big.closed
     assert evicted == ["b", "a", "c"]
+
+
+def test_a_prompts_first_chunk_attends_over_the_rows_it_fills_and_later_ones_share_windows():
+    """ggml-cuda's flash attention computes masked rows below 1,024 queries: a first chunk of
+    512 over a 1,024-row window cost laguna's pp512 3 % on the H200 (docs/BENCHMARKS.md). After
+    the first, two chunks share a window, so a long prompt builds a graph every other chunk."""
+    ends = range(512, 4097, 512)
+    assert [kv_bucket(end, 8192, 512) for end in ends] == [512, 1024, 2048, 2048] + [3072] * 2 + [
+        4096
+    ] * 2
+    assert kv_bucket(300, 8192, 300) == 512  # a short prompt: the power of two of its tokens
+    assert kv_bucket(200, 8192, 100) == 256  # never fewer than 256 rows
+    assert kv_bucket(500, 384, 300) == 384  # nor more than the context
+    # decode and verify steps: windows of 256 rows, from the first
+    assert [kv_bucket(end, 8192) for end in (1, 256, 257, 700)] == [256, 256, 512, 768]
+    assert [kv_bucket(end, 8192, 16) for end in (16, 300)] == [256, 512]
 
 
 def test_a_prompt_longer_than_the_budget_allows_keeps_its_memory_bounded(tiny_model):

@@ -58,7 +58,19 @@ class Bench:
             self.engine.prefill(tokens, chunk=CHUNK)
 
         s = median_s(run, self.repeats)
-        self.record(f"pp{n}", {"tokens": n, "depth": 0, "ms": 1e3 * s, "tok_s": n / s})
+        self.record(
+            f"pp{n}", {"tokens": n, "depth": 0, "ms": 1e3 * s, "tok_s": n / s, **self.graphs()}
+        )
+
+    def graphs(self) -> dict:
+        """The first shard's graph cache: what it holds, and how many it has freed so far."""
+        cache = self.engine.shards[0].graphs
+        sizes = [g.nbytes / 2**20 for g in cache.values()]
+        return {
+            "graphs": len(sizes),
+            "graph_mib_max": max(sizes, default=0),
+            "evicted": cache.evicted,
+        }
 
     def decode(self, depth: int) -> None:
         """``DECODE_TOKENS`` decode steps from the current position (which must be ``depth``).
@@ -109,7 +121,9 @@ class Bench:
         t0 = time.perf_counter()
         self.engine.prefill(self.tokens(depth), chunk=CHUNK)
         s = time.perf_counter() - t0
-        self.record(f"fill{depth}", {"tokens": depth, "ms": 1e3 * s, "tok_s": depth / s})
+        self.record(
+            f"fill{depth}", {"tokens": depth, "ms": 1e3 * s, "tok_s": depth / s, **self.graphs()}
+        )
 
 
 def plan(bench: Bench, depth: int) -> list[tuple[str, Callable[[], object]]]:

@@ -43,8 +43,10 @@ _NUMPY = {
 }  # ggml type -> host dtype of inputs we write and outputs we read
 PINNED_MAX = 16 << 20  # a larger staging area is plain host memory (pinning it costs more)
 # the compute and input buffers of the graphs one shard (or draft) keeps built; more are freed,
-# least recently used first. Measured: a 27B-shaped 512-token prefill graph holds about 100 MB
-GRAPH_CACHE_BYTES = 512 << 20
+# least recently used first. Measured on the H200: a 512-token prefill graph of the 27B-shaped or
+# Laguna-XS.2-shaped model holds 119-130 MiB; 512 MiB held four, fewer than the five windows of a
+# 4,096-token prompt, which then rebuilt every chunk (docs/architecture.md, decision 2)
+GRAPH_CACHE_BYTES = 1 << 30
 
 
 class InputBlock:

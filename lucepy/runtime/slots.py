@@ -18,12 +18,16 @@ KV_BUCKET = 256  # attention windows grow in steps of this many rows, so decode 
 
 
 def kv_bucket(end: int, n_ctx: int, n_tokens: int = 1) -> int:
-    """The attention window of a step ending at ``end``: rows in steps of ``KV_BUCKET``, or of
-    the power of two at or above 2 x its tokens where that is more. A prompt in chunks of 512
-    then meets a new window (a graph to build) every 2 chunks, not every chunk. The rows past
-    ``end`` are masked; flash attention on CUDA skips them, the CPU's skips each one."""
+    """The attention window of a step ending at ``end``: one window of the power of two at or
+    above its tokens (at least ``KV_BUCKET`` rows) while that holds the step, as a prompt's first
+    chunk; past it, rows in steps of ``KV_BUCKET``, or of the power of two at or above 2 x the
+    step's tokens where that is more. A prompt in chunks of 512 then meets a new window (a graph
+    to build) every 2 chunks after its first, not every chunk. The rows past ``end`` are masked
+    and still cost: ggml-cuda's flash attention skips masked rows only for 1,024 queries or more
+    (its KV_max scan), the CPU's skips each row."""
+    first = max(KV_BUCKET, 1 << (n_tokens - 1).bit_length())
     step = max(KV_BUCKET, 1 << (2 * n_tokens - 1).bit_length())
-    return min(n_ctx, -(-end // step) * step)
+    return min(n_ctx, first if end <= first else -(-end // step) * step)
 
 
 def _check_end(end: int, n_ctx: int) -> None:
