@@ -3,6 +3,7 @@ together (decode/batch.py), streamed, and each gets the text it gets alone."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -19,6 +20,7 @@ from lucepy.engine import Engine
 from lucepy.errors import ConfigError
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.server.run import Server
+from lucepy.server.worker import Delta, Done, Job, Outbox
 
 PROMPTS = Path(__file__).parents[1] / "tools" / "dflash_prompts.json"
 CTX = 256
@@ -64,6 +66,60 @@ def test_eight_streams_on_four_sequences_each_get_their_own_answer(server):
     batch = server.status()["batch"]
     assert batch["parallel"] == 4 and batch["active"] == 0
     assert batch["decoded"] > 2 * batch["decode"]  # steps decoded several requests at once
+
+
+def test_batched_events_wait_for_the_next_launch_and_go_in_one_wake_up():
+    """A step's events reach the event loop together, once per flush (the engine's next
+    launch), not one wake-up each: each wake-up let the loop take the GIL between steps."""
+    loop = asyncio.new_event_loop()
+    wakeups = []
+    wake = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), wake(*a))[1]
+    try:
+        outbox = Outbox()
+        jobs = [Job([1], 4, loop=loop, outbox=outbox) for _ in range(3)]
+        for i, job in enumerate(jobs):
+            job.emit(Delta(f"t{i}"))
+        jobs[0].emit(Done("length", 1, 1, {}, 0.0))
+        assert wakeups == [] and all(job.events.empty() for job in jobs)
+        outbox.flush()
+        outbox.flush()  # nothing held: no wake-up
+        assert len(wakeups) == 1
+        loop.run_until_complete(asyncio.sleep(0))
+        got = [[job.events.get_nowait() for _ in range(job.events.qsize())] for job in jobs]
+        assert [[e.text for e in g if isinstance(e, Delta)] for g in got] == [
+            ["t0"],
+            ["t1"],
+            ["t2"],
+        ]
+        assert isinstance(got[0][1], Done)
+        alone = Job([1], 4, loop=loop)  # not batched: its event goes at once
+        alone.emit(Delta("x"))
+        assert len(wakeups) == 2
+    finally:
+        loop.close()
+
+
+def test_streamed_tokens_arrive_while_the_batch_decodes(server):
+    """Held events go at each launch: a client sees its text as it is made, not at the end."""
+    prompts = json.loads(PROMPTS.read_text())["heldout"][:2]
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0) as client:
+
+        def arrivals(prompt):
+            t0, times = time.perf_counter(), []
+            stream = client.completions.create(
+                model="smol", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    times.append(time.perf_counter())
+            return t0, times
+
+        with ThreadPoolExecutor(2) as pool:
+            for t0, times in pool.map(arrivals, prompts):
+                assert len(times) > 20
+                assert times[-1] - times[0] > (times[-1] - t0) / 4
 
 
 def test_a_sliding_window_model_refuses_parallel():

@@ -151,6 +151,7 @@ class Engine:
         self.config = config or RuntimeConfig()
         self.path = Path(model_path)
         self.pipeline = self.tokenizer = self.draft = self.prefix_cache = None
+        self.on_launch: Callable[[], None] | None = None  # Pipeline.on_launch, kept over reloads
         self.file = GGUFFile(self.path)
         try:
             options = model_options(self.config)
@@ -187,6 +188,10 @@ class Engine:
         """The single shard of an unsplit model (the first one otherwise)."""
         return self.pipeline.shards[0]
 
+    def _launching(self) -> None:
+        if self.on_launch is not None:
+            self.on_launch()
+
     def _load(self) -> None:
         draft = self._draft_spec()
         remote = any(spec.where != "local" for spec in self.plan.devices) or (
@@ -195,6 +200,7 @@ class Engine:
         self.pipeline = Pipeline(
             self.lib, [], remote, self.n_ctx, deadline_s=self.config.step_deadline_s
         )
+        self.pipeline.on_launch = self._launching
         rows = self.n_ctx * self.config.parallel  # cache rows of every sequence
         if self.config.parallel > 1:
             self.pipeline.slots = SeqSlots(self.config.parallel, self.n_ctx)

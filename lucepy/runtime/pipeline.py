@@ -107,6 +107,9 @@ class Pipeline:
         self.shards: list[Shard] = []
         self.last: list[tuple] = []  # (shard, spec, graph) of the last step, for rollback
         self.steps = 0  # steps run; a verify's handle names its own
+        # called as a step's first graph is launched (the server hands over the last step's
+        # tokens then, while the device works, not between steps)
+        self.on_launch: Callable[[], None] | None = None
         self._guard = _GuardThread() if remote else None
         self._failures_seen = len(rpc_failures())
         self.broken: str | None = None
@@ -202,6 +205,8 @@ class Pipeline:
             g = shard.prepare(spec, batch)
             if prev is not None:
                 self.lib.ggml_backend_tensor_copy(prev.output, g.inputs["x"])
+            elif self.on_launch is not None:
+                self.on_launch()
             shard.compute(g)
             if self.expert_counts is not None and "routing" in g.outputs:
                 self.expert_counts.add(g.routed, shard.read(g, "routing"))
