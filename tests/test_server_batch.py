@@ -19,6 +19,7 @@ from lucepy.decode.ar import generate
 from lucepy.engine import Engine
 from lucepy.errors import ConfigError
 from lucepy.runtime.config import RuntimeConfig
+from lucepy.server import worker
 from lucepy.server.run import Server
 from lucepy.server.worker import Delta, Done, Job, Outbox
 
@@ -68,24 +69,25 @@ def test_eight_streams_on_four_sequences_each_get_their_own_answer(server):
     assert batch["decoded"] > 2 * batch["decode"]  # steps decoded several requests at once
 
 
-def test_batched_events_wait_for_the_next_launch_and_go_in_one_wake_up():
+def test_events_wait_for_the_next_launch_and_go_in_one_wake_up(monkeypatch):
     """A step's events reach the event loop together, once per flush (the engine's next
-    launch), not one wake-up each: each wake-up let the loop take the GIL between steps."""
+    launch), through one byte on a pipe the loop reads, not one wake-up each: each wake-up let
+    the loop take the GIL between steps."""
+    writes = []
+    write = worker._write_holding_gil
+    monkeypatch.setattr(worker, "_write_holding_gil", lambda *a: (writes.append(a), write(*a)))
     loop = asyncio.new_event_loop()
-    wakeups = []
-    wake = loop.call_soon_threadsafe
-    loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), wake(*a))[1]
     try:
         outbox = Outbox()
         jobs = [Job([1], 4, loop=loop, outbox=outbox) for _ in range(3)]
         for i, job in enumerate(jobs):
             job.emit(Delta(f"t{i}"))
         jobs[0].emit(Done("length", 1, 1, {}, 0.0))
-        assert wakeups == [] and all(job.events.empty() for job in jobs)
+        assert writes == [] and all(job.events.empty() for job in jobs)
         outbox.flush()
         outbox.flush()  # nothing held: no wake-up
-        assert len(wakeups) == 1
-        loop.run_until_complete(asyncio.sleep(0))
+        assert len(writes) == 1
+        loop.run_until_complete(asyncio.sleep(0.05))  # the loop reads the pipe
         got = [[job.events.get_nowait() for _ in range(job.events.qsize())] for job in jobs]
         assert [[e.text for e in g if isinstance(e, Delta)] for g in got] == [
             ["t0"],
@@ -93,9 +95,16 @@ def test_batched_events_wait_for_the_next_launch_and_go_in_one_wake_up():
             ["t2"],
         ]
         assert isinstance(got[0][1], Done)
-        alone = Job([1], 4, loop=loop)  # not batched: its event goes at once
+        jobs[1].emit(Delta("again"))
+        outbox.flush()
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert len(writes) == 2 and jobs[1].events.get_nowait().text == "again"
+        alone = Job([1], 4, loop=loop)  # not running yet: its event goes at once
         alone.emit(Delta("x"))
-        assert len(wakeups) == 2
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(writes) == 2 and alone.events.get_nowait().text == "x"
+        outbox.close()
+        loop.run_until_complete(asyncio.sleep(0))
     finally:
         loop.close()
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -72,7 +74,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop | None = None  # the handler's; set by Worker.submit
     queued_at: float = field(default_factory=time.perf_counter)
-    outbox: Outbox | None = None  # in a batch: events wait there for the next launch
+    outbox: Outbox | None = None  # once running: events wait there for the next launch
 
     def emit(self, event: Delta | Done | Failed) -> None:
         """Called from the worker thread; hands ``event`` to the handler's event loop."""
@@ -84,14 +86,17 @@ class Job:
 
 
 class Outbox:
-    """The events of batched jobs, held until the engine launches its next step (or has none to
-    run): then one wake-up of each event loop hands them all over, and the loop's work on them
-    overlaps the step. Handed over one by one, each wake-up let the event loop take the GIL
-    from the engine thread between steps: 8 clients on a 2-core CPU lost about 0.9 ms a
-    30 ms step that way (docs/BENCHMARKS.md). Used by the worker thread only."""
+    """The events of running jobs, held until the engine launches its next step (or has none to
+    run), then handed to each job's event loop in one wake-up, while the engine thread keeps the
+    GIL until the compute releases it: the loop's work on them overlaps the step. Handed over
+    with ``call_soon_threadsafe``, the wake-up's own write released the GIL and the woken loop
+    took it, so the engine waited on the loop between steps: on a 2-core CPU, 0.9 ms of each
+    30 ms step of 8 clients, 0.3-0.5 ms of each 7 ms step of one (docs/BENCHMARKS.md). Used by
+    the worker thread only."""
 
     def __init__(self):
         self._held: list[tuple[Job, Delta | Done | Failed]] = []
+        self._lanes: dict[asyncio.AbstractEventLoop, _Lane] = {}
 
     def post(self, job: Job, event: Delta | Done | Failed) -> None:
         self._held.append((job, event))
@@ -99,18 +104,85 @@ class Outbox:
     def flush(self) -> None:
         if not self._held:
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for job, event in self._held:
-            by_loop.setdefault(job.loop, []).append((job.events, event))
+            lane = self._lanes.get(job.loop)
+            if lane is None or lane.closed:
+                lane = self._lanes[job.loop] = _Lane(job.loop)
+            lane.items.append((job.events, event))
         self._held = []
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
-                loop.call_soon_threadsafe(_put_all, items)
+        for lane in self._lanes.values():
+            lane.wake()
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes.clear()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Delta | Done | Failed]]) -> None:
-    for events, event in items:
-        events.put_nowait(event)
+class _Lane:
+    """A pipe the event loop reads (``add_reader``) and the worker writes a byte to, with the GIL
+    held, after queueing events in ``items``; the loop then puts them in their jobs' queues."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.closed = loop, collections.deque(), False
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)  # a full pipe already wakes the loop: nothing is lost
+        try:
+            loop.call_soon_threadsafe(loop.add_reader, self._r, self._drain)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            self.closed = True
+            self._close_pipe()
+
+    def wake(self) -> None:
+        if self.items and not self.closed:
+            _write_holding_gil(self._w, b"\0")
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._r, 4096):
+                pass
+        while self.items:
+            events, event = self.items.popleft()
+            events.put_nowait(event)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.loop.call_soon_threadsafe(self._unregister)
+        except RuntimeError:  # the loop is closed: it reads the pipe no more
+            self._close_pipe()
+
+    def _unregister(self) -> None:
+        self.loop.remove_reader(self._r)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+def _gil_holding_write():
+    """libc's write through ctypes.PyDLL, which keeps the GIL over the call (os.write releases
+    it, and the woken event loop may take it); os.write where the C library has no ``write``.
+    A full pipe is not an error: the loop is awake already."""
+    try:
+        write = ctypes.PyDLL(None).write
+    except (OSError, AttributeError):
+
+        def fallback(fd: int, data: bytes) -> None:
+            with contextlib.suppress(BlockingIOError):
+                os.write(fd, data)
+
+        return fallback
+    write.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+    write.restype = ctypes.c_ssize_t
+    return lambda fd, data: write(fd, data, len(data))
+
+
+_write_holding_gil = _gil_holding_write()
 
 
 class Worker:
@@ -121,7 +193,7 @@ class Worker:
         self.recovering = False  # a worker died or froze: the engine is reloading it
         self.current: Job | None = None
         self.batcher: Batcher | None = None  # --parallel above 1
-        self._outbox: Outbox | None = None  # the batched jobs' events (--parallel above 1)
+        self._outbox = Outbox()  # the running jobs' events, until the next launch
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
@@ -149,6 +221,7 @@ class Worker:
         return f"the model failed ({self.failure}); restart `lucepy serve`"
 
     def _loop(self) -> None:
+        self.engine.on_launch = self._outbox.flush
         if self.engine.config.parallel > 1:
             self._batch_loop()
             return
@@ -167,8 +240,7 @@ class Worker:
         runs alone, and the jobs behind it wait for it."""
         batcher, running, pending = Batcher(self.engine), {}, collections.deque()
         self.batcher = batcher
-        outbox = self._outbox = Outbox()
-        self.engine.on_launch = outbox.flush
+        outbox = self._outbox
         while True:
             if batcher.idle or pending:  # no batched step next: what the last one chose goes now
                 outbox.flush()
@@ -317,12 +389,15 @@ class Worker:
                 job.emit(done)
 
     def _run(self, job: Job) -> None:
+        job.outbox = self._outbox
         try:
             dones = run_job(self.engine, job, self.stats.token)
         except Exception as err:  # every failure goes back to its client
             self._fail([job], err)
-            return
-        self._deliver(job, dones)
+        else:
+            self._deliver(job, dones)
+        finally:
+            self._outbox.flush()
 
     def _fail(self, jobs: list[Job], err: Exception) -> None:
         """``jobs`` failed with ``err``: each client hears it; a failure that broke the model
@@ -333,6 +408,7 @@ class Worker:
         for job in jobs:
             self.stats.finished("failed")
             job.emit(Failed(err))
+        self._outbox.flush()  # before a reload, which takes a while
         self._recover()
 
     def _recover(self) -> None:
@@ -366,6 +442,7 @@ class Worker:
             self.current.cancel.set()
         self._jobs.put(None)
         self._thread.join()
+        self._outbox.close()
         self.engine.close()
         log.info("engine closed")
 
