@@ -17,6 +17,7 @@ import subprocess
 import time
 
 import numpy as np
+from bench_gpu import llama_median  # tools/, beside this script
 
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
@@ -46,7 +47,7 @@ def main() -> None:
            "-n", "0", "-r", "5", "-o", "json"]  # fmt: skip
     for row in json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout):
         samples = [TOKENS * 1e9 / s for s in row["samples_ns"]]
-        print("llama-bench", round(statistics.median(samples), 1), [round(s) for s in samples])
+        print("llama-bench", round(llama_median(row).tok_s, 1), [round(s) for s in samples])
 
 
 if __name__ == "__main__":

@@ -207,19 +207,23 @@ class Builder:
         view = L.ggml_view_2d(c, t, n, t.ne[1], t.nb[1], first * L.ggml_element_size(t))
         return view if t.ne[1] == 1 else L.ggml_cont(c, view)
 
-    def products(self, w: dict, x: Tensor, weights: dict[str, int], stacks: dict) -> dict:
-        """``x`` times each of ``weights`` (graph key -> its rows), one product per stack of them
-        that the loader made (``stacks``: graph key -> the keys stacked, in row order)."""
+    def products(
+        self, w: dict, x: Tensor, b: str, rows: dict[str, int], stacks: dict[str, tuple[str, ...]]
+    ) -> dict[str, Tensor]:
+        """``x`` times layer ``b``'s weights ``rows`` (name -> its rows; the weight is
+        ``b + name + ".weight"``), by name, one product per stack of them that the loader made
+        (``stacks``: key -> the names stacked in row order; the stack is ``w[b + key]``,
+        ``Architecture.stack_all``)."""
         out = {}
         for key, parts in stacks.items():
-            if key in w and set(parts) <= set(weights) and not set(parts) & set(out):
-                y, first = self.lib.ggml_mul_mat(self.ctx, w[key], x), 0
+            if b + key in w and set(parts) <= set(rows) and not set(parts) & set(out):
+                y, first = self.lib.ggml_mul_mat(self.ctx, w[b + key], x), 0
                 for name in parts:
-                    out[name] = self.part(y, first, weights[name])
-                    first += weights[name]
-        for name in weights:
+                    out[name] = self.part(y, first, rows[name])
+                    first += rows[name]
+        for name in rows:
             if name not in out:
-                out[name] = self.lib.ggml_mul_mat(self.ctx, w[name], x)
+                out[name] = self.lib.ggml_mul_mat(self.ctx, w[f"{b}{name}.weight"], x)
         return out
 
     def swiglu_ffn(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:

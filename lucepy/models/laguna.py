@@ -348,12 +348,11 @@ class Laguna(SlidingWindow, Architecture):
         hd, nh, nkv = p.head_dim, p.heads[il], p.heads_kv[il]
         rows = {"attn_q": hd * nh, "attn_k": hd * nkv, "attn_v": hd * nkv}
         rows["attn_gate"] = nh if p.gate_per_head[il] else hd * nh
-        stacks = {b + k: tuple(f"{b}{n}.weight" for n in ns) for k, ns in _STACKS.items()}
-        y = g.products(w, x, {f"{b}{n}.weight": r for n, r in rows.items()}, stacks)
-        q = L.ggml_reshape_3d(c, y[b + "attn_q.weight"], hd, nh, T)
-        k = L.ggml_reshape_3d(c, y[b + "attn_k.weight"], hd, nkv, T)
-        v = L.ggml_reshape_3d(c, y[b + "attn_v.weight"], hd, nkv, T)
-        gate = y[b + "attn_gate.weight"]  # [nh or hd*nh, T]: from the input
+        y = g.products(w, x, b, rows, _STACKS)
+        q = L.ggml_reshape_3d(c, y["attn_q"], hd, nh, T)
+        k = L.ggml_reshape_3d(c, y["attn_k"], hd, nkv, T)
+        v = L.ggml_reshape_3d(c, y["attn_v"], hd, nkv, T)
+        gate = y["attn_gate"]  # [nh or hd*nh, T]: from the input
         q = self._rope(g, g.rms_norm(q, w[b + "attn_q_norm.weight"], p.rms_eps), il)
         k = self._rope(g, g.rms_norm(k, w[b + "attn_k_norm.weight"], p.rms_eps), il)
         cache, scale, flash = self.kv_state(il), 1.0 / math.sqrt(hd), self.options.flash_attn

@@ -35,6 +35,7 @@ ROPE_NORMAL = 0  # LLAMA_ROPE_TYPE_NORM: rotate adjacent pairs
 _MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _BIASES = ("attn_q", "attn_k", "attn_v", "attn_output")
 _QKV = "attn_qkv.stacked"  # the graph key of attn_q, attn_k and attn_v stacked (not a GGUF name)
+_QKV_PARTS = ("attn_q", "attn_k", "attn_v")
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Llama(Architecture):
         }
         biased = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
         if not any(n.endswith(biased) for n in self.optional):  # Q, K and V: one product
-            out = self.stack_all(f, layers, {_QKV: ("attn_q", "attn_k", "attn_v")}, out)
+            out = self.stack_all(f, layers, {_QKV: _QKV_PARTS}, out)
         return out | self.head_matmul(layers, f)
 
     def make_state(self, layers: range, n_ctx: int) -> list[LayerState]:
@@ -183,13 +184,11 @@ class Llama(Architecture):
         p, L, c, b, T = self.p, g.lib, g.ctx, f"blk.{il}.", x.ne[1]
         hd, nkv = p.head_dim, p.n_head_kv
         if b + _QKV in w:  # one product (no biases then): Q, K and V are parts of its rows
-            names = {f"{b}{m}.weight": m for m in ("attn_q", "attn_k", "attn_v")}
             rows = {"attn_q": hd * p.n_head, "attn_k": hd * nkv, "attn_v": hd * nkv}
-            stack = {b + _QKV: tuple(names)}
-            y = g.products(w, x, {n: rows[m] for n, m in names.items()}, stack)
-            q, k, v = (y[f"{b}{m}.weight"] for m in ("attn_q", "attn_k", "attn_v"))
+            y = g.products(w, x, b, rows, {_QKV: _QKV_PARTS})
+            q, k, v = (y[m] for m in _QKV_PARTS)
         else:
-            q, k, v = (self._proj(g, w, b + m, x) for m in ("attn_q", "attn_k", "attn_v"))
+            q, k, v = (self._proj(g, w, b + m, x) for m in _QKV_PARTS)
         q = L.ggml_reshape_3d(c, q, hd, p.n_head, T)
         k = L.ggml_reshape_3d(c, k, hd, nkv, T)
         v = L.ggml_reshape_3d(c, v, hd, nkv, T)

@@ -252,26 +252,21 @@ class Qwen35(Architecture):
         p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
         hd, nh, nkv = p.head_dim, p.n_head, p.n_head_kv
         rows = {"attn_q": 2 * hd * nh, "attn_k": hd * nkv, "attn_v": hd * nkv}
-        y = g.products(w, x, {f"{b}{n}.weight": r for n, r in rows.items()}, self._stacks(b))
-        qg = y[b + "attn_q.weight"]  # [2*hd*nh, T]: per head, query then gate
+        y = g.products(w, x, b, rows, _STACKS)
+        qg = y["attn_q"]  # [2*hd*nh, T]: per head, query then gate
         es = L.ggml_element_size(qg)
         q = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, es * hd * 2 * nh, 0)  # [hd, nh, T]
         gate = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, es * hd * 2 * nh, es * hd)
         gate = L.ggml_cont_2d(c, gate, hd * nh, T)
         q = g.rms_norm(q, w[b + "attn_q_norm.weight"], p.rms_eps)
-        k = L.ggml_reshape_3d(c, y[b + "attn_k.weight"], hd, nkv, T)
+        k = L.ggml_reshape_3d(c, y["attn_k"], hd, nkv, T)
         k = g.rms_norm(k, w[b + "attn_k_norm.weight"], p.rms_eps)
-        v = L.ggml_reshape_3d(c, y[b + "attn_v.weight"], hd, nkv, T)
+        v = L.ggml_reshape_3d(c, y["attn_v"], hd, nkv, T)
         q, k = self._rope(g, q), self._rope(g, k)
         cache, scale = self.kv_state(il), 1.0 / math.sqrt(hd)
         attn = g.cached_attention(cache, st, q, k, v, scale, self.options.flash_attn)  # [hd*nh, T]
         attn = L.ggml_mul(c, attn, L.ggml_sigmoid(c, gate))
         return L.ggml_mul_mat(c, w[b + "attn_output.weight"], attn)  # [n_embd, T]
-
-    @staticmethod
-    def _stacks(b: str) -> dict[str, tuple[str, ...]]:
-        """Layer ``b``'s stacks as ``Builder.products`` takes them (graph keys)."""
-        return {b + k: tuple(f"{b}{n}.weight" for n in names) for k, names in _STACKS.items()}
 
     def _rope(self, g: Builder, t: Tensor) -> Tensor:
         p = self.p
@@ -297,12 +292,12 @@ class Qwen35(Architecture):
         N, _, F = g.streams if g.streams[0] else (1, 0, 0)
         t = T // N
         rows = {"attn_qkv": p.conv_dim, "attn_gate": p.value_dim, "ssm_beta": Hv, "ssm_alpha": Hv}
-        y = g.products(w, x, {f"{b}{n}.weight": r for n, r in rows.items()}, self._stacks(b))
-        qkv = y[b + "attn_qkv.weight"]  # [conv_dim, T]
-        z = y[b + "attn_gate.weight"]  # [value_dim, T]
-        beta = L.ggml_sigmoid(c, y[b + "ssm_beta.weight"])  # [Hv, T]
+        y = g.products(w, x, b, rows, _STACKS)
+        qkv = y["attn_qkv"]  # [conv_dim, T]
+        z = y["attn_gate"]  # [value_dim, T]
+        beta = L.ggml_sigmoid(c, y["ssm_beta"])  # [Hv, T]
         beta = L.ggml_reshape_4d(c, beta, 1, Hv, t, N)
-        alpha = y[b + "ssm_alpha.weight"]  # [Hv, T]
+        alpha = y["ssm_alpha"]  # [Hv, T]
         alpha = L.ggml_softplus(c, L.ggml_add(c, alpha, w[b + "ssm_dt.bias"]))
         decay = L.ggml_reshape_4d(c, L.ggml_mul(c, alpha, w[b + "ssm_a"]), 1, Hv, t, N)
 
