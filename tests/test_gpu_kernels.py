@@ -1,7 +1,8 @@
 """GPU tier of issue 19: lucepy's own CUDA kernels (a build of `lucepy backends build cuda`) for
-Q4_0, Q8_0, Q4_K and Q6_K times 1 to 16 columns, against the exact math on the same rounded
+Q4_0, Q8_0, Q4_K and Q6_K times one column, against the exact math on the same rounded
 weights, within the bound of the GPU parity tests (no further from it than twice ggml's own
-kernels on the same GPU), and against themselves where one graph shares quantized activations.
+kernels on the same GPU), and against themselves where one graph shares quantized activations;
+2 to 16 columns run on ggml's kernels.
 Skipped where the loaded ggml has no GPU (tests/conftest.py); tools/gpu_run.sh runs them."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from lucepy.testing.quants import KINDS, dequantize, quantize
 
 pytestmark = pytest.mark.gpu
 GPU = "cuda:0"
-ROWS = 1000  # not a multiple of a CTA's 8 rows: the last CTA has a tail
+ROWS = 1001  # not a multiple of a CTA's 4 rows: its last CTA has idle warps
+OURS = 1  # columns that lucepy's kernels take (lucepy-mm.cu's MAX_COLS)
 N = 4096
 
 
@@ -85,7 +87,8 @@ def weights_of(lib, kind: str, seed: int, rows: int = ROWS, n: int = N):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_gpu_kernels_match_the_exact_math_for_1_to_16_columns(kind, cuda):
+def test_gpu_kernels_match_the_exact_math_for_one_column(kind, cuda):
+    """And 2 to 16 columns are left to ggml's kernels (lucepy's measured slower there)."""
     lib, device, kernels = cuda
     gtype, raw, exact_w = weights_of(lib, kind, 1)
     rng = np.random.default_rng(2)
@@ -95,7 +98,10 @@ def test_gpu_kernels_match_the_exact_math_for_1_to_16_columns(kind, cuda):
         kernels.set(True)
         calls = kernels.calls
         [[ours]] = products(lib, device, [(gtype, raw)], [x])
-        assert kernels.calls == calls + 1, f"{kind} x {k}: lucepy's kernel did not run"
+        ran = kernels.calls - calls
+        assert ran == (k <= OURS), f"{kind} x {k}: lucepy's kernel ran {ran} times"
+        if k > OURS:
+            continue
         kernels.set(False)
         [[theirs]] = products(lib, device, [(gtype, raw)], [x])
         assert kernels.calls == calls + 1
@@ -134,7 +140,7 @@ def test_gpu_shared_activations_follow_each_compute(cuda):
     lib, device, kernels = cuda
     mats = [weights_of(lib, "q4_0", 10 + i) for i in range(3)]
     rng = np.random.default_rng(6)
-    xs = [rng.normal(size=(4, N)).astype(np.float32) for _ in range(3)]
+    xs = [rng.normal(size=(OURS, N)).astype(np.float32) for _ in range(3)]
     weights = [(t, raw) for t, raw, _ in mats]
     calls, quantized = kernels.calls, kernels.quantized
     products(lib, device, weights, xs[:1])
@@ -147,7 +153,8 @@ def test_gpu_shared_activations_follow_each_compute(cuda):
 
 
 def test_gpu_rows_the_kernels_do_not_take_run_on_ggmls(cuda):
-    """Q4_0 rows of 3 blocks (54 bytes: no 4-byte copies) and 17 columns fall back to ggml."""
+    """Q4_0 rows of 3 blocks (54 bytes: no 4-byte copies) and 17 columns fall back to ggml (2 to
+    16 columns too: the test above)."""
     lib, device, kernels = cuda
     x = np.random.default_rng(7).normal(size=(1, 96)).astype(np.float32)
     gtype, raw, exact_w = weights_of(lib, "q4_0", 8, rows=64, n=96)

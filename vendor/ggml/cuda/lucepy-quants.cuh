@@ -1,6 +1,6 @@
 // lucepy's own kernels (issue 19, decision 12): one 32-value piece of a quantized weight row,
 // unpacked to signed bytes with its scales, and its dot product with one column of int8
-// activations. Shared by the kernels (lucepy-mm.cu) and by tests/test_cuda_kernels.py, which
+// activations. Shared by the kernels (lucepy-kernels.cuh) and by tests/test_cuda_kernels.py, which
 // compiles it with the host's C++ compiler and compares it with ggml's own dequantization.
 //
 // A piece is 32 consecutive weights of a row. Its value i (0..31) is
@@ -105,7 +105,7 @@ struct Scales {
 };
 
 // of piece `at` (0..pieces-1) of the block at `b`: the scales, and ints t and 4 + t (values 4t..4t+3
-// and 16+4t..16+4t+3), the two that a thread of an m16n8k32 tensor-core product holds of a row
+// and 16+4t..16+4t+3)
 template <int K> LUCEPY_HD Scales scales(const uint8_t * b, int at);
 template <int K> LUCEPY_HD void ints(const uint8_t * b, int at, int t, int & lo, int & hi);
 

@@ -1,0 +1,380 @@
+// lucepy's product kernels (lucepy-kernels.cuh) alone on a GPU, without ggml: each way to launch
+// them (rows per warp) on the decode shapes of the 27B-shaped model, 1 and 2 columns, its time
+// per call and the weight bytes it read per second, against a plain streaming read of the same
+// bytes; and each result against the same math on the host (lucepy-quants.cuh), on the same
+// rounded weights and activations.
+//
+//     nvcc -O3 -std=c++17 -arch=sm_90 -o bench-kernels bench-kernels.cu
+//     ./bench-kernels [--quick] [--kind q4_0|q4_K|q8_0|q6_K] [--shape NAME]
+//
+// The weights are random bytes with finite scales, several copies of each matrix in turn so that
+// no call finds its weights in the L2 cache. Times: a CUDA graph of 20 calls, replayed 10 times,
+// the median replay over 20.
+
+#include "lucepy-kernels.cuh"
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace lucepy;
+
+#define CHECK(x)                                                                                \
+    do {                                                                                        \
+        cudaError_t e_ = (x);                                                                   \
+        if (e_ != cudaSuccess) {                                                                \
+            std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));    \
+            std::exit(1);                                                                       \
+        }                                                                                       \
+    } while (0)
+
+namespace {
+
+const char * kind_name(int k) {
+    return k == Q4_0 ? "q4_0" : k == Q8_0 ? "q8_0" : k == Q4_K ? "q4_K" : "q6_K";
+}
+
+int block_bytes(int k) {
+    return k == Q4_0 ? 18 : k == Q8_0 ? 34 : k == Q4_K ? 144 : 210;
+}
+
+int block_values(int k) {
+    return k == Q4_0 || k == Q8_0 ? 32 : 256;
+}
+
+void put_half(uint8_t * p, float v) {
+    const __half h = __float2half(v);
+    std::memcpy(p, &h, 2);
+}
+
+// random quants with finite, moderate scales
+void fill_block(int k, uint8_t * b, std::mt19937 & rng) {
+    std::uniform_real_distribution<float> scale(0.002f, 0.02f);
+    for (int i = 0; i < block_bytes(k); i += 4) {
+        const uint32_t r = rng();
+        std::memcpy(b + i, &r, std::min(4, block_bytes(k) - i));
+    }
+    if (k == Q4_0 || k == Q8_0) {
+        put_half(b, scale(rng));
+    } else if (k == Q4_K) {
+        put_half(b, scale(rng) / 16);
+        put_half(b + 2, scale(rng) / 16);
+    } else {
+        put_half(b + 208, scale(rng) / 16);
+    }
+}
+
+template <int K> float host_dot_row(const uint8_t * row, int npieces, int nc, int c,
+                                    const int8_t * xq, const float2 * xds) {
+    using L = Layout<K>;
+    double sum = 0;
+    for (int piece = 0; piece < npieces; piece++) {
+        Piece p;
+        unpack<K>(row + (piece / L::pieces) * L::bytes, piece % L::pieces, p);
+        int x[8];
+        std::memcpy(x, xq + (int64_t(piece) * nc + c) * 32, 32);
+        const float2 ds = xds[int64_t(piece) * nc + c];
+        sum += dot(p, x, ds.x, ds.y);
+    }
+    return float(sum);
+}
+
+float host_dot(int k, const uint8_t * row, int npieces, int nc, int c, const int8_t * xq,
+               const float2 * xds) {
+    switch (k) {
+        case Q4_0: return host_dot_row<Q4_0>(row, npieces, nc, c, xq, xds);
+        case Q8_0: return host_dot_row<Q8_0>(row, npieces, nc, c, xq, xds);
+        case Q4_K: return host_dot_row<Q4_K>(row, npieces, nc, c, xq, xds);
+        default: return host_dot_row<Q6_K>(row, npieces, nc, c, xq, xds);
+    }
+}
+
+float host_glu(int op, float x, float g) {
+    if (op == GLU_GEGLU) {
+        const float c = 0.79788456080286535588f;
+        return x * 0.5f * g * (1.0f + std::tanh(c * g * (1.0f + 0.044715f * g * g)));
+    }
+    return x * g / (1.0f + std::exp(-g));
+}
+
+// a plain streaming read: every 16 bytes once, one sum per thread written
+__global__ void read_all(const int4 * p, int64_t n, int * out) {
+    int acc = 0;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int4 v = __ldcs(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x7fffffff) {
+        out[0] = acc;  // never, in practice: keeps the loads
+    }
+}
+
+template <typename F> void raise_smem(F kernel, int smem) {
+    if (smem > 48 * 1024) {
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    }
+}
+
+template <int K, int NC, bool GATE, int R, int U, int P, int ST>
+void launch_gemv(const Args & a, cudaStream_t s) {
+    constexpr int smem = Gv<K, GATE, R, U, P, ST>::smem;
+    raise_smem(gemv<K, NC, GATE, R, U, P, ST>, smem);
+    const int warps = (a.nrows + R - 1) / R;
+    gemv<K, NC, GATE, R, U, P, ST><<<(warps + GV_WARPS - 1) / GV_WARPS, GV_WARPS * 32, smem, s>>>(a);
+}
+
+struct Shape {
+    const char * what;
+    int k;     // row length (values)
+    int rows;
+    bool gate;
+};
+
+struct Variant {
+    std::string name;
+    std::function<void(const Args &, cudaStream_t)> run;
+};
+
+// rows per warp R, pieces per chunk P, stages ST; the first is the one lucepy-mm.cu launches
+template <int K, int NC, int U> std::vector<Variant> variants(bool gate) {
+    if (gate) {
+        return {{"R1 P64 s3", launch_gemv<K, NC, true, 1, U, 64, 3>},
+                {"R1 P128 s3", launch_gemv<K, NC, true, 1, U, 128, 3>},
+                {"R1 P256 s2", launch_gemv<K, NC, true, 1, U, 256, 2>},
+                {"R2 P64 s3", launch_gemv<K, NC, true, 2, U, 64, 3>}};
+    }
+    return {{"R1 P64 s3", launch_gemv<K, NC, false, 1, U, 64, 3>},
+            {"R1 P128 s3", launch_gemv<K, NC, false, 1, U, 128, 3>},
+            {"R1 P256 s2", launch_gemv<K, NC, false, 1, U, 256, 2>},
+            {"R1 P256 s3", launch_gemv<K, NC, false, 1, U, 256, 3>},
+            {"R2 P64 s3", launch_gemv<K, NC, false, 2, U, 64, 3>},
+            {"R2 P128 s3", launch_gemv<K, NC, false, 2, U, 128, 3>}};
+}
+
+template <int K, int NC> std::vector<Variant> variants(bool gate, int unit) {
+    return unit == 16 ? variants<K, NC, 16>(gate) : unit == 8 ? variants<K, NC, 8>(gate) : variants<K, NC, 4>(gate);
+}
+
+std::vector<Variant> variants_of(int k, bool gate, int unit) {
+    switch (k) {
+        case Q4_0: return variants<Q4_0, 1>(gate, unit);
+        case Q8_0: return variants<Q8_0, 1>(gate, unit);
+        case Q4_K: return variants<Q4_K, 1>(gate, unit);
+        default: return variants<Q6_K, 1>(gate, unit);
+    }
+}
+
+float median(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// time per call (us) of `run(i)` for calls i = 0..19 captured in a graph
+float time_calls(cudaStream_t s, const std::function<void(int)> & run) {
+    for (int i = 0; i < 3; i++) {
+        run(i);
+    }
+    CHECK(cudaStreamSynchronize(s));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < 20; i++) {
+        run(i);
+    }
+    CHECK(cudaStreamEndCapture(s, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    std::vector<float> t;
+    for (int rep = 0; rep < 20; rep++) {
+        CHECK(cudaEventRecord(e0, s));
+        CHECK(cudaGraphLaunch(exec, s));
+        CHECK(cudaEventRecord(e1, s));
+        CHECK(cudaEventSynchronize(e1));
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        t.push_back(ms * 1e3f / 20);
+    }
+    CHECK(cudaGraphExecDestroy(exec));
+    CHECK(cudaGraphDestroy(graph));
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
+    return median(t);
+}
+
+int failures = 0;
+
+void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) {
+    const int npieces = sh.k / 32;
+    const int64_t row_bytes = int64_t(sh.k / block_values(k)) * block_bytes(k);
+    const int64_t mat_bytes = row_bytes * sh.rows;
+    const int64_t touched = mat_bytes * (sh.gate ? 2 : 1);
+    const int copies = int(std::max<int64_t>(2, (int64_t(1) << 30) / touched));  // >= 1 GiB
+
+    std::vector<uint8_t> host(mat_bytes * 2);  // the product's matrix, then the gate's
+    for (int64_t b = 0; b < int64_t(host.size()) / block_bytes(k); b++) {
+        fill_block(k, host.data() + b * block_bytes(k), rng);
+    }
+    uint8_t * w;
+    CHECK(cudaMalloc(&w, size_t(touched) * copies));
+    for (int c = 0; c < copies; c++) {
+        CHECK(cudaMemcpy(w + touched * c, host.data(), size_t(touched), cudaMemcpyHostToDevice));
+    }
+
+    std::vector<float> x(size_t(sh.k) * nc);
+    std::uniform_real_distribution<float> val(-1.0f, 1.0f);
+    for (float & v : x) {
+        v = val(rng);
+    }
+    float * dx;
+    int8_t * xq;
+    float2 * xds;
+    float * dst;
+    CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
+    CHECK(cudaMalloc(&xq, size_t(npieces) * nc * 32));
+    CHECK(cudaMalloc(&xds, size_t(npieces) * nc * sizeof(float2)));
+    CHECK(cudaMalloc(&dst, size_t(sh.rows) * nc * sizeof(float)));
+    CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+    quantize<<<dim3((npieces + 7) / 8, nc), 256, 0, s>>>(dx, sh.k, npieces, nc, xq, xds);
+    std::vector<int8_t> hq(size_t(npieces) * nc * 32);
+    std::vector<float2> hds(size_t(npieces) * nc);
+    CHECK(cudaMemcpy(hq.data(), xq, hq.size(), cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(hds.data(), xds, hds.size() * sizeof(float2), cudaMemcpyDeviceToHost));
+
+    // the exact math on the host, for a sample of rows
+    std::vector<int> check_rows;
+    for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 61)) {
+        check_rows.push_back(r);
+    }
+    check_rows.push_back(sh.rows - 1);
+    std::vector<float> want(check_rows.size() * nc);
+    float scale = 0;
+    for (size_t i = 0; i < check_rows.size(); i++) {
+        for (int c = 0; c < nc; c++) {
+            const int r = check_rows[i];
+            float v = host_dot(k, host.data() + r * row_bytes, npieces, nc, c, hq.data(), hds.data());
+            if (sh.gate) {
+                const float g = host_dot(k, host.data() + mat_bytes + r * row_bytes, npieces, nc, c,
+                                         hq.data(), hds.data());
+                v = host_glu(GLU_SWIGLU, v, g);
+            }
+            want[i * nc + c] = v;
+            scale = std::max(scale, std::fabs(v));
+        }
+    }
+
+    Args a = {};
+    a.row_stride = row_bytes;
+    a.xq = reinterpret_cast<const int *>(xq);
+    a.xds = xds;
+    a.dst = dst;
+    a.dst_stride = sh.rows;
+    a.glu_op = GLU_SWIGLU;
+    a.nrows = sh.rows;
+    a.npieces = npieces;
+    const int unit = row_bytes % 16 == 0 ? 16 : row_bytes % 8 == 0 ? 8 : 4;
+
+    int * sink;
+    CHECK(cudaMalloc(&sink, sizeof(int)));
+    const float t_read = time_calls(s, [&](int i) {
+        read_all<<<132 * 16, 256, 0, s>>>(reinterpret_cast<const int4 *>(w + touched * (i % copies)),
+                                          touched / 16, sink);
+    });
+    std::printf("%-5s %-10s k=%-6d rows=%-7d cols=%-2d %7.1f MB  read: %7.2f us %6.0f GB/s\n",
+                kind_name(k), sh.what, sh.k, sh.rows, nc, touched / 1e6, t_read,
+                touched / t_read / 1e3);
+
+    for (const Variant & v : variants_of(k, sh.gate, unit)) {
+        auto run = [&](int i) {
+            Args b = a;
+            b.w = w + touched * (i % copies);
+            b.gate = sh.gate ? b.w + mat_bytes : nullptr;
+            v.run(b, s);
+        };
+        CHECK(cudaMemset(dst, 0, size_t(sh.rows) * nc * sizeof(float)));
+        run(0);
+        CHECK(cudaGetLastError());
+        std::vector<float> got(size_t(sh.rows) * nc);
+        CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        float err = 0;
+        for (size_t i = 0; i < check_rows.size(); i++) {
+            for (int c = 0; c < nc; c++) {
+                err = std::max(err, std::fabs(got[size_t(c) * sh.rows + check_rows[i]] - want[i * nc + c]));
+            }
+        }
+        const float rel = err / std::max(scale, 1e-30f);
+        const bool ok = rel < 1e-4f;
+        failures += !ok;
+        const float t = time_calls(s, run);
+        std::printf("      %-10s %8.2f us %6.0f GB/s  %.2fx read   err %.1e%s\n", v.name.c_str(),
+                    t, touched / t / 1e3, t_read / t, rel, ok ? "" : "  WRONG");
+    }
+    CHECK(cudaFree(w));
+    CHECK(cudaFree(dx));
+    CHECK(cudaFree(xq));
+    CHECK(cudaFree(xds));
+    CHECK(cudaFree(dst));
+    CHECK(cudaFree(sink));
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    bool quick = false;
+    const char * only_kind = nullptr;
+    const char * only_shape = nullptr;
+    for (int i = 1; i < argc; i++) {
+        if (std::strcmp(argv[i], "--quick") == 0) {
+            quick = true;
+        } else if (std::strcmp(argv[i], "--kind") == 0 && i + 1 < argc) {
+            only_kind = argv[++i];
+        } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc) {
+            only_shape = argv[++i];
+        } else {
+            std::fprintf(stderr, "usage: %s [--quick] [--kind KIND] [--shape NAME]\n", argv[0]);
+            return 2;
+        }
+    }
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("%s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
+                prop.l2CacheSize >> 20);
+    cudaStream_t s;
+    CHECK(cudaStreamCreate(&s));
+    std::mt19937 rng(7);
+    // Qwen3.6-27B's decode products (n_embd 5120, n_ff 17408), and its Q6_K output head
+    const Shape shapes[] = {
+        {"ffn_up+gate", 5120, 17408, true},
+        {"ffn_down", 17408, 5120, false},
+        {"qkv", 5120, 10240, false},
+        {"attn_k", 5120, 1024, false},
+        {"output", 5120, 248320, false},
+    };
+    for (int k : {Q4_0, Q4_K, Q8_0, Q6_K}) {
+        for (const Shape & sh : shapes) {
+            for (int nc : {1}) {
+                if ((sh.rows > 100000 && k != Q6_K) || (quick && k == Q8_0)) {
+                    continue;  // the output head is Q6_K in the Q4_0 and Q4_K_M files
+                }
+                if ((only_kind && std::strcmp(only_kind, kind_name(k)) != 0) ||
+                    (only_shape && std::strcmp(only_shape, sh.what) != 0)) {
+                    continue;
+                }
+                bench(k, sh, nc, s, rng);
+            }
+        }
+    }
+    std::printf(failures ? "%d WRONG\n" : "all results match the host's\n", failures);
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,337 @@
+// lucepy's own kernels (issue 19, decision 12): a quantized weight matrix times 1 to 16 columns.
+// The device code only: lucepy-mm.cu hooks it into ggml-cuda, and bench-kernels.cu times it alone
+// (no ggml), on the same source.
+//
+// ggml-cuda reads the weights of a decode at about a third of an H200's bandwidth. Here:
+//   - one column (`gemv`, a decode): each warp streams whole rows (and their gate rows when ggml
+//     fuses the FFN's gate, up and GLU) through its own shared memory with cp.async, and
+//     multiplies each 32-value piece with dp4a for all its rows (the kernel takes 2 columns too,
+//     for bench-kernels.cu's comparisons);
+//   - the activations are quantized to int8 once per graph and source tensor (`quantize`).
+// 2-16 columns stay ggml's: lucepy's kernels for them (dp4a and tensor cores) measured slower
+// (docs/BENCHMARKS.md). See lucepy-quants.cuh for the piece format.
+//
+// The includer may define LUCEPY_PDL_SYNC() (wait for the kernel before: programmatic dependent
+// launch) and LUCEPY_PDL_LAUNCH() (let the next kernel start); by default they are Hopper's
+// griddepcontrol instructions, which do nothing for a kernel launched without the attribute.
+#pragma once
+
+#include "lucepy-quants.cuh"
+
+#include <cstdint>
+
+#ifndef LUCEPY_PDL_SYNC
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LUCEPY_PDL_SYNC() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define LUCEPY_PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define LUCEPY_PDL_SYNC()
+#define LUCEPY_PDL_LAUNCH()
+#endif
+#endif
+
+namespace lucepy {
+
+// --- copies into shared memory ----------------------------------------------------------------
+
+template <int U> __device__ __forceinline__ void copy_async(uint8_t * dst, const uint8_t * src) {
+    static_assert(U == 16 || U == 8 || U == 4, "cp.async copies 4, 8 or 16 bytes");
+#if __CUDA_ARCH__ >= 800
+    const unsigned s = unsigned(__cvta_generic_to_shared(dst));
+    if constexpr (U == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(U));
+    }
+#else
+    if constexpr (U == 16) {
+        *reinterpret_cast<int4 *>(dst) = *reinterpret_cast<const int4 *>(src);
+    } else if constexpr (U == 8) {
+        *reinterpret_cast<int2 *>(dst) = *reinterpret_cast<const int2 *>(src);
+    } else {
+        *reinterpret_cast<int *>(dst) = *reinterpret_cast<const int *>(src);
+    }
+#endif
+}
+
+__device__ __forceinline__ void copy_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int PENDING> __device__ __forceinline__ void copy_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+#endif
+}
+
+enum Glu : int { GLU_SWIGLU = 0, GLU_GEGLU = 1 };
+
+__device__ __forceinline__ float glu(int op, float x, float gate) {
+    if (op == GLU_GEGLU) {
+        const float c = 0.79788456080286535588f;  // sqrt(2 / pi)
+        return x * 0.5f * gate * (1.0f + tanhf(c * gate * (1.0f + 0.044715f * gate * gate)));
+    }
+    return x * gate / (1.0f + expf(-gate));  // SWIGLU
+}
+
+// --- the product --------------------------------------------------------------------------------
+
+struct Args {
+    const uint8_t * w;        // weights, rows of row_stride bytes
+    const uint8_t * gate;     // the fused gate's weights, or null
+    int64_t row_stride;
+    const int * xq;           // [piece][column][8 ints]: 32 int8 activations
+    const float2 * xds;       // [piece][column]: (scale, scale * sum of the int8 values)
+    float * dst;              // [column][row], columns dst_stride floats apart
+    int64_t dst_stride;
+    const float * x_bias;     // fused bias of the product, or null
+    const float * gate_bias;  // fused bias of the gate, or null
+    int glu_op;
+    int nrows;
+    int npieces;              // row length / 32
+};
+
+// --- one column: a warp streams whole rows -----------------------------------------------
+//
+// Each warp owns R output rows (and, fused, their R gate rows: S staged rows in all) and walks
+// along them in chunks of 64 pieces, each chunk of each row copied into the warp's own shared
+// memory with cp.async, ST chunks in flight. A lane takes pieces lane, 32 + lane, ... of a chunk:
+// it loads their activations once and multiplies them with all S rows with dp4a. No barrier but
+// the warp's own; the sums meet by shuffles. A chunk of 64 pieces is 1,152 bytes of Q4_0 or
+// Q4_K, 2,176 of Q8_0, 1,680 of Q6_K, all multiples of 16, so a chunk starts where its row's
+// alignment allows.
+//
+// Measured against alternatives on the H200 (bench-kernels.cu, docs/BENCHMARKS.md): one tile of
+// R rows a warp beat warps that stream several tiles in turn (fewer warps in flight), and more
+// stages than three did not help.
+
+constexpr int GV_WARPS = 4;
+
+// Chunks of P pieces (a multiple of 32: one piece a lane), ST of them in flight per warp, copied U
+// bytes at a time (16, or 8 or 4 where the row starts allow no more).
+template <int K, bool GATE, int R, int U, int P = 64, int ST = 3> struct Gv {
+    static_assert(P % 32 == 0, "a chunk is whole pieces for every lane");
+    static constexpr int pieces = P;
+    static constexpr int stages = ST;
+    static constexpr int unit = U;
+    static constexpr int blocks = P / Layout<K>::pieces;
+    static constexpr int bytes = blocks * Layout<K>::bytes;  // of one row
+    static_assert(bytes % 16 == 0, "chunks start 16-byte aligned in an aligned row");
+    static constexpr int pitch = bytes + 16;  // a block's reads run up to 6 bytes past its end
+    static constexpr int copies = (bytes + 32 * U - 1) / (32 * U);  // per lane and row
+    static constexpr int staged = GATE ? 2 * R : R;
+    static constexpr int warp_bytes = ST * staged * pitch;
+    static constexpr int smem = GV_WARPS * warp_bytes;
+};
+
+// A Q4_0 block in shared memory at byte `at` of a 16-byte aligned `base` (blocks of 18 bytes sit
+// at 2-byte alignment), times NC columns of int8 activations, added to `acc`: six 4-byte loads
+// and funnel shifts, where a byte-wise read takes nine; the nibbles enter dp4a as they are (0 to
+// 15) and the 8 that each stands above its value comes off through the activations' sum:
+// d * sum((q - 8) * x) = d * (dx * sum(q * xq) - 8 * sx), with sx = dx * sum(xq).
+template <int NC>
+__device__ __forceinline__ void dot_q4_0_shared(const uint8_t * base, int at, const int (&xq)[NC][8],
+                                                const float (&dx)[NC], const float (&sx)[NC],
+                                                float (&acc)[NC]) {
+    const uint32_t * w = reinterpret_cast<const uint32_t *>(base + (at & ~3));
+    const float d = __half2float(__ushort_as_half(uint16_t(w[0] >> (8 * (at & 2)))));
+    const int q = at + 2;  // the nibbles
+    const uint32_t * wq = reinterpret_cast<const uint32_t *>(base + (q & ~3));
+    const int shift = 8 * (q & 3);  // 0 or 16
+    uint32_t v[5];
+#pragma unroll
+    for (int i = 0; i < 5; i++) {
+        v[i] = wq[i];
+    }
+    int sum[NC];
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        sum[c] = 0;
+    }
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+        const int x = int(__funnelshift_r(v[t], v[t + 1], shift));
+        const int lo = x & 0x0F0F0F0F;         // values 4t..4t+3
+        const int hi = (x >> 4) & 0x0F0F0F0F;  // values 16+4t..16+4t+3
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            sum[c] = dp4a(lo, xq[c][t], sum[c]);
+            sum[c] = dp4a(hi, xq[c][4 + t], sum[c]);
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        acc[c] += d * (dx[c] * float(sum[c]) - 8.0f * sx[c]);
+    }
+}
+
+template <int K, int NC, bool GATE, int R, int U, int P = 64, int ST = 3>
+__global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
+    using L = Layout<K>;
+    using Ch = Gv<K, GATE, R, U, P, ST>;
+    constexpr int S = Ch::staged;
+    extern __shared__ __align__(16) uint8_t smem[];
+
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int row0 = (blockIdx.x * GV_WARPS + warp) * R;
+    if (row0 >= a.nrows) {
+        return;  // no barrier in this kernel waits for this warp
+    }
+    const int nblocks = a.npieces / L::pieces;
+    const int nchunks = (nblocks + Ch::blocks - 1) / Ch::blocks;
+    const int64_t row_bytes = int64_t(nblocks) * L::bytes;
+    uint8_t * mine = smem + warp * Ch::warp_bytes;
+
+    auto issue = [&](int ch) {
+        if (ch < nchunks) {
+            const int64_t off = int64_t(ch) * Ch::bytes;
+            const int bytes = int(row_bytes - off < Ch::bytes ? row_bytes - off : Ch::bytes);
+            uint8_t * stage = mine + (ch % ST) * S * Ch::pitch;
+#pragma unroll
+            for (int r = 0; r < S; r++) {
+                const int row = row0 + r % R;
+                if (row < a.nrows) {
+                    const uint8_t * src =
+                        (GATE && r >= R ? a.gate : a.w) + row * a.row_stride + off;
+#pragma unroll
+                    for (int i = 0; i < Ch::copies; i++) {
+                        const int o = (32 * i + lane) * U;
+                        if (o < bytes) {
+                            copy_async<U>(stage + r * Ch::pitch + o, src + o);
+                        }
+                    }
+                }
+            }
+        }
+        copy_commit();  // an empty group past the end keeps the count of groups in flight
+    };
+
+    float acc[S][NC];
+#pragma unroll
+    for (int r = 0; r < S; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            acc[r][c] = 0.0f;
+        }
+    }
+
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) {
+        issue(s);  // weights: no kernel before this one writes them
+    }
+    LUCEPY_PDL_SYNC();  // the activations: the kernel before has finished
+    for (int ch = 0; ch < nchunks; ch++) {
+        issue(ch + ST - 1);
+        copy_wait<ST - 1>();
+        __syncwarp();
+        const uint8_t * stage = mine + (ch % ST) * S * Ch::pitch;
+#pragma unroll
+        for (int k = 0; k < P / 32; k++) {
+            const int at = 32 * k + lane;  // the piece in the chunk
+            const int piece = ch * P + at;
+            if (piece < a.npieces) {
+                int xq[NC][8];
+                float dx[NC], sx[NC];
+#pragma unroll
+                for (int c = 0; c < NC; c++) {
+                    const int64_t i = int64_t(piece) * NC + c;
+                    const int4 lo = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i);
+                    const int4 hi = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i + 1);
+                    xq[c][0] = lo.x, xq[c][1] = lo.y, xq[c][2] = lo.z, xq[c][3] = lo.w;
+                    xq[c][4] = hi.x, xq[c][5] = hi.y, xq[c][6] = hi.z, xq[c][7] = hi.w;
+                    const float2 ds = __ldg(a.xds + i);
+                    dx[c] = ds.x, sx[c] = ds.y;
+                }
+#pragma unroll
+                for (int r = 0; r < S; r++) {
+                    // a row past the end holds stale bytes: its sum is never written
+                    const uint8_t * row = stage + r * Ch::pitch;
+                    if constexpr (K == Q4_0) {
+                        dot_q4_0_shared<NC>(row, at * L::bytes, xq, dx, sx, acc[r]);
+                    } else {
+                        Piece p;
+                        unpack<K>(row + (at / L::pieces) * L::bytes, at % L::pieces, p);
+#pragma unroll
+                        for (int c = 0; c < NC; c++) {
+                            acc[r][c] += dot(p, xq[c], dx[c], sx[c]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncwarp();  // every lane has read the stage before the next issue refills it
+    }
+
+    LUCEPY_PDL_LAUNCH();  // the next kernel may start (and fetch its own weights)
+
+#pragma unroll
+    for (int r = 0; r < S; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) {
+                acc[r][c] += __shfl_xor_sync(0xFFFFFFFFu, acc[r][c], off);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            const int row = row0 + r;
+            if (lane == (r * NC + c) % 32 && row < a.nrows) {
+                const int64_t at = c * a.dst_stride + row;
+                float v = acc[r][c];
+                if (a.x_bias) {
+                    v += a.x_bias[at];
+                }
+                if constexpr (GATE) {
+                    float g = acc[R + r][c];
+                    if (a.gate_bias) {
+                        g += a.gate_bias[at];
+                    }
+                    v = glu(a.glu_op, v, g);
+                }
+                a.dst[at] = v;
+            }
+        }
+    }
+}
+
+// One warp per 32-value piece and column: 32 int8 values, their scale, and the sum of the
+// values they stand for (scale times their sum).
+// (No __restrict__ here or in Args: ggml-cuda finds it unsafe beside programmatic dependent launch.)
+__global__ void quantize(const float * x, int64_t col_stride, int npieces, int ncols, int8_t * xq,
+                         float2 * xds) {
+    LUCEPY_PDL_LAUNCH();    // the product after this may start fetching its weights
+    LUCEPY_PDL_SYNC();  // x: the kernel before has finished
+    const int piece = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int c = blockIdx.y;
+    const int lane = threadIdx.x % 32;
+    if (piece >= npieces) {
+        return;
+    }
+    const float v = x[c * col_stride + int64_t(piece) * 32 + lane];
+    float amax = fabsf(v);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    }
+    const float d = amax / 127.0f;
+    const int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
+    int sum = q;  // of the quantized values: a min's error then cancels the values' (Q4_K)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    }
+    const int64_t at = int64_t(piece) * ncols + c;
+    xq[at * 32 + lane] = int8_t(q);
+    if (lane == 0) {
+        xds[at] = make_float2(d, d * float(sum));
+    }
+}
+
+}  // namespace lucepy
