@@ -125,12 +125,33 @@ template <typename F> void raise_smem(F kernel, int smem) {
     }
 }
 
-template <int K, int NC, bool GATE, int R, int U, int P, int ST>
+template <int K, int NC, bool GATE, int R, int U, int SPLIT, int P = 64, int ST = 3>
 void launch_gemv(const Args & a, cudaStream_t s) {
     constexpr int smem = Gv<K, GATE, R, U, P, ST>::smem;
-    raise_smem(gemv<K, NC, GATE, R, U, P, ST>, smem);
-    const int warps = (a.nrows + R - 1) / R;
-    gemv<K, NC, GATE, R, U, P, ST><<<(warps + GV_WARPS - 1) / GV_WARPS, GV_WARPS * 32, smem, s>>>(a);
+    auto kernel = gemv<K, NC, GATE, R, U, SPLIT, P, ST>;
+    raise_smem(kernel, smem);
+    const int64_t warps = int64_t((a.nrows + R - 1) / R) * SPLIT;
+    kernel<<<unsigned((warps + GV_WARPS - 1) / GV_WARPS), GV_WARPS * 32, smem, s>>>(a);
+}
+
+// the split that lucepy-mm.cu chooses (gemv_split), from the occupancy calculator's slots
+template <int K, int NC, bool GATE, int U> void launch_auto(const Args & a, cudaStream_t s) {
+    constexpr int smem = Gv<K, GATE, 1, U>::smem;
+    static int64_t slots = 0;
+    if (!slots) {
+        raise_smem(gemv<K, NC, GATE, 1, U, 1>, smem);
+        int per_sm = 0, sms = 0;
+        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv<K, NC, GATE, 1, U, 1>,
+                                                            GV_WARPS * 32, smem));
+        CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        slots = int64_t(per_sm) * GV_WARPS * sms;
+    }
+    const int steps = (a.npieces + split_step<K>() - 1) / split_step<K>();
+    switch (gemv_split(a.nrows, steps, slots)) {
+        case 1: launch_gemv<K, NC, GATE, 1, U, 1>(a, s); break;
+        case 2: launch_gemv<K, NC, GATE, 1, U, 2>(a, s); break;
+        default: launch_gemv<K, NC, GATE, 1, U, 4>(a, s); break;
+    }
 }
 
 struct Shape {
@@ -145,20 +166,19 @@ struct Variant {
     std::function<void(const Args &, cudaStream_t)> run;
 };
 
-// rows per warp R, pieces per chunk P, stages ST; the first is the one lucepy-mm.cu launches
+// the split lucepy-mm.cu chooses, then each split; two rows a warp
 template <int K, int NC, int U> std::vector<Variant> variants(bool gate) {
     if (gate) {
-        return {{"R1 P64 s3", launch_gemv<K, NC, true, 1, U, 64, 3>},
-                {"R1 P128 s3", launch_gemv<K, NC, true, 1, U, 128, 3>},
-                {"R1 P256 s2", launch_gemv<K, NC, true, 1, U, 256, 2>},
-                {"R2 P64 s3", launch_gemv<K, NC, true, 2, U, 64, 3>}};
+        return {{"auto", launch_auto<K, NC, true, U>},
+                {"split 1", launch_gemv<K, NC, true, 1, U, 1>},
+                {"split 2", launch_gemv<K, NC, true, 1, U, 2>},
+                {"split 4", launch_gemv<K, NC, true, 1, U, 4>}};
     }
-    return {{"R1 P64 s3", launch_gemv<K, NC, false, 1, U, 64, 3>},
-            {"R1 P128 s3", launch_gemv<K, NC, false, 1, U, 128, 3>},
-            {"R1 P256 s2", launch_gemv<K, NC, false, 1, U, 256, 2>},
-            {"R1 P256 s3", launch_gemv<K, NC, false, 1, U, 256, 3>},
-            {"R2 P64 s3", launch_gemv<K, NC, false, 2, U, 64, 3>},
-            {"R2 P128 s3", launch_gemv<K, NC, false, 2, U, 128, 3>}};
+    return {{"auto", launch_auto<K, NC, false, U>},
+            {"split 1", launch_gemv<K, NC, false, 1, U, 1>},
+            {"split 2", launch_gemv<K, NC, false, 1, U, 2>},
+            {"split 4", launch_gemv<K, NC, false, 1, U, 4>},
+            {"R2", launch_gemv<K, NC, false, 2, U, 1>}};
 }
 
 template <int K, int NC> std::vector<Variant> variants(bool gate, int unit) {
@@ -358,6 +378,7 @@ int main(int argc, char ** argv) {
         {"ffn_up+gate", 5120, 17408, true},
         {"ffn_down", 17408, 5120, false},
         {"qkv", 5120, 10240, false},
+        {"attn_out", 6144, 5120, false},
         {"attn_k", 5120, 1024, false},
         {"output", 5120, 248320, false},
     };

@@ -98,14 +98,14 @@ struct Args {
 // Each warp owns R output rows (and, fused, their R gate rows: S staged rows in all) and walks
 // along them in chunks of 64 pieces, each chunk of each row copied into the warp's own shared
 // memory with cp.async, ST chunks in flight. A lane takes pieces lane, 32 + lane, ... of a chunk:
-// it loads their activations once and multiplies them with all S rows with dp4a. No barrier but
-// the warp's own; the sums meet by shuffles. A chunk of 64 pieces is 1,152 bytes of Q4_0 or
+// it loads their activations once and multiplies them with all S rows with dp4a. A warp's sums
+// meet by shuffles; a CTA's barrier only where warps share rows (SPLIT, below). A chunk of 64 pieces is 1,152 bytes of Q4_0 or
 // Q4_K, 2,176 of Q8_0, 1,680 of Q6_K, all multiples of 16, so a chunk starts where its row's
 // alignment allows.
 //
 // Measured against alternatives on the H200 (bench-kernels.cu, docs/BENCHMARKS.md): one tile of
-// R rows a warp beat warps that stream several tiles in turn (fewer warps in flight), and more
-// stages than three did not help.
+// R rows a warp (or SPLIT warps, below) beat warps that stream several tiles in turn (fewer
+// warps in flight); more stages than three, longer chunks and more rows a warp did not help.
 
 constexpr int GV_WARPS = 4;
 
@@ -167,28 +167,43 @@ __device__ __forceinline__ void dot_q4_0_shared(const uint8_t * base, int at, co
     }
 }
 
-template <int K, int NC, bool GATE, int R, int U, int P = 64, int ST = 3>
+// SPLIT warps share each tile of R rows, each taking a contiguous range of its pieces (whole
+// steps of 32 pieces; of 64 for Q6_K, whose 32 pieces are 840 bytes), so that a product of few
+// rows still fills the GPU with warps; their sums meet in shared memory.
+template <int K> __host__ __device__ constexpr int split_step() {
+    return K == Q6_K ? 64 : 32;
+}
+
+template <int K, int NC, bool GATE, int R, int U, int SPLIT = 1, int P = 64, int ST = 3>
 __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
     using L = Layout<K>;
     using Ch = Gv<K, GATE, R, U, P, ST>;
     constexpr int S = Ch::staged;
+    static_assert(GV_WARPS % SPLIT == 0, "a CTA holds whole tiles");
     extern __shared__ __align__(16) uint8_t smem[];
 
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int row0 = (blockIdx.x * GV_WARPS + warp) * R;
-    if (row0 >= a.nrows) {
+    const int part = warp % SPLIT;
+    const int row0 = (blockIdx.x * (GV_WARPS / SPLIT) + warp / SPLIT) * R;
+    if (SPLIT == 1 && row0 >= a.nrows) {
         return;  // no barrier in this kernel waits for this warp
     }
-    const int nblocks = a.npieces / L::pieces;
-    const int nchunks = (nblocks + Ch::blocks - 1) / Ch::blocks;
-    const int64_t row_bytes = int64_t(nblocks) * L::bytes;
+    // this warp's pieces: [first, end)
+    constexpr int G = split_step<K>();
+    const int steps = (a.npieces + G - 1) / G;
+    const int per = (steps + SPLIT - 1) / SPLIT;
+    const int first = min(a.npieces, part * per * G);
+    const int end = min(a.npieces, (part + 1) * per * G);
+    const int nchunks = row0 < a.nrows ? (end - first + P - 1) / P : 0;
+    const int64_t base = int64_t(first / L::pieces) * L::bytes;  // bytes into the row
+    const int64_t last = int64_t((end + L::pieces - 1) / L::pieces) * L::bytes;
     uint8_t * mine = smem + warp * Ch::warp_bytes;
 
     auto issue = [&](int ch) {
         if (ch < nchunks) {
-            const int64_t off = int64_t(ch) * Ch::bytes;
-            const int bytes = int(row_bytes - off < Ch::bytes ? row_bytes - off : Ch::bytes);
+            const int64_t off = base + int64_t(ch) * Ch::bytes;
+            const int bytes = int(last - off < Ch::bytes ? last - off : Ch::bytes);
             uint8_t * stage = mine + (ch % ST) * S * Ch::pitch;
 #pragma unroll
             for (int r = 0; r < S; r++) {
@@ -231,8 +246,8 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
 #pragma unroll
         for (int k = 0; k < P / 32; k++) {
             const int at = 32 * k + lane;  // the piece in the chunk
-            const int piece = ch * P + at;
-            if (piece < a.npieces) {
+            const int piece = first + ch * P + at;
+            if (piece < end) {
                 int xq[NC][8];
                 float dx[NC], sx[NC];
 #pragma unroll
@@ -277,6 +292,36 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
             }
         }
     }
+    if constexpr (SPLIT > 1) {  // the parts' sums, in part order: the same result every run
+        __syncthreads();        // every warp is past its stages
+        float * red = reinterpret_cast<float *>(smem);
+        static_assert(GV_WARPS * S * NC * sizeof(float) <= Ch::smem, "room to reduce");
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < S; r++) {
+#pragma unroll
+                for (int c = 0; c < NC; c++) {
+                    red[(warp * S + r) * NC + c] = acc[r][c];
+                }
+            }
+        }
+        __syncthreads();
+        if (part != 0) {
+            return;
+        }
+#pragma unroll
+        for (int r = 0; r < S; r++) {
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                float v = 0.0f;
+#pragma unroll
+                for (int q = 0; q < SPLIT; q++) {
+                    v += red[((warp + q) * S + r) * NC + c];
+                }
+                acc[r][c] = v;
+            }
+        }
+    }
 #pragma unroll
     for (int r = 0; r < R; r++) {
 #pragma unroll
@@ -299,6 +344,28 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
             }
         }
     }
+}
+
+// The split for a product of `tiles` tiles and `steps` steps of split_step pieces, on a GPU with
+// room for `slots` warps of the kernel at once: the one whose last wave of warps is fullest, a
+// larger one only where it fills 5 % more of it, and never under two steps a warp. (On the H200
+// the FFN's fused up/gate takes two warps a row: 28.6 against 30.2 us, bench-kernels.cu.)
+inline int gemv_split(int64_t tiles, int steps, int64_t slots) {
+    int best = 1;
+    double fill = 0.0;
+    for (int split : {1, 2, 4}) {
+        if (split > 1 && steps < 2 * split) {
+            break;
+        }
+        const int64_t units = tiles * split;
+        const int64_t waves = (units + slots - 1) / slots;
+        const double f = double(units) / double(waves * slots);
+        if (f > fill + 0.05) {
+            best = split;
+            fill = f;
+        }
+    }
+    return best;
 }
 
 // One warp per 32-value piece and column: 32 int8 values, their scale, and the sum of the

@@ -144,20 +144,43 @@ uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
 
 using Launch = void (*)(const Args &, cudaStream_t, int device);
 
-// a warp for each R rows, copies of U bytes
+// warps of the kernel that fit on the device at once
+template <typename F> int64_t warp_slots(F kernel, int smem, int device) {
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, GV_WARPS * 32, smem));
+    return int64_t(per_sm) * GV_WARPS * ggml_cuda_info().devices[device].nsm;
+}
+
+template <int K, int NC, bool GATE, int R, int U, int SPLIT>
+void launch_split(const Args & a, cudaStream_t stream) {
+    using G = Gv<K, GATE, R, U>;
+    const int64_t warps = int64_t((a.nrows + R - 1) / R) * SPLIT;
+    const dim3 grid(unsigned((warps + GV_WARPS - 1) / GV_WARPS));
+    ggml_cuda_kernel_launch(gemv<K, NC, GATE, R, U, SPLIT>,
+                            ggml_cuda_kernel_launch_params(grid, GV_WARPS * 32, G::smem, stream), a);
+}
+
+// a warp for each R rows (or 2 or 4 for each, gemv_split), copies of U bytes
 template <int K, int NC, bool GATE, int R, int U>
 void launch(const Args & a, cudaStream_t stream, int device) {
     using G = Gv<K, GATE, R, U>;
-    static bool raised[GGML_CUDA_MAX_DEVICES] = {};
-    if (G::smem > 48 * 1024 && !raised[device]) {
-        CUDA_CHECK(cudaFuncSetAttribute(gemv<K, NC, GATE, R, U>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, G::smem));
-        raised[device] = true;
+    static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
+    if (!slots[device]) {
+        if (G::smem > 48 * 1024) {
+            for (auto kernel : {gemv<K, NC, GATE, R, U, 1>, gemv<K, NC, GATE, R, U, 2>,
+                                gemv<K, NC, GATE, R, U, 4>}) {
+                CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                G::smem));
+            }
+        }
+        slots[device] = warp_slots(gemv<K, NC, GATE, R, U, 1>, G::smem, device);
     }
-    const int warps = (a.nrows + R - 1) / R;
-    const dim3 grid(unsigned((warps + GV_WARPS - 1) / GV_WARPS));
-    ggml_cuda_kernel_launch(gemv<K, NC, GATE, R, U>,
-                            ggml_cuda_kernel_launch_params(grid, GV_WARPS * 32, G::smem, stream), a);
+    const int steps = (a.npieces + split_step<K>() - 1) / split_step<K>();
+    switch (gemv_split((a.nrows + R - 1) / R, steps, slots[device])) {
+        case 1: launch_split<K, NC, GATE, R, U, 1>(a, stream); break;
+        case 2: launch_split<K, NC, GATE, R, U, 2>(a, stream); break;
+        default: launch_split<K, NC, GATE, R, U, 4>(a, stream); break;
+    }
 }
 
 // one column: a warp per row (and its gate row)
