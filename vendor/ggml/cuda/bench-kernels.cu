@@ -80,10 +80,12 @@ template <int K> float host_dot_row(const uint8_t * row, int npieces, int nc, in
     for (int piece = 0; piece < npieces; piece++) {
         Piece p;
         unpack<K>(row + (piece / L::pieces) * L::bytes, piece % L::pieces, p);
-        int x[8];
-        std::memcpy(x, xq + (int64_t(piece) * nc + c) * 32, 32);
-        const float2 ds = xds[int64_t(piece) * nc + c];
-        sum += dot(p, x, ds.x, ds.y);
+        for (int k = 0; k < planes_of<K>(); k++) {
+            const int64_t at = (int64_t(piece) * nc + c) * planes_of<K>() + k;
+            int x[8];
+            std::memcpy(x, xq + at * 32, 32);
+            sum += dot(p, x, xds[at].x, xds[at].y);
+        }
     }
     return float(sum);
 }
@@ -262,13 +264,14 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
     float2 * xds;
     float * dst;
     CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
-    CHECK(cudaMalloc(&xq, size_t(npieces) * nc * 32));
-    CHECK(cudaMalloc(&xds, size_t(npieces) * nc * sizeof(float2)));
+    const int planes = k == Q8_0 ? planes_of<Q8_0>() : planes_of<Q4_0>();
+    CHECK(cudaMalloc(&xq, size_t(npieces) * nc * planes * 32));
+    CHECK(cudaMalloc(&xds, size_t(npieces) * nc * planes * sizeof(float2)));
     CHECK(cudaMalloc(&dst, size_t(sh.rows) * nc * sizeof(float)));
     CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
-    quantize<<<dim3((npieces + 7) / 8, nc), 256, 0, s>>>(dx, sh.k, npieces, nc, xq, xds);
-    std::vector<int8_t> hq(size_t(npieces) * nc * 32);
-    std::vector<float2> hds(size_t(npieces) * nc);
+    quantize<<<dim3((npieces + 7) / 8, nc), 256, 0, s>>>(dx, sh.k, npieces, nc, planes, xq, xds);
+    std::vector<int8_t> hq(size_t(npieces) * nc * planes * 32);
+    std::vector<float2> hds(size_t(npieces) * nc * planes);
     CHECK(cudaMemcpy(hq.data(), xq, hq.size(), cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(hds.data(), xds, hds.size() * sizeof(float2), cudaMemcpyDeviceToHost));
 

@@ -82,8 +82,8 @@ struct Args {
     const uint8_t * w;        // weights, rows of row_stride bytes
     const uint8_t * gate;     // the fused gate's weights, or null
     int64_t row_stride;
-    const int * xq;           // [piece][column][8 ints]: 32 int8 activations
-    const float2 * xds;       // [piece][column]: (scale, scale * sum of the int8 values)
+    const int * xq;           // [piece][column][plane][8 ints]: 32 int8 activations a plane
+    const float2 * xds;       // [piece][column][plane]: (scale, scale * sum of the int8 values)
     float * dst;              // [column][row], columns dst_stride floats apart
     int64_t dst_stride;
     const float * x_bias;     // fused bias of the product, or null
@@ -92,6 +92,19 @@ struct Args {
     int nrows;
     int npieces;              // row length / 32
 };
+
+// Activations in int8 planes a piece: x = d1 * q1 (+ d2 * q2, the second plane the first's
+// rounding). One plane rounds an activation by up to 2^-8 of its piece's largest: small against
+// a 4- or 6-bit weight's rounding, as large as an 8-bit one's. So Q8_0 takes two planes (within
+// about 2^-15): with one, a GPU parity test failed (tests/test_gpu.py, the tiny random q8_0
+// model, one decode step at 2.6x llama.cpp's error where the bound is 2x); with two everywhere
+// all GPU tests passed, but the 27B-shaped Q4_0 decoded at 85.5 tok/s against 130.6 with one
+// (docs/BENCHMARKS.md).
+constexpr int MAX_PLANES = 2;
+
+template <int K> __host__ __device__ constexpr int planes_of() {
+    return K == Q8_0 ? 2 : 1;
+}
 
 // --- one column: a warp streams whole rows -----------------------------------------------
 //
@@ -129,12 +142,13 @@ template <int K, bool GATE, int R, int U, int P = 64, int ST = 3> struct Gv {
 // A Q4_0 block in shared memory at byte `at` of a 16-byte aligned `base` (blocks of 18 bytes sit
 // at 2-byte alignment), times NC columns of int8 activations, added to `acc`: six 4-byte loads
 // and funnel shifts, where a byte-wise read takes nine; the nibbles enter dp4a as they are (0 to
-// 15) and the 8 that each stands above its value comes off through the activations' sum:
-// d * sum((q - 8) * x) = d * (dx * sum(q * xq) - 8 * sx), with sx = dx * sum(xq).
-template <int NC>
-__device__ __forceinline__ void dot_q4_0_shared(const uint8_t * base, int at, const int (&xq)[NC][8],
-                                                const float (&dx)[NC], const float (&sx)[NC],
-                                                float (&acc)[NC]) {
+// 15) and the 8 that each stands above its value comes off through the activations' sums:
+// d * sum((q - 8) * x) = d * sum over planes (dx * sum(q * xq) - 8 * sx), sx = dx * sum(xq).
+template <int NC, int PLANES>
+__device__ __forceinline__ void dot_q4_0_shared(const uint8_t * base, int at,
+                                                const int (&xq)[NC][PLANES][8],
+                                                const float (&dx)[NC][PLANES],
+                                                const float (&sx)[NC][PLANES], float (&acc)[NC]) {
     const uint32_t * w = reinterpret_cast<const uint32_t *>(base + (at & ~3));
     const float d = __half2float(__ushort_as_half(uint16_t(w[0] >> (8 * (at & 2)))));
     const int q = at + 2;  // the nibbles
@@ -145,10 +159,13 @@ __device__ __forceinline__ void dot_q4_0_shared(const uint8_t * base, int at, co
     for (int i = 0; i < 5; i++) {
         v[i] = wq[i];
     }
-    int sum[NC];
+    int sum[NC][PLANES];
 #pragma unroll
     for (int c = 0; c < NC; c++) {
-        sum[c] = 0;
+#pragma unroll
+        for (int k = 0; k < PLANES; k++) {
+            sum[c][k] = 0;
+        }
     }
 #pragma unroll
     for (int t = 0; t < 4; t++) {
@@ -157,13 +174,21 @@ __device__ __forceinline__ void dot_q4_0_shared(const uint8_t * base, int at, co
         const int hi = (x >> 4) & 0x0F0F0F0F;  // values 16+4t..16+4t+3
 #pragma unroll
         for (int c = 0; c < NC; c++) {
-            sum[c] = dp4a(lo, xq[c][t], sum[c]);
-            sum[c] = dp4a(hi, xq[c][4 + t], sum[c]);
+#pragma unroll
+            for (int k = 0; k < PLANES; k++) {
+                sum[c][k] = dp4a(lo, xq[c][k][t], sum[c][k]);
+                sum[c][k] = dp4a(hi, xq[c][k][4 + t], sum[c][k]);
+            }
         }
     }
 #pragma unroll
     for (int c = 0; c < NC; c++) {
-        acc[c] += d * (dx[c] * float(sum[c]) - 8.0f * sx[c]);
+        float v = 0.0f;
+#pragma unroll
+        for (int k = 0; k < PLANES; k++) {
+            v += dx[c][k] * float(sum[c][k]) - 8.0f * sx[c][k];
+        }
+        acc[c] += d * v;
     }
 }
 
@@ -179,6 +204,7 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
     using L = Layout<K>;
     using Ch = Gv<K, GATE, R, U, P, ST>;
     constexpr int S = Ch::staged;
+    constexpr int PLANES = planes_of<K>();
     static_assert(GV_WARPS % SPLIT == 0, "a CTA holds whole tiles");
     extern __shared__ __align__(16) uint8_t smem[];
 
@@ -248,30 +274,37 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
             const int at = 32 * k + lane;  // the piece in the chunk
             const int piece = first + ch * P + at;
             if (piece < end) {
-                int xq[NC][8];
-                float dx[NC], sx[NC];
+                int xq[NC][PLANES][8];
+                float dx[NC][PLANES], sx[NC][PLANES];
 #pragma unroll
                 for (int c = 0; c < NC; c++) {
-                    const int64_t i = int64_t(piece) * NC + c;
-                    const int4 lo = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i);
-                    const int4 hi = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i + 1);
-                    xq[c][0] = lo.x, xq[c][1] = lo.y, xq[c][2] = lo.z, xq[c][3] = lo.w;
-                    xq[c][4] = hi.x, xq[c][5] = hi.y, xq[c][6] = hi.z, xq[c][7] = hi.w;
-                    const float2 ds = __ldg(a.xds + i);
-                    dx[c] = ds.x, sx[c] = ds.y;
+#pragma unroll
+                    for (int k = 0; k < PLANES; k++) {
+                        const int64_t i = (int64_t(piece) * NC + c) * PLANES + k;
+                        const int4 lo = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i);
+                        const int4 hi = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i + 1);
+                        int * q = xq[c][k];
+                        q[0] = lo.x, q[1] = lo.y, q[2] = lo.z, q[3] = lo.w;
+                        q[4] = hi.x, q[5] = hi.y, q[6] = hi.z, q[7] = hi.w;
+                        const float2 ds = __ldg(a.xds + i);
+                        dx[c][k] = ds.x, sx[c][k] = ds.y;
+                    }
                 }
 #pragma unroll
                 for (int r = 0; r < S; r++) {
                     // a row past the end holds stale bytes: its sum is never written
                     const uint8_t * row = stage + r * Ch::pitch;
                     if constexpr (K == Q4_0) {
-                        dot_q4_0_shared<NC>(row, at * L::bytes, xq, dx, sx, acc[r]);
+                        dot_q4_0_shared<NC, PLANES>(row, at * L::bytes, xq, dx, sx, acc[r]);
                     } else {
                         Piece p;
                         unpack<K>(row + (at / L::pieces) * L::bytes, at % L::pieces, p);
 #pragma unroll
                         for (int c = 0; c < NC; c++) {
-                            acc[r][c] += dot(p, xq[c], dx[c], sx[c]);
+#pragma unroll
+                            for (int k = 0; k < PLANES; k++) {
+                                acc[r][c] += dot(p, xq[c][k], dx[c][k], sx[c][k]);
+                            }
                         }
                     }
                 }
@@ -368,11 +401,12 @@ inline int gemv_split(int64_t tiles, int steps, int64_t slots) {
     return best;
 }
 
-// One warp per 32-value piece and column: 32 int8 values, their scale, and the sum of the
-// values they stand for (scale times their sum).
+// One warp per 32-value piece and column: `planes` planes of 32 int8 values, each plane the
+// rounding left by the ones before, with its scale and the sum of the values it stands for
+// (scale times the sum of its int8 values).
 // (No __restrict__ here or in Args: ggml-cuda finds it unsafe beside programmatic dependent launch.)
-__global__ void quantize(const float * x, int64_t col_stride, int npieces, int ncols, int8_t * xq,
-                         float2 * xds) {
+__global__ void quantize(const float * x, int64_t col_stride, int npieces, int ncols, int planes,
+                         int8_t * xq, float2 * xds) {
     LUCEPY_PDL_LAUNCH();    // the product after this may start fetching its weights
     LUCEPY_PDL_SYNC();  // x: the kernel before has finished
     const int piece = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -381,23 +415,30 @@ __global__ void quantize(const float * x, int64_t col_stride, int npieces, int n
     if (piece >= npieces) {
         return;
     }
-    const float v = x[c * col_stride + int64_t(piece) * 32 + lane];
-    float amax = fabsf(v);
+    float v = x[c * col_stride + int64_t(piece) * 32 + lane];
+    const int64_t at = (int64_t(piece) * ncols + c) * planes;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-    }
-    const float d = amax / 127.0f;
-    const int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
-    int sum = q;  // of the quantized values: a min's error then cancels the values' (Q4_K)
+    for (int k = 0; k < MAX_PLANES; k++) {
+        if (k == planes) {
+            break;
+        }
+        float amax = fabsf(v);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
-    }
-    const int64_t at = int64_t(piece) * ncols + c;
-    xq[at * 32 + lane] = int8_t(q);
-    if (lane == 0) {
-        xds[at] = make_float2(d, d * float(sum));
+        for (int off = 16; off > 0; off >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+        }
+        const float d = amax / 127.0f;
+        const int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
+        int sum = q;  // of the quantized values: a min's error then cancels the values' (Q4_K)
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+        }
+        xq[(at + k) * 32 + lane] = int8_t(q);
+        if (lane == 0) {
+            xds[at + k] = make_float2(d, d * float(sum));
+        }
+        v -= d * float(q);  // what this plane leaves for the next
     }
 }
 

@@ -49,6 +49,7 @@ struct Kept {
     const ggml_tensor * node = nullptr;
     const void * data = nullptr;
     int64_t ne0 = 0, ne1 = 0, nb1 = 0;
+    int planes = 0;
     uint64_t graph = 0;
     uint64_t used = 0;
     uint8_t * buf = nullptr;
@@ -89,32 +90,34 @@ ContextState & state_of(const ggml_backend_cuda_context & ctx) {
     return g_states[&ctx];
 }
 
-size_t quantized_bytes(int64_t npieces, int64_t ncols) {
-    return size_t(npieces * ncols) * (32 + sizeof(float2));
+size_t quantized_bytes(int64_t npieces, int64_t ncols, int planes) {
+    return size_t(npieces * ncols * planes) * (32 + sizeof(float2));
 }
 
-void run_quantize(const ggml_tensor * src1, int64_t npieces, uint8_t * buf, cudaStream_t stream) {
+void run_quantize(const ggml_tensor * src1, int64_t npieces, int planes, uint8_t * buf,
+                  cudaStream_t stream) {
     const int64_t ncols = src1->ne[1];
     int8_t * xq = reinterpret_cast<int8_t *>(buf);
-    float2 * xds = reinterpret_cast<float2 *>(buf + npieces * ncols * 32);
+    float2 * xds = reinterpret_cast<float2 *>(buf + npieces * ncols * planes * 32);
     constexpr int WARPS = 8;
     const dim3 grid(unsigned((npieces + WARPS - 1) / WARPS), unsigned(ncols));
     ggml_cuda_kernel_launch(quantize, ggml_cuda_kernel_launch_params(grid, WARPS * 32, 0, stream),
                             static_cast<const float *>(src1->data),
-                            src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols), xq,
-                            xds);
+                            src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols), planes,
+                            xq, xds);
     g_quantized.fetch_add(1, std::memory_order_relaxed);
 }
 
 // the quantized activations of src1 on ctx's stream: kept ones, or quantized now into a slot
 uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
-                         const ggml_tensor * src1, int64_t npieces) {
-    const size_t need = quantized_bytes(npieces, src1->ne[1]);
+                         const ggml_tensor * src1, int64_t npieces, int planes) {
+    const size_t need = quantized_bytes(npieces, src1->ne[1], planes);
     Kept * oldest = &st.slot[0];
     auto age = [&](const Kept & k) { return k.graph == st.graph ? k.used : 0; };  // stale first
     for (Kept & k : st.slot) {
         if (k.graph == st.graph && k.node == src1 && k.data == src1->data &&
-            k.ne0 == src1->ne[0] && k.ne1 == src1->ne[1] && k.nb1 == src1->nb[1]) {
+            k.ne0 == src1->ne[0] && k.ne1 == src1->ne[1] && k.nb1 == src1->nb[1] &&
+            k.planes == planes) {
             k.used = ++st.clock;
             return k.buf;
         }
@@ -136,9 +139,10 @@ uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
     k.ne0 = src1->ne[0];
     k.ne1 = src1->ne[1];
     k.nb1 = src1->nb[1];
+    k.planes = planes;
     k.graph = st.graph;
     k.used = ++st.clock;
-    run_quantize(src1, npieces, k.buf, ctx.stream());
+    run_quantize(src1, npieces, planes, k.buf, ctx.stream());
     return k.buf;
 }
 
@@ -263,15 +267,16 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     }
 
     const int64_t npieces = src0->ne[0] / 32;
+    const int planes = kind == Q8_0 ? planes_of<Q8_0>() : planes_of<Q4_0>();
     cudaStream_t stream = ctx.stream();
     uint8_t * quantized = nullptr;
     ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
     ContextState & st = state_of(ctx);
     if (ctx.curr_stream_no == 0 && st.in_graph(src1)) {
-        quantized = kept_quantized(st, ctx, src1, npieces);
+        quantized = kept_quantized(st, ctx, src1, npieces, planes);
     } else {  // not a tensor of the graph, or ggml's concurrent streams: nothing shared
-        quantized = scratch.alloc(quantized_bytes(npieces, ncols));
-        run_quantize(src1, npieces, quantized, stream);
+        quantized = scratch.alloc(quantized_bytes(npieces, ncols, planes));
+        run_quantize(src1, npieces, planes, quantized, stream);
     }
 
     Args a;
@@ -279,7 +284,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     a.gate = gate ? static_cast<const uint8_t *>(gate->data) : nullptr;
     a.row_stride = src0->nb[1];
     a.xq = reinterpret_cast<const int *>(quantized);
-    a.xds = reinterpret_cast<const float2 *>(quantized + npieces * ncols * 32);
+    a.xds = reinterpret_cast<const float2 *>(quantized + npieces * ncols * planes * 32);
     a.dst = static_cast<float *>(dst->data);
     a.dst_stride = dst->nb[1] / int64_t(sizeof(float));
     a.x_bias =
