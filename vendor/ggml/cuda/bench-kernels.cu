@@ -184,7 +184,9 @@ template <int K, int NC, int U> std::vector<Variant> variants(bool gate) {
 }
 
 template <int K, int NC> std::vector<Variant> variants(bool gate, int unit) {
-    return unit == 16 ? variants<K, NC, 16>(gate) : unit == 8 ? variants<K, NC, 8>(gate) : variants<K, NC, 4>(gate);
+    return unit == 16 ? variants<K, NC, 16>(gate)
+         : unit == 8  ? variants<K, NC, 8>(gate)
+                      : variants<K, NC, 4>(gate);
 }
 
 std::vector<Variant> variants_of(int k, bool gate, int unit) {
@@ -236,6 +238,7 @@ float time_calls(cudaStream_t s, const std::function<void(int)> & run) {
 }
 
 int failures = 0;
+int g_sms = 0;  // the GPU's multiprocessors: the streaming read runs 16 blocks on each
 
 void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) {
     const int npieces = sh.k / 32;
@@ -286,7 +289,8 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
     for (size_t i = 0; i < check_rows.size(); i++) {
         for (int c = 0; c < nc; c++) {
             const int r = check_rows[i];
-            float v = host_dot(k, host.data() + r * row_bytes, npieces, nc, c, hq.data(), hds.data());
+            const uint8_t * row = host.data() + r * row_bytes;
+            float v = host_dot(k, row, npieces, nc, c, hq.data(), hds.data());
             if (sh.gate) {
                 const float g = host_dot(k, host.data() + mat_bytes + r * row_bytes, npieces, nc, c,
                                          hq.data(), hds.data());
@@ -311,8 +315,8 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
     int * sink;
     CHECK(cudaMalloc(&sink, sizeof(int)));
     const float t_read = time_calls(s, [&](int i) {
-        read_all<<<132 * 16, 256, 0, s>>>(reinterpret_cast<const int4 *>(w + touched * (i % copies)),
-                                          touched / 16, sink);
+        const int4 * from = reinterpret_cast<const int4 *>(w + touched * (i % copies));
+        read_all<<<g_sms * 16, 256, 0, s>>>(from, touched / 16, sink);
     });
     std::printf("%-5s %-10s k=%-6d rows=%-7d cols=%-2d %7.1f MB  read: %7.2f us %6.0f GB/s\n",
                 kind_name(k), sh.what, sh.k, sh.rows, nc, touched / 1e6, t_read,
@@ -333,7 +337,8 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
         float err = 0;
         for (size_t i = 0; i < check_rows.size(); i++) {
             for (int c = 0; c < nc; c++) {
-                err = std::max(err, std::fabs(got[size_t(c) * sh.rows + check_rows[i]] - want[i * nc + c]));
+                const float diff = got[size_t(c) * sh.rows + check_rows[i]] - want[i * nc + c];
+                err = std::max(err, std::fabs(diff));
             }
         }
         const float rel = err / std::max(scale, 1e-30f);
@@ -371,6 +376,7 @@ int main(int argc, char ** argv) {
     }
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));
+    g_sms = prop.multiProcessorCount;
     std::printf("%s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
                 prop.l2CacheSize >> 20);
     cudaStream_t s;

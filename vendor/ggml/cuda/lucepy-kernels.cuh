@@ -1,13 +1,14 @@
-// lucepy's own kernels (issue 19, decision 12): a quantized weight matrix times 1 to 16 columns.
+// lucepy's own kernels (issue 19, decision 12): a quantized weight matrix times one column.
 // The device code only: lucepy-mm.cu hooks it into ggml-cuda, and bench-kernels.cu times it alone
 // (no ggml), on the same source.
 //
 // ggml-cuda reads the weights of a decode at about a third of an H200's bandwidth. Here:
 //   - one column (`gemv`, a decode): each warp streams whole rows (and their gate rows when ggml
 //     fuses the FFN's gate, up and GLU) through its own shared memory with cp.async, and
-//     multiplies each 32-value piece with dp4a for all its rows (the kernel takes 2 columns too,
-//     for bench-kernels.cu's comparisons);
-//   - the activations are quantized to int8 once per graph and source tensor (`quantize`).
+//     multiplies each 32-value piece with dp4a for all its rows (the template takes NC columns,
+//     but only one is launched);
+//   - the activations are quantized to int8 planes once per graph and source tensor
+//     (`quantize`).
 // 2-16 columns stay ggml's: lucepy's kernels for them (dp4a and tensor cores) measured slower
 // (docs/BENCHMARKS.md). See lucepy-quants.cuh for the piece format.
 //
@@ -112,9 +113,9 @@ template <int K> __host__ __device__ constexpr int planes_of() {
 // along them in chunks of 64 pieces, each chunk of each row copied into the warp's own shared
 // memory with cp.async, ST chunks in flight. A lane takes pieces lane, 32 + lane, ... of a chunk:
 // it loads their activations once and multiplies them with all S rows with dp4a. A warp's sums
-// meet by shuffles; a CTA's barrier only where warps share rows (SPLIT, below). A chunk of 64 pieces is 1,152 bytes of Q4_0 or
-// Q4_K, 2,176 of Q8_0, 1,680 of Q6_K, all multiples of 16, so a chunk starts where its row's
-// alignment allows.
+// meet by shuffles; a CTA's barrier only where warps share rows (SPLIT, below). A chunk of 64
+// pieces is 1,152 bytes of Q4_0 or Q4_K, 2,176 of Q8_0, 1,680 of Q6_K, all multiples of 16, so
+// a chunk starts where its row's alignment allows.
 //
 // Measured against alternatives on the H200 (bench-kernels.cu, docs/BENCHMARKS.md): one tile of
 // R rows a warp (or SPLIT warps, below) beat warps that stream several tiles in turn (fewer
@@ -126,9 +127,6 @@ constexpr int GV_WARPS = 4;
 // bytes at a time (16, or 8 or 4 where the row starts allow no more).
 template <int K, bool GATE, int R, int U, int P = 64, int ST = 3> struct Gv {
     static_assert(P % 32 == 0, "a chunk is whole pieces for every lane");
-    static constexpr int pieces = P;
-    static constexpr int stages = ST;
-    static constexpr int unit = U;
     static constexpr int blocks = P / Layout<K>::pieces;
     static constexpr int bytes = blocks * Layout<K>::bytes;  // of one row
     static_assert(bytes % 16 == 0, "chunks start 16-byte aligned in an aligned row");
@@ -404,7 +402,8 @@ inline int gemv_split(int64_t tiles, int steps, int64_t slots) {
 // One warp per 32-value piece and column: `planes` planes of 32 int8 values, each plane the
 // rounding left by the ones before, with its scale and the sum of the values it stands for
 // (scale times the sum of its int8 values).
-// (No __restrict__ here or in Args: ggml-cuda finds it unsafe beside programmatic dependent launch.)
+// (No __restrict__ here or in Args: ggml-cuda finds it unsafe beside programmatic dependent
+// launch.)
 __global__ void quantize(const float * x, int64_t col_stride, int npieces, int ncols, int planes,
                          int8_t * xq, float2 * xds) {
     LUCEPY_PDL_LAUNCH();    // the product after this may start fetching its weights

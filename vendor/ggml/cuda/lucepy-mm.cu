@@ -9,6 +9,7 @@
 #define LUCEPY_PDL_LAUNCH() ggml_cuda_pdl_lc()
 #include "lucepy-kernels.cuh"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -152,7 +153,8 @@ using Launch = void (*)(const Args &, cudaStream_t, int device);
 template <typename F> int64_t warp_slots(F kernel, int smem, int device) {
     int per_sm = 0;
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, GV_WARPS * 32, smem));
-    return int64_t(per_sm) * GV_WARPS * ggml_cuda_info().devices[device].nsm;
+    const int64_t sms = ggml_cuda_info().devices[device].nsm;
+    return std::max<int64_t>(1, int64_t(per_sm) * GV_WARPS * sms);
 }
 
 template <int K, int NC, bool GATE, int R, int U, int SPLIT>
@@ -160,8 +162,8 @@ void launch_split(const Args & a, cudaStream_t stream) {
     using G = Gv<K, GATE, R, U>;
     const int64_t warps = int64_t((a.nrows + R - 1) / R) * SPLIT;
     const dim3 grid(unsigned((warps + GV_WARPS - 1) / GV_WARPS));
-    ggml_cuda_kernel_launch(gemv<K, NC, GATE, R, U, SPLIT>,
-                            ggml_cuda_kernel_launch_params(grid, GV_WARPS * 32, G::smem, stream), a);
+    const auto params = ggml_cuda_kernel_launch_params(grid, GV_WARPS * 32, G::smem, stream);
+    ggml_cuda_kernel_launch(gemv<K, NC, GATE, R, U, SPLIT>, params, a);
 }
 
 // a warp for each R rows (or 2 or 4 for each, gemv_split), copies of U bytes
@@ -193,7 +195,9 @@ template <int K, int U> Launch pick_unit(bool gate) {
 }
 
 template <int K> Launch pick(bool gate, int unit) {
-    return unit == 16 ? pick_unit<K, 16>(gate) : unit == 8 ? pick_unit<K, 8>(gate) : pick_unit<K, 4>(gate);
+    return unit == 16 ? pick_unit<K, 16>(gate)
+         : unit == 8  ? pick_unit<K, 8>(gate)
+                      : pick_unit<K, 4>(gate);
 }
 
 bool kind_of(ggml_type type, int & kind, int & chunk) {
