@@ -9,6 +9,7 @@ from lucepy.ggml.owners import (
     RawBuffer,
     Sched,
     alias_tensor,
+    tensor_set,
 )
 
 _types = ffi.typeof("enum ggml_type").relements
@@ -26,6 +27,7 @@ __all__ = [
     "Allocator",
     "Sched",
     "alias_tensor",
+    "tensor_set",
     "Backend",
     "Buffer",
     "Context",

@@ -212,3 +212,12 @@ def alias_tensor(
     t.buffer = src.buffer
     t.data = ffi.cast("char *", src.data) + offset
     return t
+
+
+def tensor_set(lib: Lib, t: Any, data: Any) -> None:
+    """Fill tensor ``t`` from ``data`` (a contiguous array or bytes-like view of exactly its size);
+    a size that differs is an error, not a short or overrunning copy."""
+    buf = ffi.from_buffer(data)
+    if len(buf) != lib.ggml_nbytes(t):
+        raise ValueError(f"{len(buf)} bytes for a tensor of {lib.ggml_nbytes(t)}")
+    lib.ggml_backend_tensor_set(t, buf, 0, len(buf))

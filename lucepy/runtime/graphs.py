@@ -30,6 +30,7 @@ from lucepy.ggml import (
     RawBuffer,
     Sched,
     ffi,
+    tensor_set,
 )
 from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
@@ -408,7 +409,7 @@ class Tensors:
                 data = np.concatenate([np.frombuffer(f.data(n), dtype=np.uint8) for n in src])
             else:
                 data = f.data(src)
-            lib.ggml_backend_tensor_set(t, ffi.from_buffer(data), 0, lib.ggml_nbytes(t))
+            tensor_set(lib, t, data)
         for k, src in shared.items():
             out.t[k] = out.t[src]
         return out

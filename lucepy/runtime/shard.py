@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from lucepy.errors import ConfigError
-from lucepy.ggml import GGML_TYPE_F32, Backend, Context, Lib, ffi
+from lucepy.ggml import GGML_TYPE_F32, Backend, Context, Lib, ffi, tensor_set
 from lucepy.ggml.bufts import matmul_placement
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import GraphSpec
@@ -278,8 +278,7 @@ def split_experts(
     parts.append(Tensors(lib, host, host_specs, f"host {what}", where[1]))
     for part in parts:
         for key, t in part.t.items():
-            arr = np.ascontiguousarray(data[key])
-            lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+            tensor_set(lib, t, np.ascontiguousarray(data[key]))
     return parts
 
 
@@ -317,7 +316,7 @@ class ReadExperts:
             for il in layers:
                 where = np.zeros((X, 1), dtype=np.float32)
                 where[orders[il], 0] = np.arange(X, dtype=np.float32)
-                self._set(self._tables.t[f"blk.{il}.experts.order"], where)
+                tensor_set(self.lib, self._tables.t[f"blk.{il}.experts.order"], where)
             ordinal = int("".join(ch for ch in device.name if ch.isdigit()) or 0)
             for name, (gtype, shape, il) in specs.items():
                 data = reordered(name, il)
@@ -325,7 +324,7 @@ class ReadExperts:
                     hot = len(placement.hot[il]) * (data.nbytes // X)
                     self.t[name] = self._split(ordinal, name, gtype, shape, data, hot)
                 else:
-                    self._set(self._tables.t[name], data)
+                    tensor_set(self.lib, self._tables.t[name], data)
         except BaseException:
             self.close()
             raise
@@ -333,9 +332,6 @@ class ReadExperts:
         on_device = sum(m.device_bytes for m, _, _ in self._memory)
         self.nbytes = on_device + (self._tables.nbytes if cuda else 0)
         self.host_nbytes = sum(m.size - m.device_bytes for m, _, _ in self._memory)
-
-    def _set(self, t, arr: np.ndarray) -> None:
-        self.lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
 
     def _split(self, ordinal: int, name: str, gtype: int, shape: tuple, data, device_bytes: int):
         """``data`` in a range whose first ``device_bytes`` are GPU memory, as a ggml tensor."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from lucepy.ggml import Backend, Context, Lib, alias_tensor, ffi
+from lucepy.ggml import Backend, Context, Lib, alias_tensor, ffi, tensor_set
 from lucepy.models.state import LayerState, state_specs
 from lucepy.runtime.graphs import Tensors
 
@@ -165,6 +165,6 @@ def load(states: StateSet, arrays: dict[str, np.ndarray], rows: int, first: int 
             arr, want = np.ascontiguousarray(arrays[name]), _host(t, live.shapes[name])
             if arr.shape != want.shape or arr.dtype != want.dtype:
                 raise ValueError(f"state {name}: {arr.shape} {arr.dtype} does not fit {want.shape}")
-            states.lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, arr.nbytes)
+            tensor_set(states.lib, t, arr)
     finally:
         live.close()
