@@ -34,8 +34,8 @@ std::atomic<int64_t> g_quantized{0};
 bool enabled() {
     int on = g_on.load(std::memory_order_relaxed);
     if (on < 0) {
-        const char * env = std::getenv("LUCEPY_CUDA_KERNELS");  // off unless asked: measured
-        on = (env && env[0] == '1') ? 1 : 0;                    // slower than ggml's so far
+        const char * env = std::getenv("LUCEPY_CUDA_KERNELS");  // off unless asked, until a run
+        on = (env && env[0] == '1') ? 1 : 0;                    // confirms a default that is on
         g_on.store(on, std::memory_order_relaxed);
     }
     return on == 1;
