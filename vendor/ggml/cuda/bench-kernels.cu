@@ -80,8 +80,8 @@ template <int K> float host_dot_row(const uint8_t * row, int npieces, int nc, in
     for (int piece = 0; piece < npieces; piece++) {
         Piece p;
         unpack<K>(row + (piece / L::pieces) * L::bytes, piece % L::pieces, p);
-        for (int k = 0; k < planes_of<K>(); k++) {
-            const int64_t at = (int64_t(piece) * nc + c) * planes_of<K>() + k;
+        for (int k = 0; k < planes_of(K); k++) {
+            const int64_t at = (int64_t(piece) * nc + c) * planes_of(K) + k;
             int x[8];
             std::memcpy(x, xq + at * 32, 32);
             sum += dot(p, x, xds[at].x, xds[at].y);
@@ -267,7 +267,7 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
     float2 * xds;
     float * dst;
     CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
-    const int planes = k == Q8_0 ? planes_of<Q8_0>() : planes_of<Q4_0>();
+    const int planes = planes_of(k);
     CHECK(cudaMalloc(&xq, size_t(npieces) * nc * planes * 32));
     CHECK(cudaMalloc(&xds, size_t(npieces) * nc * planes * sizeof(float2)));
     CHECK(cudaMalloc(&dst, size_t(sh.rows) * nc * sizeof(float)));

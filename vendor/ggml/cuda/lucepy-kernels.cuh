@@ -103,8 +103,8 @@ struct Args {
 // (docs/BENCHMARKS.md).
 constexpr int MAX_PLANES = 2;
 
-template <int K> __host__ __device__ constexpr int planes_of() {
-    return K == Q8_0 ? 2 : 1;
+__host__ __device__ constexpr int planes_of(int kind) {
+    return kind == Q8_0 ? 2 : 1;
 }
 
 // --- one column: a warp streams whole rows -----------------------------------------------
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
     using L = Layout<K>;
     using Ch = Gv<K, GATE, R, U, P, ST>;
     constexpr int S = Ch::staged;
-    constexpr int PLANES = planes_of<K>();
+    constexpr int PLANES = planes_of(K);
     static_assert(GV_WARPS % SPLIT == 0, "a CTA holds whole tiles");
     extern __shared__ __align__(16) uint8_t smem[];
 

@@ -271,7 +271,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     }
 
     const int64_t npieces = src0->ne[0] / 32;
-    const int planes = kind == Q8_0 ? planes_of<Q8_0>() : planes_of<Q4_0>();
+    const int planes = planes_of(kind);
     cudaStream_t stream = ctx.stream();
     uint8_t * quantized = nullptr;
     ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
