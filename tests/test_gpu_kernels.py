@@ -7,6 +7,8 @@ Skipped where the loaded ggml has no GPU (tests/conftest.py); tools/gpu_run.sh r
 
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 from test_reference import rel_err
@@ -30,8 +32,9 @@ def cuda():
     assert kernels is not None, (
         "this CUDA build has ggml's kernels only: build it with `lucepy backends build cuda`"
     )
+    kernels.set(True)  # whatever this GPU's default
     yield lib, GPU, kernels
-    kernels.set(True)
+    kernels.set(None)
 
 
 def products(lib, device, weights, xs, gate=None):
@@ -84,6 +87,39 @@ def weights_of(lib, kind: str, seed: int, rows: int = ROWS, n: int = N):
     rng = np.random.default_rng(seed)
     raw = quantize(lib, rng.normal(size=(rows, n)) / np.sqrt(n), gtype)
     return gtype, raw, dequantize(lib, raw, gtype, n).astype(np.float64)
+
+
+def compute_capability(index: int) -> float:
+    """The GPU's compute capability as nvidia-smi reports it (9.0 for an H100 or H200)."""
+    out = subprocess.run(
+        ["nvidia-smi", "-i", str(index), "--query-gpu=compute_cap", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(out.stdout.strip())
+
+
+def test_gpu_kernels_are_on_by_default_from_compute_capability_9(cuda):
+    """A process that does not force them (LUCEPY_CUDA_KERNELS unset) runs lucepy's kernels on
+    the GPUs they were measured on, compute capability 9.0 and newer, and ggml's on older ones;
+    forcing them either way holds on every device."""
+    lib, device, kernels = cuda
+    index = int(device.partition(":")[2])
+    kernels.set(None)
+    default = kernels.on(index)
+    kernels.set(False)
+    forced_off = kernels.on(index)
+    kernels.set(True)
+    forced_on = kernels.on(index)
+    assert (default, forced_off, forced_on) == (compute_capability(index) >= 9.0, False, True)
+    kernels.set(None)
+    gtype, raw, _ = weights_of(lib, "q4_0", 11)
+    x = np.random.default_rng(12).normal(size=(1, N)).astype(np.float32)
+    calls = kernels.calls
+    products(lib, device, [(gtype, raw)], [x])
+    assert kernels.calls - calls == int(default)
+    kernels.set(True)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

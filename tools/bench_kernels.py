@@ -1,7 +1,7 @@
 """Issue 19's benchmark: lucepy with its own CUDA kernels against lucepy with ggml's, on the same
-patched build (LUCEPY_CUDA_KERNELS=1 turns ours on: off by default), and against llama-bench of
-the unpatched build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same model and GPU, in one
-run.
+patched build (LUCEPY_CUDA_KERNELS=1 or =0 forces ours on or off, whatever the default), and
+against llama-bench of the unpatched build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same
+model and GPU, in one run.
 
     python tools/bench_kernels.py measure MODEL --device cuda:0 --json kernels.json
     python tools/bench_kernels.py report kernels.json --llama-bench llama.json --md kernels.md
@@ -60,8 +60,9 @@ def one(args: argparse.Namespace) -> int:
     with Engine(args.model, cfg, tokenizer=False) as engine:
         bench = Bench(engine, args.repeats, Path(args.json))
         kernels = cuda_kernels(load())
-        on = bool(kernels and kernels.on)
-        if args.kernels == "lucepy" and args.device.startswith("cuda") and not on:
+        cuda = args.device.startswith("cuda")
+        on = bool(kernels and cuda and kernels.on(int(args.device.partition(":")[2] or 0)))
+        if args.kernels == "lucepy" and cuda and not on:
             raise SystemExit(
                 "bench_kernels: the loaded ggml (LUCEPY_GGML_LIB) has no lucepy kernels: "
                 "build it with `lucepy backends build cuda`"

@@ -26,9 +26,9 @@
 # Knobs: GPU_RUN_ARCH (qwen35, gemma4, qwen35moe or laguna), GPU_RUN_LAYERS (the real model's),
 # GPU_RUN_THREADS (8: CPU threads of the MoE runs, both sides),
 # GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest llama"), GPU_RUN_DEVICE (cuda:0),
-# GPU_RUN_TESTS (the GPU test files, default all), GPU_RUN_TEST_KERNELS (1: they run on lucepy's
-# kernels; 0: on ggml's, the default of a user's run; on the prebuilt build always 0, and
-# tests/test_gpu_kernels.py left out),
+# GPU_RUN_TESTS (the GPU test files, default all), GPU_RUN_TEST_KERNELS (unset: the tests run on
+# the kernels a user's run gets, lucepy's on compute capability 9.0 and newer; 1 or 0 forces
+# lucepy's or ggml's; on the prebuilt build always 0, and tests/test_gpu_kernels.py left out),
 # GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit), GPU_RUN_DIAG (set: also the
 # decode without CUDA graphs on both sides, tools/trace_gpu.py's CUPTI trace and its Nsight
 # Compute kernel lists), GPU_RUN_KVPOOL (depths, e.g. 8192,32768,131072: KV Flash's benchmark,
@@ -308,14 +308,14 @@ step build 480 "$OUTDIR/build.log" build_cuda && built=1
 step devices 30 "$SETUP" python3 -m lucepy devices --json || true
 if ((built)); then
     tests=${GPU_RUN_TESTS:-$(grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')}
-    on=${GPU_RUN_TEST_KERNELS:-1}
+    on=${GPU_RUN_TEST_KERNELS:-}
     if [[ -n ${NO_OWN_KERNELS:-} ]]; then # the prebuilt build: ggml's kernels only
         tests=${tests//tests\/test_gpu_kernels.py/} on=0
     fi
+    # with lucepy's kernels as a user gets them (unset: on for compute capability 9.0 and newer),
+    # or forced on (1) or off (0) by GPU_RUN_TEST_KERNELS
     # shellcheck disable=SC2086
-    # with lucepy's kernels on (they are off by default; GPU_RUN_TEST_KERNELS=0 leaves them
-    # off): every GPU test runs on them
-    step pytest 180 "$OUTDIR/pytest.txt" env LUCEPY_CUDA_KERNELS=$on \
+    step pytest 180 "$OUTDIR/pytest.txt" env ${on:+LUCEPY_CUDA_KERNELS=$on} \
         python3 -m pytest -m gpu $tests -v -rfEs -p no:cacheprovider || true
 fi
 step model 240 "$SETUP" wait_model || true

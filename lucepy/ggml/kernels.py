@@ -1,7 +1,8 @@
 """lucepy's own CUDA kernels (decision 12) in the loaded ggml: whether the build has them (a build
 of `lucepy backends build cuda`), switching them on and off in this process, and how many matrix
-products they computed. They are off unless ``LUCEPY_CUDA_KERNELS=1`` starts a process with
-them on."""
+products they computed. By default they run on NVIDIA GPUs of compute capability 9.0 and newer
+(where they were measured) and ggml's kernels everywhere else; ``LUCEPY_CUDA_KERNELS=0`` or ``=1``
+in a process's environment forces them off or on from its start."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from lucepy.ggml.lib import Lib, _soname_file
 _ffi = cffi.FFI()
 _ffi.cdef(
     """
-    void lucepy_cuda_kernels_set(int on);
-    int lucepy_cuda_kernels_get(void);
+    void lucepy_cuda_kernels_set(int mode);
+    int lucepy_cuda_kernels_get(int device);
     int64_t lucepy_cuda_kernels_calls(void);
     int64_t lucepy_cuda_kernels_quantized(void);
     """
@@ -27,12 +28,13 @@ _ffi.cdef(
 class CudaKernels:
     handle: Any
 
-    @property
-    def on(self) -> bool:
-        return bool(self.handle.lucepy_cuda_kernels_get())
+    def on(self, device: int = 0) -> bool:
+        """Whether lucepy's kernels take the products of CUDA device ``device``."""
+        return bool(self.handle.lucepy_cuda_kernels_get(device))
 
-    def set(self, on: bool) -> None:
-        self.handle.lucepy_cuda_kernels_set(1 if on else 0)
+    def set(self, on: bool | None) -> None:
+        """Force them on or off on every device, or (None) back to the default."""
+        self.handle.lucepy_cuda_kernels_set(-1 if on is None else 1 if on else 0)
 
     @property
     def calls(self) -> int:

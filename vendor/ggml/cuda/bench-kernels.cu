@@ -1,8 +1,8 @@
 // lucepy's product kernels (lucepy-kernels.cuh) alone on a GPU, without ggml: each way to launch
-// them (rows per warp) on the decode shapes of the 27B-shaped model, 1 and 2 columns, its time
-// per call and the weight bytes it read per second, against a plain streaming read of the same
-// bytes; and each result against the same math on the host (lucepy-quants.cuh), on the same
-// rounded weights and activations.
+// them (rows per warp, warps per row) on the decode shapes of the 27B-shaped model, one column,
+// its time per call and the weight bytes it read per second, against a plain streaming read of
+// the same bytes; and each result against the same math on the host (lucepy-quants.cuh), on the
+// same rounded weights and activations.
 //
 //     nvcc -O3 -std=c++17 -arch=sm_90 -o bench-kernels bench-kernels.cu
 //     ./bench-kernels [--quick] [--kind q4_0|q4_K|q8_0|q6_K] [--shape NAME]
@@ -73,15 +73,15 @@ void fill_block(int k, uint8_t * b, std::mt19937 & rng) {
     }
 }
 
-template <int K> float host_dot_row(const uint8_t * row, int npieces, int nc, int c,
-                                    const int8_t * xq, const float2 * xds) {
+template <int K>
+float host_dot_row(const uint8_t * row, int npieces, const int8_t * xq, const float2 * xds) {
     using L = Layout<K>;
     double sum = 0;
     for (int piece = 0; piece < npieces; piece++) {
         Piece p;
         unpack<K>(row + (piece / L::pieces) * L::bytes, piece % L::pieces, p);
         for (int k = 0; k < planes_of(K); k++) {
-            const int64_t at = (int64_t(piece) * nc + c) * planes_of(K) + k;
+            const int64_t at = int64_t(piece) * planes_of(K) + k;
             int x[8];
             std::memcpy(x, xq + at * 32, 32);
             sum += dot(p, x, xds[at].x, xds[at].y);
@@ -90,13 +90,12 @@ template <int K> float host_dot_row(const uint8_t * row, int npieces, int nc, in
     return float(sum);
 }
 
-float host_dot(int k, const uint8_t * row, int npieces, int nc, int c, const int8_t * xq,
-               const float2 * xds) {
+float host_dot(int k, const uint8_t * row, int npieces, const int8_t * xq, const float2 * xds) {
     switch (k) {
-        case Q4_0: return host_dot_row<Q4_0>(row, npieces, nc, c, xq, xds);
-        case Q8_0: return host_dot_row<Q8_0>(row, npieces, nc, c, xq, xds);
-        case Q4_K: return host_dot_row<Q4_K>(row, npieces, nc, c, xq, xds);
-        default: return host_dot_row<Q6_K>(row, npieces, nc, c, xq, xds);
+        case Q4_0: return host_dot_row<Q4_0>(row, npieces, xq, xds);
+        case Q8_0: return host_dot_row<Q8_0>(row, npieces, xq, xds);
+        case Q4_K: return host_dot_row<Q4_K>(row, npieces, xq, xds);
+        default: return host_dot_row<Q6_K>(row, npieces, xq, xds);
     }
 }
 
@@ -127,32 +126,39 @@ template <typename F> void raise_smem(F kernel, int smem) {
     }
 }
 
-template <int K, int NC, bool GATE, int R, int U, int SPLIT, int P = 64, int ST = 3>
+template <int K, bool GATE, int R, int U, int SPLIT, int P = 64, int ST = 3>
+int smem_of(const Args & a) {
+    const int xs = staged_activations(SPLIT, GATE) ? activation_bytes(a.npieces, planes_of(K)) : 0;
+    return Gv<K, GATE, R, U, P, ST>::smem + xs;
+}
+
+template <int K, bool GATE, int R, int U, int SPLIT, int P = 64, int ST = 3>
 void launch_gemv(const Args & a, cudaStream_t s) {
-    constexpr int smem = Gv<K, GATE, R, U, P, ST>::smem;
-    auto kernel = gemv<K, NC, GATE, R, U, SPLIT, P, ST>;
+    const int smem = smem_of<K, GATE, R, U, SPLIT, P, ST>(a);
+    auto kernel = gemv<K, GATE, R, U, SPLIT, P, ST>;
     raise_smem(kernel, smem);
     const int64_t warps = int64_t((a.nrows + R - 1) / R) * SPLIT;
     kernel<<<unsigned((warps + GV_WARPS - 1) / GV_WARPS), GV_WARPS * 32, smem, s>>>(a);
 }
 
+// warps of the kernel that fit on the GPU at once
+template <typename F> int64_t slots_of(F kernel, int smem) {
+    raise_smem(kernel, smem);
+    int per_sm = 0, sms = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, GV_WARPS * 32, smem));
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    return int64_t(per_sm) * GV_WARPS * sms;
+}
+
 // the split that lucepy-mm.cu chooses (gemv_split), from the occupancy calculator's slots
-template <int K, int NC, bool GATE, int U> void launch_auto(const Args & a, cudaStream_t s) {
-    constexpr int smem = Gv<K, GATE, 1, U>::smem;
-    static int64_t slots = 0;
-    if (!slots) {
-        raise_smem(gemv<K, NC, GATE, 1, U, 1>, smem);
-        int per_sm = 0, sms = 0;
-        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv<K, NC, GATE, 1, U, 1>,
-                                                            GV_WARPS * 32, smem));
-        CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-        slots = int64_t(per_sm) * GV_WARPS * sms;
-    }
+template <int K, bool GATE, int U> void launch_auto(const Args & a, cudaStream_t s) {
+    const int64_t alone = slots_of(gemv<K, GATE, 1, U, 1>, smem_of<K, GATE, 1, U, 1>(a));
+    const int64_t shared = slots_of(gemv<K, GATE, 1, U, 2>, smem_of<K, GATE, 1, U, 2>(a));
     const int steps = (a.npieces + split_step<K>() - 1) / split_step<K>();
-    switch (gemv_split(a.nrows, steps, slots)) {
-        case 1: launch_gemv<K, NC, GATE, 1, U, 1>(a, s); break;
-        case 2: launch_gemv<K, NC, GATE, 1, U, 2>(a, s); break;
-        default: launch_gemv<K, NC, GATE, 1, U, 4>(a, s); break;
+    switch (gemv_split(a.nrows, steps, alone, shared)) {
+        case 1: launch_gemv<K, GATE, 1, U, 1>(a, s); break;
+        case 2: launch_gemv<K, GATE, 1, U, 2>(a, s); break;
+        default: launch_gemv<K, GATE, 1, U, 4>(a, s); break;
     }
 }
 
@@ -169,32 +175,32 @@ struct Variant {
 };
 
 // the split lucepy-mm.cu chooses, then each split; two rows a warp
-template <int K, int NC, int U> std::vector<Variant> variants(bool gate) {
+template <int K, int U> std::vector<Variant> variants(bool gate) {
     if (gate) {
-        return {{"auto", launch_auto<K, NC, true, U>},
-                {"split 1", launch_gemv<K, NC, true, 1, U, 1>},
-                {"split 2", launch_gemv<K, NC, true, 1, U, 2>},
-                {"split 4", launch_gemv<K, NC, true, 1, U, 4>}};
+        return {{"auto", launch_auto<K, true, U>},
+                {"split 1", launch_gemv<K, true, 1, U, 1>},
+                {"split 2", launch_gemv<K, true, 1, U, 2>},
+                {"split 4", launch_gemv<K, true, 1, U, 4>}};
     }
-    return {{"auto", launch_auto<K, NC, false, U>},
-            {"split 1", launch_gemv<K, NC, false, 1, U, 1>},
-            {"split 2", launch_gemv<K, NC, false, 1, U, 2>},
-            {"split 4", launch_gemv<K, NC, false, 1, U, 4>},
-            {"R2", launch_gemv<K, NC, false, 2, U, 1>}};
+    return {{"auto", launch_auto<K, false, U>},
+            {"split 1", launch_gemv<K, false, 1, U, 1>},
+            {"split 2", launch_gemv<K, false, 1, U, 2>},
+            {"split 4", launch_gemv<K, false, 1, U, 4>},
+            {"R2", launch_gemv<K, false, 2, U, 1>}};
 }
 
-template <int K, int NC> std::vector<Variant> variants(bool gate, int unit) {
-    return unit == 16 ? variants<K, NC, 16>(gate)
-         : unit == 8  ? variants<K, NC, 8>(gate)
-                      : variants<K, NC, 4>(gate);
+template <int K> std::vector<Variant> variants(bool gate, int unit) {
+    return unit == 16 ? variants<K, 16>(gate)
+         : unit == 8  ? variants<K, 8>(gate)
+                      : variants<K, 4>(gate);
 }
 
 std::vector<Variant> variants_of(int k, bool gate, int unit) {
     switch (k) {
-        case Q4_0: return variants<Q4_0, 1>(gate, unit);
-        case Q8_0: return variants<Q8_0, 1>(gate, unit);
-        case Q4_K: return variants<Q4_K, 1>(gate, unit);
-        default: return variants<Q6_K, 1>(gate, unit);
+        case Q4_0: return variants<Q4_0>(gate, unit);
+        case Q8_0: return variants<Q8_0>(gate, unit);
+        case Q4_K: return variants<Q4_K>(gate, unit);
+        default: return variants<Q6_K>(gate, unit);
     }
 }
 
@@ -240,7 +246,7 @@ float time_calls(cudaStream_t s, const std::function<void(int)> & run) {
 int failures = 0;
 int g_sms = 0;  // the GPU's multiprocessors: the streaming read runs 16 blocks on each
 
-void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) {
+void bench(int k, const Shape & sh, cudaStream_t s, std::mt19937 & rng) {
     const int npieces = sh.k / 32;
     const int64_t row_bytes = int64_t(sh.k / block_values(k)) * block_bytes(k);
     const int64_t mat_bytes = row_bytes * sh.rows;
@@ -257,7 +263,7 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
         CHECK(cudaMemcpy(w + touched * c, host.data(), size_t(touched), cudaMemcpyHostToDevice));
     }
 
-    std::vector<float> x(size_t(sh.k) * nc);
+    std::vector<float> x(sh.k);
     std::uniform_real_distribution<float> val(-1.0f, 1.0f);
     for (float & v : x) {
         v = val(rng);
@@ -268,13 +274,13 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
     float * dst;
     CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
     const int planes = planes_of(k);
-    CHECK(cudaMalloc(&xq, size_t(npieces) * nc * planes * 32));
-    CHECK(cudaMalloc(&xds, size_t(npieces) * nc * planes * sizeof(float2)));
-    CHECK(cudaMalloc(&dst, size_t(sh.rows) * nc * sizeof(float)));
+    CHECK(cudaMalloc(&xq, size_t(npieces) * planes * 32));
+    CHECK(cudaMalloc(&xds, size_t(npieces) * planes * sizeof(float2)));
+    CHECK(cudaMalloc(&dst, size_t(sh.rows) * sizeof(float)));
     CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
-    quantize<<<dim3((npieces + 7) / 8, nc), 256, 0, s>>>(dx, sh.k, npieces, nc, planes, xq, xds);
-    std::vector<int8_t> hq(size_t(npieces) * nc * planes * 32);
-    std::vector<float2> hds(size_t(npieces) * nc * planes);
+    quantize<<<dim3((npieces + 7) / 8, 1), 256, 0, s>>>(dx, sh.k, npieces, 1, planes, xq, xds);
+    std::vector<int8_t> hq(size_t(npieces) * planes * 32);
+    std::vector<float2> hds(size_t(npieces) * planes);
     CHECK(cudaMemcpy(hq.data(), xq, hq.size(), cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(hds.data(), xds, hds.size() * sizeof(float2), cudaMemcpyDeviceToHost));
 
@@ -284,21 +290,18 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
         check_rows.push_back(r);
     }
     check_rows.push_back(sh.rows - 1);
-    std::vector<float> want(check_rows.size() * nc);
+    std::vector<float> want(check_rows.size());
     float scale = 0;
     for (size_t i = 0; i < check_rows.size(); i++) {
-        for (int c = 0; c < nc; c++) {
-            const int r = check_rows[i];
-            const uint8_t * row = host.data() + r * row_bytes;
-            float v = host_dot(k, row, npieces, nc, c, hq.data(), hds.data());
-            if (sh.gate) {
-                const float g = host_dot(k, host.data() + mat_bytes + r * row_bytes, npieces, nc, c,
-                                         hq.data(), hds.data());
-                v = host_glu(GLU_SWIGLU, v, g);
-            }
-            want[i * nc + c] = v;
-            scale = std::max(scale, std::fabs(v));
+        const int r = check_rows[i];
+        float v = host_dot(k, host.data() + r * row_bytes, npieces, hq.data(), hds.data());
+        if (sh.gate) {
+            const uint8_t * gate_row = host.data() + mat_bytes + r * row_bytes;
+            const float g = host_dot(k, gate_row, npieces, hq.data(), hds.data());
+            v = host_glu(GLU_SWIGLU, v, g);
         }
+        want[i] = v;
+        scale = std::max(scale, std::fabs(v));
     }
 
     Args a = {};
@@ -306,7 +309,6 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
     a.xq = reinterpret_cast<const int *>(xq);
     a.xds = xds;
     a.dst = dst;
-    a.dst_stride = sh.rows;
     a.glu_op = GLU_SWIGLU;
     a.nrows = sh.rows;
     a.npieces = npieces;
@@ -318,8 +320,8 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
         const int4 * from = reinterpret_cast<const int4 *>(w + touched * (i % copies));
         read_all<<<g_sms * 16, 256, 0, s>>>(from, touched / 16, sink);
     });
-    std::printf("%-5s %-10s k=%-6d rows=%-7d cols=%-2d %7.1f MB  read: %7.2f us %6.0f GB/s\n",
-                kind_name(k), sh.what, sh.k, sh.rows, nc, touched / 1e6, t_read,
+    std::printf("%-5s %-10s k=%-6d rows=%-7d %7.1f MB  read: %7.2f us %6.0f GB/s\n",
+                kind_name(k), sh.what, sh.k, sh.rows, touched / 1e6, t_read,
                 touched / t_read / 1e3);
 
     for (const Variant & v : variants_of(k, sh.gate, unit)) {
@@ -329,17 +331,14 @@ void bench(int k, const Shape & sh, int nc, cudaStream_t s, std::mt19937 & rng) 
             b.gate = sh.gate ? b.w + mat_bytes : nullptr;
             v.run(b, s);
         };
-        CHECK(cudaMemset(dst, 0, size_t(sh.rows) * nc * sizeof(float)));
+        CHECK(cudaMemset(dst, 0, size_t(sh.rows) * sizeof(float)));
         run(0);
         CHECK(cudaGetLastError());
-        std::vector<float> got(size_t(sh.rows) * nc);
+        std::vector<float> got(sh.rows);
         CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
         float err = 0;
         for (size_t i = 0; i < check_rows.size(); i++) {
-            for (int c = 0; c < nc; c++) {
-                const float diff = got[size_t(c) * sh.rows + check_rows[i]] - want[i * nc + c];
-                err = std::max(err, std::fabs(diff));
-            }
+            err = std::max(err, std::fabs(got[check_rows[i]] - want[i]));
         }
         const float rel = err / std::max(scale, 1e-30f);
         const bool ok = rel < 1e-4f;
@@ -393,16 +392,14 @@ int main(int argc, char ** argv) {
     };
     for (int k : {Q4_0, Q4_K, Q8_0, Q6_K}) {
         for (const Shape & sh : shapes) {
-            for (int nc : {1}) {
-                if ((sh.rows > 100000 && k != Q6_K) || (quick && k == Q8_0)) {
-                    continue;  // the output head is Q6_K in the Q4_0 and Q4_K_M files
-                }
-                if ((only_kind && std::strcmp(only_kind, kind_name(k)) != 0) ||
-                    (only_shape && std::strcmp(only_shape, sh.what) != 0)) {
-                    continue;
-                }
-                bench(k, sh, nc, s, rng);
+            if ((sh.rows > 100000 && k != Q6_K) || (quick && k == Q8_0)) {
+                continue;  // the output head is Q6_K in the Q4_0 and Q4_K_M files
             }
+            if ((only_kind && std::strcmp(only_kind, kind_name(k)) != 0) ||
+                (only_shape && std::strcmp(only_shape, sh.what) != 0)) {
+                continue;
+            }
+            bench(k, sh, s, rng);
         }
     }
     std::printf(failures ? "%d WRONG\n" : "all results match the host's\n", failures);

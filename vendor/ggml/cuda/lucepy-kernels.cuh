@@ -5,8 +5,8 @@
 // ggml-cuda reads the weights of a decode at about a third of an H200's bandwidth. Here:
 //   - one column (`gemv`, a decode): each warp streams whole rows (and their gate rows when ggml
 //     fuses the FFN's gate, up and GLU) through its own shared memory with cp.async, and
-//     multiplies each 32-value piece with dp4a for all its rows (the template takes NC columns,
-//     but only one is launched);
+//     multiplies each 32-value piece with dp4a for all its rows, the activations read from the
+//     CTA's shared memory;
 //   - the activations are quantized to int8 planes once per graph and source tensor
 //     (`quantize`).
 // 2-16 columns stay ggml's: lucepy's kernels for them (dp4a and tensor cores) measured slower
@@ -35,11 +35,14 @@ namespace lucepy {
 
 // --- copies into shared memory ----------------------------------------------------------------
 
-template <int U> __device__ __forceinline__ void copy_async(uint8_t * dst, const uint8_t * src) {
+// Through the L2 cache only (weights, read once), or with L1 too (CACHED: what every CTA of an
+// SM reads, the activations).
+template <int U, bool CACHED = false>
+__device__ __forceinline__ void copy_async(uint8_t * dst, const uint8_t * src) {
     static_assert(U == 16 || U == 8 || U == 4, "cp.async copies 4, 8 or 16 bytes");
 #if __CUDA_ARCH__ >= 800
     const unsigned s = unsigned(__cvta_generic_to_shared(dst));
-    if constexpr (U == 16) {
+    if constexpr (U == 16 && !CACHED) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
     } else {
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(U));
@@ -83,10 +86,9 @@ struct Args {
     const uint8_t * w;        // weights, rows of row_stride bytes
     const uint8_t * gate;     // the fused gate's weights, or null
     int64_t row_stride;
-    const int * xq;           // [piece][column][plane][8 ints]: 32 int8 activations a plane
-    const float2 * xds;       // [piece][column][plane]: (scale, scale * sum of the int8 values)
-    float * dst;              // [column][row], columns dst_stride floats apart
-    int64_t dst_stride;
+    const int * xq;           // [piece][plane][8 ints]: 32 int8 activations a plane
+    const float2 * xds;       // [piece][plane]: (scale, scale * sum of the int8 values)
+    float * dst;              // one value a row
     const float * x_bias;     // fused bias of the product, or null
     const float * gate_bias;  // fused bias of the gate, or null
     int glu_op;
@@ -111,17 +113,24 @@ __host__ __device__ constexpr int planes_of(int kind) {
 //
 // Each warp owns R output rows (and, fused, their R gate rows: S staged rows in all) and walks
 // along them in chunks of 64 pieces, each chunk of each row copied into the warp's own shared
-// memory with cp.async, ST chunks in flight. A lane takes pieces lane, 32 + lane, ... of a chunk:
-// it loads their activations once and multiplies them with all S rows with dp4a. A warp's sums
-// meet by shuffles; a CTA's barrier only where warps share rows (SPLIT, below). A chunk of 64
-// pieces is 1,152 bytes of Q4_0 or Q4_K, 2,176 of Q8_0, 1,680 of Q6_K, all multiples of 16, so
-// a chunk starts where its row's alignment allows.
+// memory with cp.async, ST chunks in flight. A lane takes pieces lane, 32 + lane, ... of a chunk
+// and multiplies each with all S rows with dp4a. A warp's sums meet by shuffles. A chunk of 64
+// pieces is 1,152 bytes of Q4_0 or Q4_K, 2,176 of Q8_0, 1,680 of Q6_K, all multiples of 16, so a
+// chunk starts where its row's alignment allows.
+//
+// The activations (40 bytes a piece and plane, against 18 of Q4_0 weights) are copied once into
+// the CTA's shared memory, through the L1 cache, which its warps then read: the products of 5-30
+// MB went from 0.6x of a streaming read to 0.7x (docs/BENCHMARKS.md). (Copied past the L1, every
+// CTA's copy of the same bytes queued at the L2: 3-4x slower.)
 //
 // Measured against alternatives on the H200 (bench-kernels.cu, docs/BENCHMARKS.md): one tile of
 // R rows a warp (or SPLIT warps, below) beat warps that stream several tiles in turn (fewer
 // warps in flight); more stages than three, longer chunks and more rows a warp did not help.
 
-constexpr int GV_WARPS = 4;
+#ifndef LUCEPY_GV_WARPS
+#define LUCEPY_GV_WARPS 4
+#endif
+constexpr int GV_WARPS = LUCEPY_GV_WARPS;
 
 // Chunks of P pieces (a multiple of 32: one piece a lane), ST of them in flight per warp, copied U
 // bytes at a time (16, or 8 or 4 where the row starts allow no more).
@@ -134,19 +143,45 @@ template <int K, bool GATE, int R, int U, int P = 64, int ST = 3> struct Gv {
     static constexpr int copies = (bytes + 32 * U - 1) / (32 * U);  // per lane and row
     static constexpr int staged = GATE ? 2 * R : R;
     static constexpr int warp_bytes = ST * staged * pitch;
-    static constexpr int smem = GV_WARPS * warp_bytes;
+    static constexpr int smem = GV_WARPS * warp_bytes;  // the weights' stages; the activations
+                                                        // follow (activation_bytes)
 };
 
+// shared memory that a row of `npieces` pieces' activations take, `planes` planes a piece
+__host__ __device__ constexpr int activation_bytes(int npieces, int planes) {
+    return npieces * planes * (32 + int(sizeof(float2)));
+}
+
+// The activations into shared memory at `xs`, one cp.async group: the int8 halves of each piece
+// and plane as [half][plane][piece] (16 bytes each: a warp's lanes read consecutive ones), then
+// the scales as [plane][piece].
+template <int PLANES> __device__ __forceinline__ void stage_activations(const Args & a,
+                                                                        uint8_t * xs) {
+    const int n = a.npieces * PLANES;
+    const uint8_t * q = reinterpret_cast<const uint8_t *>(a.xq);
+    for (int u = threadIdx.x; u < 2 * n; u += blockDim.x) {
+        const int i = u / 2;  // piece * PLANES + plane
+        const int at = ((u % 2) * PLANES + i % PLANES) * a.npieces + i / PLANES;
+        copy_async<16, true>(xs + 16 * at, q + 16 * int64_t(u));
+    }
+    float2 * ds = reinterpret_cast<float2 *>(xs + 32 * n);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        copy_async<8, true>(reinterpret_cast<uint8_t *>(ds + (i % PLANES) * a.npieces + i / PLANES),
+                      reinterpret_cast<const uint8_t *>(a.xds + i));
+    }
+    copy_commit();
+}
+
 // A Q4_0 block in shared memory at byte `at` of a 16-byte aligned `base` (blocks of 18 bytes sit
-// at 2-byte alignment), times NC columns of int8 activations, added to `acc`: six 4-byte loads
-// and funnel shifts, where a byte-wise read takes nine; the nibbles enter dp4a as they are (0 to
-// 15) and the 8 that each stands above its value comes off through the activations' sums:
+// at 2-byte alignment), times int8 activations, added to `acc`: six 4-byte loads and funnel
+// shifts, where a byte-wise read takes nine; the nibbles enter dp4a as they are (0 to 15) and the
+// 8 that each stands above its value comes off through the activations' sums:
 // d * sum((q - 8) * x) = d * sum over planes (dx * sum(q * xq) - 8 * sx), sx = dx * sum(xq).
-template <int NC, int PLANES>
+template <int PLANES>
 __device__ __forceinline__ void dot_q4_0_shared(const uint8_t * base, int at,
-                                                const int (&xq)[NC][PLANES][8],
-                                                const float (&dx)[NC][PLANES],
-                                                const float (&sx)[NC][PLANES], float (&acc)[NC]) {
+                                                const int (&xq)[PLANES][8],
+                                                const float (&dx)[PLANES],
+                                                const float (&sx)[PLANES], float & acc) {
     const uint32_t * w = reinterpret_cast<const uint32_t *>(base + (at & ~3));
     const float d = __half2float(__ushort_as_half(uint16_t(w[0] >> (8 * (at & 2)))));
     const int q = at + 2;  // the nibbles
@@ -157,13 +192,10 @@ __device__ __forceinline__ void dot_q4_0_shared(const uint8_t * base, int at,
     for (int i = 0; i < 5; i++) {
         v[i] = wq[i];
     }
-    int sum[NC][PLANES];
+    int sum[PLANES];
 #pragma unroll
-    for (int c = 0; c < NC; c++) {
-#pragma unroll
-        for (int k = 0; k < PLANES; k++) {
-            sum[c][k] = 0;
-        }
+    for (int k = 0; k < PLANES; k++) {
+        sum[k] = 0;
     }
 #pragma unroll
     for (int t = 0; t < 4; t++) {
@@ -171,23 +203,17 @@ __device__ __forceinline__ void dot_q4_0_shared(const uint8_t * base, int at,
         const int lo = x & 0x0F0F0F0F;         // values 4t..4t+3
         const int hi = (x >> 4) & 0x0F0F0F0F;  // values 16+4t..16+4t+3
 #pragma unroll
-        for (int c = 0; c < NC; c++) {
-#pragma unroll
-            for (int k = 0; k < PLANES; k++) {
-                sum[c][k] = dp4a(lo, xq[c][k][t], sum[c][k]);
-                sum[c][k] = dp4a(hi, xq[c][k][4 + t], sum[c][k]);
-            }
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < NC; c++) {
-        float v = 0.0f;
-#pragma unroll
         for (int k = 0; k < PLANES; k++) {
-            v += dx[c][k] * float(sum[c][k]) - 8.0f * sx[c][k];
+            sum[k] = dp4a(lo, xq[k][t], sum[k]);
+            sum[k] = dp4a(hi, xq[k][4 + t], sum[k]);
         }
-        acc[c] += d * v;
     }
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < PLANES; k++) {
+        total += dx[k] * float(sum[k]) - 8.0f * sx[k];
+    }
+    acc += d * total;
 }
 
 // SPLIT warps share each tile of R rows, each taking a contiguous range of its pieces (whole
@@ -197,12 +223,24 @@ template <int K> __host__ __device__ constexpr int split_step() {
     return K == Q6_K ? 64 : 32;
 }
 
-template <int K, int NC, bool GATE, int R, int U, int SPLIT = 1, int P = 64, int ST = 3>
+// Whether a CTA copies the activations into its shared memory (where its warps own whole rows of
+// one matrix) or its warps read them from the L1 and L2 caches: where they share rows (a CTA then
+// reads only a few rows' worth of weights) or stream a gate row beside each row (two rows to one
+// activation) the copy did not pay on the H200 (FFN up+gate: 30.5 against 28.9 us, the best
+// split of each; docs/BENCHMARKS.md).
+__host__ __device__ constexpr bool staged_activations(int split, bool gate) {
+    return split == 1 && !gate;
+}
+
+// Launched with Gv::smem bytes of shared memory, and activation_bytes(npieces, planes_of(K))
+// more where staged_activations(SPLIT, GATE).
+template <int K, bool GATE, int R, int U, int SPLIT = 1, int P = 64, int ST = 3>
 __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
     using L = Layout<K>;
     using Ch = Gv<K, GATE, R, U, P, ST>;
     constexpr int S = Ch::staged;
     constexpr int PLANES = planes_of(K);
+    constexpr bool STAGED = staged_activations(SPLIT, GATE);
     static_assert(GV_WARPS % SPLIT == 0, "a CTA holds whole tiles");
     extern __shared__ __align__(16) uint8_t smem[];
 
@@ -210,9 +248,6 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
     const int warp = threadIdx.x / 32;
     const int part = warp % SPLIT;
     const int row0 = (blockIdx.x * (GV_WARPS / SPLIT) + warp / SPLIT) * R;
-    if (SPLIT == 1 && row0 >= a.nrows) {
-        return;  // no barrier in this kernel waits for this warp
-    }
     // this warp's pieces: [first, end)
     constexpr int G = split_step<K>();
     const int steps = (a.npieces + G - 1) / G;
@@ -223,6 +258,9 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
     const int64_t base = int64_t(first / L::pieces) * L::bytes;  // bytes into the row
     const int64_t last = int64_t((end + L::pieces - 1) / L::pieces) * L::bytes;
     uint8_t * mine = smem + warp * Ch::warp_bytes;
+    uint8_t * xs = smem + Ch::smem;  // the activations
+    const int4 * xs_q = reinterpret_cast<const int4 *>(xs);
+    const float2 * xs_ds = reinterpret_cast<const float2 *>(xs + 32 * PLANES * a.npieces);
 
     auto issue = [&](int ch) {
         if (ch < nchunks) {
@@ -248,13 +286,10 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
         copy_commit();  // an empty group past the end keeps the count of groups in flight
     };
 
-    float acc[S][NC];
+    float acc[S];
 #pragma unroll
     for (int r = 0; r < S; r++) {
-#pragma unroll
-        for (int c = 0; c < NC; c++) {
-            acc[r][c] = 0.0f;
-        }
+        acc[r] = 0.0f;
     }
 
 #pragma unroll
@@ -262,6 +297,14 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
         issue(s);  // weights: no kernel before this one writes them
     }
     LUCEPY_PDL_SYNC();  // the activations: the kernel before has finished
+    if constexpr (STAGED) {
+        stage_activations<PLANES>(a, xs);
+        copy_wait<0>();
+        __syncthreads();  // every warp's share of the activations has landed
+    }
+    if (SPLIT == 1 && row0 >= a.nrows) {
+        return;  // no barrier below waits for this warp
+    }
     for (int ch = 0; ch < nchunks; ch++) {
         issue(ch + ST - 1);
         copy_wait<ST - 1>();
@@ -272,37 +315,39 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
             const int at = 32 * k + lane;  // the piece in the chunk
             const int piece = first + ch * P + at;
             if (piece < end) {
-                int xq[NC][PLANES][8];
-                float dx[NC][PLANES], sx[NC][PLANES];
+                int xq[PLANES][8];
+                float dx[PLANES], sx[PLANES];
 #pragma unroll
-                for (int c = 0; c < NC; c++) {
-#pragma unroll
-                    for (int k = 0; k < PLANES; k++) {
-                        const int64_t i = (int64_t(piece) * NC + c) * PLANES + k;
-                        const int4 lo = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i);
-                        const int4 hi = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i + 1);
-                        int * q = xq[c][k];
-                        q[0] = lo.x, q[1] = lo.y, q[2] = lo.z, q[3] = lo.w;
-                        q[4] = hi.x, q[5] = hi.y, q[6] = hi.z, q[7] = hi.w;
-                        const float2 ds = __ldg(a.xds + i);
-                        dx[c][k] = ds.x, sx[c][k] = ds.y;
+                for (int pl = 0; pl < PLANES; pl++) {
+                    int4 lo, hi;
+                    float2 ds;
+                    if constexpr (STAGED) {
+                        lo = xs_q[pl * a.npieces + piece];
+                        hi = xs_q[(PLANES + pl) * a.npieces + piece];
+                        ds = xs_ds[pl * a.npieces + piece];
+                    } else {
+                        const int64_t i = int64_t(piece) * PLANES + pl;
+                        lo = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i);
+                        hi = __ldg(reinterpret_cast<const int4 *>(a.xq) + 2 * i + 1);
+                        ds = __ldg(a.xds + i);
                     }
+                    int * q = xq[pl];
+                    q[0] = lo.x, q[1] = lo.y, q[2] = lo.z, q[3] = lo.w;
+                    q[4] = hi.x, q[5] = hi.y, q[6] = hi.z, q[7] = hi.w;
+                    dx[pl] = ds.x, sx[pl] = ds.y;
                 }
 #pragma unroll
                 for (int r = 0; r < S; r++) {
                     // a row past the end holds stale bytes: its sum is never written
                     const uint8_t * row = stage + r * Ch::pitch;
                     if constexpr (K == Q4_0) {
-                        dot_q4_0_shared<NC, PLANES>(row, at * L::bytes, xq, dx, sx, acc[r]);
+                        dot_q4_0_shared<PLANES>(row, at * L::bytes, xq, dx, sx, acc[r]);
                     } else {
                         Piece p;
                         unpack<K>(row + (at / L::pieces) * L::bytes, at % L::pieces, p);
 #pragma unroll
-                        for (int c = 0; c < NC; c++) {
-#pragma unroll
-                            for (int k = 0; k < PLANES; k++) {
-                                acc[r][c] += dot(p, xq[c][k], dx[c][k], sx[c][k]);
-                            }
+                        for (int pl = 0; pl < PLANES; pl++) {
+                            acc[r] += dot(p, xq[pl], dx[pl], sx[pl]);
                         }
                     }
                 }
@@ -316,24 +361,18 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
 #pragma unroll
     for (int r = 0; r < S; r++) {
 #pragma unroll
-        for (int c = 0; c < NC; c++) {
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) {
-                acc[r][c] += __shfl_xor_sync(0xFFFFFFFFu, acc[r][c], off);
-            }
+        for (int off = 16; off > 0; off >>= 1) {
+            acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
         }
     }
     if constexpr (SPLIT > 1) {  // the parts' sums, in part order: the same result every run
         __syncthreads();        // every warp is past its stages
         float * red = reinterpret_cast<float *>(smem);
-        static_assert(GV_WARPS * S * NC * sizeof(float) <= Ch::smem, "room to reduce");
+        static_assert(GV_WARPS * S * sizeof(float) <= Ch::smem, "room to reduce");
         if (lane == 0) {
 #pragma unroll
             for (int r = 0; r < S; r++) {
-#pragma unroll
-                for (int c = 0; c < NC; c++) {
-                    red[(warp * S + r) * NC + c] = acc[r][c];
-                }
+                red[warp * S + r] = acc[r];
             }
         }
         __syncthreads();
@@ -342,52 +381,48 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
         }
 #pragma unroll
         for (int r = 0; r < S; r++) {
+            float v = 0.0f;
 #pragma unroll
-            for (int c = 0; c < NC; c++) {
-                float v = 0.0f;
-#pragma unroll
-                for (int q = 0; q < SPLIT; q++) {
-                    v += red[((warp + q) * S + r) * NC + c];
-                }
-                acc[r][c] = v;
+            for (int q = 0; q < SPLIT; q++) {
+                v += red[(warp + q) * S + r];
             }
+            acc[r] = v;
         }
     }
 #pragma unroll
     for (int r = 0; r < R; r++) {
-#pragma unroll
-        for (int c = 0; c < NC; c++) {
-            const int row = row0 + r;
-            if (lane == (r * NC + c) % 32 && row < a.nrows) {
-                const int64_t at = c * a.dst_stride + row;
-                float v = acc[r][c];
-                if (a.x_bias) {
-                    v += a.x_bias[at];
-                }
-                if constexpr (GATE) {
-                    float g = acc[R + r][c];
-                    if (a.gate_bias) {
-                        g += a.gate_bias[at];
-                    }
-                    v = glu(a.glu_op, v, g);
-                }
-                a.dst[at] = v;
+        const int row = row0 + r;
+        if (lane == r % 32 && row < a.nrows) {
+            float v = acc[r];
+            if (a.x_bias) {
+                v += a.x_bias[row];
             }
+            if constexpr (GATE) {
+                float g = acc[R + r];
+                if (a.gate_bias) {
+                    g += a.gate_bias[row];
+                }
+                v = glu(a.glu_op, v, g);
+            }
+            a.dst[row] = v;
         }
     }
 }
 
 // The split for a product of `tiles` tiles and `steps` steps of split_step pieces, on a GPU with
-// room for `slots` warps of the kernel at once: the one whose last wave of warps is fullest, a
-// larger one only where it fills 5 % more of it, and never under two steps a warp. (On the H200
-// the FFN's fused up/gate takes two warps a row: 28.6 against 30.2 us, bench-kernels.cu.)
-inline int gemv_split(int64_t tiles, int steps, int64_t slots) {
+// room for `alone` warps of the kernel at once where a warp owns its rows and `shared` where
+// warps share them (their shared memory differs: staged_activations): the one whose last wave of
+// warps is fullest, a larger one only where it fills 5 % more of it, and never under two steps a
+// warp. (On the H200 the FFN's fused up/gate takes two warps a row: 28.9 against 30.5 us, and a
+// product of 1,024 rows two or four: bench-kernels.cu.)
+inline int gemv_split(int64_t tiles, int steps, int64_t alone, int64_t shared) {
     int best = 1;
     double fill = 0.0;
     for (int split : {1, 2, 4}) {
         if (split > 1 && steps < 2 * split) {
             break;
         }
+        const int64_t slots = split == 1 ? alone : shared;
         const int64_t units = tiles * split;
         const int64_t waves = (units + slots - 1) / slots;
         const double f = double(units) / double(waves * slots);

@@ -1,7 +1,8 @@
 // lucepy's own kernels (issue 19, decision 12), hooked into the pinned ggml-cuda: the host side.
 // The kernels are lucepy-kernels.cuh; hooks.patch shows where ggml calls in.
 //
-// Measured on an H200 (docs/BENCHMARKS.md): off unless LUCEPY_CUDA_KERNELS=1.
+// Measured on an H200 (docs/BENCHMARKS.md): on by default for compute capability 9.0 and newer
+// (Hopper on), where they were measured; LUCEPY_CUDA_KERNELS=0 or =1 forces them off or on.
 
 #include "lucepy-mm.cuh"
 
@@ -27,18 +28,29 @@ constexpr int SLOTS = 4;     // quantized activations kept per context and graph
 
 // --- host side ----------------------------------------------------------------------------------
 
-std::atomic<int> g_on{-1};
+std::atomic<int> g_on{-2};  // -2: not yet read; -1: the default; 0 or 1: forced off or on
 std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
 
-bool enabled() {
+int mode() {
     int on = g_on.load(std::memory_order_relaxed);
-    if (on < 0) {
-        const char * env = std::getenv("LUCEPY_CUDA_KERNELS");  // off unless asked, until a run
-        on = (env && env[0] == '1') ? 1 : 0;                    // confirms a default that is on
+    if (on == -2) {
+        const char * env = std::getenv("LUCEPY_CUDA_KERNELS");
+        on = (env && env[0] == '1') ? 1 : (env && env[0] == '0') ? 0 : -1;
         g_on.store(on, std::memory_order_relaxed);
     }
-    return on == 1;
+    return on;
+}
+
+// Whether the kernels take the products of one device: forced, or by default where they were
+// measured (an NVIDIA GPU of compute capability 9.0 or newer).
+bool enabled(int device) {
+    const int on = mode();
+    if (on >= 0) {
+        return on == 1;
+    }
+    const int cc = ggml_cuda_info().devices[device].cc;
+    return GGML_CUDA_CC_IS_NVIDIA(cc) && cc >= GGML_CUDA_CC_HOPPER;
 }
 
 // Quantized activations of one source tensor, kept for the rest of the graph: the key is the
@@ -149,55 +161,98 @@ uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
 
 using Launch = void (*)(const Args &, cudaStream_t, int device);
 
-// warps of the kernel that fit on the device at once
+// Warps of a kernel that fit on a device at once with `smem` bytes of shared memory a CTA, asked
+// once per kernel, device and size (a product's activations set the size: a few a model).
 template <typename F> int64_t warp_slots(F kernel, int smem, int device) {
+    struct Slots {
+        F kernel;
+        int device, smem;
+        int64_t warps;
+    };
+    static std::vector<Slots> known;
+    static std::mutex mutex;
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const Slots & s : known) {
+        if (s.kernel == kernel && s.device == device && s.smem == smem) {
+            return s.warps;
+        }
+    }
     int per_sm = 0;
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, GV_WARPS * 32, smem));
     const int64_t sms = ggml_cuda_info().devices[device].nsm;
-    return std::max<int64_t>(1, int64_t(per_sm) * GV_WARPS * sms);
+    known.push_back({kernel, device, smem, std::max<int64_t>(1, int64_t(per_sm) * GV_WARPS * sms)});
+    return known.back().warps;
 }
 
-template <int K, int NC, bool GATE, int R, int U, int SPLIT>
+// the shared memory a CTA of the kernel takes for rows of `npieces` pieces
+template <int K, bool GATE, int R, int U> int gemv_smem(int64_t npieces, int split) {
+    const bool staged = staged_activations(split, GATE);
+    return Gv<K, GATE, R, U>::smem + (staged ? activation_bytes(int(npieces), planes_of(K)) : 0);
+}
+
+template <int K, bool GATE, int R, int U, int SPLIT>
 void launch_split(const Args & a, cudaStream_t stream) {
-    using G = Gv<K, GATE, R, U>;
     const int64_t warps = int64_t((a.nrows + R - 1) / R) * SPLIT;
     const dim3 grid(unsigned((warps + GV_WARPS - 1) / GV_WARPS));
-    const auto params = ggml_cuda_kernel_launch_params(grid, GV_WARPS * 32, G::smem, stream);
-    ggml_cuda_kernel_launch(gemv<K, NC, GATE, R, U, SPLIT>, params, a);
+    const int smem = gemv_smem<K, GATE, R, U>(a.npieces, SPLIT);
+    const auto params = ggml_cuda_kernel_launch_params(grid, GV_WARPS * 32, smem, stream);
+    ggml_cuda_kernel_launch(gemv<K, GATE, R, U, SPLIT>, params, a);
 }
 
 // a warp for each R rows (or 2 or 4 for each, gemv_split), copies of U bytes
-template <int K, int NC, bool GATE, int R, int U>
+template <int K, bool GATE, int R, int U>
 void launch(const Args & a, cudaStream_t stream, int device) {
-    using G = Gv<K, GATE, R, U>;
-    static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
-    if (!slots[device]) {
-        if (G::smem > 48 * 1024) {
-            for (auto kernel : {gemv<K, NC, GATE, R, U, 1>, gemv<K, NC, GATE, R, U, 2>,
-                                gemv<K, NC, GATE, R, U, 4>}) {
-                CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                G::smem));
-            }
+    static bool raised[GGML_CUDA_MAX_DEVICES] = {};
+    if (!raised[device]) {  // every size that fits (lucepy_cuda_mul_mat checks the largest)
+        const int most = int(ggml_cuda_info().devices[device].smpbo);
+        for (auto kernel :
+             {gemv<K, GATE, R, U, 1>, gemv<K, GATE, R, U, 2>, gemv<K, GATE, R, U, 4>}) {
+            CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            most));
         }
-        slots[device] = warp_slots(gemv<K, NC, GATE, R, U, 1>, G::smem, device);
+        raised[device] = true;
     }
+    const int64_t alone =
+        warp_slots(gemv<K, GATE, R, U, 1>, gemv_smem<K, GATE, R, U>(a.npieces, 1), device);
+    const int64_t shared =
+        warp_slots(gemv<K, GATE, R, U, 2>, gemv_smem<K, GATE, R, U>(a.npieces, 2), device);
     const int steps = (a.npieces + split_step<K>() - 1) / split_step<K>();
-    switch (gemv_split((a.nrows + R - 1) / R, steps, slots[device])) {
-        case 1: launch_split<K, NC, GATE, R, U, 1>(a, stream); break;
-        case 2: launch_split<K, NC, GATE, R, U, 2>(a, stream); break;
-        default: launch_split<K, NC, GATE, R, U, 4>(a, stream); break;
+    switch (gemv_split((a.nrows + R - 1) / R, steps, alone, shared)) {
+        case 1: launch_split<K, GATE, R, U, 1>(a, stream); break;
+        case 2: launch_split<K, GATE, R, U, 2>(a, stream); break;
+        default: launch_split<K, GATE, R, U, 4>(a, stream); break;
     }
 }
 
 // one column: a warp per row (and its gate row)
 template <int K, int U> Launch pick_unit(bool gate) {
-    return gate ? &launch<K, 1, true, 1, U> : &launch<K, 1, false, 1, U>;
+    return gate ? &launch<K, true, 1, U> : &launch<K, false, 1, U>;
 }
 
 template <int K> Launch pick(bool gate, int unit) {
     return unit == 16 ? pick_unit<K, 16>(gate)
          : unit == 8  ? pick_unit<K, 8>(gate)
                       : pick_unit<K, 4>(gate);
+}
+
+// whether a CTA fits the device's shared memory, fused or not (the activations of a row of up to
+// about 5,000 pieces, 160,000 values, do on an H200)
+template <int K> int most_smem(int64_t npieces) {
+    return std::max(gemv_smem<K, false, 1, 16>(npieces, 1), gemv_smem<K, true, 1, 16>(npieces, 1));
+}
+
+bool fits(int kind, int64_t npieces, int device) {
+    if (npieces > INT32_MAX / 128) {
+        return false;
+    }
+    int smem = 0;
+    switch (kind) {
+        case Q4_0: smem = most_smem<Q4_0>(npieces); break;
+        case Q8_0: smem = most_smem<Q8_0>(npieces); break;
+        case Q4_K: smem = most_smem<Q4_K>(npieces); break;
+        default: smem = most_smem<Q6_K>(npieces); break;
+    }
+    return size_t(smem) <= ggml_cuda_info().devices[device].smpbo;
 }
 
 bool kind_of(ggml_type type, int & kind, int & chunk) {
@@ -231,7 +286,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
                          const ggml_cuda_mm_fusion_args_host * fusion) {
     using namespace lucepy;
     int kind, chunk;
-    if (!enabled() || !kind_of(src0->type, kind, chunk)) {
+    if (!enabled(ctx.device) || !kind_of(src0->type, kind, chunk)) {
         return false;
     }
     const int64_t ncols = src1->ne[1];
@@ -266,7 +321,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         }
     }
     const int unit = copy_unit(src0, gate, chunk);
-    if (unit == 0) {
+    if (unit == 0 || !fits(kind, src0->ne[0] / 32, ctx.device)) {
         return false;
     }
 
@@ -290,7 +345,6 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     a.xq = reinterpret_cast<const int *>(quantized);
     a.xds = reinterpret_cast<const float2 *>(quantized + npieces * ncols * planes * 32);
     a.dst = static_cast<float *>(dst->data);
-    a.dst_stride = dst->nb[1] / int64_t(sizeof(float));
     a.x_bias =
         fusion && fusion->x_bias ? static_cast<const float *>(fusion->x_bias->data) : nullptr;
     a.gate_bias = fusion && fusion->gate_bias ? static_cast<const float *>(fusion->gate_bias->data)
@@ -312,8 +366,8 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
 }
 
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph) {
-    if (!lucepy::enabled()) {  // ggml's kernels: nothing kept (the next begin with ours bumps)
-        return;
+    if (!lucepy::enabled(ctx.device)) {  // ggml's kernels: nothing kept (the next begin with
+        return;                          // ours bumps)
     }
     lucepy::ContextState & st = lucepy::state_of(ctx);
     st.graph++;
@@ -362,13 +416,16 @@ std::atomic<int64_t> g_quantized{0};
 
 extern "C" {
 
-void lucepy_cuda_kernels_set(int on) {
-    lucepy::g_on.store(on ? 1 : 0, std::memory_order_relaxed);
+void lucepy_cuda_kernels_set(int mode) {
+    lucepy::g_on.store(mode < 0 ? -1 : mode ? 1 : 0, std::memory_order_relaxed);
 }
 
-int lucepy_cuda_kernels_get(void) {
+int lucepy_cuda_kernels_get(int device) {
 #if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
-    return lucepy::enabled() ? 1 : 0;
+    if (device < 0 || device >= ggml_cuda_info().device_count) {
+        return 0;
+    }
+    return lucepy::enabled(device) ? 1 : 0;
 #else
     return 0;
 #endif

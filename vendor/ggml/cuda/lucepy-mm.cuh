@@ -17,13 +17,15 @@ void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph 
 // The context is being destroyed: free what the kernels kept for it.
 void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
 
-// For lucepy's Python side (exported from libggml-cuda): whether the kernels run (1) or ggml's
-// (0); the start value comes from LUCEPY_CUDA_KERNELS (1 turns them on); the count of
-// matrix products they computed in this process, and of activations they quantized for them.
-// Launches that a captured CUDA graph replays are not counted: no host code runs for them.
+// For lucepy's Python side (exported from libggml-cuda): set forces the kernels on (1) or off
+// (0) on every device, or back to the default (-1: on for compute capability 9.0 and newer); the
+// start value comes from LUCEPY_CUDA_KERNELS (0 or 1 forces, unset is the default). get tells
+// whether they run on one device (1) or ggml's do (0). Then the count of matrix products they
+// computed in this process, and of activations they quantized for them. Launches that a captured
+// CUDA graph replays are not counted: no host code runs for them.
 extern "C" {
-GGML_BACKEND_API void lucepy_cuda_kernels_set(int on);
-GGML_BACKEND_API int lucepy_cuda_kernels_get(void);
+GGML_BACKEND_API void lucepy_cuda_kernels_set(int mode);
+GGML_BACKEND_API int lucepy_cuda_kernels_get(int device);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_calls(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_quantized(void);
 }
