@@ -196,7 +196,7 @@ ensure_cuda_libs() {
 
 # The build made by tools/prebuild_gpu.sh (llama.cpp's, unpatched), when carried and staged and
 # made from what this checkout would build: unpacked into $BUILD_GGML, checked to load here, and
-# lucepy runs on it too (its own kernels are off by default); GPU_RUN_KERNELS still builds
+# lucepy runs on it too (it has no lucepy kernels: ggml's run); GPU_RUN_KERNELS still builds
 # lucepy's. Runs in this shell: what it exports must reach the steps.
 unpack_prebuilt() {
     [[ -f .gpubuild/STAMP ]] || return 0
