@@ -42,7 +42,8 @@
 # GPU_RUN_KERNELS (set: issue 19's benchmark, tools/bench_kernels.py, on the model in Q4_0 and in
 # Q4_K_M (requantized by llama-quantize), lucepy with its kernels and with ggml's against
 # llama-bench of the unpatched build, and the CUPTI trace of a decode token with each; adds
-# kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json).
+# kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json; GPU_RUN_TRACE_VERIFY=K also
+# traces a K-token verify with each).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
 # runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with
@@ -358,6 +359,12 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
         step "trace-$choice" 90 "$OUTDIR/trace.txt" env LUCEPY_CUDA_KERNELS=$choice python3 \
             tools/trace_gpu.py trace "$MODEL" --device "$DEVICE" \
             --json "$OUTDIR/trace-kernels$choice.json" || true
+        if [[ -n ${GPU_RUN_TRACE_VERIFY:-} ]]; then # a K-token verify's kernels too
+            step "trace-v$choice" 90 "$OUTDIR/trace.txt" env LUCEPY_CUDA_KERNELS=$choice \
+                python3 tools/trace_gpu.py trace "$MODEL" --device "$DEVICE" \
+                --verify "$GPU_RUN_TRACE_VERIFY" \
+                --json "$OUTDIR/trace-verify$choice.json" || true
+        fi
     done
     MODEL_K=${MODEL%-q4_0.gguf}-q4_k_m.gguf
     step requantize 240 "$BENCHLOG" sh -c "test -f '$MODEL_K' || { '$BUILD_GGML/llama-quantize' \

@@ -9,7 +9,7 @@ Two ways to look:
   lucepy (``steps``) and of llama-bench, then ``compare`` the last whole token of each: the
   kernels whose count or time differ.
 
-    python tools/trace_gpu.py trace MODEL [--device cuda:0] [--tokens 20] --json OUT
+    python tools/trace_gpu.py trace MODEL [--device cuda:0] [--tokens 20] [--verify K] --json OUT
     python tools/trace_gpu.py steps MODEL [--device cuda:0] [--tokens 4]
     python tools/trace_gpu.py compare LUCEPY.csv LLAMA.csv      (ncu --csv output)
 
@@ -184,6 +184,9 @@ def main() -> None:
         r.add_argument("--tokens", type=int, default=20 if name == "trace" else 3)
         if name == "trace":
             r.add_argument("--json", required=True)
+            r.add_argument(
+                "--verify", type=int, default=0, help="trace a K-token verify, not a decode token"
+            )
     c = sub.add_parser("compare")
     c.add_argument("ours")
     c.add_argument("theirs")
@@ -199,7 +202,15 @@ def main() -> None:
     import torch  # noqa: F401  (before ggml: see the module's note)
 
     engine = lucepy_engine(args.model, args.device, 8)
-    out = summary(trace(lambda: engine.decode(5), args.tokens))
+
+    def step() -> None:
+        if args.verify:  # one of its tokens kept: the position creeps by one a call
+            engine.verify([5] * args.verify, greedy=True)
+            engine.rollback(1)
+        else:
+            engine.decode(5)
+
+    out = summary(trace(step, args.tokens))
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out))

@@ -155,7 +155,8 @@ template <int K, bool GATE, int U> void launch_auto(const Args & a, cudaStream_t
     const int64_t alone = slots_of(gemv<K, GATE, 1, U, 1>, smem_of<K, GATE, 1, U, 1>(a));
     const int64_t shared = slots_of(gemv<K, GATE, 1, U, 2>, smem_of<K, GATE, 1, U, 2>(a));
     const int steps = (a.npieces + split_step<K>() - 1) / split_step<K>();
-    switch (gemv_split(a.nrows, steps, alone, shared)) {
+    const bool staged = staged_activations(1, GATE);
+    switch (gemv_split(a.nrows, steps, alone, shared, staged)) {
         case 1: launch_gemv<K, GATE, 1, U, 1>(a, s); break;
         case 2: launch_gemv<K, GATE, 1, U, 2>(a, s); break;
         default: launch_gemv<K, GATE, 1, U, 4>(a, s); break;

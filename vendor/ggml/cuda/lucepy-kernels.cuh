@@ -411,11 +411,17 @@ __global__ void __launch_bounds__(GV_WARPS * 32) gemv(const Args a) {
 
 // The split for a product of `tiles` tiles and `steps` steps of split_step pieces, on a GPU with
 // room for `alone` warps of the kernel at once where a warp owns its rows and `shared` where
-// warps share them (their shared memory differs: staged_activations): the one whose last wave of
-// warps is fullest, a larger one only where it fills 5 % more of it, and never under two steps a
-// warp. (On the H200 the FFN's fused up/gate takes two warps a row: 28.9 against 30.5 us, and a
-// product of 1,024 rows two or four: bench-kernels.cu.)
-inline int gemv_split(int64_t tiles, int steps, int64_t alone, int64_t shared) {
+// warps share them (their shared memory differs: staged_activations). A warp a row where the
+// rows fill at least half of `alone` and `staged` (the CTA copies the activations: sharing rows
+// gives that up); else the split whose last wave of warps is fullest, a larger one only where it
+// fills 5 % more of it, and never under two steps a warp. (On the H200 the FFN's fused up/gate
+// takes two warps a row: 28.9 against 30.5 us, a product of 1,024 rows two or four, and the
+// staged products of 5,120-10,240 rows one: bench-kernels.cu. In the model the last rule alone
+// had given the staged products 2 or 4 warps a row, 3.50 ms a token against 3.24 now.)
+inline int gemv_split(int64_t tiles, int steps, int64_t alone, int64_t shared, bool staged) {
+    if (staged && 2 * tiles >= alone) {
+        return 1;
+    }
     int best = 1;
     double fill = 0.0;
     for (int split : {1, 2, 4}) {

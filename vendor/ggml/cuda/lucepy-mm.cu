@@ -217,7 +217,8 @@ void launch(const Args & a, cudaStream_t stream, int device) {
     const int64_t shared =
         warp_slots(gemv<K, GATE, R, U, 2>, gemv_smem<K, GATE, R, U>(a.npieces, 2), device);
     const int steps = (a.npieces + split_step<K>() - 1) / split_step<K>();
-    switch (gemv_split((a.nrows + R - 1) / R, steps, alone, shared)) {
+    const int64_t tiles = (a.nrows + R - 1) / R;
+    switch (gemv_split(tiles, steps, alone, shared, staged_activations(1, GATE))) {
         case 1: launch_split<K, GATE, R, U, 1>(a, stream); break;
         case 2: launch_split<K, GATE, R, U, 2>(a, stream); break;
         default: launch_split<K, GATE, R, U, 4>(a, stream); break;
