@@ -127,10 +127,7 @@ __host__ __device__ constexpr int planes_of(int kind) {
 // R rows a warp (or SPLIT warps, below) beat warps that stream several tiles in turn (fewer
 // warps in flight); more stages than three, longer chunks and more rows a warp did not help.
 
-#ifndef LUCEPY_GV_WARPS
-#define LUCEPY_GV_WARPS 4
-#endif
-constexpr int GV_WARPS = LUCEPY_GV_WARPS;
+constexpr int GV_WARPS = 4;
 
 // Chunks of P pieces (a multiple of 32: one piece a lane), ST of them in flight per warp, copied U
 // bytes at a time (16, or 8 or 4 where the row starts allow no more).
@@ -143,8 +140,8 @@ template <int K, bool GATE, int R, int U, int P = 64, int ST = 3> struct Gv {
     static constexpr int copies = (bytes + 32 * U - 1) / (32 * U);  // per lane and row
     static constexpr int staged = GATE ? 2 * R : R;
     static constexpr int warp_bytes = ST * staged * pitch;
-    static constexpr int smem = GV_WARPS * warp_bytes;  // the weights' stages; the activations
-                                                        // follow (activation_bytes)
+    // the weights' stages (staged activations follow them: activation_bytes)
+    static constexpr int smem = GV_WARPS * warp_bytes;
 };
 
 // shared memory that a row of `npieces` pieces' activations take, `planes` planes a piece
@@ -166,8 +163,8 @@ template <int PLANES> __device__ __forceinline__ void stage_activations(const Ar
     }
     float2 * ds = reinterpret_cast<float2 *>(xs + 32 * n);
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        copy_async<8, true>(reinterpret_cast<uint8_t *>(ds + (i % PLANES) * a.npieces + i / PLANES),
-                      reinterpret_cast<const uint8_t *>(a.xds + i));
+        uint8_t * to = reinterpret_cast<uint8_t *>(ds + (i % PLANES) * a.npieces + i / PLANES);
+        copy_async<8, true>(to, reinterpret_cast<const uint8_t *>(a.xds + i));
     }
     copy_commit();
 }
