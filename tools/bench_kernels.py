@@ -124,7 +124,7 @@ def report(args: argparse.Namespace) -> int:
     lines = [
         f"# lucepy's CUDA kernels: {got.get('model', '?')} on {got.get('device', '?')}",
         "",
-        "| test | llama.cpp (unpatched) | lucepy, ggml's kernels | lucepy, own kernels "
+        f"| test | llama.cpp ({args.llama_build}) | lucepy, ggml's kernels | lucepy, own kernels "
         "| own / llama.cpp | own / ggml's |",
         "|---|---|---|---|---|---|",
     ]
@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("report", help="beside llama-bench, as markdown")
     r.add_argument("results", help="measure's JSON")
     r.add_argument("--llama-bench", nargs="*", default=[], help="llama-bench -o json outputs")
+    r.add_argument(
+        "--llama-build", default="unpatched", help="which build's llama-bench, for the header"
+    )
     r.add_argument("--md")
     args = ap.parse_args(argv)
     return {"measure": measure, "one": one, "report": report}[args.cmd](args)

@@ -41,9 +41,10 @@
 # batch.json, batch.md),
 # GPU_RUN_KERNELS (set: issue 19's benchmark, tools/bench_kernels.py, on the model in Q4_0 and in
 # Q4_K_M (requantized by llama-quantize), lucepy with its kernels and with ggml's against
-# llama-bench of the unpatched build, and the CUPTI trace of a decode token with each; adds
-# kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json; GPU_RUN_TRACE_VERIFY=K also
-# traces a K-token verify with each).
+# llama-bench of the unpatched build (with "build-ggml" skipped: lucepy's build, made with
+# llama-bench and llama-quantize, its kernels off), and the CUPTI trace of a decode token with
+# each; adds kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json; GPU_RUN_TRACE_VERIFY=K
+# also traces a K-token verify with each).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
 # runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with
@@ -77,6 +78,13 @@ fi
 export LUCEPY_CACHE_DIR=${GPU_RUN_CACHE:-/tmp/lucepy-cache}
 export BUILD=$LUCEPY_CACHE_DIR/ggml/cuda           # lucepy's: with its own kernels (issue 19)
 export BUILD_GGML=$LUCEPY_CACHE_DIR/ggml/cuda-ggml # llama.cpp's: ggml's kernels, llama-bench
+# GPU_RUN_KERNELS's llama-bench and llama-quantize: the unpatched build's or, where "build-ggml" is
+# skipped, lucepy's own build's (built with them) with its kernels forced off
+LLAMA_BIN=$BUILD_GGML LLAMA_OFF="" LLAMA_BUILD=unpatched
+if [[ -n ${GPU_RUN_KERNELS:-} && " ${GPU_RUN_SKIP:-} " == *" build-ggml "* ]]; then
+    LLAMA_BIN=$BUILD LLAMA_OFF=LUCEPY_CUDA_KERNELS=0
+    LLAMA_BUILD="lucepy's build, its kernels off"
+fi
 export LUCEPY_BUILD_DIR=/tmp/lucepy-build # kept: a build cut short resumes on the next call
 export MODEL=/tmp/lucepy-$SHAPE-L$LAYERS-q4_0.gguf
 # the sdist (.sdist) or, from tools/prebuild_gpu.sh, the builds and the parts of it still read
@@ -225,7 +233,10 @@ unpack_prebuilt() {
 build_cuda() {
     local src=/tmp/lucepy-sdist/$NAME ggml=1 ours=0 theirs=1
     if [[ $SKIP == *" build-ggml "* ]]; then ggml=0; fi # lucepy's build only: no llama.cpp steps
-    if [[ -f $BUILD/libggml-cuda.so && $(cat "$BUILD/KERNELS" 2>/dev/null) == lucepy ]]; then
+    local tools=()
+    if [[ $LLAMA_BIN == "$BUILD" ]]; then tools=(--with-llama-bench); fi
+    if [[ -f $BUILD/libggml-cuda.so && $(cat "$BUILD/KERNELS" 2>/dev/null) == lucepy ]] &&
+        [[ -z ${tools[*]} || -x $BUILD/llama-quantize ]]; then
         ours=1
     elif [[ $BUILD == "$BUILD_GGML" && -f $BUILD/libggml-cuda.so ]]; then
         ours=1 # lucepy on llama.cpp's build (unpack_prebuilt)
@@ -246,7 +257,7 @@ build_cuda() {
     if [[ ! -d $src/vendor/llama.cpp/vendor/miniaudio ]]; then
         tar -xJf .sdist/server-ui.tar.xz -C "$src/vendor/llama.cpp" vendor/miniaudio
     fi
-    python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src"
+    python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" "${tools[@]}"
     if ((ggml)); then
         python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" --kernels ggml \
             --with-llama-bench --prefix "$BUILD_GGML"
@@ -347,12 +358,14 @@ fi
 
 if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
     kernels_bench() { # kernels_bench MODEL TAG: llama-bench (unpatched), then lucepy both ways
-        step "llama-$2" 120 "$BENCHLOG" sh -c "exec '$BUILD_GGML/llama-bench' -m '$1' -ngl 99 \
-            -fa 1 -p 512 -n 128 -r 5 -o json >'$OUTDIR/llama-bench-$2.json'" || true
+        step "llama-$2" 120 "$BENCHLOG" sh -c "exec env $LLAMA_OFF '$LLAMA_BIN/llama-bench' \
+            -m '$1' -ngl 99 -fa 1 -p 512 -n 128 -r 5 -o json >'$OUTDIR/llama-bench-$2.json'" ||
+            true
         step "kernels-$2" 300 "$BENCHLOG" python3 tools/bench_kernels.py measure "$1" \
             --device "$DEVICE" --json "$OUTDIR/kernels-$2.json" || true
         python3 tools/bench_kernels.py report "$OUTDIR/kernels-$2.json" \
-            --llama-bench "$OUTDIR/llama-bench-$2.json" >>"$OUTDIR/kernels.md" 2>&1 || true
+            --llama-bench "$OUTDIR/llama-bench-$2.json" --llama-build "$LLAMA_BUILD" \
+            >>"$OUTDIR/kernels.md" 2>&1 || true
     }
     kernels_bench "$MODEL" q4_0
     for choice in 1 0; do
@@ -367,7 +380,7 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
         fi
     done
     MODEL_K=${MODEL%-q4_0.gguf}-q4_k_m.gguf
-    step requantize 240 "$BENCHLOG" sh -c "test -f '$MODEL_K' || { '$BUILD_GGML/llama-quantize' \
+    step requantize 240 "$BENCHLOG" sh -c "test -f '$MODEL_K' || { '$LLAMA_BIN/llama-quantize' \
         --allow-requantize '$MODEL' '$MODEL_K.part' Q4_K_M 16 && \
         mv '$MODEL_K.part' '$MODEL_K'; }" || true
     if [[ -f $MODEL_K ]]; then kernels_bench "$MODEL_K" q4_k_m; fi
