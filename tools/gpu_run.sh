@@ -80,7 +80,7 @@ export BUILD=$LUCEPY_CACHE_DIR/ggml/cuda           # lucepy's: with its own kern
 export BUILD_GGML=$LUCEPY_CACHE_DIR/ggml/cuda-ggml # llama.cpp's: ggml's kernels, llama-bench
 # GPU_RUN_KERNELS's llama-bench and llama-quantize: the unpatched build's or, where "build-ggml" is
 # skipped, lucepy's own build's (built with them) with its kernels forced off
-LLAMA_BIN=$BUILD_GGML LLAMA_OFF="" LLAMA_BUILD=unpatched
+export LLAMA_BIN=$BUILD_GGML LLAMA_OFF="" LLAMA_BUILD=unpatched # exported: steps run in bash -c
 if [[ -n ${GPU_RUN_KERNELS:-} && " ${GPU_RUN_SKIP:-} " == *" build-ggml "* ]]; then
     LLAMA_BIN=$BUILD LLAMA_OFF=LUCEPY_CUDA_KERNELS=0
     LLAMA_BUILD="lucepy's build, its kernels off"
