@@ -127,14 +127,8 @@ template <typename F> void raise_smem(F kernel, int smem) {
 }
 
 template <int K, bool GATE, int R, int U, int SPLIT, int P = 64, int ST = 3>
-int smem_of(const Args & a) {
-    const int xs = staged_activations(SPLIT, GATE) ? activation_bytes(a.npieces, planes_of(K)) : 0;
-    return Gv<K, GATE, R, U, P, ST>::smem + xs;
-}
-
-template <int K, bool GATE, int R, int U, int SPLIT, int P = 64, int ST = 3>
 void launch_gemv(const Args & a, cudaStream_t s) {
-    const int smem = smem_of<K, GATE, R, U, SPLIT, P, ST>(a);
+    const int smem = gemv_smem<K, GATE, R, U, P, ST>(a.npieces, SPLIT);
     auto kernel = gemv<K, GATE, R, U, SPLIT, P, ST>;
     raise_smem(kernel, smem);
     const int64_t warps = int64_t((a.nrows + R - 1) / R) * SPLIT;
@@ -152,11 +146,8 @@ template <typename F> int64_t slots_of(F kernel, int smem) {
 
 // the split that lucepy-mm.cu chooses (gemv_split), from the occupancy calculator's slots
 template <int K, bool GATE, int U> void launch_auto(const Args & a, cudaStream_t s) {
-    const int64_t alone = slots_of(gemv<K, GATE, 1, U, 1>, smem_of<K, GATE, 1, U, 1>(a));
-    const int64_t shared = slots_of(gemv<K, GATE, 1, U, 2>, smem_of<K, GATE, 1, U, 2>(a));
-    const int steps = (a.npieces + split_step<K>() - 1) / split_step<K>();
-    const bool staged = staged_activations(1, GATE);
-    switch (gemv_split(a.nrows, steps, alone, shared, staged)) {
+    auto slots = [](auto kernel, int smem) { return slots_of(kernel, smem); };
+    switch (gemv_pick<K, GATE, 1, U>(a.nrows, a.npieces, slots)) {
         case 1: launch_gemv<K, GATE, 1, U, 1>(a, s); break;
         case 2: launch_gemv<K, GATE, 1, U, 2>(a, s); break;
         default: launch_gemv<K, GATE, 1, U, 4>(a, s); break;

@@ -437,6 +437,26 @@ inline int gemv_split(int64_t tiles, int steps, int64_t alone, int64_t shared, b
     return best;
 }
 
+// --- launching gemv (host side, shared by lucepy-mm.cu and bench-kernels.cu) -------------------
+
+// the shared memory a CTA of gemv<K, GATE, R, U, split, P, ST> takes for rows of `npieces` pieces
+template <int K, bool GATE, int R, int U, int P = 64, int ST = 3>
+int gemv_smem(int npieces, int split) {
+    const int xs = staged_activations(split, GATE) ? activation_bytes(npieces, planes_of(K)) : 0;
+    return Gv<K, GATE, R, U, P, ST>::smem + xs;
+}
+
+// The split (1, 2 or 4 warps a tile of R rows) that gemv takes for a product: gemv_split on the
+// warps that fit on the GPU at once, which `slots(kernel, smem)` tells (the occupancy
+// calculator's CTAs a multiprocessor, times the multiprocessors and GV_WARPS).
+template <int K, bool GATE, int R, int U, typename Slots>
+int gemv_pick(int nrows, int npieces, Slots && slots) {
+    const int64_t alone = slots(gemv<K, GATE, R, U, 1>, gemv_smem<K, GATE, R, U>(npieces, 1));
+    const int64_t shared = slots(gemv<K, GATE, R, U, 2>, gemv_smem<K, GATE, R, U>(npieces, 2));
+    const int steps = (npieces + split_step<K>() - 1) / split_step<K>();
+    return gemv_split((nrows + R - 1) / R, steps, alone, shared, staged_activations(1, GATE));
+}
+
 // One warp per 32-value piece and column: `planes` planes of 32 int8 values, each plane the
 // rounding left by the ones before, with its scale and the sum of the values it stands for
 // (scale times the sum of its int8 values).

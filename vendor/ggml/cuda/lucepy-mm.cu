@@ -184,12 +184,6 @@ template <typename F> int64_t warp_slots(F kernel, int smem, int device) {
     return known.back().warps;
 }
 
-// the shared memory a CTA of the kernel takes for rows of `npieces` pieces
-template <int K, bool GATE, int R, int U> int gemv_smem(int64_t npieces, int split) {
-    const bool staged = staged_activations(split, GATE);
-    return Gv<K, GATE, R, U>::smem + (staged ? activation_bytes(int(npieces), planes_of(K)) : 0);
-}
-
 template <int K, bool GATE, int R, int U, int SPLIT>
 void launch_split(const Args & a, cudaStream_t stream) {
     const int64_t warps = int64_t((a.nrows + R - 1) / R) * SPLIT;
@@ -212,13 +206,8 @@ void launch(const Args & a, cudaStream_t stream, int device) {
         }
         raised[device] = true;
     }
-    const int64_t alone =
-        warp_slots(gemv<K, GATE, R, U, 1>, gemv_smem<K, GATE, R, U>(a.npieces, 1), device);
-    const int64_t shared =
-        warp_slots(gemv<K, GATE, R, U, 2>, gemv_smem<K, GATE, R, U>(a.npieces, 2), device);
-    const int steps = (a.npieces + split_step<K>() - 1) / split_step<K>();
-    const int64_t tiles = (a.nrows + R - 1) / R;
-    switch (gemv_split(tiles, steps, alone, shared, staged_activations(1, GATE))) {
+    auto slots = [device](auto kernel, int smem) { return warp_slots(kernel, smem, device); };
+    switch (gemv_pick<K, GATE, R, U>(a.nrows, a.npieces, slots)) {
         case 1: launch_split<K, GATE, R, U, 1>(a, stream); break;
         case 2: launch_split<K, GATE, R, U, 2>(a, stream); break;
         default: launch_split<K, GATE, R, U, 4>(a, stream); break;
@@ -239,7 +228,8 @@ template <int K> Launch pick(bool gate, int unit) {
 // whether a CTA fits the device's shared memory, fused or not (on an H200 the activations of a
 // row of up to about 5,000 pieces, 170,000 values, do; of Q8_0's two planes, 2,500)
 template <int K> int most_smem(int64_t npieces) {
-    return std::max(gemv_smem<K, false, 1, 16>(npieces, 1), gemv_smem<K, true, 1, 16>(npieces, 1));
+    const int n = int(npieces);
+    return std::max(gemv_smem<K, false, 1, 16>(n, 1), gemv_smem<K, true, 1, 16>(n, 1));
 }
 
 bool fits(int kind, int64_t npieces, int device) {
