@@ -357,7 +357,7 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_BATCH:-} ]]; then # continuous batc
 fi
 
 if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
-    kernels_bench() { # kernels_bench MODEL TAG: llama-bench (unpatched), then lucepy both ways
+    kernels_bench() { # kernels_bench MODEL TAG: llama-bench ($LLAMA_BUILD), then lucepy both ways
         step "llama-$2" 120 "$BENCHLOG" sh -c "exec env $LLAMA_OFF '$LLAMA_BIN/llama-bench' \
             -m '$1' -ngl 99 -fa 1 -p 512 -n 128 -r 5 -o json >'$OUTDIR/llama-bench-$2.json'" ||
             true
