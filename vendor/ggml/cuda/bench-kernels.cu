@@ -12,6 +12,7 @@
 // the median replay over 20.
 
 #include "lucepy-kernels.cuh"
+#include "lucepy-gemm.cuh"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -347,12 +348,228 @@ void bench(int k, const Shape & sh, cudaStream_t s, std::mt19937 & rng) {
     CHECK(cudaFree(sink));
 }
 
+
+// --- 2 to 16 columns: gemm -------------------------------------------------------------------
+
+// the exact math on the rounded weights and on the halves gemm multiplies (x rounded as
+// to_halves rounds it), a row and column
+template <int K>
+double host_gemm_row(const uint8_t * row, int npieces, const float * xr) {
+    using L = Layout<K>;
+    double sum = 0;
+    for (int piece = 0; piece < npieces; piece++) {
+        Piece p;
+        unpack<K>(row + (piece / L::pieces) * L::bytes, piece % L::pieces, p);
+        for (int i = 0; i < 32; i++) {
+            const int q = int(int8_t(p.q[i / 4] >> (8 * (i % 4))));
+            const double w = double(p.scale[i / 16]) * q - p.bias;
+            sum += w * xr[piece * 32 + i];
+        }
+    }
+    return sum;
+}
+
+double host_gemm(int k, const uint8_t * row, int npieces, const float * xr) {
+    switch (k) {
+        case Q4_0: return host_gemm_row<Q4_0>(row, npieces, xr);
+        case Q8_0: return host_gemm_row<Q8_0>(row, npieces, xr);
+        case Q4_K: return host_gemm_row<Q4_K>(row, npieces, xr);
+        default: return host_gemm_row<Q6_K>(row, npieces, xr);
+    }
+}
+
+template <int K, int NT, int P, int ST, int W>
+void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
+    auto kernel = gemm<K, NT, P, ST, W>;
+    using G = Gm<K, NT, P, ST, W>;
+    raise_smem(kernel, G::smem);
+    int per_sm = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, G::smem));
+    const GemmPlan plan = gemm_plan(a.nrows, a.npieces, G::rows, P, int64_t(per_sm) * g_sms);
+    float * dst = a.dst;
+    const int64_t stride = a.dst_stride;
+    a.per_part = plan.per_part;
+    if (plan.grid.y > 1) {
+        a.dst = parts_buf;
+        a.dst_stride = a.nrows;
+    }
+    kernel<<<plan.grid, W * 32, G::smem, s>>>(a);
+    if (plan.grid.y > 1) {
+        const int64_t n = int64_t(a.nrows) * a.ncols;
+        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.dst, int(plan.grid.y), a.nrows,
+                                                           a.ncols, dst, stride);
+    }
+}
+
+struct GemmVariant {
+    std::string name;
+    std::function<void(const GemmArgs &, float *, cudaStream_t)> run;
+};
+
+template <int K, int NT> std::vector<GemmVariant> gemm_variants() {
+    return {{"P8 S2 W8", launch_gemm<K, NT, 8, 2, 8>},
+            {"P8 S3 W8", launch_gemm<K, NT, 8, 3, 8>},
+            {"P8 S2 W4", launch_gemm<K, NT, 8, 2, 4>},
+            {"P8 S3 W4", launch_gemm<K, NT, 8, 3, 4>}};
+}
+
+template <int K> std::vector<GemmVariant> gemm_variants(int ncols) {
+    return ncols <= GM_COL_TILE ? gemm_variants<K, 1>() : gemm_variants<K, 2>();
+}
+
+std::vector<GemmVariant> gemm_variants_of(int k, int ncols) {
+    switch (k) {
+        case Q4_0: return gemm_variants<Q4_0>(ncols);
+        case Q8_0: return gemm_variants<Q8_0>(ncols);
+        case Q4_K: return gemm_variants<Q4_K>(ncols);
+        default: return gemm_variants<Q6_K>(ncols);
+    }
+}
+
+// One product (a gate fused or not: a verify's rows take up and gate apart) times 1 column
+// (gemv, the split lucepy-mm.cu chooses) and times each count of `cols`, against one column.
+void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStream_t s,
+                std::mt19937 & rng) {
+    const int npieces = sh.k / 32;
+    const int64_t row_bytes = int64_t(sh.k / block_values(k)) * block_bytes(k);
+    const int64_t mat_bytes = row_bytes * sh.rows;
+    const int copies = int(std::max<int64_t>(2, (int64_t(1) << 30) / mat_bytes));
+    std::vector<uint8_t> host(mat_bytes);
+    for (int64_t b = 0; b < mat_bytes / block_bytes(k); b++) {
+        fill_block(k, host.data() + b * block_bytes(k), rng);
+    }
+    uint8_t * w;
+    CHECK(cudaMalloc(&w, size_t(mat_bytes) * copies));
+    for (int c = 0; c < copies; c++) {
+        CHECK(cudaMemcpy(w + mat_bytes * c, host.data(), size_t(mat_bytes), cudaMemcpyHostToDevice));
+    }
+    const int most = *std::max_element(cols.begin(), cols.end());
+    std::vector<float> x(size_t(most) * sh.k);
+    std::uniform_real_distribution<float> val(-1.0f, 1.0f);
+    for (int c = 0; c < most; c++) {
+        const float mag = c == 1 ? 3000.0f : 1.0f;  // one column with a large scale
+        const float spike = c == 0 ? 90000.0f : 0.0f;  // and a value past a half's range
+        for (int i = 0; i < sh.k; i++) {
+            x[size_t(c) * sh.k + i] = mag * val(rng);
+        }
+        x[size_t(c) * sh.k + sh.k / 3] += spike;
+    }
+    float *dx, *dst, *parts;
+    uint8_t * act;
+    CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
+    CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&act, size_t(std::max<int64_t>(halves_bytes(npieces, most),
+                                                    int64_t(npieces) * 2 * 40))));
+    CHECK(cudaMalloc(&dst, size_t(most) * sh.rows * sizeof(float)));
+    CHECK(cudaMalloc(&parts, size_t(16) * most * sh.rows * sizeof(float)));
+
+    // one column: gemv as lucepy-mm.cu launches it
+    const int planes = planes_of(k);
+    int8_t * xq = reinterpret_cast<int8_t *>(act);
+    float2 * xds = reinterpret_cast<float2 *>(act + int64_t(npieces) * planes * 32);
+    quantize<<<dim3((npieces + 7) / 8, 1), 256, 0, s>>>(dx, sh.k, npieces, 1, planes, xq, xds);
+    Args a1 = {};
+    a1.row_stride = row_bytes;
+    a1.xq = reinterpret_cast<const int *>(xq);
+    a1.xds = xds;
+    a1.dst = dst;
+    a1.nrows = sh.rows;
+    a1.npieces = npieces;
+    const int unit = row_bytes % 16 == 0 ? 16 : row_bytes % 8 == 0 ? 8 : 4;
+    const Variant gemv1 = variants_of(k, false, unit)[0];
+    const float t1 = time_calls(s, [&](int i) {
+        Args b = a1;
+        b.w = w + mat_bytes * (i % copies);
+        gemv1.run(b, s);
+    });
+    std::printf("%-5s %-10s k=%-6d rows=%-7d %7.1f MB  1 column (gemv): %7.2f us\n", kind_name(k),
+                sh.what, sh.k, sh.rows, mat_bytes / 1e6, t1);
+
+    std::vector<int> check_rows;
+    for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 37)) {
+        check_rows.push_back(r);
+    }
+    check_rows.push_back(sh.rows - 1);
+    for (int ncols : cols) {
+        // the activations as to_halves rounds them
+        std::vector<float> xr(size_t(ncols) * sh.k);
+        constexpr int SEG = GM_SEG * 32;  // values a segment
+        for (int c = 0; c < ncols; c++) {
+            for (int s0 = 0; s0 < sh.k; s0 += SEG) {
+                const int end = std::min(sh.k, s0 + SEG);
+                float amax = 0;
+                for (int i = s0; i < end; i++) {
+                    amax = std::max(amax, std::fabs(x[size_t(c) * sh.k + i]));
+                }
+                const float scale = segment_scale(amax);
+                for (int i = s0; i < end; i++) {
+                    const float v = x[size_t(c) * sh.k + i];
+                    xr[size_t(c) * sh.k + i] = __half2float(__float2half(v * scale)) / scale;
+                }
+            }
+        }
+        uint4 * xh = reinterpret_cast<uint4 *>(act);
+        float * xinv = reinterpret_cast<float *>(act + int64_t(padded_cols(ncols)) * npieces * 64);
+        auto convert = [&]() {
+            const dim3 grid(unsigned(segments(npieces)), unsigned(padded_cols(ncols)));
+            to_halves<<<grid, TH_THREADS, 0, s>>>(dx, sh.k, npieces, ncols, xh, xinv);
+        };
+        const float t_conv = time_calls(s, [&](int) { convert(); });
+        convert();
+        GemmArgs g = {};
+        g.row_stride = row_bytes;
+        g.xh = xh;
+        g.xinv = xinv;
+        g.dst = dst;
+        g.dst_stride = sh.rows;
+        g.nrows = sh.rows;
+        g.npieces = npieces;
+        g.ncols = ncols;
+        std::printf("      %2d columns: to_halves %.2f us\n", ncols, t_conv);
+        for (const GemmVariant & v : gemm_variants_of(k, ncols)) {
+            auto run = [&](int i) {
+                GemmArgs b = g;
+                b.w = w + mat_bytes * (i % copies);
+                v.run(b, parts, s);
+            };
+            CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));
+            run(0);
+            CHECK(cudaGetLastError());
+            std::vector<float> got(size_t(ncols) * sh.rows);
+            CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+            double worst = 0;
+            for (int c = 0; c < ncols; c++) {
+                double err = 0, scale = 0;
+                for (int r : check_rows) {
+                    const double want = host_gemm(k, host.data() + r * row_bytes, npieces,
+                                                  xr.data() + size_t(c) * sh.k);
+                    err = std::max(err, std::fabs(got[size_t(c) * sh.rows + r] - want));
+                    scale = std::max(scale, std::fabs(want));
+                }
+                worst = std::max(worst, err / std::max(scale, 1e-30));
+            }
+            const bool ok = worst < 2e-3;
+            failures += !ok;
+            const float t = time_calls(s, run);
+            std::printf("         %-12s %8.2f us  %.2fx one column   %6.0f GB/s   err %.1e%s\n",
+                        v.name.c_str(), t, t / t1, mat_bytes / t / 1e3, worst,
+                        ok ? "" : "  WRONG");
+        }
+    }
+    CHECK(cudaFree(w));
+    CHECK(cudaFree(dx));
+    CHECK(cudaFree(act));
+    CHECK(cudaFree(dst));
+    CHECK(cudaFree(parts));
+}
+
 }  // namespace
 
 int main(int argc, char ** argv) {
     bool quick = false;
     const char * only_kind = nullptr;
     const char * only_shape = nullptr;
+    std::vector<int> cols;  // --cols 2,4,8,16: gemm against one column
     for (int i = 1; i < argc; i++) {
         if (std::strcmp(argv[i], "--quick") == 0) {
             quick = true;
@@ -360,8 +577,19 @@ int main(int argc, char ** argv) {
             only_kind = argv[++i];
         } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc) {
             only_shape = argv[++i];
+        } else if (std::strcmp(argv[i], "--cols") == 0 && i + 1 < argc) {
+            for (char * at = argv[++i]; *at;) {
+                const int n = int(std::strtol(at, &at, 10));
+                if (n < 2 || n > 16) {
+                    std::fprintf(stderr, "--cols: counts of 2 to 16 columns\n");
+                    return 2;
+                }
+                cols.push_back(n);
+                at += *at == ',';
+            }
         } else {
-            std::fprintf(stderr, "usage: %s [--quick] [--kind KIND] [--shape NAME]\n", argv[0]);
+            std::fprintf(stderr, "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16]\n",
+                         argv[0]);
             return 2;
         }
     }
@@ -391,7 +619,11 @@ int main(int argc, char ** argv) {
                 (only_shape && std::strcmp(only_shape, sh.what) != 0)) {
                 continue;
             }
-            bench(k, sh, s, rng);
+            if (cols.empty()) {
+                bench(k, sh, s, rng);
+            } else {
+                bench_cols(k, sh, cols, s, rng);
+            }
         }
     }
     std::printf(failures ? "%d WRONG\n" : "all results match the host's\n", failures);

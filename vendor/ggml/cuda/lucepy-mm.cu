@@ -9,6 +9,7 @@
 #define LUCEPY_PDL_SYNC() ggml_cuda_pdl_sync()
 #define LUCEPY_PDL_LAUNCH() ggml_cuda_pdl_lc()
 #include "lucepy-kernels.cuh"
+#include "lucepy-gemm.cuh"
 
 #include <algorithm>
 #include <atomic>
@@ -23,7 +24,7 @@
 
 namespace lucepy {
 
-constexpr int MAX_COLS = 1;  // 2-16 columns: ggml's kernels (lucepy's measured slower)
+constexpr int MAX_COLS = 16;  // one column: gemv; 2 to 16: gemm (a DFlash verify's rows)
 constexpr int SLOTS = 4;     // quantized activations kept per context and graph
 
 // --- host side ----------------------------------------------------------------------------------
@@ -103,13 +104,30 @@ ContextState & state_of(const ggml_backend_cuda_context & ctx) {
     return g_states[&ctx];
 }
 
+// The activations a product reads: `planes` int8 planes a piece (gemv), or halves (planes 0:
+// gemm's to_halves).
 size_t quantized_bytes(int64_t npieces, int64_t ncols, int planes) {
+    if (planes == 0) {
+        return size_t(halves_bytes(npieces, int(ncols)));
+    }
     return size_t(npieces * ncols * planes) * (32 + sizeof(float2));
 }
 
 void run_quantize(const ggml_tensor * src1, int64_t npieces, int planes, uint8_t * buf,
                   cudaStream_t stream) {
     const int64_t ncols = src1->ne[1];
+    g_quantized.fetch_add(1, std::memory_order_relaxed);
+    if (planes == 0) {
+        const int padded = padded_cols(int(ncols));
+        uint4 * xh = reinterpret_cast<uint4 *>(buf);
+        float * xinv = reinterpret_cast<float *>(buf + int64_t(padded) * npieces * 64);
+        const dim3 grid{unsigned(segments(int(npieces))), unsigned(padded)};
+        ggml_cuda_kernel_launch(to_halves, ggml_cuda_kernel_launch_params(grid, TH_THREADS, 0, stream),
+                                static_cast<const float *>(src1->data),
+                                src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols), xh,
+                                xinv);
+        return;
+    }
     int8_t * xq = reinterpret_cast<int8_t *>(buf);
     float2 * xds = reinterpret_cast<float2 *>(buf + npieces * ncols * planes * 32);
     constexpr int WARPS = 8;
@@ -118,7 +136,6 @@ void run_quantize(const ggml_tensor * src1, int64_t npieces, int planes, uint8_t
                             static_cast<const float *>(src1->data),
                             src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols), planes,
                             xq, xds);
-    g_quantized.fetch_add(1, std::memory_order_relaxed);
 }
 
 // the quantized activations of src1 on ctx's stream: kept ones, or quantized now into a slot
@@ -161,27 +178,33 @@ uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
 
 using Launch = void (*)(const Args &, cudaStream_t, int device);
 
-// Warps of a kernel that fit on a device at once with `smem` bytes of shared memory a CTA, asked
-// once per kernel, device and size (a product's activations set the size: a few a model).
-template <typename F> int64_t warp_slots(F kernel, int smem, int device) {
+// CTAs of `threads` threads and `smem` bytes of shared memory of a kernel that fit on a device
+// at once, asked once per kernel, device and size (a product's activations set gemv's size: a few
+// a model).
+template <typename F> int64_t cta_slots(F kernel, int threads, int smem, int device) {
     struct Slots {
         F kernel;
         int device, smem;
-        int64_t warps;
+        int64_t ctas;
     };
     static std::vector<Slots> known;
     static std::mutex mutex;
     std::lock_guard<std::mutex> lock(mutex);
     for (const Slots & s : known) {
         if (s.kernel == kernel && s.device == device && s.smem == smem) {
-            return s.warps;
+            return s.ctas;
         }
     }
     int per_sm = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, GV_WARPS * 32, smem));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
     const int64_t sms = ggml_cuda_info().devices[device].nsm;
-    known.push_back({kernel, device, smem, std::max<int64_t>(1, int64_t(per_sm) * GV_WARPS * sms)});
-    return known.back().warps;
+    known.push_back({kernel, device, smem, std::max<int64_t>(1, int64_t(per_sm) * sms)});
+    return known.back().ctas;
+}
+
+// warps of gemv that fit at once
+template <typename F> int64_t warp_slots(F kernel, int smem, int device) {
+    return cta_slots(kernel, GV_WARPS * 32, smem, device) * GV_WARPS;
 }
 
 template <int K, bool GATE, int R, int U, int SPLIT>
@@ -223,6 +246,55 @@ template <int K> Launch pick(bool gate, int unit) {
     return unit == 16 ? pick_unit<K, 16>(gate)
          : unit == 8  ? pick_unit<K, 8>(gate)
                       : pick_unit<K, 4>(gate);
+}
+
+// 2 to 16 columns: gemm on `halves` (to_halves' of src1), in parts where its rows are few
+template <int K, int NT>
+void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base, float * dst,
+                 int64_t dst_stride) {
+    constexpr int P = gemm_chunk<K>();
+    auto kernel = gemm<K, NT, P>;
+    using G = Gm<K, NT, P>;
+    constexpr int smem = G::smem;
+    static bool raised[GGML_CUDA_MAX_DEVICES] = {};
+    if (!raised[ctx.device]) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        raised[ctx.device] = true;
+    }
+    const GemmPlan plan =
+        gemm_plan(base.nrows, base.npieces, G::rows, P,
+                  cta_slots(kernel, GM_WARPS * 32, smem, ctx.device));
+    const int parts = int(plan.grid.y);
+    GemmArgs a = base;
+    a.per_part = plan.per_part;
+    cudaStream_t stream = ctx.stream();
+    ggml_cuda_pool_alloc<float> sums(ctx.pool());
+    if (parts > 1) {
+        a.dst = sums.alloc(size_t(parts) * a.ncols * a.nrows);
+        a.dst_stride = a.nrows;
+    } else {
+        a.dst = dst;
+        a.dst_stride = dst_stride;
+    }
+    ggml_cuda_kernel_launch(kernel,
+                            ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, smem, stream),
+                            a);
+    if (parts > 1) {
+        const int64_t n = int64_t(a.nrows) * a.ncols;
+        const dim3 sum_grid(unsigned((n + 255) / 256));
+        ggml_cuda_kernel_launch(gemm_sum, ggml_cuda_kernel_launch_params(sum_grid, 256, 0, stream),
+                                static_cast<const float *>(a.dst), parts, a.nrows, a.ncols, dst,
+                                dst_stride);
+    }
+}
+
+template <int K>
+void run_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & a, float * dst, int64_t stride) {
+    if (a.ncols <= GM_COL_TILE) {
+        launch_gemm<K, 1>(ctx, a, dst, stride);
+    } else {
+        launch_gemm<K, 2>(ctx, a, dst, stride);
+    }
 }
 
 // whether a CTA fits the device's shared memory, fused or not (on an H200 the activations of a
@@ -306,28 +378,59 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
                                     ggml_are_same_shape(gate, src0));
         const bool biases = (!fusion->x_bias || ggml_is_contiguous(fusion->x_bias)) &&
                             (!fusion->gate_bias || (gate && ggml_is_contiguous(fusion->gate_bias)));
+        const bool any = gate || fusion->x_bias || fusion->gate_bias;
         if (fusion->x_scale || fusion->gate_scale || !plain_glu || !same || !biases ||
-            (gate && ncols != 1)) {
+            (any && ncols != 1)) {
             return false;
         }
     }
-    const int unit = copy_unit(src0, gate, chunk);
-    if (unit == 0 || !fits(kind, src0->ne[0] / 32, ctx.device)) {
-        return false;
+    const int64_t npieces = src0->ne[0] / 32;
+    cudaStream_t stream = ctx.stream();
+    ContextState & st = state_of(ctx);
+    ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
+    // src1 as the kernel reads it: kept for the graph's other products of it where it is a tensor
+    // of the graph, else into scratch (ggml's concurrent streams: nothing shared)
+    auto activations = [&](int planes) {
+        if (ctx.curr_stream_no == 0 && st.in_graph(src1)) {
+            return kept_quantized(st, ctx, src1, npieces, planes);
+        }
+        uint8_t * buf = scratch.alloc(quantized_bytes(npieces, ncols, planes));
+        run_quantize(src1, npieces, planes, buf, stream);
+        return buf;
+    };
+
+    if (ncols >= 2) {  // gemm: any row start of 2-byte alignment (4 for Q4_K's int loads)
+        const size_t align = kind == Q4_K ? 4 : 2;
+        if (src0->nb[1] % align != 0 || uintptr_t(src0->data) % align != 0) {
+            return false;
+        }
+        const uint8_t * halves = activations(0);
+        GemmArgs g;
+        g.w = static_cast<const uint8_t *>(src0->data);
+        g.row_stride = src0->nb[1];
+        g.xh = reinterpret_cast<const uint4 *>(halves);
+        g.xinv = reinterpret_cast<const float *>(halves + padded_cols(int(ncols)) * npieces * 64);
+        g.nrows = int(src0->ne[1]);
+        g.npieces = int(npieces);
+        g.ncols = int(ncols);
+        float * out = static_cast<float *>(dst->data);
+        const int64_t stride = dst->nb[1] / int64_t(sizeof(float));
+        switch (kind) {
+            case Q4_0: run_gemm<Q4_0>(ctx, g, out, stride); break;
+            case Q8_0: run_gemm<Q8_0>(ctx, g, out, stride); break;
+            case Q4_K: run_gemm<Q4_K>(ctx, g, out, stride); break;
+            default: run_gemm<Q6_K>(ctx, g, out, stride); break;
+        }
+        g_calls.fetch_add(1, std::memory_order_relaxed);
+        return true;
     }
 
-    const int64_t npieces = src0->ne[0] / 32;
-    const int planes = planes_of(kind);
-    cudaStream_t stream = ctx.stream();
-    uint8_t * quantized = nullptr;
-    ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
-    ContextState & st = state_of(ctx);
-    if (ctx.curr_stream_no == 0 && st.in_graph(src1)) {
-        quantized = kept_quantized(st, ctx, src1, npieces, planes);
-    } else {  // not a tensor of the graph, or ggml's concurrent streams: nothing shared
-        quantized = scratch.alloc(quantized_bytes(npieces, ncols, planes));
-        run_quantize(src1, npieces, planes, quantized, stream);
+    const int unit = copy_unit(src0, gate, chunk);
+    if (unit == 0 || !fits(kind, npieces, ctx.device)) {
+        return false;
     }
+    const int planes = planes_of(kind);
+    const uint8_t * quantized = activations(planes);
 
     Args a;
     a.w = static_cast<const uint8_t *>(src0->data);
