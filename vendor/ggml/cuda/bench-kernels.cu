@@ -378,26 +378,21 @@ double host_gemm(int k, const uint8_t * row, int npieces, const float * xr) {
     }
 }
 
-template <int K, int NT, int P, int ST, int W>
+template <int K, int NT, int P, int ST, int W, int MINB = 16 / W>
 void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    auto kernel = gemm<K, NT, P, ST, W>;
+    auto kernel = gemm<K, NT, P, ST, W, MINB>;
     using G = Gm<K, NT, P, ST, W>;
     raise_smem(kernel, G::smem);
     int per_sm = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, G::smem));
     const GemmPlan plan = gemm_plan(a.nrows, a.npieces, G::rows, P, int64_t(per_sm) * g_sms);
-    float * dst = a.dst;
-    const int64_t stride = a.dst_stride;
     a.per_part = plan.per_part;
-    if (plan.grid.y > 1) {
-        a.dst = parts_buf;
-        a.dst_stride = a.nrows;
-    }
+    a.parts = parts_buf;
     kernel<<<plan.grid, W * 32, G::smem, s>>>(a);
     if (plan.grid.y > 1) {
         const int64_t n = int64_t(a.nrows) * a.ncols;
-        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.dst, int(plan.grid.y), a.nrows,
-                                                           a.ncols, dst, stride);
+        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.parts, int(plan.grid.y), a.nrows,
+                                                           a.ncols, a.dst, a.dst_stride);
     }
 }
 
@@ -407,10 +402,10 @@ struct GemmVariant {
 };
 
 template <int K, int NT> std::vector<GemmVariant> gemm_variants() {
-    return {{"P8 S2 W8", launch_gemm<K, NT, 8, 2, 8>},
-            {"P8 S3 W8", launch_gemm<K, NT, 8, 3, 8>},
-            {"P8 S2 W4", launch_gemm<K, NT, 8, 2, 4>},
-            {"P8 S3 W4", launch_gemm<K, NT, 8, 3, 4>}};
+    return {{"W4 (5 CTAs)", launch_gemm<K, NT, 8, 2, 4>},
+            {"W4 (any)", launch_gemm<K, NT, 8, 2, 4, 1>},
+            {"W4 (4 CTAs)", launch_gemm<K, NT, 8, 2, 4, 4>},
+            {"W8 (2 CTAs)", launch_gemm<K, NT, 8, 2, 8>}};
 }
 
 template <int K> std::vector<GemmVariant> gemm_variants(int ncols) {

@@ -14,8 +14,10 @@
 //     of every row, and of the activations, into shared memory (cp.async, ST chunks in flight),
 //     and each warp multiplies its 16 rows with m16n8k16 mmas in f32, the weights unpacked with
 //     their scales (lucepy-quants.cuh) to halves;
-//   - a product of few rows splits its pieces over several CTAs, whose sums `gemm_sum` adds in
-//     part order (the same result every run).
+//   - a product of few rows splits its pieces over several CTAs (parts), whose sums `gemm_sum`
+//     adds in part order (the same result every run). (The last CTA of a row tile to finish
+//     adding them instead measured slower: that CTA's loads of every part's sums are the end of
+//     the product.)
 #pragma once
 
 #include "lucepy-quants.cuh"
@@ -124,8 +126,9 @@ struct GemmArgs {
     int64_t row_stride;
     const uint4 * xh;    // to_halves' halves
     const float * xinv;  // and its 1 / scale a column and segment
-    float * dst;         // [col][dst_stride] f32, or the parts' sums [part][col][nrows] (split)
+    float * dst;         // [col][dst_stride] f32
     int64_t dst_stride;
+    float * parts;       // split: the parts' sums [part][col][nrows], for gemm_sum
     int nrows;
     int npieces;
     int ncols;           // columns to write (the halves hold padded_cols of them)
@@ -230,8 +233,8 @@ __device__ __forceinline__ void piece_halves(const uint8_t * b, int at, int t, _
 // (to_halves' order), so the sum over k is the piece's dot product.
 //
 // Launched with grid (row tiles, parts), W * 32 threads, Gm::smem bytes of shared memory.
-template <int K, int NT, int P, int ST = 2, int W = GM_WARPS>
-__global__ void __launch_bounds__(W * 32) gemm(const GemmArgs a) {
+template <int K, int NT, int P, int ST = 2, int W = GM_WARPS, int MINB = 16 / W>
+__global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
     using L = Layout<K>;
     using G = Gm<K, NT, P, ST, W>;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -361,8 +364,17 @@ __global__ void __launch_bounds__(W * 32) gemm(const GemmArgs a) {
         if (warp * 16 >= rows) {
             continue;  // no rows for this warp (it still takes part in the copies and barriers)
         }
-#pragma unroll 2
-        for (int i = 0; i < n; i++) {
+        const int seg = first / GM_SEG;
+        const bool flush = ch + 1 == nchunks || (first + P) / GM_SEG != seg;
+        float inv[NT][2];  // the segment's 1 / scale of this lane's columns, fetched early
+        if (flush) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                inv[nt][0] = __ldg(a.xinv + (nt * GM_COL_TILE + 2 * t) * nsegs + seg);
+                inv[nt][1] = __ldg(a.xinv + (nt * GM_COL_TILE + 2 * t + 1) * nsegs + seg);
+            }
+        }
+        auto piece = [&](int i) {
             const int blk = (i / L::pieces) * L::bytes;
             const int at = i % L::pieces;
             __half2 alo[2], ahi[2], blo[2], bhi[2];  // rows r0 and r0 + 8 (stale past the end)
@@ -379,15 +391,23 @@ __global__ void __launch_bounds__(W * 32) gemm(const GemmArgs a) {
                 mma_16816(acc[nt], a_lo, x.x, x.y);
                 mma_16816(acc[nt], a_hi, x.z, x.w);
             }
+        };
+        if (n == P) {  // a whole chunk: unrolled, so that pieces overlap
+#pragma unroll
+            for (int i = 0; i < P; i++) {
+                piece(i);
+            }
+        } else {
+            for (int i = 0; i < n; i++) {
+                piece(i);
+            }
         }
-        const int seg = first / GM_SEG;
-        if (ch + 1 == nchunks || (first + P) / GM_SEG != seg) {  // the segment's sums, unscaled
+        if (flush) {  // the segment's sums, unscaled
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    const int col = nt * GM_COL_TILE + 2 * t + j % 2;
-                    total[nt][j] += acc[nt][j] * a.xinv[col * nsegs + seg];
+                    total[nt][j] += acc[nt][j] * inv[nt][j % 2];
                     acc[nt][j] = 0.0f;
                 }
             }
@@ -397,26 +417,25 @@ __global__ void __launch_bounds__(W * 32) gemm(const GemmArgs a) {
 
     LUCEPY_PDL_LAUNCH();  // the next kernel may start (and fetch its own weights)
 
-    if (warp * 16 >= rows) {
-        return;
-    }
     const bool split = gridDim.y > 1;
-    float * out = split ? a.dst + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
+    float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
     const int64_t stride = split ? a.nrows : a.dst_stride;
+    if (warp * 16 < rows) {
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int row = row0 + r0 + 8 * (j / 2);
-            const int col = nt * GM_COL_TILE + 2 * t + j % 2;
-            if (row < a.nrows && col < a.ncols) {
-                out[col * stride + row] = total[nt][j];
+            for (int j = 0; j < 4; j++) {
+                const int row = row0 + r0 + 8 * (j / 2);
+                const int col = nt * GM_COL_TILE + 2 * t + j % 2;
+                if (row < a.nrows && col < a.ncols) {
+                    out[col * stride + row] = total[nt][j];
+                }
             }
         }
     }
 }
 
-// dst[col][row] = the parts' sums, in part order
+// dst[col][row] = the parts' sums, in part order (gemm split into parts)
 __global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, float * dst,
                          int64_t dst_stride) {
     LUCEPY_PDL_SYNC();

@@ -24,7 +24,11 @@
 
 namespace lucepy {
 
-constexpr int MAX_COLS = 16;  // one column: gemv; 2 to 16: gemm (a DFlash verify's rows)
+constexpr int MAX_COLS = 16;  // one column: gemv; 4 to 16: gemm (a DFlash verify's rows)
+// 2 and 3 columns: ggml's kernels (dp4a, like gemv), which verified 2 and 3 tokens of the
+// 27B-shaped Q4_0 model on the H200 in 11.6 and 12.5 ms against gemm's 13.1 and 13.3; from 4
+// columns gemm was faster (docs/BENCHMARKS.md).
+constexpr int MIN_GEMM_COLS = 4;
 constexpr int SLOTS = 4;     // quantized activations kept per context and graph
 
 // --- host side ----------------------------------------------------------------------------------
@@ -250,8 +254,7 @@ template <int K> Launch pick(bool gate, int unit) {
 
 // 2 to 16 columns: gemm on `halves` (to_halves' of src1), in parts where its rows are few
 template <int K, int NT>
-void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base, float * dst,
-                 int64_t dst_stride) {
+void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
     constexpr int P = gemm_chunk<K>();
     auto kernel = gemm<K, NT, P>;
     using G = Gm<K, NT, P>;
@@ -270,11 +273,7 @@ void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base, float *
     cudaStream_t stream = ctx.stream();
     ggml_cuda_pool_alloc<float> sums(ctx.pool());
     if (parts > 1) {
-        a.dst = sums.alloc(size_t(parts) * a.ncols * a.nrows);
-        a.dst_stride = a.nrows;
-    } else {
-        a.dst = dst;
-        a.dst_stride = dst_stride;
+        a.parts = sums.alloc(size_t(parts) * a.ncols * a.nrows);
     }
     ggml_cuda_kernel_launch(kernel,
                             ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, smem, stream),
@@ -283,17 +282,16 @@ void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base, float *
         const int64_t n = int64_t(a.nrows) * a.ncols;
         const dim3 sum_grid(unsigned((n + 255) / 256));
         ggml_cuda_kernel_launch(gemm_sum, ggml_cuda_kernel_launch_params(sum_grid, 256, 0, stream),
-                                static_cast<const float *>(a.dst), parts, a.nrows, a.ncols, dst,
-                                dst_stride);
+                                static_cast<const float *>(a.parts), parts, a.nrows, a.ncols, a.dst,
+                                a.dst_stride);
     }
 }
 
-template <int K>
-void run_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & a, float * dst, int64_t stride) {
+template <int K> void run_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
     if (a.ncols <= GM_COL_TILE) {
-        launch_gemm<K, 1>(ctx, a, dst, stride);
+        launch_gemm<K, 1>(ctx, a);
     } else {
-        launch_gemm<K, 2>(ctx, a, dst, stride);
+        launch_gemm<K, 2>(ctx, a);
     }
 }
 
@@ -399,13 +397,16 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         return buf;
     };
 
-    if (ncols >= 2) {  // gemm: any row start of 2-byte alignment (4 for Q4_K's int loads)
+    if (ncols >= 2 && ncols < MIN_GEMM_COLS) {
+        return false;
+    }
+    if (ncols >= MIN_GEMM_COLS) {  // gemm: any row start of 2-byte alignment (4 for Q4_K's ints)
         const size_t align = kind == Q4_K ? 4 : 2;
         if (src0->nb[1] % align != 0 || uintptr_t(src0->data) % align != 0) {
             return false;
         }
         const uint8_t * halves = activations(0);
-        GemmArgs g;
+        GemmArgs g = {};
         g.w = static_cast<const uint8_t *>(src0->data);
         g.row_stride = src0->nb[1];
         g.xh = reinterpret_cast<const uint4 *>(halves);
@@ -413,13 +414,13 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         g.nrows = int(src0->ne[1]);
         g.npieces = int(npieces);
         g.ncols = int(ncols);
-        float * out = static_cast<float *>(dst->data);
-        const int64_t stride = dst->nb[1] / int64_t(sizeof(float));
+        g.dst = static_cast<float *>(dst->data);
+        g.dst_stride = dst->nb[1] / int64_t(sizeof(float));
         switch (kind) {
-            case Q4_0: run_gemm<Q4_0>(ctx, g, out, stride); break;
-            case Q8_0: run_gemm<Q8_0>(ctx, g, out, stride); break;
-            case Q4_K: run_gemm<Q4_K>(ctx, g, out, stride); break;
-            default: run_gemm<Q6_K>(ctx, g, out, stride); break;
+            case Q4_0: run_gemm<Q4_0>(ctx, g); break;
+            case Q8_0: run_gemm<Q8_0>(ctx, g); break;
+            case Q4_K: run_gemm<Q4_K>(ctx, g); break;
+            default: run_gemm<Q6_K>(ctx, g); break;
         }
         g_calls.fetch_add(1, std::memory_order_relaxed);
         return true;
@@ -487,6 +488,7 @@ void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx) {
     for (uint8_t * buf : found->second.retired) {
         CUDA_CHECK(cudaFree(buf));
     }
+
     g_states.erase(found);
 }
 
