@@ -1,11 +1,12 @@
-// lucepy's product kernels (lucepy-kernels.cuh) alone on a GPU, without ggml: each way to launch
-// them (rows per warp, warps per row) on the decode shapes of the 27B-shaped model, one column,
-// its time per call and the weight bytes it read per second, against a plain streaming read of
-// the same bytes; and each result against the same math on the host (lucepy-quants.cuh), on the
-// same rounded weights and activations.
+// lucepy's product kernels (lucepy-kernels.cuh, lucepy-gemm.cuh) alone on a GPU, without ggml:
+// each way to launch them on the decode shapes of the 27B-shaped model, their time per call and
+// the weight bytes read per second, and each result against the same math on the host
+// (lucepy-quants.cuh), on the same rounded weights and activations. One column (gemv: rows per
+// warp, warps per row) against a plain streaming read of the same bytes; with --cols, gemm for
+// those counts of columns (stages, warps, parts) against gemv's one column.
 //
 //     nvcc -O3 -std=c++17 -arch=sm_90 -o bench-kernels bench-kernels.cu
-//     ./bench-kernels [--quick] [--kind q4_0|q4_K|q8_0|q6_K] [--shape NAME]
+//     ./bench-kernels [--quick] [--kind q4_0|q4_K|q8_0|q6_K] [--shape NAME] [--cols 2,4,8,16]
 //
 // The weights are random bytes with finite scales, several copies of each matrix in turn so that
 // no call finds its weights in the L2 cache. Times: a CUDA graph of 20 calls, replayed 10 times,
@@ -378,14 +379,15 @@ double host_gemm(int k, const uint8_t * row, int npieces, const float * xr) {
     }
 }
 
-template <int K, int NT, int P, int ST, int W, int MINB = 16 / W>
+template <int K, int NT, int P, int ST, int W, int MINB = 16 / W, int MOST = 16>
 void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
     auto kernel = gemm<K, NT, P, ST, W, MINB>;
     using G = Gm<K, NT, P, ST, W>;
     raise_smem(kernel, G::smem);
     int per_sm = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, G::smem));
-    const GemmPlan plan = gemm_plan(a.nrows, a.npieces, G::rows, P, int64_t(per_sm) * g_sms);
+    const GemmPlan plan =
+        gemm_plan(a.nrows, a.npieces, G::rows, P, int64_t(per_sm) * g_sms, MOST);
     a.per_part = plan.per_part;
     a.parts = parts_buf;
     kernel<<<plan.grid, W * 32, G::smem, s>>>(a);
@@ -402,10 +404,10 @@ struct GemmVariant {
 };
 
 template <int K, int NT> std::vector<GemmVariant> gemm_variants() {
-    return {{"W4 (5 CTAs)", launch_gemm<K, NT, 8, 2, 4>},
-            {"W4 (any)", launch_gemm<K, NT, 8, 2, 4, 1>},
-            {"W4 (4 CTAs)", launch_gemm<K, NT, 8, 2, 4, 4>},
-            {"W8 (2 CTAs)", launch_gemm<K, NT, 8, 2, 8>}};
+    return {{"gemm", launch_gemm<K, NT, 8, 2, 4>},  // as lucepy-mm.cu launches it
+            {"3 stages", launch_gemm<K, NT, 8, 3, 4>},
+            {"8 warps", launch_gemm<K, NT, 8, 2, 8>},
+            {"one part", launch_gemm<K, NT, 8, 2, 4, 4, 1>}};
 }
 
 template <int K> std::vector<GemmVariant> gemm_variants(int ncols) {
@@ -436,7 +438,8 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
     uint8_t * w;
     CHECK(cudaMalloc(&w, size_t(mat_bytes) * copies));
     for (int c = 0; c < copies; c++) {
-        CHECK(cudaMemcpy(w + mat_bytes * c, host.data(), size_t(mat_bytes), cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpy(w + mat_bytes * c, host.data(), size_t(mat_bytes),
+                         cudaMemcpyHostToDevice));
     }
     const int most = *std::max_element(cols.begin(), cols.end());
     std::vector<float> x(size_t(most) * sh.k);
@@ -583,7 +586,8 @@ int main(int argc, char ** argv) {
                 at += *at == ',';
             }
         } else {
-            std::fprintf(stderr, "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16]\n",
+            std::fprintf(stderr,
+                         "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16]\n",
                          argv[0]);
             return 2;
         }

@@ -20,7 +20,7 @@
 //     the product.)
 #pragma once
 
-#include "lucepy-quants.cuh"
+#include "lucepy-kernels.cuh"  // copy_async, the PDL hooks
 
 #include <cuda_fp16.h>
 
@@ -108,9 +108,12 @@ __global__ void __launch_bounds__(TH_THREADS)
     if (piece >= npieces) {
         return;
     }
-    const __half2 h[4] = {
-        __floats2half2_rn(v[0] * scale, v[2] * scale), __floats2half2_rn(v[1] * scale, v[3] * scale),
-        __floats2half2_rn(v[4] * scale, v[6] * scale), __floats2half2_rn(v[5] * scale, v[7] * scale)};
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        v[j] *= scale;
+    }
+    const __half2 h[4] = {__floats2half2_rn(v[0], v[2]), __floats2half2_rn(v[1], v[3]),
+                          __floats2half2_rn(v[4], v[6]), __floats2half2_rn(v[5], v[7])};
     uint4 o;
     o.x = *reinterpret_cast<const uint32_t *>(&h[0]);
     o.y = *reinterpret_cast<const uint32_t *>(&h[1]);
@@ -457,12 +460,13 @@ __global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, 
 // room for `slots` CTAs of gemm (of `cta_rows` rows) at once: the fewest whose last wave of CTAs
 // is fullest (a larger count only where it fills 5 % more of it), every part keeping at least 2
 // chunks of P pieces.
-inline int gemm_parts(int nrows, int npieces, int cta_rows, int P, int64_t slots) {
+inline int gemm_parts(int nrows, int npieces, int cta_rows, int P, int64_t slots,
+                      int most = 16) {
     const int64_t tiles = (nrows + cta_rows - 1) / cta_rows;
     const int nchunks = (npieces + P - 1) / P;
     int best = 1;
     double fill = 0.0;
-    for (int parts = 1; parts <= 16; parts++) {
+    for (int parts = 1; parts <= most; parts++) {
         if (parts > 1 && nchunks < 2 * parts) {
             break;
         }
@@ -485,8 +489,9 @@ struct GemmPlan {
 };
 
 // for a product of `nrows` rows and `npieces` pieces, with room for `slots` CTAs of the kernel
-inline GemmPlan gemm_plan(int nrows, int npieces, int cta_rows, int P, int64_t slots) {
-    const int parts = gemm_parts(nrows, npieces, cta_rows, P, slots);
+inline GemmPlan gemm_plan(int nrows, int npieces, int cta_rows, int P, int64_t slots,
+                          int most = 16) {
+    const int parts = gemm_parts(nrows, npieces, cta_rows, P, slots, most);
     const int nchunks = (npieces + P - 1) / P;
     return {dim3(unsigned((nrows + cta_rows - 1) / cta_rows), unsigned(parts)),
             (nchunks + parts - 1) / parts};

@@ -9,8 +9,7 @@
 //     CTA's shared memory;
 //   - the activations are quantized to int8 planes once per graph and source tensor
 //     (`quantize`).
-// 2-16 columns stay ggml's: lucepy's kernels for them (dp4a and tensor cores) measured slower
-// (docs/BENCHMARKS.md). See lucepy-quants.cuh for the piece format.
+// 2 to 16 columns: lucepy-gemm.cuh (tensor cores). See lucepy-quants.cuh for the piece format.
 //
 // The includer may define LUCEPY_PDL_SYNC() (wait for the kernel before: programmatic dependent
 // launch) and LUCEPY_PDL_LAUNCH() (let the next kernel start); by default they are Hopper's

@@ -126,7 +126,8 @@ void run_quantize(const ggml_tensor * src1, int64_t npieces, int planes, uint8_t
         uint4 * xh = reinterpret_cast<uint4 *>(buf);
         float * xinv = reinterpret_cast<float *>(buf + int64_t(padded) * npieces * 64);
         const dim3 grid{unsigned(segments(int(npieces))), unsigned(padded)};
-        ggml_cuda_kernel_launch(to_halves, ggml_cuda_kernel_launch_params(grid, TH_THREADS, 0, stream),
+        ggml_cuda_kernel_launch(to_halves,
+                                ggml_cuda_kernel_launch_params(grid, TH_THREADS, 0, stream),
                                 static_cast<const float *>(src1->data),
                                 src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols), xh,
                                 xinv);
