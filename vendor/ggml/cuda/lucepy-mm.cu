@@ -24,11 +24,11 @@
 
 namespace lucepy {
 
-constexpr int MAX_COLS = 16;  // one column: gemv; 4 to 16: gemm (a DFlash verify's rows)
-// 2 and 3 columns: ggml's kernels (dp4a, like gemv), which verified 2 and 3 tokens of the
-// 27B-shaped Q4_0 model on the H200 in 11.6 and 12.5 ms against gemm's 13.1 and 13.3; from 4
-// columns gemm was faster (docs/BENCHMARKS.md).
-constexpr int MIN_GEMM_COLS = 4;
+constexpr int MAX_COLS = 16;  // one column: gemv; 3 to 16: gemm (a DFlash verify's rows)
+// 2 columns: ggml's kernels (dp4a, like gemv), which verified 2 tokens of the 27B-shaped Q4_0
+// model on the H200 in 11.6 ms against gemm's 13.1; 3 columns gemm: 12.6 against ggml's 12.4
+// ms on Q4_0, 14.6 against 16.1 on Q4_K_M (docs/BENCHMARKS.md).
+constexpr int MIN_GEMM_COLS = 3;
 constexpr int SLOTS = 4;     // quantized activations kept per context and graph
 
 // --- host side ----------------------------------------------------------------------------------
@@ -398,7 +398,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         return buf;
     };
 
-    if (ncols >= 2 && ncols < MIN_GEMM_COLS) {
+    if (ncols > 1 && ncols < MIN_GEMM_COLS) {
         return false;
     }
     if (ncols >= MIN_GEMM_COLS) {  // gemm: any row start of 2-byte alignment (4 for Q4_K's ints)
