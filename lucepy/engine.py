@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from lucepy.cache.prefix import PrefixCache
 from lucepy.decode import ar
 from lucepy.decode.verify_len import StepCosts, VerifyLength, measurable, measure
+from lucepy.ggml.lib import build_identity
 from lucepy.runtime.backends import cache_root
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine as RuntimeEngine
@@ -46,11 +47,12 @@ class Engine(RuntimeEngine):
         return lengths
 
     def _step_costs(self) -> StepCosts:
-        """Measured once per model, draft, devices and threads, then read from lucepy's cache."""
+        """Measured once per model, draft, devices, threads and ggml build (its kernels decide
+        the costs), then read from lucepy's cache."""
         cfg = self.config
         key = [self.file.identity(), self.draft.file.identity(), cfg.device, cfg.draft_device]
         key += [cfg.threads, cfg.flash_attn, cfg.batch_invariant, self.draft.block]
-        key.append(os.environ.get("LUCEPY_GGML_LIB"))
+        key += [os.environ.get("LUCEPY_GGML_LIB"), build_identity(self.lib)]
         name = hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
         path = cache_root() / "step-costs" / f"{name}.json"
         if path.is_file():

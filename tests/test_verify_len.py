@@ -88,6 +88,51 @@ def test_a_context_too_small_to_time_lengths_keeps_the_block(tmp_path, monkeypat
     assert not (tmp_path / "cache").exists()
 
 
+def test_measured_costs_are_kept_per_ggml_build(tmp_path, monkeypatch):
+    """The cached costs belong to the ggml build that measured them: another build in the same
+    directory (a rebuild with other kernels: its files' sizes and times change) or lucepy's CUDA
+    kernels forced on or off measure anew; the same build reads the cache."""
+    from lucepy.ggml import load
+    from lucepy.ggml.lib import build_identity
+
+    monkeypatch.setenv("LUCEPY_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft = write_agreeing_pair(tmp_path)
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256, draft=str(draft), verify_len="auto")
+    cached = tmp_path / "cache" / "step-costs"
+
+    def measure_once() -> int:
+        with Engine(target, cfg, tokenizer=False) as engine:
+            engine.verify_lengths()
+        return len(list(cached.iterdir()))
+
+    assert measure_once() == 1
+    assert measure_once() == 1  # the same build: read back
+    monkeypatch.setenv("LUCEPY_CUDA_KERNELS", "0")
+    assert measure_once() == 2
+    lib = load()
+    before = build_identity(lib)
+    monkeypatch.setattr(
+        "lucepy.engine.build_identity", lambda lib: [*before[:-1], ["rebuilt"], before[-1]]
+    )
+    assert measure_once() == 3
+
+
+def test_a_rebuild_in_place_is_another_build(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from lucepy.ggml.lib import build_identity
+
+    monkeypatch.delenv("LUCEPY_CUDA_KERNELS", raising=False)
+    lib = tmp_path / "libggml-cuda.so"
+    lib.write_bytes(b"one build")
+    (tmp_path / "libllama.so").write_bytes(b"not ggml's")
+    built = SimpleNamespace(directory=tmp_path)
+    first = build_identity(built)
+    assert first == [["libggml-cuda.so", 9, lib.stat().st_mtime_ns], None]
+    lib.write_bytes(b"another build")
+    assert build_identity(built) != first
+
+
 def test_a_bad_verify_len_is_refused():
     with pytest.raises(ConfigError, match="verify_len must be 'fixed' or 'auto'"):
         RuntimeConfig(verify_len="sometimes")
