@@ -1,6 +1,7 @@
-// lucepy's own kernels (issue 19, decision 12): a quantized weight matrix times 2 to 16 columns
-// (a DFlash verify's rows) on tensor cores. The device code and its launch arithmetic only:
-// lucepy-mm.cu hooks it into ggml-cuda, bench-kernels.cu times it alone.
+// lucepy's own kernels (issue 19, decision 12): a quantized weight matrix times up to 16 columns
+// (a DFlash verify's rows) on tensor cores; lucepy-mm.cu takes it from 3 columns. The device code
+// and its launch arithmetic only: lucepy-mm.cu hooks it into ggml-cuda, bench-kernels.cu times it
+// alone.
 //
 // A decode reads each weight once and spends a few dp4a on it; k columns spend k times as many,
 // and from about 4 columns dp4a is what limits (docs/BENCHMARKS.md: lucepy's dp4a kernel for 2-4
@@ -160,8 +161,8 @@ template <int K, int NT, int P, int ST = 2, int W = GM_WARPS> struct Gm {
 
 // Pieces a chunk: 8 for every kind (a row's chunk of Q4_0 and Q4_K is 144 bytes, Q8_0 272, Q6_K
 // 210). Measured on the H200 (bench-kernels.cu, docs/BENCHMARKS.md) against 16 pieces, three
-// stages and 8 warps a CTA: two stages of 8 pieces and 4 warps were as fast or faster for every
-// kind and shape of the 27B-shaped model.
+// stages and 8 warps a CTA: two stages of 8 pieces and 4 warps were faster, or within 2 %, for
+// every kind and shape of the 27B-shaped model.
 template <int K> __host__ __device__ constexpr int gemm_chunk() {
     return 8;
 }

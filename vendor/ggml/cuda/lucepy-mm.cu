@@ -253,7 +253,7 @@ template <int K> Launch pick(bool gate, int unit) {
                       : pick_unit<K, 4>(gate);
 }
 
-// 2 to 16 columns: gemm on `halves` (to_halves' of src1), in parts where its rows are few
+// 3 to 16 columns: gemm on to_halves' activations, in parts where its rows are few
 template <int K, int NT>
 void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
     constexpr int P = gemm_chunk<K>();
@@ -369,6 +369,9 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     if (!shapes || !layouts || !weights || !GGML_CUDA_CC_IS_NVIDIA(cc) || cc < GGML_CUDA_CC_DP4A) {
         return false;
     }
+    if (ncols > 1 && ncols < MIN_GEMM_COLS) {
+        return false;
+    }
     const ggml_tensor * gate = fusion ? fusion->gate : nullptr;
     if (fusion) {
         const bool plain_glu = !gate || fusion->glu_op == GGML_GLU_OP_SWIGLU ||
@@ -398,9 +401,6 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         return buf;
     };
 
-    if (ncols > 1 && ncols < MIN_GEMM_COLS) {
-        return false;
-    }
     if (ncols >= MIN_GEMM_COLS) {  // gemm: any row start of 2-byte alignment (4 for Q4_K's ints)
         const size_t align = kind == Q4_K ? 4 : 2;
         if (src0->nb[1] % align != 0 || uintptr_t(src0->data) % align != 0) {
@@ -489,7 +489,6 @@ void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx) {
     for (uint8_t * buf : found->second.retired) {
         CUDA_CHECK(cudaFree(buf));
     }
-
     g_states.erase(found);
 }
 
