@@ -53,10 +53,9 @@ def build_identity(lib: Lib) -> list:
     """What tells one ggml build from another for a cached measurement: each ggml library file's
     name, size and modification time (a rebuild in place, e.g. with other kernels, changes
     them), and ``LUCEPY_CUDA_KERNELS`` (lucepy's CUDA kernels forced on or off)."""
-    files = sorted(lib.directory.glob("libggml*.so*"))
-    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files] + [
-        os.environ.get("LUCEPY_CUDA_KERNELS")
-    ]
+    stats = [(f.name, f.stat()) for f in sorted(lib.directory.glob("libggml*.so*"))]
+    files = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
+    return [*files, os.environ.get("LUCEPY_CUDA_KERNELS")]
 
 
 def default_directory() -> Path:

@@ -506,18 +506,16 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
                 }
             }
         }
-        uint4 * xh = reinterpret_cast<uint4 *>(act);
-        float * xinv = reinterpret_cast<float *>(act + int64_t(padded_cols(ncols)) * npieces * 64);
+        const Halves halves = halves_at(act, npieces, ncols);
         auto convert = [&]() {
             const dim3 grid(unsigned(segments(npieces)), unsigned(padded_cols(ncols)));
-            to_halves<<<grid, TH_THREADS, 0, s>>>(dx, sh.k, npieces, ncols, xh, xinv);
+            to_halves<<<grid, TH_THREADS, 0, s>>>(dx, sh.k, npieces, ncols, halves);
         };
         const float t_conv = time_calls(s, [&](int) { convert(); });
         convert();
         GemmArgs g = {};
         g.row_stride = row_bytes;
-        g.xh = xh;
-        g.xinv = xinv;
+        g.x = halves;
         g.dst = dst;
         g.dst_stride = sh.rows;
         g.nrows = sh.rows;

@@ -53,6 +53,18 @@ __host__ __device__ constexpr int64_t halves_bytes(int64_t npieces, int ncols) {
            (npieces * 64 + segments(int(npieces)) * int64_t(sizeof(float)));
 }
 
+// Where to_halves writes in a buffer of halves_bytes: the halves [column][piece][4 groups], then
+// 1 / scale [column][segment].
+struct Halves {
+    uint4 * xh;
+    float * xinv;
+};
+
+inline Halves halves_at(uint8_t * buf, int64_t npieces, int ncols) {
+    return {reinterpret_cast<uint4 *>(buf),
+            reinterpret_cast<float *>(buf + int64_t(padded_cols(ncols)) * npieces * 64)};
+}
+
 // The power of two a segment of largest magnitude `amax` is multiplied by.
 __host__ __device__ inline float segment_scale(float amax) {
     if (!(amax > 0.0f) || !isfinite(amax)) {
@@ -66,10 +78,9 @@ __host__ __device__ inline float segment_scale(float amax) {
 constexpr int TH_THREADS = GM_SEG * 4;  // to_halves: a thread a group (8 values) of a segment
 
 // A CTA of TH_THREADS a segment of a column, grid (segments, padded columns): x [ncols]
-// [col_stride] f32 to `xh` [column][piece][4 groups], and 1 / scale to `xinv` [column][segment].
+// [col_stride] f32 to `out` (halves_at).
 __global__ void __launch_bounds__(TH_THREADS)
-    to_halves(const float * x, int64_t col_stride, int npieces, int ncols, uint4 * xh,
-              float * xinv) {
+    to_halves(const float * x, int64_t col_stride, int npieces, int ncols, Halves out) {
     LUCEPY_PDL_LAUNCH();  // the product after this may start fetching its weights
     LUCEPY_PDL_SYNC();    // x: the kernel before has finished
     const int seg = blockIdx.x;
@@ -104,7 +115,7 @@ __global__ void __launch_bounds__(TH_THREADS)
     }
     const float scale = segment_scale(amax);
     if (threadIdx.x == 0) {
-        xinv[c * segments(npieces) + seg] = 1.0f / scale;
+        out.xinv[c * segments(npieces) + seg] = 1.0f / scale;
     }
     if (piece >= npieces) {
         return;
@@ -120,7 +131,7 @@ __global__ void __launch_bounds__(TH_THREADS)
     o.y = *reinterpret_cast<const uint32_t *>(&h[1]);
     o.z = *reinterpret_cast<const uint32_t *>(&h[2]);
     o.w = *reinterpret_cast<const uint32_t *>(&h[3]);
-    xh[(int64_t(c) * npieces + piece) * 4 + t] = o;
+    out.xh[(int64_t(c) * npieces + piece) * 4 + t] = o;
 }
 
 // --- the product ------------------------------------------------------------------------------
@@ -128,8 +139,7 @@ __global__ void __launch_bounds__(TH_THREADS)
 struct GemmArgs {
     const uint8_t * w;   // weights, rows of row_stride bytes
     int64_t row_stride;
-    const uint4 * xh;    // to_halves' halves
-    const float * xinv;  // and its 1 / scale a column and segment
+    Halves x;            // to_halves' halves and scales
     float * dst;         // [col][dst_stride] f32
     int64_t dst_stride;
     float * parts;       // split: the parts' sums [part][col][nrows], for gemm_sum
@@ -320,7 +330,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
         const int i = threadIdx.x + k * THREADS;
         const int c = min(i / XN, NT * GM_COL_TILE - 1);
         const int u = i % XN;
-        x_src[k] = a.xh + (int64_t(c) * a.npieces + int64_t(chunk0) * P) * 4 + u;
+        x_src[k] = a.x.xh + (int64_t(c) * a.npieces + int64_t(chunk0) * P) * 4 + u;
         x_dst[k] = c * G::x_pitch + 16 * u;
         x_u[k] = i < NT * GM_COL_TILE * XN ? u : INT32_MAX;
     }
@@ -374,8 +384,8 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
         if (flush) {
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                inv[nt][0] = __ldg(a.xinv + (nt * GM_COL_TILE + 2 * t) * nsegs + seg);
-                inv[nt][1] = __ldg(a.xinv + (nt * GM_COL_TILE + 2 * t + 1) * nsegs + seg);
+                inv[nt][0] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t) * nsegs + seg);
+                inv[nt][1] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t + 1) * nsegs + seg);
             }
         }
         auto piece = [&](int i) {

@@ -122,15 +122,12 @@ void run_quantize(const ggml_tensor * src1, int64_t npieces, int planes, uint8_t
     const int64_t ncols = src1->ne[1];
     g_quantized.fetch_add(1, std::memory_order_relaxed);
     if (planes == 0) {
-        const int padded = padded_cols(int(ncols));
-        uint4 * xh = reinterpret_cast<uint4 *>(buf);
-        float * xinv = reinterpret_cast<float *>(buf + int64_t(padded) * npieces * 64);
-        const dim3 grid{unsigned(segments(int(npieces))), unsigned(padded)};
+        const dim3 grid{unsigned(segments(int(npieces))), unsigned(padded_cols(int(ncols)))};
         ggml_cuda_kernel_launch(to_halves,
                                 ggml_cuda_kernel_launch_params(grid, TH_THREADS, 0, stream),
                                 static_cast<const float *>(src1->data),
-                                src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols), xh,
-                                xinv);
+                                src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols),
+                                halves_at(buf, npieces, int(ncols)));
         return;
     }
     int8_t * xq = reinterpret_cast<int8_t *>(buf);
@@ -260,14 +257,12 @@ void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
     auto kernel = gemm<K, NT, P>;
     using G = Gm<K, NT, P>;
     constexpr int smem = G::smem;
-    static bool raised[GGML_CUDA_MAX_DEVICES] = {};
-    if (!raised[ctx.device]) {
+    static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};  // CTAs at once (one size: asked once)
+    if (slots[ctx.device] == 0) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        raised[ctx.device] = true;
+        slots[ctx.device] = cta_slots(kernel, GM_WARPS * 32, smem, ctx.device);
     }
-    const GemmPlan plan =
-        gemm_plan(base.nrows, base.npieces, G::rows, P,
-                  cta_slots(kernel, GM_WARPS * 32, smem, ctx.device));
+    const GemmPlan plan = gemm_plan(base.nrows, base.npieces, G::rows, P, slots[ctx.device]);
     const int parts = int(plan.grid.y);
     GemmArgs a = base;
     a.per_part = plan.per_part;
@@ -406,12 +401,10 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         if (src0->nb[1] % align != 0 || uintptr_t(src0->data) % align != 0) {
             return false;
         }
-        const uint8_t * halves = activations(0);
         GemmArgs g = {};
         g.w = static_cast<const uint8_t *>(src0->data);
         g.row_stride = src0->nb[1];
-        g.xh = reinterpret_cast<const uint4 *>(halves);
-        g.xinv = reinterpret_cast<const float *>(halves + padded_cols(int(ncols)) * npieces * 64);
+        g.x = halves_at(activations(0), npieces, int(ncols));
         g.nrows = int(src0->ne[1]);
         g.npieces = int(npieces);
         g.ncols = int(ncols);
