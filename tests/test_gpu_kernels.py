@@ -23,6 +23,7 @@ GPU = "cuda:0"
 ROWS = 1001  # not a multiple of a CTA's rows (4 of gemv's, 64 of gemm's): idle warps at the end
 OURS = {1, *range(3, 17)}  # column counts lucepy's kernels take (lucepy-mm.cu: 2 is ggml's)
 N = 4096
+EPS = 1e-6  # of the RMS norms
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +38,14 @@ def cuda():
     kernels.set(None)
 
 
-def products(lib, device, weights, xs, gate=None):
+def products(lib, device, weights, xs, gate=None, norm=None):
     """Each quantized matrix of ``weights`` ([(ggml type, raw rows)]) times the columns of each of
     ``xs`` ([k, n] f32), all in one graph, computed once per entry of ``xs`` (the inputs set anew
-    each time); with ``gate`` (type, raw rows), swiglu(gate x, W x) for the one matrix. Returns,
-    per entry of ``xs``, the list of results [k, rows]. A backend of its own: ggml-cuda keeps
-    CUDA graphs per backend, and one captured by an earlier call with the other kernels switched
-    on could be replayed."""
+    each time); with ``gate`` (type, raw rows), swiglu(gate x, W x) for the one matrix; with
+    ``norm`` (a weight vector [n] f32), the products of rms_norm(x) * norm instead, that f32
+    input last among the results. Returns, per entry of ``xs``, the list of results [k, rows]. A
+    backend of its own: ggml-cuda keeps CUDA graphs per backend, and one captured by an earlier
+    call with the other kernels switched on could be replayed."""
     k, n = xs[0].shape
     backend = open_backend(lib, device)
     ctx = Context(lib, 16, graph_nodes=64)
@@ -51,15 +53,21 @@ def products(lib, device, weights, xs, gate=None):
     for gtype, raw in weights + ([gate] if gate else []):
         ts.append((lib.ggml_new_tensor_2d(ctx.ptr, gtype, n, raw.shape[0]), raw))
     x = lib.ggml_new_tensor_2d(ctx.ptr, GGML_TYPE_F32, n, k)
+    if norm is not None:
+        wn = lib.ggml_new_tensor_1d(ctx.ptr, GGML_TYPE_F32, n)
+        ts.append((wn, np.ascontiguousarray(norm, dtype=np.float32)))
     buf = Buffer(lib, ctx, backend, "kernel test")
     for t, raw in ts:
         lib.ggml_backend_tensor_set(t, ffi.from_buffer(raw), 0, raw.nbytes)
     gf = lib.ggml_new_graph_custom(ctx.ptr, 64, False)
+    x_in = x if norm is None else lib.ggml_mul(ctx.ptr, lib.ggml_rms_norm(ctx.ptr, x, EPS), wn)
     if gate:
-        up = lib.ggml_mul_mat(ctx.ptr, ts[0][0], x)
-        outs = [lib.ggml_swiglu_split(ctx.ptr, lib.ggml_mul_mat(ctx.ptr, ts[1][0], x), up)]
+        up = lib.ggml_mul_mat(ctx.ptr, ts[0][0], x_in)
+        outs = [lib.ggml_swiglu_split(ctx.ptr, lib.ggml_mul_mat(ctx.ptr, ts[1][0], x_in), up)]
     else:
-        outs = [lib.ggml_mul_mat(ctx.ptr, t, x) for t, _ in ts]
+        outs = [lib.ggml_mul_mat(ctx.ptr, t, x_in) for t, _ in ts[: len(weights)]]
+    if norm is not None:
+        outs.append(x_in)
     for out in outs:
         lib.ggml_build_forward_expand(gf, out)
     alloc = Allocator(lib, backend)
@@ -171,6 +179,110 @@ def test_gpu_fused_gate_and_swiglu_match_the_exact_math(kind, cuda):
     kernels.set(True)
     bound = 2 * float(rel_err(theirs, exact).max())
     assert rel_err(ours, exact).max() <= bound
+
+
+@pytest.mark.parametrize(("kind", "k"), [("q4_0", 1), ("q8_0", 1), ("q4_k", 5), ("q4_0", 16)])
+def test_gpu_rms_norm_prepares_the_activations_of_its_products(kind, k, cuda):
+    """An RMS norm times its weight whose result two products read (Q and K, or up and gate) is
+    one kernel of ours that also prepares that result for them: int8 planes for one column (Q8_0
+    two), halves for 3-16. The products take it (one preparation, counted as a norm's), the
+    norm's result is ggml's, and the products are within twice ggml's error of the exact math;
+    with new inputs (the CUDA graph captured and replayed) the new products."""
+    lib, device, kernels = cuda
+    mats = [weights_of(lib, kind, 20 + i) for i in range(2)]
+    weights = [(t, raw) for t, raw, _ in mats]
+    rng = np.random.default_rng(21)
+    wn = rng.uniform(0.5, 1.5, size=N).astype(np.float32)
+    xs = [3.0 * rng.normal(size=(k, N)).astype(np.float32) for _ in range(3)]
+    calls, quantized, fused = kernels.calls, kernels.quantized, kernels.fused
+    products(lib, device, weights, xs[:1], norm=wn)
+    counts = (kernels.calls - calls, kernels.quantized - quantized, kernels.fused - fused)
+    assert counts == (2, 1, 1)
+    ours = products(lib, device, weights, xs, norm=wn)
+    kernels.set(False)
+    theirs = products(lib, device, weights, xs, norm=wn)
+    kernels.set(True)
+    for j, x in enumerate(xs):
+        x64 = x.astype(np.float64)
+        normed = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + EPS) * wn
+        np.testing.assert_allclose(ours[j][-1], theirs[j][-1], rtol=1e-5, atol=1e-6)
+        assert rel_err(ours[j][-1], normed).max() < 1e-5
+        for i, (_, _, exact_w) in enumerate(mats):
+            exact = normed @ exact_w.T
+            bound = 2 * float(rel_err(theirs[j][i], exact).max())
+            assert rel_err(ours[j][i], exact).max() <= bound, f"{kind} input {j} matrix {i}"
+
+
+def gated_products(lib, device, weights, zs, xs, op):
+    """Each matrix of ``weights`` times act(z) * x (act ``op``: "silu" or "sigmoid"), z and x
+    [128, n / 128] reshaped to one column of n (as qwen35's gated norm and attention gate feed
+    their output products), for each pair of ``zs`` and ``xs``; the gate's result last among
+    the results. A backend of its own (see ``products``)."""
+    n = zs[0].size
+    backend = open_backend(lib, device)
+    ctx = Context(lib, 16, graph_nodes=64)
+    ts = [(lib.ggml_new_tensor_2d(ctx.ptr, gtype, n, raw.shape[0]), raw) for gtype, raw in weights]
+    z = lib.ggml_new_tensor_2d(ctx.ptr, GGML_TYPE_F32, 128, n // 128)
+    x = lib.ggml_new_tensor_2d(ctx.ptr, GGML_TYPE_F32, 128, n // 128)
+    buf = Buffer(lib, ctx, backend, "kernel test")
+    for t, raw in ts:
+        lib.ggml_backend_tensor_set(t, ffi.from_buffer(raw), 0, raw.nbytes)
+    gf = lib.ggml_new_graph_custom(ctx.ptr, 64, False)
+    act = lib.ggml_silu(ctx.ptr, z) if op == "silu" else lib.ggml_sigmoid(ctx.ptr, z)
+    gated = lib.ggml_reshape_2d(ctx.ptr, lib.ggml_mul(ctx.ptr, x, act), n, 1)
+    outs = [lib.ggml_mul_mat(ctx.ptr, t, gated) for t, _ in ts] + [gated]
+    for out in outs:
+        lib.ggml_build_forward_expand(gf, out)
+    alloc = Allocator(lib, backend)
+    alloc.alloc(gf)
+    results = []
+    for zv, xv in zip(zs, xs, strict=True):
+        for t, v in ((z, zv), (x, xv)):
+            v = np.ascontiguousarray(v, dtype=np.float32)
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(v), 0, v.nbytes)
+        assert lib.ggml_backend_graph_compute(backend.ptr, gf) == 0
+        got = []
+        for out in outs:
+            host = np.zeros((1, int(out.ne[0])), dtype=np.float32)
+            lib.ggml_backend_tensor_get(out, ffi.from_buffer(host), 0, host.nbytes)
+            got.append(host)
+        results.append(got)
+    alloc.close()
+    buf.close()
+    ctx.close()
+    backend.close()
+    return results
+
+
+@pytest.mark.parametrize(("kind", "op"), [("q4_0", "silu"), ("q8_0", "sigmoid")])
+def test_gpu_gate_quantizes_for_its_products(kind, op, cuda):
+    """A SiLU or sigmoid gate times a tensor, reshaped to one column that two products read, is
+    one kernel of ours that also quantizes its result for them: one preparation (counted as
+    fused), the gate's result ggml's, the products within twice ggml's error of the exact math,
+    new products for new inputs (the CUDA graph replayed)."""
+    lib, device, kernels = cuda
+    mats = [weights_of(lib, kind, 30 + i) for i in range(2)]
+    weights = [(t, raw) for t, raw, _ in mats]
+    rng = np.random.default_rng(31)
+    zs = [2.0 * rng.normal(size=(N // 128, 128)).astype(np.float32) for _ in range(3)]
+    xs = [rng.normal(size=(N // 128, 128)).astype(np.float32) for _ in range(3)]
+    calls, quantized, fused = kernels.calls, kernels.quantized, kernels.fused
+    gated_products(lib, device, weights, zs[:1], xs[:1], op)
+    counts = (kernels.calls - calls, kernels.quantized - quantized, kernels.fused - fused)
+    assert counts == (2, 1, 1)
+    ours = gated_products(lib, device, weights, zs, xs, op)
+    kernels.set(False)
+    theirs = gated_products(lib, device, weights, zs, xs, op)
+    kernels.set(True)
+    for j, (z, x) in enumerate(zip(zs, xs, strict=True)):
+        z64 = z.astype(np.float64).reshape(1, N)
+        act = z64 / (1 + np.exp(-z64)) if op == "silu" else 1 / (1 + np.exp(-z64))
+        gated = act * x.astype(np.float64).reshape(1, N)
+        np.testing.assert_allclose(ours[j][-1], theirs[j][-1], rtol=1e-6, atol=1e-7)
+        for i, (_, _, exact_w) in enumerate(mats):
+            exact = gated @ exact_w.T
+            bound = 2 * float(rel_err(theirs[j][i], exact).max())
+            assert rel_err(ours[j][i], exact).max() <= bound, f"{kind} input {j} matrix {i}"
 
 
 @pytest.mark.parametrize("k", [1, 16])

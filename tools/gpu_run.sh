@@ -255,12 +255,12 @@ build_cuda() {
     fi
     # configure wants vendor/miniaudio (only mtmd compiles it): carried in server-ui.tar.xz
     if [[ ! -d $src/vendor/llama.cpp/vendor/miniaudio ]]; then
-        tar -xJf .sdist/server-ui.tar.xz -C "$src/vendor/llama.cpp" vendor/miniaudio
+        tar -xJf .sdist/server-ui.tar.xz -C "$src/vendor/llama.cpp" vendor/miniaudio || return 1
     fi
-    python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" "${tools[@]}"
+    python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" "${tools[@]}" || return 1
     if ((ggml)); then
         python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" --kernels ggml \
-            --with-llama-bench --prefix "$BUILD_GGML"
+            --with-llama-bench --prefix "$BUILD_GGML" || return 1
     fi
     ls -la "$BUILD" "$BUILD_GGML" || true
 }

@@ -20,6 +20,7 @@ _ffi.cdef(
     int lucepy_cuda_kernels_get(int device);
     int64_t lucepy_cuda_kernels_calls(void);
     int64_t lucepy_cuda_kernels_quantized(void);
+    int64_t lucepy_cuda_kernels_fused(void);
     """
 )
 
@@ -46,6 +47,13 @@ class CudaKernels:
     def quantized(self) -> int:
         """Activations quantized for them (one per graph and source tensor), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_quantized())
+
+    @property
+    def fused(self) -> int:
+        """Of those, the ones that the kernel before the product prepared as it wrote its result
+        (an RMS norm times its weight, or a SiLU or sigmoid gate: one kernel, not two), counted
+        alike."""
+        return int(self.handle.lucepy_cuda_kernels_fused())
 
 
 def cuda_kernels(lib: Lib) -> CudaKernels | None:

@@ -343,7 +343,11 @@ class Qwen35(Architecture):
         if verify:
             g.output(f"conv.{il}", x)  # the state after token t is columns t+1 .. t+K1
         tail = L.ggml_view_3d(c, x, K1, C, N, x.nb[1], x.nb[2], g.row_size(x, t))
-        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, mine))
+        # into a flat view of the same elements: a copy of like shapes ggml-cuda makes a 2D
+        # memcpy, 7 us a layer on the H200 (CUDA's own kernel, outside the PDL chain), where its
+        # copy kernel takes about 2 (docs/BENCHMARKS.md)
+        flat = L.ggml_view_1d(c, state, K1 * C * N, plane * F)
+        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, flat))
         out = L.ggml_ssm_conv(c, x, w[f"blk.{il}.ssm_conv1d.weight"])  # [C, t, N]
         return L.ggml_reshape_2d(c, L.ggml_silu(c, out), C, t * N)
 

@@ -153,7 +153,7 @@ class DeltaNetState(LayerState):
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, snap, state))
         tail = g.alias(x, (K1, x.ne[1]), (x.nb[1],), g.row_size(x, keep))
         conv = st[self.conv]
-        conv0 = L.ggml_view_2d(c, conv, K1, conv.ne[1], conv.nb[1], 0)
+        conv0 = L.ggml_view_1d(c, conv, K1 * conv.ne[1], 0)  # flat: see qwen35's _conv
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, conv0))
 
 

@@ -7,6 +7,7 @@
 //
 //     nvcc -O3 -std=c++17 -arch=sm_90 -o bench-kernels bench-kernels.cu
 //     ./bench-kernels [--quick] [--kind q4_0|q4_K|q8_0|q6_K] [--shape NAME] [--cols 2,4,8,16]
+//     BENCH_ONCE=1 ncu --kernel-name regex:gemv ./bench-kernels --quick --shape ffn_down
 //
 // The weights are random bytes with finite scales, several copies of each matrix in turn so that
 // no call finds its weights in the L2 cache. Times: a CUDA graph of 20 calls, replayed 10 times,
@@ -203,8 +204,14 @@ float median(std::vector<float> v) {
     return v[v.size() / 2];
 }
 
-// time per call (us) of `run(i)` for calls i = 0..19 captured in a graph
+// time per call (us) of `run(i)` for calls i = 0..19 captured in a graph; under a profiler
+// (BENCH_ONCE set) one call and no time, so that each variant launches its kernels twice
 float time_calls(cudaStream_t s, const std::function<void(int)> & run) {
+    if (std::getenv("BENCH_ONCE")) {
+        run(0);
+        CHECK(cudaStreamSynchronize(s));
+        return 0.0f;
+    }
     for (int i = 0; i < 3; i++) {
         run(i);
     }

@@ -134,6 +134,77 @@ __global__ void __launch_bounds__(TH_THREADS)
     out.xh[(int64_t(c) * npieces + piece) * 4 + t] = o;
 }
 
+// norm_quantize's twin for 3-16 columns (a verify): a CTA a padded column, warp w taking
+// segments w, w + 32, ..., each lane two of a segment's 64 groups (16-byte loads and stores:
+// x, w and dst 16-byte aligned), what to_halves writes (the padding columns zeros, as there).
+__global__ void __launch_bounds__(NORM_THREADS)
+    norm_halves(const float * x, int64_t x_stride, const float * w, float * dst,
+                int64_t dst_stride, int n, float eps, int ncols, Halves out) {
+    LUCEPY_PDL_LAUNCH();
+    const int c = blockIdx.x;
+    const bool real = c < ncols;
+    x += real ? c * x_stride : 0;
+    dst += c * dst_stride;
+    LUCEPY_PDL_SYNC();  // x: the kernel before has finished
+    const float scale = real ? norm_scale(x, n, eps) : 0.0f;
+    const int npieces = n / 32;
+    const int lane = threadIdx.x % 32;
+    for (int seg = threadIdx.x / 32; seg < segments(npieces); seg += NORM_THREADS / 32) {
+        float v[2][8];
+        int piece[2];
+        float amax = 0.0f;
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            const int group = 32 * g + lane;  // of the segment's 64
+            piece[g] = seg * GM_SEG + group / 4;
+            const int t = group % 4;
+            const bool here = real && piece[g] < npieces;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {  // values 4t..4t+3, then 16+4t..16+4t+3: 16 bytes each
+                const int i = piece[g] * 32 + 4 * t + 16 * h;
+                float4 u = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (here) {
+                    const float4 xi = *reinterpret_cast<const float4 *>(x + i);
+                    const float4 wi = *reinterpret_cast<const float4 *>(w + i);
+                    u = make_float4(scale * xi.x * wi.x, scale * xi.y * wi.y, scale * xi.z * wi.z,
+                                    scale * xi.w * wi.w);
+                    *reinterpret_cast<float4 *>(dst + i) = u;
+                }
+                v[g][4 * h] = u.x, v[g][4 * h + 1] = u.y, v[g][4 * h + 2] = u.z;
+                v[g][4 * h + 3] = u.w;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                amax = fmaxf(amax, fabsf(v[g][j]));  // (fmaxf drops a NaN: the product has it)
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+        }
+        const float s = segment_scale(amax);
+        if (lane == 0) {
+            out.xinv[c * segments(npieces) + seg] = 1.0f / s;
+        }
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            if (piece[g] < npieces) {
+                const float * u = v[g];
+                const __half2 h[4] = {__floats2half2_rn(u[0] * s, u[2] * s),
+                                      __floats2half2_rn(u[1] * s, u[3] * s),
+                                      __floats2half2_rn(u[4] * s, u[6] * s),
+                                      __floats2half2_rn(u[5] * s, u[7] * s)};
+                uint4 o;
+                o.x = *reinterpret_cast<const uint32_t *>(&h[0]);
+                o.y = *reinterpret_cast<const uint32_t *>(&h[1]);
+                o.z = *reinterpret_cast<const uint32_t *>(&h[2]);
+                o.w = *reinterpret_cast<const uint32_t *>(&h[3]);
+                out.xh[(int64_t(c) * npieces + piece[g]) * 4 + (32 * g + lane) % 4] = o;
+            }
+        }
+    }
+}
+
 // --- the product ------------------------------------------------------------------------------
 
 struct GemmArgs {

@@ -456,23 +456,13 @@ int gemv_pick(int nrows, int npieces, Slots && slots) {
     return gemv_split((nrows + R - 1) / R, steps, alone, shared, staged_activations(1, GATE));
 }
 
-// One warp per 32-value piece and column: `planes` planes of 32 int8 values, each plane the
-// rounding left by the ones before, with its scale and the sum of the values it stands for
-// (scale times the sum of its int8 values).
-// (No __restrict__ here or in Args: ggml-cuda finds it unsafe beside programmatic dependent
-// launch.)
-__global__ void quantize(const float * x, int64_t col_stride, int npieces, int ncols, int planes,
-                         int8_t * xq, float2 * xds) {
-    LUCEPY_PDL_LAUNCH();    // the product after this may start fetching its weights
-    LUCEPY_PDL_SYNC();  // x: the kernel before has finished
-    const int piece = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int c = blockIdx.y;
+// One piece of one column, its 32 values one a lane of the calling warp: `planes` planes of 32
+// int8 values at (at + plane) * 32 of `xq`, each plane the rounding left by the ones before, with
+// its scale and the sum of the values it stands for (scale times the sum of its int8 values) at
+// at + plane of `xds`.
+__device__ __forceinline__ void quantize_piece(float v, int planes, int64_t at, int8_t * xq,
+                                               float2 * xds) {
     const int lane = threadIdx.x % 32;
-    if (piece >= npieces) {
-        return;
-    }
-    float v = x[c * col_stride + int64_t(piece) * 32 + lane];
-    const int64_t at = (int64_t(piece) * ncols + c) * planes;
 #pragma unroll
     for (int k = 0; k < MAX_PLANES; k++) {
         if (k == planes) {
@@ -496,6 +486,97 @@ __global__ void quantize(const float * x, int64_t col_stride, int npieces, int n
         }
         v -= d * float(q);  // what this plane leaves for the next
     }
+}
+
+// One warp per 32-value piece and column: the planes of quantize_piece, piece-major
+// ([piece][column][plane]).
+// (No __restrict__ here or in Args: ggml-cuda finds it unsafe beside programmatic dependent
+// launch.)
+__global__ void quantize(const float * x, int64_t col_stride, int npieces, int ncols, int planes,
+                         int8_t * xq, float2 * xds) {
+    LUCEPY_PDL_LAUNCH();  // the product after this may start fetching its weights
+    LUCEPY_PDL_SYNC();    // x: the kernel before has finished
+    const int piece = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int c = blockIdx.y;
+    const int lane = threadIdx.x % 32;
+    if (piece >= npieces) {
+        return;
+    }
+    const float v = x[c * col_stride + int64_t(piece) * 32 + lane];
+    quantize_piece(v, planes, (int64_t(piece) * ncols + c) * planes, xq, xds);
+}
+
+// An RMS norm times a weight vector (ggml's RMS_NORM then MUL, as ggml-cuda fuses them) whose
+// result goes to products: the result as ggml writes it, and the products' activations, in one
+// kernel where there were two. CTAs of NORM_THREADS; `norm_scale` is the norm's
+// factor: each thread sums the squares of values tid, tid + NORM_THREADS, ... (ggml's order),
+// the warps' sums meet in shared memory.
+constexpr int NORM_THREADS = 1024;
+
+__device__ __forceinline__ float norm_scale(const float * x, int n, float eps) {
+    const int lane = threadIdx.x % 32;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < n; i += NORM_THREADS) {
+        sum += x[i] * x[i];
+    }
+    __shared__ float sums[NORM_THREADS / 32];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    }
+    if (lane == 0) {
+        sums[threadIdx.x / 32] = sum;
+    }
+    __syncthreads();
+    sum = sums[lane];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    }
+    return rsqrtf(sum / float(n) + eps);
+}
+
+// One column (a decode), grid (pieces / 32 rounded up, columns): each CTA finds the norm's
+// factor over the whole column (the same sum in each), then its warp w takes piece 32 x + w (a
+// lane a value) into the planes of quantize_piece. (One CTA for every piece took as long as
+// ggml's norm and our quantize: 32 warps, each quantizing several pieces in turn.)
+__global__ void __launch_bounds__(NORM_THREADS) norm_quantize(
+    const float * x, int64_t x_stride, const float * w, float * dst, int64_t dst_stride, int n,
+    float eps, int ncols, int planes, int8_t * xq, float2 * xds) {
+    LUCEPY_PDL_LAUNCH();
+    const int c = blockIdx.y;
+    x += c * x_stride;
+    dst += c * dst_stride;
+    LUCEPY_PDL_SYNC();  // x: the kernel before has finished
+    const float scale = norm_scale(x, n, eps);
+    const int piece = blockIdx.x * (NORM_THREADS / 32) + threadIdx.x / 32;
+    if (piece < n / 32) {
+        const int i = piece * 32 + threadIdx.x % 32;
+        const float v = scale * x[i] * w[i];
+        dst[i] = v;
+        quantize_piece(v, planes, (int64_t(piece) * ncols + c) * planes, xq, xds);
+    }
+}
+
+// A SiLU or sigmoid gate, act(z) * x (ggml's UNARY then MUL, as ggml-cuda fuses them), whose
+// result a product reads as one column: the result as ggml writes it and its planes as
+// `quantize` writes them, one warp a piece.
+enum Gate : int { GATE_SILU = 0, GATE_SIGMOID = 1 };
+
+__global__ void gate_quantize(const float * z, const float * x, float * dst, int npieces, int op,
+                              int planes, int8_t * xq, float2 * xds) {
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // z and x: the kernel before has finished
+    const int piece = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (piece >= npieces) {
+        return;
+    }
+    const int64_t i = int64_t(piece) * 32 + threadIdx.x % 32;
+    const float g = z[i];
+    const float act = op == GATE_SILU ? g / (1.0f + expf(-g)) : 1.0f / (1.0f + expf(-g));
+    const float v = act * x[i];
+    dst[i] = v;
+    quantize_piece(v, planes, int64_t(piece) * planes, xq, xds);
 }
 
 }  // namespace lucepy

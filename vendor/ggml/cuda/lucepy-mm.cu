@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -36,6 +37,7 @@ constexpr int SLOTS = 4;     // quantized activations kept per context and graph
 std::atomic<int> g_on{-2};  // -2: not yet read; -1: the default; 0 or 1: forced off or on
 std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
+std::atomic<int64_t> g_fused{0};
 
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -74,6 +76,13 @@ struct Kept {
     size_t cap = 0;
 };
 
+// What a product of ours reads of a tensor: the product's own input (the tensor, or a reshape of
+// it) and the planes it reads (int8 planes: one column; 0: halves, 3-16 columns).
+struct Wanted {
+    const ggml_tensor * src1;
+    int planes;
+};
+
 struct ContextState {
     uint64_t graph = 1;
     uint64_t clock = 0;
@@ -82,6 +91,8 @@ struct ContextState {
     const ggml_cgraph * cgraph = nullptr;  // the graph being computed
     std::unordered_set<const ggml_tensor *> members;  // its nodes and leafs, once asked
     bool listed = false;
+    std::unordered_map<const ggml_tensor *, Wanted> wants;  // see `wanted`
+    bool planned = false;
 
     bool in_graph(const ggml_tensor * t) {
         if (cgraph == nullptr) {
@@ -140,9 +151,11 @@ void run_quantize(const ggml_tensor * src1, int64_t npieces, int planes, uint8_t
                             xq, xds);
 }
 
-// the quantized activations of src1 on ctx's stream: kept ones, or quantized now into a slot
-uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
-                         const ggml_tensor * src1, int64_t npieces, int planes) {
+// The slot that keeps src1's activations (`planes` planes, or halves) for the graph: its buffer,
+// and whether it holds them already (`*fresh` false) or was just claimed for them (true: the
+// caller fills it on ctx's stream).
+uint8_t * claim(ContextState & st, const ggml_tensor * src1, int64_t npieces, int planes,
+                bool * fresh) {
     const size_t need = quantized_bytes(npieces, src1->ne[1], planes);
     Kept * oldest = &st.slot[0];
     auto age = [&](const Kept & k) { return k.graph == st.graph ? k.used : 0; };  // stale first
@@ -151,6 +164,7 @@ uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
             k.ne0 == src1->ne[0] && k.ne1 == src1->ne[1] && k.nb1 == src1->nb[1] &&
             k.planes == planes) {
             k.used = ++st.clock;
+            *fresh = false;
             return k.buf;
         }
         if (age(k) < age(*oldest)) {
@@ -174,8 +188,19 @@ uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
     k.planes = planes;
     k.graph = st.graph;
     k.used = ++st.clock;
-    run_quantize(src1, npieces, planes, k.buf, ctx.stream());
+    *fresh = true;
     return k.buf;
+}
+
+// the quantized activations of src1 on ctx's stream: kept ones, or quantized now into a slot
+uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
+                         const ggml_tensor * src1, int64_t npieces, int planes) {
+    bool fresh = false;
+    uint8_t * buf = claim(st, src1, npieces, planes, &fresh);
+    if (fresh) {
+        run_quantize(src1, npieces, planes, buf, ctx.stream());
+    }
+    return buf;
 }
 
 using Launch = void (*)(const Args &, cudaStream_t, int device);
@@ -336,6 +361,38 @@ int copy_unit(const ggml_tensor * src0, const ggml_tensor * gate, int chunk) {
     return 0;
 }
 
+// What the graph's first product of ours that reads `t` (or a reshape of it) reads of it, or
+// null; found once a graph, for the kernels before the products that prepare their results for
+// them (an RMS norm, a gate).
+const Wanted * wanted(ContextState & st, const ggml_tensor * t) {
+    if (st.cgraph == nullptr) {
+        return nullptr;
+    }
+    if (!st.planned) {
+        for (int i = 0; i < st.cgraph->n_nodes; i++) {
+            const ggml_tensor * node = st.cgraph->nodes[i];
+            int kind, chunk;
+            if (node->op != GGML_OP_MUL_MAT || !kind_of(node->src[0]->type, kind, chunk)) {
+                continue;
+            }
+            const ggml_tensor * src1 = node->src[1];
+            const int64_t ncols = src1->ne[1];
+            if (ncols != 1 && (ncols < MIN_GEMM_COLS || ncols > MAX_COLS)) {
+                continue;
+            }
+            const ggml_tensor * from = src1;  // a reshape's products read its source's bytes
+            if (src1->op == GGML_OP_RESHAPE && src1->view_src && ggml_is_contiguous(src1) &&
+                ggml_is_contiguous(src1->view_src) && src1->data == src1->view_src->data) {
+                from = src1->view_src;
+            }
+            st.wants.emplace(from, Wanted{src1, ncols == 1 ? planes_of(kind) : 0});  // the first
+        }
+        st.planned = true;
+    }
+    const auto found = st.wants.find(t);
+    return found == st.wants.end() ? nullptr : &found->second;
+}
+
 }  // namespace lucepy
 
 bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
@@ -454,6 +511,117 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     return true;
 }
 
+bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
+                              int i) {
+    using namespace lucepy;
+    if (!enabled(ctx.device) || ctx.curr_stream_no != 0 || i + 1 >= cgraph->n_nodes) {
+        return false;
+    }
+    const ggml_tensor * norm = cgraph->nodes[i];
+    const ggml_tensor * mul = cgraph->nodes[i + 1];
+    if (norm->op != GGML_OP_RMS_NORM || mul->op != GGML_OP_MUL ||
+        (mul->src[0] != norm && mul->src[1] != norm)) {
+        return false;
+    }
+    const ggml_tensor * x = norm->src[0];
+    const ggml_tensor * w = mul->src[0] == norm ? mul->src[1] : mul->src[0];
+    const int64_t n = x->ne[0];
+    const int64_t ncols = x->ne[1];
+    const bool shapes = x->ne[2] == 1 && x->ne[3] == 1 && ncols <= MAX_COLS && n % 32 == 0 &&
+                        n / 32 < INT32_MAX && ggml_are_same_shape(mul, x) && w->ne[0] == n &&
+                        ggml_nelements(w) == n;
+    auto aligned = [](const ggml_tensor * t) {  // norm_halves' 16-byte loads and stores
+        return uintptr_t(t->data) % 16 == 0 && t->nb[1] % 16 == 0;
+    };
+    const bool layouts = x->type == GGML_TYPE_F32 && w->type == GGML_TYPE_F32 &&
+                         mul->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) &&
+                         w->nb[0] == sizeof(float) && mul->nb[0] == sizeof(float) &&
+                         aligned(x) && aligned(w) && aligned(mul);
+    if (!shapes || !layouts) {
+        return false;
+    }
+    ContextState & st = state_of(ctx);
+    const Wanted * want = wanted(st, mul);
+    if (want == nullptr || want->src1 != mul || (want->planes > 0) != (ncols == 1)) {
+        return false;  // (a product of a reshape: its columns are not the norm's)
+    }
+    const int planes = want->planes;
+    float eps = 0.0f;
+    std::memcpy(&eps, norm->op_params, sizeof(float));
+    const int64_t npieces = n / 32;
+    bool fresh = false;  // (a kept slot or not: the norm's result is new)
+    uint8_t * buf = claim(st, mul, npieces, planes, &fresh);
+    g_quantized.fetch_add(1, std::memory_order_relaxed);
+    g_fused.fetch_add(1, std::memory_order_relaxed);
+    const float * xd = static_cast<const float *>(x->data);
+    const float * wd = static_cast<const float *>(w->data);
+    float * dst = static_cast<float *>(mul->data);
+    const int64_t x_stride = x->nb[1] / int64_t(sizeof(float));
+    const int64_t dst_stride = mul->nb[1] / int64_t(sizeof(float));
+    if (planes == 0) {
+        const dim3 grid{unsigned(padded_cols(int(ncols)))};
+        ggml_cuda_kernel_launch(
+            norm_halves, ggml_cuda_kernel_launch_params(grid, NORM_THREADS, 0, ctx.stream()), xd,
+            x_stride, wd, dst, dst_stride, int(n), eps, int(ncols),
+            halves_at(buf, npieces, int(ncols)));
+        return true;
+    }
+    const dim3 grid{unsigned((npieces + NORM_THREADS / 32 - 1) / (NORM_THREADS / 32))};
+    ggml_cuda_kernel_launch(
+        norm_quantize, ggml_cuda_kernel_launch_params(grid, NORM_THREADS, 0, ctx.stream()), xd,
+        x_stride, wd, dst, dst_stride, int(n), eps, 1, planes, reinterpret_cast<int8_t *>(buf),
+        reinterpret_cast<float2 *>(buf + npieces * planes * 32));
+    return true;
+}
+
+bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    using namespace lucepy;
+    if (!enabled(ctx.device) || ctx.curr_stream_no != 0 || i + 1 >= cgraph->n_nodes) {
+        return false;
+    }
+    const ggml_tensor * unary = cgraph->nodes[i];
+    const ggml_tensor * mul = cgraph->nodes[i + 1];
+    if (unary->op != GGML_OP_UNARY || mul->op != GGML_OP_MUL ||
+        (mul->src[0] != unary && mul->src[1] != unary)) {
+        return false;
+    }
+    const ggml_unary_op op = ggml_get_unary_op(unary);
+    if (op != GGML_UNARY_OP_SILU && op != GGML_UNARY_OP_SIGMOID) {
+        return false;
+    }
+    const ggml_tensor * z = unary->src[0];
+    const ggml_tensor * x = mul->src[0] == unary ? mul->src[1] : mul->src[0];
+    const int64_t n = ggml_nelements(mul);
+    const bool fits = z->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 &&
+                      mul->type == GGML_TYPE_F32 && ggml_is_contiguous(z) &&
+                      ggml_is_contiguous(x) && ggml_is_contiguous(mul) &&
+                      ggml_are_same_shape(z, mul) && ggml_are_same_shape(x, mul) &&
+                      n % 32 == 0 && n / 32 < INT32_MAX;
+    if (!fits) {
+        return false;
+    }
+    ContextState & st = state_of(ctx);
+    const Wanted * want = wanted(st, mul);
+    if (want == nullptr || want->planes == 0 || ggml_nelements(want->src1) != n) {
+        return false;  // one column only (a decode)
+    }
+    const int64_t npieces = n / 32;
+    bool fresh = false;  // (a kept slot or not: the gate's result is new)
+    uint8_t * buf = claim(st, want->src1, npieces, want->planes, &fresh);
+    g_quantized.fetch_add(1, std::memory_order_relaxed);
+    g_fused.fetch_add(1, std::memory_order_relaxed);
+    constexpr int WARPS = 8;
+    const dim3 grid{unsigned((npieces + WARPS - 1) / WARPS)};
+    ggml_cuda_kernel_launch(gate_quantize,
+                            ggml_cuda_kernel_launch_params(grid, WARPS * 32, 0, ctx.stream()),
+                            static_cast<const float *>(z->data), static_cast<const float *>(x->data),
+                            static_cast<float *>(mul->data), int(npieces),
+                            op == GGML_UNARY_OP_SILU ? GATE_SILU : GATE_SIGMOID, want->planes,
+                            reinterpret_cast<int8_t *>(buf),
+                            reinterpret_cast<float2 *>(buf + npieces * want->planes * 32));
+    return true;
+}
+
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph) {
     // ggml's kernels: nothing kept (the next begin with ours on bumps the graph's number)
     if (!lucepy::enabled(ctx.device)) {
@@ -464,6 +632,8 @@ void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph 
     st.cgraph = cgraph;
     st.members.clear();
     st.listed = false;
+    st.wants.clear();
+    st.planned = false;
 }
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx) {
@@ -492,6 +662,14 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context &, const ggml_tensor *, const
     return false;
 }
 
+bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context &, const ggml_cgraph *, int) {
+    return false;
+}
+
+bool lucepy_cuda_unary_mul(ggml_backend_cuda_context &, const ggml_cgraph *, int) {
+    return false;
+}
+
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context &, const ggml_cgraph *) {}
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context &) {}
@@ -500,6 +678,7 @@ namespace lucepy {
 std::atomic<int> g_on{0};
 std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
+std::atomic<int64_t> g_fused{0};
 }  // namespace lucepy
 
 #endif
@@ -527,5 +706,9 @@ int64_t lucepy_cuda_kernels_calls(void) {
 
 int64_t lucepy_cuda_kernels_quantized(void) {
     return lucepy::g_quantized.load(std::memory_order_relaxed);
+}
+
+int64_t lucepy_cuda_kernels_fused(void) {
+    return lucepy::g_fused.load(std::memory_order_relaxed);
 }
 }

@@ -12,6 +12,18 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
                          const ggml_tensor * src1, ggml_tensor * dst,
                          const ggml_cuda_mm_fusion_args_host * fusion);
 
+// Computes graph nodes i and i + 1, an RMS norm times a weight vector that ggml-cuda would fuse,
+// where a product of ours reads the result (1 or 3-16 columns): the result and the product's
+// activations (int8 planes or halves) in one kernel, and returns true; or returns false, having
+// done nothing.
+bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+
+// Computes graph nodes i and i + 1, SiLU or sigmoid of a tensor times another of its shape (as
+// ggml-cuda fuses them), where a product of ours reads the result as one column (a decode): the
+// result and its quantized activations in one kernel, and returns true; or returns false, having
+// done nothing.
+bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+
 // ``cgraph`` begins on this context: activations quantized for the last one are stale.
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph);
 
@@ -22,11 +34,13 @@ void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
 // (0) on every device, or back to the default (-1: on for compute capability 9.0 and newer); the
 // start value comes from LUCEPY_CUDA_KERNELS (0 or 1 forces, unset is the default). get tells
 // whether they run on one device (1) or ggml's do (0). Then the count of matrix products they
-// computed in this process, and of activations they quantized for them. Launches that a captured
-// CUDA graph replays are not counted: no host code runs for them.
+// computed in this process, of activations they quantized for them, and of those that the kernel
+// before the product prepared as it wrote its result (lucepy_cuda_rms_norm_mul and _unary_mul).
+// Launches that a captured CUDA graph replays are not counted: no host code runs for them.
 extern "C" {
 GGML_BACKEND_API void lucepy_cuda_kernels_set(int mode);
 GGML_BACKEND_API int lucepy_cuda_kernels_get(int device);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_calls(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_quantized(void);
+GGML_BACKEND_API int64_t lucepy_cuda_kernels_fused(void);
 }
