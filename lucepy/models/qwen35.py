@@ -303,10 +303,13 @@ class Qwen35(Architecture):
 
         conv = self._conv(g, w, st, il, qkv, (t, N, F), verify)  # [conv_dim, T] after SiLU
         es, row = L.ggml_element_size(conv), conv.nb[1]
-        q = L.ggml_view_4d(c, conv, S, Hk, t, N, es * S, row, row * t, 0)
-        k = L.ggml_view_4d(c, conv, S, Hk, t, N, es * S, row, row * t, es * p.key_dim)
+        # q's and k's heads side by side, normalized by one op (not two: a kernel fewer a layer)
+        qk = L.ggml_view_4d(c, conv, S, 2 * Hk, t, N, es * S, row, row * t, 0)
+        qk = self._l2_norm(g, qk)  # [S, 2 Hk, t, N]
+        nb1, nb2, nb3 = qk.nb[1], qk.nb[2], qk.nb[3]
+        q = L.ggml_view_4d(c, qk, S, Hk, t, N, nb1, nb2, nb3, 0)
+        k = L.ggml_view_4d(c, qk, S, Hk, t, N, nb1, nb2, nb3, nb1 * Hk)
         v = L.ggml_view_4d(c, conv, S, Hv, t, N, es * S, row, row * t, es * 2 * p.key_dim)
-        q, k = self._l2_norm(g, q), self._l2_norm(g, k)
 
         n = S * S * Hv  # one sequence's state
         state = st[f"ssm.{il}"]  # [S, S, Hv] or [S, S, Hv, n_seq]
