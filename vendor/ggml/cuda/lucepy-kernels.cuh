@@ -8,7 +8,8 @@
 //     multiplies each 32-value piece with dp4a for all its rows, the activations read from the
 //     CTA's shared memory;
 //   - the activations are quantized to int8 planes once per graph and source tensor
-//     (`quantize`).
+//     (`quantize`), or by the kernel that writes them where that is an RMS norm times its
+//     weight (`norm_quantize`) or a SiLU or sigmoid gate (`gate_quantize`).
 // 2 to 16 columns: lucepy-gemm.cuh (tensor cores). See lucepy-quants.cuh for the piece format.
 //
 // The includer may define LUCEPY_PDL_SYNC() (wait for the kernel before: programmatic dependent
@@ -538,8 +539,8 @@ __device__ __forceinline__ float norm_scale(const float * x, int n, float eps) {
 
 // One column (a decode), grid (pieces / 32 rounded up, columns): each CTA finds the norm's
 // factor over the whole column (the same sum in each), then its warp w takes piece 32 x + w (a
-// lane a value) into the planes of quantize_piece. (One CTA for every piece took as long as
-// ggml's norm and our quantize: 32 warps, each quantizing several pieces in turn.)
+// lane a value) into the planes of quantize_piece. (One CTA for all of a column's pieces, its 32
+// warps quantizing several in turn, was no faster than ggml's norm and our quantize.)
 __global__ void __launch_bounds__(NORM_THREADS) norm_quantize(
     const float * x, int64_t x_stride, const float * w, float * dst, int64_t dst_stride, int n,
     float eps, int ncols, int planes, int8_t * xq, float2 * xds) {
