@@ -38,48 +38,36 @@ def cuda():
     kernels.set(None)
 
 
-def products(lib, device, weights, xs, gate=None, norm=None):
-    """Each quantized matrix of ``weights`` ([(ggml type, raw rows)]) times the columns of each of
-    ``xs`` ([k, n] f32), all in one graph, computed once per entry of ``xs`` (the inputs set anew
-    each time); with ``gate`` (type, raw rows), swiglu(gate x, W x) for the one matrix; with
-    ``norm`` (a weight vector [n] f32), the products of rms_norm(x) * norm instead, that f32
-    input last among the results. Returns, per entry of ``xs``, the list of results [k, rows]. A
-    backend of its own: ggml-cuda keeps CUDA graphs per backend, and one captured by an earlier
-    call with the other kernels switched on could be replayed."""
-    k, n = xs[0].shape
+def computed(lib, device, consts, inputs, build, feeds):
+    """One graph on a backend of its own (ggml-cuda keeps CUDA graphs per backend, and one
+    captured by an earlier call with the other kernels switched on could be replayed): tensors
+    ``consts`` ([(ggml type, ne0, ne1, raw)], set once) and f32 ``inputs`` ([(ne0, ne1)]),
+    ``build(ctx, consts, inputs)`` giving its outputs, computed once per entry of ``feeds`` (one
+    array a input, set anew each time). Returns, per feed, each output as [ne1, ne0]."""
     backend = open_backend(lib, device)
     ctx = Context(lib, 16, graph_nodes=64)
-    ts = []
-    for gtype, raw in weights + ([gate] if gate else []):
-        ts.append((lib.ggml_new_tensor_2d(ctx.ptr, gtype, n, raw.shape[0]), raw))
-    x = lib.ggml_new_tensor_2d(ctx.ptr, GGML_TYPE_F32, n, k)
-    if norm is not None:
-        wn = lib.ggml_new_tensor_1d(ctx.ptr, GGML_TYPE_F32, n)
-        ts.append((wn, np.ascontiguousarray(norm, dtype=np.float32)))
+    cs = [
+        (lib.ggml_new_tensor_2d(ctx.ptr, gtype, ne0, ne1), raw) for gtype, ne0, ne1, raw in consts
+    ]
+    ins = [lib.ggml_new_tensor_2d(ctx.ptr, GGML_TYPE_F32, ne0, ne1) for ne0, ne1 in inputs]
     buf = Buffer(lib, ctx, backend, "kernel test")
-    for t, raw in ts:
+    for t, raw in cs:
         lib.ggml_backend_tensor_set(t, ffi.from_buffer(raw), 0, raw.nbytes)
     gf = lib.ggml_new_graph_custom(ctx.ptr, 64, False)
-    x_in = x if norm is None else lib.ggml_mul(ctx.ptr, lib.ggml_rms_norm(ctx.ptr, x, EPS), wn)
-    if gate:
-        up = lib.ggml_mul_mat(ctx.ptr, ts[0][0], x_in)
-        outs = [lib.ggml_swiglu_split(ctx.ptr, lib.ggml_mul_mat(ctx.ptr, ts[1][0], x_in), up)]
-    else:
-        outs = [lib.ggml_mul_mat(ctx.ptr, t, x_in) for t, _ in ts[: len(weights)]]
-    if norm is not None:
-        outs.append(x_in)
+    outs = build(ctx.ptr, [t for t, _ in cs], ins)
     for out in outs:
         lib.ggml_build_forward_expand(gf, out)
     alloc = Allocator(lib, backend)
     alloc.alloc(gf)
     results = []
-    for values in xs:
-        values = np.ascontiguousarray(values, dtype=np.float32)
-        lib.ggml_backend_tensor_set(x, ffi.from_buffer(values), 0, values.nbytes)
+    for feed in feeds:
+        for t, values in zip(ins, feed, strict=True):
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(values), 0, values.nbytes)
         assert lib.ggml_backend_graph_compute(backend.ptr, gf) == 0
         got = []
         for out in outs:
-            host = np.zeros((k, int(out.ne[0])), dtype=np.float32)
+            host = np.zeros((int(out.ne[1]), int(out.ne[0])), dtype=np.float32)
             lib.ggml_backend_tensor_get(out, ffi.from_buffer(host), 0, host.nbytes)
             got.append(host)
         results.append(got)
@@ -88,6 +76,31 @@ def products(lib, device, weights, xs, gate=None, norm=None):
     ctx.close()
     backend.close()
     return results
+
+
+def products(lib, device, weights, xs, gate=None, norm=None):
+    """Each quantized matrix of ``weights`` ([(ggml type, raw rows)]) times the columns of each of
+    ``xs`` ([k, n] f32), all in one graph, computed once per entry of ``xs``; with ``gate`` (type,
+    raw rows), swiglu(gate x, W x) for the one matrix; with ``norm`` (a weight vector [n] f32),
+    the products of rms_norm(x) * norm instead, that f32 input last among the results. Returns,
+    per entry of ``xs``, the list of results [k, rows] (``computed``)."""
+    k, n = xs[0].shape
+    consts = [(gtype, n, raw.shape[0], raw) for gtype, raw in weights + ([gate] if gate else [])]
+    if norm is not None:
+        consts.append((GGML_TYPE_F32, n, 1, np.ascontiguousarray(norm, dtype=np.float32)))
+
+    def build(c, ts, ins):
+        x = ins[0]
+        if norm is not None:
+            x = lib.ggml_mul(c, lib.ggml_rms_norm(c, x, EPS), ts[-1])
+        if gate:
+            up = lib.ggml_mul_mat(c, ts[0], x)
+            outs = [lib.ggml_swiglu_split(c, lib.ggml_mul_mat(c, ts[1], x), up)]
+        else:
+            outs = [lib.ggml_mul_mat(c, t, x) for t in ts[: len(weights)]]
+        return outs + ([x] if norm is not None else [])
+
+    return computed(lib, device, consts, [(n, k)], build, [(x,) for x in xs])
 
 
 def weights_of(lib, kind: str, seed: int, rows: int = ROWS, n: int = N):
@@ -217,41 +230,18 @@ def gated_products(lib, device, weights, zs, xs, op):
     """Each matrix of ``weights`` times act(z) * x (act ``op``: "silu" or "sigmoid"), z and x
     [128, n / 128] reshaped to one column of n (as qwen35's gated norm and attention gate feed
     their output products), for each pair of ``zs`` and ``xs``; the gate's result last among
-    the results. A backend of its own (see ``products``)."""
+    the results (``computed``)."""
     n = zs[0].size
-    backend = open_backend(lib, device)
-    ctx = Context(lib, 16, graph_nodes=64)
-    ts = [(lib.ggml_new_tensor_2d(ctx.ptr, gtype, n, raw.shape[0]), raw) for gtype, raw in weights]
-    z = lib.ggml_new_tensor_2d(ctx.ptr, GGML_TYPE_F32, 128, n // 128)
-    x = lib.ggml_new_tensor_2d(ctx.ptr, GGML_TYPE_F32, 128, n // 128)
-    buf = Buffer(lib, ctx, backend, "kernel test")
-    for t, raw in ts:
-        lib.ggml_backend_tensor_set(t, ffi.from_buffer(raw), 0, raw.nbytes)
-    gf = lib.ggml_new_graph_custom(ctx.ptr, 64, False)
-    act = lib.ggml_silu(ctx.ptr, z) if op == "silu" else lib.ggml_sigmoid(ctx.ptr, z)
-    gated = lib.ggml_reshape_2d(ctx.ptr, lib.ggml_mul(ctx.ptr, x, act), n, 1)
-    outs = [lib.ggml_mul_mat(ctx.ptr, t, gated) for t, _ in ts] + [gated]
-    for out in outs:
-        lib.ggml_build_forward_expand(gf, out)
-    alloc = Allocator(lib, backend)
-    alloc.alloc(gf)
-    results = []
-    for zv, xv in zip(zs, xs, strict=True):
-        for t, v in ((z, zv), (x, xv)):
-            v = np.ascontiguousarray(v, dtype=np.float32)
-            lib.ggml_backend_tensor_set(t, ffi.from_buffer(v), 0, v.nbytes)
-        assert lib.ggml_backend_graph_compute(backend.ptr, gf) == 0
-        got = []
-        for out in outs:
-            host = np.zeros((1, int(out.ne[0])), dtype=np.float32)
-            lib.ggml_backend_tensor_get(out, ffi.from_buffer(host), 0, host.nbytes)
-            got.append(host)
-        results.append(got)
-    alloc.close()
-    buf.close()
-    ctx.close()
-    backend.close()
-    return results
+    consts = [(gtype, n, raw.shape[0], raw) for gtype, raw in weights]
+
+    def build(c, ts, ins):
+        z, x = ins
+        act = lib.ggml_silu(c, z) if op == "silu" else lib.ggml_sigmoid(c, z)
+        gated = lib.ggml_reshape_2d(c, lib.ggml_mul(c, x, act), n, 1)
+        return [lib.ggml_mul_mat(c, t, gated) for t in ts] + [gated]
+
+    shape = (128, n // 128)
+    return computed(lib, device, consts, [shape, shape], build, list(zip(zs, xs, strict=True)))
 
 
 @pytest.mark.parametrize(("kind", "op"), [("q4_0", "silu"), ("q8_0", "sigmoid")])
