@@ -297,6 +297,131 @@ def test_gpu_shared_activations_follow_each_compute(k, cuda):
             np.testing.assert_array_equal(together[j][i], alone)
 
 
+def gated_norm_products(lib, device, weights, norm, xs, zs, op):
+    """Each matrix of ``weights`` times gate(z) * (rms_norm(x) * norm) (qwen35's gated norm: x
+    and z [rows, n], each row normed alone, the result read as one column of rows * n), for each
+    pair of ``xs`` and ``zs``; then the gated result and the norm times its weight
+    (``computed``)."""
+    rows, n = xs[0].shape
+    consts = [(gtype, rows * n, raw.shape[0], raw) for gtype, raw in weights]
+    consts.append((GGML_TYPE_F32, n, 1, np.ascontiguousarray(norm, dtype=np.float32)))
+
+    def build(c, ts, ins):
+        x, z = ins
+        normed = lib.ggml_mul(c, lib.ggml_rms_norm(c, x, EPS), ts[-1])
+        act = lib.ggml_silu(c, z) if op == "silu" else lib.ggml_sigmoid(c, z)
+        gated = lib.ggml_reshape_2d(c, lib.ggml_mul(c, normed, act), rows * n, 1)
+        lib.ggml_set_output(normed)  # (read back: its memory not reused)
+        return [lib.ggml_mul_mat(c, t, gated) for t in ts[:-1]] + [gated, normed]
+
+    feeds = list(zip(xs, zs, strict=True))
+    return computed(lib, device, consts, [(n, rows), (n, rows)], build, feeds)
+
+
+@pytest.mark.parametrize(("kind", "op", "n"), [("q4_0", "silu", 128), ("q8_0", "sigmoid", 64)])
+def test_gpu_gated_norm_quantizes_for_its_products(kind, op, n, cuda):
+    """A gated norm of short rows (qwen35's DeltaNet output: 48 heads of 128) whose result two
+    products read as one column is one kernel of ours that also quantizes it: one preparation
+    (counted as fused), the norm and the gated result ggml's within float rounding, the products
+    within twice ggml's error of the exact math, new products for new inputs (the CUDA graph
+    replayed)."""
+    lib, device, kernels = cuda
+    mats = [weights_of(lib, kind, 50 + i) for i in range(2)]
+    weights = [(t, raw) for t, raw, _ in mats]
+    rng = np.random.default_rng(51)
+    rows = N // n
+    wn = rng.uniform(0.5, 1.5, size=n).astype(np.float32)
+    xs = [3.0 * rng.normal(size=(rows, n)).astype(np.float32) for _ in range(3)]
+    zs = [2.0 * rng.normal(size=(rows, n)).astype(np.float32) for _ in range(3)]
+    calls, quantized, fused = kernels.calls, kernels.quantized, kernels.fused
+    gated_norm_products(lib, device, weights, wn, xs[:1], zs[:1], op)
+    counts = (kernels.calls - calls, kernels.quantized - quantized, kernels.fused - fused)
+    assert counts == (2, 1, 1)
+    ours = gated_norm_products(lib, device, weights, wn, xs, zs, op)
+    kernels.set(False)
+    theirs = gated_norm_products(lib, device, weights, wn, xs, zs, op)
+    kernels.set(True)
+    for j, (x, z) in enumerate(zip(xs, zs, strict=True)):
+        x64, z64 = x.astype(np.float64), z.astype(np.float64)
+        normed = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + EPS) * wn
+        act = z64 / (1 + np.exp(-z64)) if op == "silu" else 1 / (1 + np.exp(-z64))
+        gated = (normed * act).reshape(1, N)
+        np.testing.assert_allclose(ours[j][-1], theirs[j][-1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours[j][-2], theirs[j][-2], rtol=1e-5, atol=1e-6)
+        assert rel_err(ours[j][-2], gated).max() < 1e-5
+        for i, (_, _, exact_w) in enumerate(mats):
+            exact = gated @ exact_w.T
+            bound = 2 * float(rel_err(theirs[j][i], exact).max())
+            assert rel_err(ours[j][i], exact).max() <= bound, f"{kind} input {j} matrix {i}"
+
+
+def conv_steps(lib, device, w, states, news):
+    """qwen35's conv step as its graph writes it (models/qwen35.py ``_conv``): the saved K - 1
+    columns of each of N sequences (``states`` [N * C, K - 1]) joined with t new ones (``news``
+    [N * t, C], a token's channels a row), the new tail copied over the saved columns, the conv
+    with the taps ``w`` [C, K] and its SiLU; computed once per pair of ``states`` and ``news``.
+    Returns, per pair, [the state after, the SiLU [N * t, C], the joined columns [N * C, K - 1 +
+    t]] (``computed``)."""
+    C, K = w.shape
+    K1, N, t = K - 1, states[0].shape[0] // C, news[0].shape[0] // (states[0].shape[0] // C)
+
+    def build(c, ts, ins):
+        state, new = ins
+        saved = lib.ggml_view_3d(c, state, K1, C, N, state.nb[1], state.nb[1] * C, 0)
+        steps = lib.ggml_permute(c, lib.ggml_reshape_3d(c, new, C, t, N), 1, 0, 2, 3)
+        x = lib.ggml_concat(c, saved, steps, 0)
+        tail = lib.ggml_view_3d(c, x, K1, C, N, x.nb[1], x.nb[2], t * 4)
+        after = lib.ggml_cpy(c, tail, lib.ggml_view_1d(c, state, K1 * C * N, 0))
+        act = lib.ggml_silu(c, lib.ggml_ssm_conv(c, x, ts[0]))
+        flat_x = lib.ggml_reshape_2d(c, x, K1 + t, C * N)
+        for out in (act, x):  # (read back: their memory not reused)
+            lib.ggml_set_output(out)
+        return [after, lib.ggml_reshape_2d(c, act, C, t * N), flat_x]
+
+    consts = [(GGML_TYPE_F32, K, C, np.ascontiguousarray(w, dtype=np.float32))]
+    inputs = [(K1, C * N), (C, t * N)]
+    return computed(lib, device, consts, inputs, build, list(zip(states, news, strict=True)))
+
+
+@pytest.mark.parametrize(("t", "C"), [(1, 1152), (16, 1152), (17, 1152), (3, 1000)])
+def test_gpu_conv_step_is_one_kernel(t, C, cuda):
+    """qwen35's conv step of 1 token (a decode), 3 or 16 (a verify) for 2 sequences is one kernel
+    of ours (counted once per compute; the CUDA graph then replays it): the new state and the
+    joined columns exact, the SiLU of the conv within float rounding of the exact math and of
+    ggml's; 17 tokens are ggml's. 1,000 channels leave a CTA of 128 partly idle (ggml's conv
+    takes multiples of 128 only: no comparison with it there)."""
+    lib, device, kernels = cuda
+    K, N = 4, 2
+    rng = np.random.default_rng(40 + t)
+    w = rng.normal(size=(C, K)).astype(np.float32)
+    states = [rng.normal(size=(N * C, K - 1)).astype(np.float32) for _ in range(3)]
+    news = [rng.normal(size=(N * t, C)).astype(np.float32) for _ in range(3)]
+    convs = kernels.convs
+    conv_steps(lib, device, w, states[:1], news[:1])
+    assert kernels.convs - convs == (1 if t <= 16 else 0)
+    ours = conv_steps(lib, device, w, states, news)
+    theirs = None
+    if C % 128 == 0:
+        kernels.set(False)
+        theirs = conv_steps(lib, device, w, states, news)
+        kernels.set(True)
+    for j, (state, new) in enumerate(zip(states, news, strict=True)):
+        joined = np.concatenate(
+            [state.reshape(N, C, K - 1), new.reshape(N, t, C).transpose(0, 2, 1)], axis=2
+        ).astype(np.float64)  # [N, C, K - 1 + t]
+        windows = np.stack([joined[:, :, i : i + K] for i in range(t)], axis=1)  # [N, t, C, K]
+        conv = (windows * w.astype(np.float64)).sum(axis=3)
+        exact = (conv / (1 + np.exp(-conv))).reshape(N * t, C)
+        [after], act, x = ours[j]
+        np.testing.assert_array_equal(after, joined[:, :, t:].reshape(-1).astype(np.float32))
+        np.testing.assert_array_equal(x, joined.reshape(N * C, K - 1 + t).astype(np.float32))
+        np.testing.assert_allclose(act, exact, rtol=1e-5, atol=1e-6)
+        if theirs is not None:
+            np.testing.assert_array_equal(after, theirs[j][0][0])
+            np.testing.assert_array_equal(x, theirs[j][2])
+            np.testing.assert_allclose(act, theirs[j][1], rtol=1e-5, atol=1e-6)
+
+
 def test_gpu_rows_the_kernels_do_not_take_run_on_ggmls(cuda):
     """One column of Q4_0 rows of 3 blocks (54 bytes: no 4-byte copies for gemv) and 17 columns
     fall back to ggml; 5 columns of those rows are gemm's (any 2-byte aligned row), a partial

@@ -21,6 +21,7 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_calls(void);
     int64_t lucepy_cuda_kernels_quantized(void);
     int64_t lucepy_cuda_kernels_fused(void);
+    int64_t lucepy_cuda_kernels_convs(void);
     """
 )
 
@@ -54,6 +55,12 @@ class CudaKernels:
         (an RMS norm times its weight, or a SiLU or sigmoid gate: one kernel, not two), counted
         alike."""
         return int(self.handle.lucepy_cuda_kernels_fused())
+
+    @property
+    def convs(self) -> int:
+        """Conv steps (qwen35's concat, tail copy, conv and SiLU: one kernel, not three),
+        counted alike."""
+        return int(self.handle.lucepy_cuda_kernels_convs())
 
 
 def cuda_kernels(lib: Lib) -> CudaKernels | None:

@@ -351,8 +351,11 @@ class Qwen35(Architecture):
         # copy kernel takes about 2 (docs/BENCHMARKS.md)
         flat = L.ggml_view_1d(c, state, K1 * C * N, plane * F)
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, flat))
-        out = L.ggml_ssm_conv(c, x, w[f"blk.{il}.ssm_conv1d.weight"])  # [C, t, N]
-        return L.ggml_reshape_2d(c, L.ggml_silu(c, out), C, t * N)
+        out = L.ggml_silu(c, L.ggml_ssm_conv(c, x, w[f"blk.{il}.ssm_conv1d.weight"]))  # [C, t, N]
+        # the concat, the copy, the conv and its SiLU one after another: lucepy's CUDA kernels
+        # compute the four in one kernel (conv_step, vendor/ggml/cuda)
+        L.ggml_build_forward_expand(g.gf, out)
+        return L.ggml_reshape_2d(c, out, C, t * N)
 
     def _l2_norm(self, g: Builder, t: Tensor) -> Tensor:
         # x / max(||x||, eps) as llama.cpp writes it: rms_norm with eps/n, then scale by 1/sqrt(n)

@@ -10,6 +10,8 @@
 //   - the activations are quantized to int8 planes once per graph and source tensor
 //     (`quantize`), or by the kernel that writes them where that is an RMS norm times its
 //     weight (`norm_quantize`) or a SiLU or sigmoid gate (`gate_quantize`).
+// A gated norm of short rows does both at once (`norm_gate_quantize`). Also qwen35's conv step
+// (`conv_step`: three of ggml's kernels in one, no product).
 // 2 to 16 columns: lucepy-gemm.cuh (tensor cores). See lucepy-quants.cuh for the piece format.
 //
 // The includer may define LUCEPY_PDL_SYNC() (wait for the kernel before: programmatic dependent
@@ -578,6 +580,134 @@ __global__ void gate_quantize(const float * z, const float * x, float * dst, int
     const float v = act * x[i];
     dst[i] = v;
     quantize_piece(v, planes, int64_t(piece) * planes, xq, xds);
+}
+
+// Short rows each RMS-normed times a weight vector, then gated (qwen35's gated norm: ggml's
+// RMS_NORM, MUL, SiLU or sigmoid of z, MUL), the result read by a product as one column: one warp
+// a 32-value piece of a row of n = 32 PIECES values, a CTA of 8 warps whole rows (each warp sums
+// the squares of its whole row, each lane PIECES of them); writes the three nodes' results as
+// ggml does and the last one's planes as `quantize` writes them (row r's pieces r PIECES ...).
+// The CTA reads its rows before any result is written (a result may be written over x). ggml-cuda
+// runs two kernels for it (the norm and its weight, the gate), and ours quantized. (A warp a row,
+// quantizing its pieces in turn, was no faster than the two.)
+constexpr int NORM_GATE_WARPS = 8;
+
+template <int PIECES>
+__global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
+    const float * x, int64_t x_stride, const float * w, const float * z, float * normed,
+    float * gate, float * dst, int nrows, float eps, int op, int planes, int8_t * xq,
+    float2 * xds) {
+    static_assert(NORM_GATE_WARPS % PIECES == 0, "a CTA holds whole rows");
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // x and z: the kernels before have finished
+    const int piece = blockIdx.x * NORM_GATE_WARPS + threadIdx.x / 32;
+    const int row = piece / PIECES;
+    const int mine = piece % PIECES;
+    const int lane = threadIdx.x % 32;
+    const bool here = row < nrows;
+    constexpr int n = 32 * PIECES;
+    float y = 0.0f;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PIECES; j++) {
+        const float v = here ? x[row * x_stride + 32 * j + lane] : 0.0f;
+        sum += v * v;
+        y = j == mine ? v : y;
+    }
+    __syncthreads();  // the CTA's rows read: results may overwrite them
+    if (!here) {
+        return;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    }
+    const float scale = rsqrtf(sum / float(n) + eps);
+    const int64_t i = int64_t(piece) * 32 + lane;
+    y = scale * y * w[32 * mine + lane];
+    const float g = z[i];
+    const float act = op == GATE_SILU ? g / (1.0f + expf(-g)) : 1.0f / (1.0f + expf(-g));
+    normed[i] = y;
+    gate[i] = act;
+    dst[i] = y * act;
+    quantize_piece(y * act, planes, int64_t(piece) * planes, xq, xds);
+}
+
+// A causal depthwise convolution of K taps over a recurrent state's K - 1 saved columns and t new
+// ones (qwen35's DeltaNet conv: ggml's CONCAT, the copy of the new tail into the state, SSM_CONV
+// and its SiLU), one kernel where ggml-cuda runs three: grid (channels / CONV_THREADS rounded up,
+// sequences), a thread a channel. Each writes the joined columns `x` ([K - 1 + t, C, N], as the
+// concat does), the conv and its SiLU ([C, t, N]) and the new tail ([K - 1, C, N], dense) over
+// the saved columns. The CTA reads every saved column of its channels before any is written; the
+// host checks that what is written aliases nothing read, or only what the same thread has read
+// already (the new columns as the conv or its SiLU, the conv as its SiLU) or, for the tail, the
+// same CTA (the saved columns).
+constexpr int CONV_THREADS = 128;
+constexpr int CONV_MAX_T = 16;
+
+struct ConvArgs {
+    const float * saved;  // [K - 1, C, N]: column j of channel c, sequence n at j + c s_c + n s_n
+    int64_t s_c, s_n;
+    const float * steps;  // [t, C, N]: token i of channel c, sequence n at i x_t + c x_c + n x_n
+    int64_t x_t, x_c, x_n;
+    const float * w;  // [K, C]: tap k of channel c at k + K c
+    float * x, * tail, * conv;  // dense
+    float * act;                // the conv's SiLU (dense), or null
+
+    int C, t;
+};
+
+template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a) {
+    constexpr int K1 = K - 1;
+    __shared__ float joined[CONV_THREADS * (K1 + CONV_MAX_T)];  // [channel of the CTA][column]
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // the new columns: the kernel before has finished
+    const int W = K1 + a.t;
+    const int c0 = blockIdx.x * CONV_THREADS;
+    const int n = blockIdx.y;
+    const int mine = threadIdx.x;
+    const int c = c0 + mine;
+    const int nc = min(CONV_THREADS, a.C - c0);
+    if (c < a.C) {
+        float tap[K], win[K];
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            tap[k] = a.w[k + int64_t(K) * c];
+        }
+        const float * saved = a.saved + c * a.s_c + n * a.s_n;
+#pragma unroll
+        for (int j = 0; j < K1; j++) {
+            win[j + 1] = saved[j];
+            joined[mine * W + j] = win[j + 1];
+        }
+        const float * steps = a.steps + c * a.x_c + n * a.x_n;
+        const int64_t out = c + int64_t(a.C) * a.t * n;
+        for (int i = 0; i < a.t; i++) {
+#pragma unroll
+            for (int k = 0; k < K1; k++) {
+                win[k] = win[k + 1];
+            }
+            win[K1] = steps[i * a.x_t];
+            joined[mine * W + K1 + i] = win[K1];
+            float sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                sum += win[k] * tap[k];
+            }
+            a.conv[out + int64_t(a.C) * i] = sum;
+            if (a.act) {
+                a.act[out + int64_t(a.C) * i] = sum / (1.0f + expf(-sum));
+            }
+        }
+    }
+    __syncthreads();  // every saved column of the CTA's channels read: the tail may overwrite them
+    const int64_t first = int64_t(n) * a.C + c0;
+    for (int e = threadIdx.x; e < nc * W; e += CONV_THREADS) {
+        a.x[first * W + e] = joined[e];
+    }
+    for (int e = threadIdx.x; e < nc * K1; e += CONV_THREADS) {
+        a.tail[first * K1 + e] = joined[(e / K1) * W + a.t + e % K1];
+    }
 }
 
 }  // namespace lucepy

@@ -38,6 +38,7 @@ std::atomic<int> g_on{-2};  // -2: not yet read; -1: the default; 0 or 1: forced
 std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
+std::atomic<int64_t> g_convs{0};
 
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -622,6 +623,240 @@ bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * 
     return true;
 }
 
+namespace lucepy {
+
+// the bytes a tensor spans
+struct Span {
+    const char * begin;
+    const char * end;
+};
+
+Span span_of(const ggml_tensor * t) {
+    const char * begin = static_cast<const char *>(t->data);
+    return {begin, begin + ggml_nbytes(t)};
+}
+
+bool apart(Span a, Span b) {
+    return a.end <= b.begin || b.end <= a.begin;
+}
+
+// a dense f32 tensor of ne0 x ne1 x ne2 at the start of `t`'s bytes, element for element
+bool dense_as(const ggml_tensor * t, int64_t ne0, int64_t ne1, int64_t ne2) {
+    return t->type == GGML_TYPE_F32 && t->nb[0] == sizeof(float) &&
+           t->nb[1] == sizeof(float) * size_t(ne0) && t->nb[2] == t->nb[1] * size_t(ne1) &&
+           t->ne[0] == ne0 && t->ne[1] == ne1 && t->ne[2] == ne2 && t->ne[3] == 1;
+}
+
+// the next node after i that computes something (not a view or a no-op), or n_nodes
+int next_op(const ggml_cgraph * cgraph, int i) {
+    for (i++; i < cgraph->n_nodes; i++) {
+        const ggml_tensor * t = cgraph->nodes[i];
+        const bool noop = ggml_is_empty(t) || t->op == GGML_OP_NONE || t->op == GGML_OP_VIEW ||
+                          t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE ||
+                          t->op == GGML_OP_TRANSPOSE;
+        if (!noop) {
+            return i;
+        }
+    }
+    return i;
+}
+
+}  // namespace lucepy
+
+namespace lucepy {
+
+// qwen35's conv step from node i, a CONCAT (lucepy_cuda_fuse): the nodes after i computed, or 0
+int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const ggml_tensor * x = cgraph->nodes[i];
+    const int i_cpy = next_op(cgraph, i);
+    const int i_conv = i_cpy < cgraph->n_nodes ? next_op(cgraph, i_cpy) : i_cpy;
+    if (x->op != GGML_OP_CONCAT || ggml_get_op_params_i32(x, 0) != 0 || i_conv >= cgraph->n_nodes) {
+        return 0;
+    }
+    const ggml_tensor * cpy = cgraph->nodes[i_cpy];
+    const ggml_tensor * conv = cgraph->nodes[i_conv];
+    if (cpy->op != GGML_OP_CPY || conv->op != GGML_OP_SSM_CONV || conv->src[0] != x) {
+        return 0;
+    }
+    const int i_act = next_op(cgraph, i_conv);
+    const ggml_tensor * act = i_act < cgraph->n_nodes ? cgraph->nodes[i_act] : nullptr;
+    if (act && !(act->op == GGML_OP_UNARY && ggml_get_unary_op(act) == GGML_UNARY_OP_SILU &&
+                 act->src[0] == conv)) {
+        act = nullptr;
+    }
+    const ggml_tensor * saved = x->src[0];
+    const ggml_tensor * steps = x->src[1];
+    const ggml_tensor * tail = cpy->src[0];
+    const ggml_tensor * into = cpy->src[1];
+    const ggml_tensor * w = conv->src[1];
+    const int64_t K1 = saved->ne[0], C = saved->ne[1], N = saved->ne[2], t = steps->ne[0];
+    const bool shapes = tail->view_src == x && tail->view_offs == size_t(t) * x->nb[0] &&
+                        tail->ne[0] == K1 && tail->ne[1] == C && tail->ne[2] == N &&
+                        tail->nb[1] == x->nb[1] && tail->nb[2] == x->nb[2];
+    if (!shapes || K1 != 3 || t < 1 || t > CONV_MAX_T || C >= INT32_MAX || N > 65535) {
+        return 0;
+    }
+    auto floats = [](const ggml_tensor * u) {  // (any strides: the new columns are permuted)
+        return u->type == GGML_TYPE_F32 && u->ne[3] == 1 && u->nb[0] % sizeof(float) == 0 &&
+               u->nb[1] % sizeof(float) == 0 && u->nb[2] % sizeof(float) == 0;
+    };
+    const bool layouts =
+        floats(saved) && saved->nb[0] == sizeof(float) && floats(steps) && steps->ne[1] == C &&
+        steps->ne[2] == N && dense_as(x, K1 + t, C, N) &&
+        dense_as(w, K1 + 1, C, 1) && dense_as(conv, C, t, N) &&
+        (!act || dense_as(act, C, t, N)) && into->type == GGML_TYPE_F32 &&
+        ggml_is_contiguous(into) && ggml_nelements(into) == K1 * C * N;
+    if (!layouts) {
+        return 0;
+    }
+    // what is written aliases nothing read, or only what the kernel reads first (conv_step)
+    const Span s_saved = span_of(saved), s_steps = span_of(steps), s_w = span_of(w);
+    const Span s_x = span_of(x), s_tail = span_of(into), s_conv = span_of(conv);
+    const bool steps_dense = steps->nb[0] == sizeof(float) * size_t(C) &&
+                             steps->nb[1] == sizeof(float) && steps->nb[2] == steps->nb[0] * t;
+    auto over_steps = [&](const ggml_tensor * out) {  // the same element, the same thread
+        return apart(span_of(out), s_steps) || (steps_dense && out->data == steps->data);
+    };
+    const bool tail_ok = apart(s_tail, s_saved) ||
+                         (into->data == saved->data && dense_as(saved, K1, C, N));
+    bool ok = tail_ok && apart(s_tail, s_steps) && apart(s_tail, s_w) && apart(s_tail, s_x) &&
+              apart(s_tail, s_conv) && apart(s_x, s_saved) && apart(s_x, s_steps) &&
+              apart(s_x, s_w) && apart(s_x, s_conv) && apart(s_conv, s_saved) &&
+              apart(s_conv, s_w) && over_steps(conv);
+    if (act) {
+        const Span s_act = span_of(act);
+        ok = ok && (apart(s_act, s_conv) || act->data == conv->data) && apart(s_act, s_saved) &&
+             apart(s_act, s_w) && apart(s_act, s_x) && apart(s_act, s_tail) && over_steps(act);
+    }
+    if (!ok) {
+        return 0;
+    }
+    ConvArgs a;
+    a.saved = static_cast<const float *>(saved->data);
+    a.s_c = saved->nb[1] / int64_t(sizeof(float));
+    a.s_n = saved->nb[2] / int64_t(sizeof(float));
+    a.steps = static_cast<const float *>(steps->data);
+    a.x_t = steps->nb[0] / int64_t(sizeof(float));
+    a.x_c = steps->nb[1] / int64_t(sizeof(float));
+    a.x_n = steps->nb[2] / int64_t(sizeof(float));
+    a.w = static_cast<const float *>(w->data);
+    a.x = static_cast<float *>(x->data);
+    a.tail = static_cast<float *>(into->data);
+    a.conv = static_cast<float *>(conv->data);
+    a.act = act ? static_cast<float *>(act->data) : nullptr;
+    a.C = int(C);
+    a.t = int(t);
+    g_convs.fetch_add(1, std::memory_order_relaxed);
+    const dim3 grid{unsigned((C + CONV_THREADS - 1) / CONV_THREADS), unsigned(N)};
+    ggml_cuda_kernel_launch(conv_step<4>,
+                            ggml_cuda_kernel_launch_params(grid, CONV_THREADS, 0, ctx.stream()), a);
+    return (act ? i_act : i_conv) - i;
+}
+
+// A gated norm from node i, an RMS_NORM (lucepy_cuda_fuse): the nodes after i computed, or 0
+int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const ggml_tensor * norm = cgraph->nodes[i];
+    const int i_mul = i + 1;
+    const int i_act = i_mul < cgraph->n_nodes ? next_op(cgraph, i_mul) : i_mul;
+    const int i_out = i_act < cgraph->n_nodes ? next_op(cgraph, i_act) : i_act;
+    if (i_out >= cgraph->n_nodes) {
+        return 0;
+    }
+    const ggml_tensor * mul = cgraph->nodes[i_mul];
+    const ggml_tensor * act = cgraph->nodes[i_act];
+    const ggml_tensor * out = cgraph->nodes[i_out];
+    const bool ops = mul->op == GGML_OP_MUL && (mul->src[0] == norm || mul->src[1] == norm) &&
+                     act->op == GGML_OP_UNARY &&
+                     (ggml_get_unary_op(act) == GGML_UNARY_OP_SILU ||
+                      ggml_get_unary_op(act) == GGML_UNARY_OP_SIGMOID) &&
+                     out->op == GGML_OP_MUL &&
+                     ((out->src[0] == mul && out->src[1] == act) ||
+                      (out->src[0] == act && out->src[1] == mul));
+    if (!ops) {
+        return 0;
+    }
+    const ggml_tensor * x = norm->src[0];
+    const ggml_tensor * w = mul->src[0] == norm ? mul->src[1] : mul->src[0];
+    const ggml_tensor * z = act->src[0];
+    const int64_t n = x->ne[0];
+    const int64_t nrows = ggml_nrows(x);
+    const bool rows = x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) &&
+                      x->nb[1] % sizeof(float) == 0 && x->nb[2] == x->nb[1] * size_t(x->ne[1]) &&
+                      x->nb[3] == x->nb[2] * size_t(x->ne[2]);
+    auto dense = [&](const ggml_tensor * t) {
+        return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_are_same_shape(t, x);
+    };
+    const bool shapes = rows && (n == 64 || n == 128 || n == 256) && nrows * n / 32 < INT32_MAX &&
+                        w->type == GGML_TYPE_F32 && ggml_is_contiguous(w) &&
+                        ggml_nelements(w) == n && w->ne[0] == n && dense(mul) && dense(act) &&
+                        dense(out) && dense(z);
+    if (!shapes) {
+        return 0;
+    }
+    ContextState & st = state_of(ctx);
+    const Wanted * want = wanted(st, out);
+    if (want == nullptr || want->planes == 0 || ggml_nelements(want->src1) != ggml_nelements(out)) {
+        return 0;  // one column only (a decode)
+    }
+    // each result apart from the weight, and from x, z and the other results or at the same
+    // address (the same element: read before it is written, by the same lane or, for x's rows,
+    // the same CTA)
+    auto clear = [](const ggml_tensor * p, const ggml_tensor * q) {
+        return apart(span_of(p), span_of(q)) || p->data == q->data;
+    };
+    const bool x_dense = x->nb[1] == sizeof(float) * size_t(n);
+    for (const ggml_tensor * o : {mul, act, out}) {
+        const bool over_x = x_dense ? clear(o, x) : apart(span_of(o), span_of(x));
+        if (!apart(span_of(o), span_of(w)) || !over_x || !clear(o, z)) {
+            return 0;
+        }
+    }
+    if (!clear(mul, act) || !clear(mul, out) || !clear(act, out)) {
+        return 0;
+    }
+    const int64_t npieces = ggml_nelements(out) / 32;
+    bool fresh = false;  // (a kept slot or not: the result is new)
+    uint8_t * buf = claim(st, want->src1, npieces, want->planes, &fresh);
+    g_quantized.fetch_add(1, std::memory_order_relaxed);
+    g_fused.fetch_add(1, std::memory_order_relaxed);
+    float eps = 0.0f;
+    std::memcpy(&eps, norm->op_params, sizeof(float));
+    const int gate = ggml_get_unary_op(act) == GGML_UNARY_OP_SILU ? GATE_SILU : GATE_SIGMOID;
+    const dim3 grid{unsigned((npieces + NORM_GATE_WARPS - 1) / NORM_GATE_WARPS)};
+    const auto params =
+        ggml_cuda_kernel_launch_params(grid, NORM_GATE_WARPS * 32, 0, ctx.stream());
+    auto launch = [&](auto kernel) {
+        ggml_cuda_kernel_launch(kernel, params, static_cast<const float *>(x->data),
+                                int64_t(x->nb[1] / sizeof(float)),
+                                static_cast<const float *>(w->data),
+                                static_cast<const float *>(z->data), static_cast<float *>(mul->data),
+                                static_cast<float *>(act->data), static_cast<float *>(out->data),
+                                int(nrows), eps, gate, want->planes,
+                                reinterpret_cast<int8_t *>(buf),
+                                reinterpret_cast<float2 *>(buf + npieces * want->planes * 32));
+    };
+    switch (n) {
+        case 64: launch(norm_gate_quantize<2>); break;
+        case 128: launch(norm_gate_quantize<4>); break;
+        default: launch(norm_gate_quantize<8>); break;
+    }
+    return i_out - i;
+}
+
+}  // namespace lucepy
+
+int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    using namespace lucepy;
+    if (!enabled(ctx.device) || ctx.curr_stream_no != 0) {
+        return 0;
+    }
+    switch (cgraph->nodes[i]->op) {
+        case GGML_OP_CONCAT: return conv_step_nodes(ctx, cgraph, i);
+        case GGML_OP_RMS_NORM: return norm_gate_nodes(ctx, cgraph, i);
+        default: return 0;
+    }
+}
+
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph) {
     // ggml's kernels: nothing kept (the next begin with ours on bumps the graph's number)
     if (!lucepy::enabled(ctx.device)) {
@@ -670,6 +905,10 @@ bool lucepy_cuda_unary_mul(ggml_backend_cuda_context &, const ggml_cgraph *, int
     return false;
 }
 
+int lucepy_cuda_fuse(ggml_backend_cuda_context &, const ggml_cgraph *, int) {
+    return 0;
+}
+
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context &, const ggml_cgraph *) {}
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context &) {}
@@ -679,6 +918,7 @@ std::atomic<int> g_on{0};
 std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
+std::atomic<int64_t> g_convs{0};
 }  // namespace lucepy
 
 #endif
@@ -710,5 +950,9 @@ int64_t lucepy_cuda_kernels_quantized(void) {
 
 int64_t lucepy_cuda_kernels_fused(void) {
     return lucepy::g_fused.load(std::memory_order_relaxed);
+}
+
+int64_t lucepy_cuda_kernels_convs(void) {
+    return lucepy::g_convs.load(std::memory_order_relaxed);
 }
 }

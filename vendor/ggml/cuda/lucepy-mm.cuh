@@ -24,6 +24,17 @@ bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph
 // done nothing.
 bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
+// Computes graph node i and nodes after it that one kernel of ours computes at once, and returns
+// how many nodes after i it computed; or returns 0, having done nothing. Views between them are
+// allowed. The groups:
+//   - qwen35's conv step of 1-16 new columns: a CONCAT of a recurrent state's K - 1 saved
+//     columns and the new ones, the copy of the new tail into the state, the conv (SSM_CONV, K =
+//     4) and its SiLU;
+//   - a gated norm of rows of 64, 128 or 256 values read by a product of ours as one column (a
+//     decode): RMS_NORM, MUL by its weight, SiLU or sigmoid of a gate, MUL; its activations
+//     prepared for the product.
+int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+
 // ``cgraph`` begins on this context: activations quantized for the last one are stale.
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph);
 
@@ -35,7 +46,8 @@ void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
 // start value comes from LUCEPY_CUDA_KERNELS (0 or 1 forces, unset is the default). get tells
 // whether they run on one device (1) or ggml's do (0). Then the count of matrix products they
 // computed in this process, of activations they quantized for them, and of those that the kernel
-// before the product prepared as it wrote its result (lucepy_cuda_rms_norm_mul and _unary_mul).
+// before the product prepared as it wrote its result (lucepy_cuda_rms_norm_mul, _unary_mul and
+// _fuse's gated norms), and of conv steps (lucepy_cuda_fuse).
 // Launches that a captured CUDA graph replays are not counted: no host code runs for them.
 extern "C" {
 GGML_BACKEND_API void lucepy_cuda_kernels_set(int mode);
@@ -43,4 +55,5 @@ GGML_BACKEND_API int lucepy_cuda_kernels_get(int device);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_calls(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_quantized(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_fused(void);
+GGML_BACKEND_API int64_t lucepy_cuda_kernels_convs(void);
 }
