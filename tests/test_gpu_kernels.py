@@ -396,9 +396,9 @@ def test_gpu_conv_step_is_one_kernel(t, C, cuda):
     w = rng.normal(size=(C, K)).astype(np.float32)
     states = [rng.normal(size=(N * C, K - 1)).astype(np.float32) for _ in range(3)]
     news = [rng.normal(size=(N * t, C)).astype(np.float32) for _ in range(3)]
-    convs = kernels.convs
+    ops = kernels.ops
     conv_steps(lib, device, w, states[:1], news[:1])
-    assert kernels.convs - convs == (1 if t <= 16 else 0)
+    assert kernels.ops - ops == (1 if t <= 16 else 0)
     ours = conv_steps(lib, device, w, states, news)
     theirs = None
     if C % 128 == 0:
@@ -420,6 +420,46 @@ def test_gpu_conv_step_is_one_kernel(t, C, cuda):
             np.testing.assert_array_equal(after, theirs[j][0][0])
             np.testing.assert_array_equal(x, theirs[j][2])
             np.testing.assert_allclose(act, theirs[j][1], rtol=1e-5, atol=1e-6)
+
+
+def argmaxes(lib, device, xs):
+    """ggml's ARGMAX of each row of each of ``xs`` ([rows, n] f32), one graph (``computed``)."""
+    rows, n = xs[0].shape
+
+    def build(c, ts, ins):
+        return [lib.ggml_argmax(c, ins[0])]
+
+    return [
+        out.view(np.int32)[0]
+        for [out] in computed(lib, device, [], [(n, rows)], build, [(x,) for x in xs])
+    ]
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 248_320), (16, 248_320), (3, 16_384)])
+def test_gpu_argmax_of_long_rows(rows, n, cuda):
+    """The argmax of long rows (a greedy step's logits: one row, or a verify's 16) is ours (two
+    kernels of many CTAs, counted once per compute): the first column of the largest value,
+    past ties, -inf and NaN, as numpy finds it; new rows give new columns (the CUDA graph
+    replayed). Rows shorter than 16,384 values (a MoE router's) are ggml's."""
+    lib, device, kernels = cuda
+    rng = np.random.default_rng(60 + rows)
+    xs = [rng.normal(size=(rows, n)).astype(np.float32) for _ in range(3)]
+    for r in range(rows):  # a tie at the top (the lower column wins), -inf and NaN around
+        top = xs[1][r].max() + 1.0
+        a, b = sorted(rng.choice(n, size=2, replace=False))
+        xs[1][r, b], xs[1][r, a] = top, top
+        xs[2][r, rng.choice(n, size=8, replace=False)] = -np.inf
+        xs[2][r, rng.integers(n)] = np.nan
+    ops = kernels.ops
+    argmaxes(lib, device, xs[:1])
+    assert kernels.ops - ops == 1
+    for x, got in zip(xs, argmaxes(lib, device, xs), strict=True):
+        np.testing.assert_array_equal(got, np.nanargmax(x, axis=1))
+    short = rng.normal(size=(4, 1000)).astype(np.float32)
+    ops = kernels.ops
+    [got] = argmaxes(lib, device, [short])
+    assert kernels.ops == ops
+    np.testing.assert_array_equal(got, short.argmax(axis=1))
 
 
 def test_gpu_rows_the_kernels_do_not_take_run_on_ggmls(cuda):

@@ -21,7 +21,7 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_calls(void);
     int64_t lucepy_cuda_kernels_quantized(void);
     int64_t lucepy_cuda_kernels_fused(void);
-    int64_t lucepy_cuda_kernels_convs(void);
+    int64_t lucepy_cuda_kernels_ops(void);
     """
 )
 
@@ -57,10 +57,10 @@ class CudaKernels:
         return int(self.handle.lucepy_cuda_kernels_fused())
 
     @property
-    def convs(self) -> int:
-        """Conv steps (qwen35's concat, tail copy, conv and SiLU: one kernel, not three),
-        counted alike."""
-        return int(self.handle.lucepy_cuda_kernels_convs())
+    def ops(self) -> int:
+        """Other ops they computed: conv steps (qwen35's concat, tail copy, conv and SiLU, one
+        kernel where ggml-cuda runs three) and argmaxes of long rows, counted alike."""
+        return int(self.handle.lucepy_cuda_kernels_ops())
 
 
 def cuda_kernels(lib: Lib) -> CudaKernels | None:

@@ -11,7 +11,8 @@
 //     (`quantize`), or by the kernel that writes them where that is an RMS norm times its
 //     weight (`norm_quantize`) or a SiLU or sigmoid gate (`gate_quantize`).
 // A gated norm of short rows does both at once (`norm_gate_quantize`). Also qwen35's conv step
-// (`conv_step`: three of ggml's kernels in one, no product).
+// (`conv_step`: three of ggml's kernels in one, no product), and the argmax of long rows
+// (`argmax_part`, `argmax_rows`).
 // 2 to 16 columns: lucepy-gemm.cuh (tensor cores). See lucepy-quants.cuh for the piece format.
 //
 // The includer may define LUCEPY_PDL_SYNC() (wait for the kernel before: programmatic dependent
@@ -21,6 +22,7 @@
 
 #include "lucepy-quants.cuh"
 
+#include <cfloat>
 #include <cstdint>
 
 #ifndef LUCEPY_PDL_SYNC
@@ -707,6 +709,78 @@ template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const
     }
     for (int e = threadIdx.x; e < nc * K1; e += CONV_THREADS) {
         a.tail[first * K1 + e] = joined[(e / K1) * W + a.t + e % K1];
+    }
+}
+
+// The argmax of long rows (a greedy step's logits over the vocabulary), where ggml-cuda runs one
+// CTA a row (about 90 us over 248,320 logits on an H200): `argmax_part` gives each CTA of grid
+// (slices, rows) ARGMAX_SLICE values of a row and writes their largest and its column;
+// `argmax_rows` takes a row's slices. Ties go to the lowest column; NaN is never the largest,
+// and a row of NaN or -inf only gives -1 (as ggml's).
+constexpr int ARGMAX_THREADS = 256;
+constexpr int ARGMAX_SLICE = 2048;
+
+struct Best {
+    float v;
+    int i;
+};
+
+__device__ __forceinline__ Best better(Best a, Best b) {
+    return (b.v > a.v || (b.v == a.v && b.i >= 0 && (a.i < 0 || b.i < a.i))) ? b : a;
+}
+
+// the largest of the CTA's `mine`, in every thread
+__device__ __forceinline__ Best cta_best(Best mine) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const Best other = {__shfl_xor_sync(0xFFFFFFFFu, mine.v, off),
+                            __shfl_xor_sync(0xFFFFFFFFu, mine.i, off)};
+        mine = better(mine, other);
+    }
+    __shared__ Best warps[ARGMAX_THREADS / 32];
+    if (threadIdx.x % 32 == 0) {
+        warps[threadIdx.x / 32] = mine;
+    }
+    __syncthreads();
+    Best best = warps[0];
+#pragma unroll
+    for (int w = 1; w < ARGMAX_THREADS / 32; w++) {
+        best = better(best, warps[w]);
+    }
+    return best;
+}
+
+__global__ void __launch_bounds__(ARGMAX_THREADS) argmax_part(const float * x, int64_t row_stride,
+                                                              int ncols, Best * parts) {
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // x: the kernel before has finished
+    const float * row = x + blockIdx.y * row_stride;
+    const int first = blockIdx.x * ARGMAX_SLICE;
+    const int end = min(ncols, first + ARGMAX_SLICE);
+    Best mine = {-FLT_MAX, -1};
+    for (int c = first + threadIdx.x; c < end; c += ARGMAX_THREADS) {
+        const float v = row[c];
+        if (v > mine.v) {  // (in column order: the first of equals stays)
+            mine = {v, c};
+        }
+    }
+    const Best best = cta_best(mine);
+    if (threadIdx.x == 0) {
+        parts[int64_t(blockIdx.y) * gridDim.x + blockIdx.x] = best;
+    }
+}
+
+__global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts, int nslices,
+                                                              int32_t * dst) {
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // the parts
+    Best mine = {-FLT_MAX, -1};
+    for (int s = threadIdx.x; s < nslices; s += ARGMAX_THREADS) {
+        mine = better(mine, parts[int64_t(blockIdx.x) * nslices + s]);
+    }
+    const Best best = cta_best(mine);
+    if (threadIdx.x == 0) {
+        dst[blockIdx.x] = best.i;
     }
 }
 

@@ -38,7 +38,7 @@ std::atomic<int> g_on{-2};  // -2: not yet read; -1: the default; 0 or 1: forced
 std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
-std::atomic<int64_t> g_convs{0};
+std::atomic<int64_t> g_ops{0};
 
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -746,7 +746,7 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     a.act = act ? static_cast<float *>(act->data) : nullptr;
     a.C = int(C);
     a.t = int(t);
-    g_convs.fetch_add(1, std::memory_order_relaxed);
+    g_ops.fetch_add(1, std::memory_order_relaxed);
     const dim3 grid{unsigned((C + CONV_THREADS - 1) / CONV_THREADS), unsigned(N)};
     ggml_cuda_kernel_launch(conv_step<4>,
                             ggml_cuda_kernel_launch_params(grid, CONV_THREADS, 0, ctx.stream()), a);
@@ -845,6 +845,37 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
 
 }  // namespace lucepy
 
+bool lucepy_cuda_argmax(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    using namespace lucepy;
+    const ggml_tensor * x = dst->src[0];
+    const int64_t ncols = x->ne[0];
+    const int64_t nrows = ggml_nrows(x);
+    const bool fits = enabled(ctx.device) && x->type == GGML_TYPE_F32 &&
+                      dst->type == GGML_TYPE_I32 && ggml_is_contiguous(dst) &&
+                      x->nb[0] == sizeof(float) && ggml_is_contiguous_rows(x) &&
+                      x->nb[2] == x->nb[1] * size_t(x->ne[1]) &&
+                      x->nb[3] == x->nb[2] * size_t(x->ne[2]) && ncols >= 8 * ARGMAX_SLICE &&
+                      ncols < INT32_MAX && nrows <= 65535;
+    if (!fits) {
+        return false;  // short rows (a MoE router's): one CTA a row is ggml's and enough
+    }
+    const int nslices = int((ncols + ARGMAX_SLICE - 1) / ARGMAX_SLICE);
+    ggml_cuda_pool_alloc<Best> parts(ctx.pool(), size_t(nslices) * nrows);
+    cudaStream_t stream = ctx.stream();
+    const dim3 grid{unsigned(nslices), unsigned(nrows)};
+    ggml_cuda_kernel_launch(argmax_part,
+                            ggml_cuda_kernel_launch_params(grid, ARGMAX_THREADS, 0, stream),
+                            static_cast<const float *>(x->data), int64_t(x->nb[1] / sizeof(float)),
+                            int(ncols), parts.get());
+    const dim3 rows{unsigned(nrows)};
+    ggml_cuda_kernel_launch(argmax_rows,
+                            ggml_cuda_kernel_launch_params(rows, ARGMAX_THREADS, 0, stream),
+                            static_cast<const Best *>(parts.get()), nslices,
+                            static_cast<int32_t *>(dst->data));
+    g_ops.fetch_add(1, std::memory_order_relaxed);
+    return true;
+}
+
 int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     using namespace lucepy;
     if (!enabled(ctx.device) || ctx.curr_stream_no != 0) {
@@ -909,6 +940,10 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context &, const ggml_cgraph *, int) {
     return 0;
 }
 
+bool lucepy_cuda_argmax(ggml_backend_cuda_context &, ggml_tensor *) {
+    return false;
+}
+
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context &, const ggml_cgraph *) {}
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context &) {}
@@ -918,7 +953,7 @@ std::atomic<int> g_on{0};
 std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
-std::atomic<int64_t> g_convs{0};
+std::atomic<int64_t> g_ops{0};
 }  // namespace lucepy
 
 #endif
@@ -952,7 +987,7 @@ int64_t lucepy_cuda_kernels_fused(void) {
     return lucepy::g_fused.load(std::memory_order_relaxed);
 }
 
-int64_t lucepy_cuda_kernels_convs(void) {
-    return lucepy::g_convs.load(std::memory_order_relaxed);
+int64_t lucepy_cuda_kernels_ops(void) {
+    return lucepy::g_ops.load(std::memory_order_relaxed);
 }
 }

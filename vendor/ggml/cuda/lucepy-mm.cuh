@@ -35,6 +35,11 @@ bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * 
 //     prepared for the product.
 int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
+// Computes dst = ARGMAX of rows of at least 16,384 values (a greedy step's logits) in two kernels
+// of many CTAs, and returns true; or returns false, having done nothing (ggml's kernel, one CTA a
+// row, then runs).
+bool lucepy_cuda_argmax(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
 // ``cgraph`` begins on this context: activations quantized for the last one are stale.
 void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph);
 
@@ -47,7 +52,8 @@ void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
 // whether they run on one device (1) or ggml's do (0). Then the count of matrix products they
 // computed in this process, of activations they quantized for them, and of those that the kernel
 // before the product prepared as it wrote its result (lucepy_cuda_rms_norm_mul, _unary_mul and
-// _fuse's gated norms), and of conv steps (lucepy_cuda_fuse).
+// _fuse's gated norms), and of other ops they computed (lucepy_cuda_fuse's conv steps,
+// lucepy_cuda_argmax's argmaxes).
 // Launches that a captured CUDA graph replays are not counted: no host code runs for them.
 extern "C" {
 GGML_BACKEND_API void lucepy_cuda_kernels_set(int mode);
@@ -55,5 +61,5 @@ GGML_BACKEND_API int lucepy_cuda_kernels_get(int device);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_calls(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_quantized(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_fused(void);
-GGML_BACKEND_API int64_t lucepy_cuda_kernels_convs(void);
+GGML_BACKEND_API int64_t lucepy_cuda_kernels_ops(void);
 }
