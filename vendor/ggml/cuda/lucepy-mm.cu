@@ -661,10 +661,6 @@ int next_op(const ggml_cgraph * cgraph, int i) {
     return i;
 }
 
-}  // namespace lucepy
-
-namespace lucepy {
-
 // qwen35's conv step from node i, a CONCAT (lucepy_cuda_fuse): the nodes after i computed, or 0
 int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     const ggml_tensor * x = cgraph->nodes[i];
