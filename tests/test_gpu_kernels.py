@@ -45,7 +45,7 @@ def computed(lib, device, consts, inputs, build, feeds):
     ``build(ctx, consts, inputs)`` giving its outputs, computed once per entry of ``feeds`` (one
     array a input, set anew each time). Returns, per feed, each output as [ne1, ne0]."""
     backend = open_backend(lib, device)
-    ctx = Context(lib, 16, graph_nodes=64)
+    ctx = Context(lib, 32, graph_nodes=64)
     cs = [
         (lib.ggml_new_tensor_2d(ctx.ptr, gtype, ne0, ne1), raw) for gtype, ne0, ne1, raw in consts
     ]
@@ -355,13 +355,19 @@ def test_gpu_gated_norm_quantizes_for_its_products(kind, op, n, cuda):
             assert rel_err(ours[j][i], exact).max() <= bound, f"{kind} input {j} matrix {i}"
 
 
-def conv_steps(lib, device, w, states, news):
-    """qwen35's conv step as its graph writes it (models/qwen35.py ``_conv``): the saved K - 1
-    columns of each of N sequences (``states`` [N * C, K - 1]) joined with t new ones (``news``
-    [N * t, C], a token's channels a row), the new tail copied over the saved columns, the conv
-    with the taps ``w`` [C, K] and its SiLU; computed once per pair of ``states`` and ``news``.
-    Returns, per pair, [the state after, the SiLU [N * t, C], the joined columns [N * C, K - 1 +
-    t]] (``computed``)."""
+HEADS = 4  # heads of 128 channels that the conv tests l2-norm, as qwen35 norms q and k
+L2_EPS = 1e-6 / 128
+
+
+def conv_steps(lib, device, w, states, news, keep_x=True):
+    """qwen35's conv step as its graph writes it (models/qwen35.py ``_conv`` and ``_l2_norm``):
+    the saved K - 1 columns of each of N sequences (``states`` [N * C, K - 1]) joined with t new
+    ones (``news`` [N * t, C], a token's channels a row), the new tail copied over the saved
+    columns, the conv with the taps ``w`` [C, K], its SiLU, and the l2 norm of the SiLU's first
+    HEADS heads of 128 channels; computed once per pair of ``states`` and ``news``. Returns,
+    per pair, [the state after, the SiLU [N * t, C], the normed heads [N * t, HEADS * 128], and
+    with ``keep_x`` the joined columns [N * C, K - 1 + t]] (``computed``; without, nothing reads
+    them after the conv, as in a decode)."""
     C, K = w.shape
     K1, N, t = K - 1, states[0].shape[0] // C, news[0].shape[0] // (states[0].shape[0] // C)
 
@@ -373,23 +379,33 @@ def conv_steps(lib, device, w, states, news):
         tail = lib.ggml_view_3d(c, x, K1, C, N, x.nb[1], x.nb[2], t * 4)
         after = lib.ggml_cpy(c, tail, lib.ggml_view_1d(c, state, K1 * C * N, 0))
         act = lib.ggml_silu(c, lib.ggml_ssm_conv(c, x, ts[0]))
+        act2 = lib.ggml_reshape_2d(c, act, C, t * N)
         flat_x = lib.ggml_reshape_2d(c, x, K1 + t, C * N)
-        for out in (act, x):  # (read back: their memory not reused)
+        row = act2.nb[1]
+        heads = lib.ggml_view_4d(c, act2, 128, HEADS, t, N, 4 * 128, row, row * t, 0)
+        l2 = lib.ggml_scale(c, lib.ggml_rms_norm(c, heads, L2_EPS), 1 / np.sqrt(128))
+        for out in (act, l2, x) if keep_x else (act, l2):  # (read back: memory not reused)
             lib.ggml_set_output(out)
-        return [after, lib.ggml_reshape_2d(c, act, C, t * N), flat_x]
+        outs = [after, act2, lib.ggml_reshape_2d(c, l2, HEADS * 128, t * N)]
+        return outs + [flat_x] if keep_x else outs
 
     consts = [(GGML_TYPE_F32, K, C, np.ascontiguousarray(w, dtype=np.float32))]
     inputs = [(K1, C * N), (C, t * N)]
     return computed(lib, device, consts, inputs, build, list(zip(states, news, strict=True)))
 
 
-@pytest.mark.parametrize(("t", "C"), [(1, 1152), (16, 1152), (17, 1152), (3, 1000)])
-def test_gpu_conv_step_is_one_kernel(t, C, cuda):
-    """qwen35's conv step of 1 token (a decode), 3 or 16 (a verify) for 2 sequences is one kernel
-    of ours (counted once per compute; the CUDA graph then replays it): the new state and the
-    joined columns exact, the SiLU of the conv within float rounding of the exact math and of
-    ggml's; 17 tokens are ggml's. 1,000 channels leave a CTA of 128 partly idle (ggml's conv
-    takes multiples of 128 only: no comparison with it there)."""
+@pytest.mark.parametrize(
+    ("t", "C", "keep_x"),
+    [(1, 1152, False), (1, 1152, True), (16, 1152, True), (17, 1152, True), (3, 1000, True)],
+)
+def test_gpu_conv_step_is_one_kernel(t, C, keep_x, cuda):
+    """qwen35's conv step of 1 token (a decode), 3 or 16 (a verify) for 2 sequences, with the l2
+    norm of its first heads, is one kernel of ours (counted once per compute; the CUDA graph
+    then replays it): the new state and the joined columns exact, the SiLU of the conv and the
+    normed heads within float rounding of the exact math and of ggml's; 17 tokens are ggml's.
+    1,000 channels leave a CTA of 128 partly idle (ggml's conv takes multiples of 128 only: no
+    comparison with it there). Joined columns that nothing reads after the conv (a decode's)
+    are not written: the rest is the same."""
     lib, device, kernels = cuda
     K, N = 4, 2
     rng = np.random.default_rng(40 + t)
@@ -397,13 +413,13 @@ def test_gpu_conv_step_is_one_kernel(t, C, cuda):
     states = [rng.normal(size=(N * C, K - 1)).astype(np.float32) for _ in range(3)]
     news = [rng.normal(size=(N * t, C)).astype(np.float32) for _ in range(3)]
     ops = kernels.ops
-    conv_steps(lib, device, w, states[:1], news[:1])
+    conv_steps(lib, device, w, states[:1], news[:1], keep_x)
     assert kernels.ops - ops == (1 if t <= 16 else 0)
-    ours = conv_steps(lib, device, w, states, news)
+    ours = conv_steps(lib, device, w, states, news, keep_x)
     theirs = None
     if C % 128 == 0:
         kernels.set(False)
-        theirs = conv_steps(lib, device, w, states, news)
+        theirs = conv_steps(lib, device, w, states, news, keep_x)
         kernels.set(True)
     for j, (state, new) in enumerate(zip(states, news, strict=True)):
         joined = np.concatenate(
@@ -412,14 +428,22 @@ def test_gpu_conv_step_is_one_kernel(t, C, cuda):
         windows = np.stack([joined[:, :, i : i + K] for i in range(t)], axis=1)  # [N, t, C, K]
         conv = (windows * w.astype(np.float64)).sum(axis=3)
         exact = (conv / (1 + np.exp(-conv))).reshape(N * t, C)
-        [after], act, x = ours[j]
+        heads = exact[:, : HEADS * 128].reshape(N * t, HEADS, 128)
+        rms = np.sqrt((heads**2).mean(axis=2, keepdims=True) + L2_EPS)
+        normed = (heads / rms / np.sqrt(128)).reshape(N * t, HEADS * 128)
+        [after], act, l2, *x = ours[j]
         np.testing.assert_array_equal(after, joined[:, :, t:].reshape(-1).astype(np.float32))
-        np.testing.assert_array_equal(x, joined.reshape(N * C, K - 1 + t).astype(np.float32))
         np.testing.assert_allclose(act, exact, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(l2, normed, rtol=1e-5, atol=1e-6)
+        if keep_x:
+            joined_2d = joined.reshape(N * C, K - 1 + t).astype(np.float32)
+            np.testing.assert_array_equal(x[0], joined_2d)
         if theirs is not None:
             np.testing.assert_array_equal(after, theirs[j][0][0])
-            np.testing.assert_array_equal(x, theirs[j][2])
             np.testing.assert_allclose(act, theirs[j][1], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(l2, theirs[j][2], rtol=1e-5, atol=1e-6)
+            if keep_x:
+                np.testing.assert_array_equal(x[0], theirs[j][3])
 
 
 def argmaxes(lib, device, xs):

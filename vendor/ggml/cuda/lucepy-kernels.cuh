@@ -639,11 +639,13 @@ __global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
 // ones (qwen35's DeltaNet conv: ggml's CONCAT, the copy of the new tail into the state, SSM_CONV
 // and its SiLU), one kernel where ggml-cuda runs three: grid (channels / CONV_THREADS rounded up,
 // sequences), a thread a channel. Each writes the joined columns `x` ([K - 1 + t, C, N], as the
-// concat does), the conv and its SiLU ([C, t, N]) and the new tail ([K - 1, C, N], dense) over
+// concat does, where anything reads them), the conv and its SiLU ([C, t, N]) and the new tail ([K - 1, C, N], dense) over
 // the saved columns. The CTA reads every saved column of its channels before any is written; the
 // host checks that what is written aliases nothing read, or only what the same thread has read
 // already (the new columns as the conv or its SiLU, the conv as its SiLU) or, for the tail, the
-// same CTA (the saved columns).
+// same CTA (the saved columns). With `heads`, the first heads x CONV_THREADS channels of the SiLU
+// are also RMS-normed a head of CONV_THREADS channels at a time (qwen35's l2 norm of q and k:
+// ggml's RMS_NORM then SCALE), a CTA a head.
 constexpr int CONV_THREADS = 128;
 constexpr int CONV_MAX_T = 16;
 
@@ -653,15 +655,18 @@ struct ConvArgs {
     const float * steps;  // [t, C, N]: token i of channel c, sequence n at i x_t + c x_c + n x_n
     int64_t x_t, x_c, x_n;
     const float * w;  // [K, C]: tap k of channel c at k + K c
-    float * x, * tail, * conv;  // dense
+    float * x, * tail, * conv;  // dense (x null: the joined columns unwritten, read by nobody)
     float * act;                // the conv's SiLU (dense), or null
-
+    int heads;                  // heads normed (0: none), into normed and scaled
+    float * normed, * scaled;   // [CONV_THREADS, heads, t, N], dense
+    float eps, scale;           // the norm's epsilon, the scale after it
     int C, t;
 };
 
 template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a) {
     constexpr int K1 = K - 1;
     __shared__ float joined[CONV_THREADS * (K1 + CONV_MAX_T)];  // [channel of the CTA][column]
+    __shared__ float head_sums[2][CONV_THREADS / 32];  // a token's squares, a warp's sum each
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // the new columns: the kernel before has finished
     const int W = K1 + a.t;
@@ -697,14 +702,35 @@ template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const
                 sum += win[k] * tap[k];
             }
             a.conv[out + int64_t(a.C) * i] = sum;
+            const float y = sum / (1.0f + expf(-sum));
             if (a.act) {
-                a.act[out + int64_t(a.C) * i] = sum / (1.0f + expf(-sum));
+                a.act[out + int64_t(a.C) * i] = y;
+            }
+            if (int(blockIdx.x) < a.heads) {  // (the whole CTA: c < C)
+                float sq = y * y;
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) {
+                    sq += __shfl_xor_sync(0xFFFFFFFFu, sq, off);
+                }
+                if (mine % 32 == 0) {
+                    head_sums[i % 2][mine / 32] = sq;
+                }
+                __syncthreads();
+                float total = 0.0f;
+#pragma unroll
+                for (int wp = 0; wp < CONV_THREADS / 32; wp++) {
+                    total += head_sums[i % 2][wp];
+                }
+                const float r = rsqrtf(total / float(CONV_THREADS) + a.eps);
+                const int64_t o = c + int64_t(a.heads) * CONV_THREADS * (i + int64_t(a.t) * n);
+                a.normed[o] = r * y;
+                a.scaled[o] = (r * y) * a.scale;
             }
         }
     }
     __syncthreads();  // every saved column of the CTA's channels read: the tail may overwrite them
     const int64_t first = int64_t(n) * a.C + c0;
-    for (int e = threadIdx.x; e < nc * W; e += CONV_THREADS) {
+    for (int e = threadIdx.x; a.x && e < nc * W; e += CONV_THREADS) {
         a.x[first * W + e] = joined[e];
     }
     for (int e = threadIdx.x; e < nc * K1; e += CONV_THREADS) {

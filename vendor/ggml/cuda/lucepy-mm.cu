@@ -637,7 +637,7 @@ Span span_of(const ggml_tensor * t) {
 }
 
 bool apart(Span a, Span b) {
-    return a.end <= b.begin || b.end <= a.begin;
+    return a.begin == a.end || b.begin == b.end || a.end <= b.begin || b.end <= a.begin;
 }
 
 // a dense f32 tensor of ne0 x ne1 x ne2 at the start of `t`'s bytes, element for element
@@ -705,9 +705,23 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     if (!layouts) {
         return 0;
     }
+    // the joined columns are written only where something else reads them (a verify keeps them
+    // for its rollback): in a decode they are dead once the conv has read them, and ggml's
+    // allocator may place a later result of the group over them
+    bool x_read = (x->flags & GGML_TENSOR_FLAG_OUTPUT) != 0;
+    for (int j = 0; j < cgraph->n_nodes && !x_read; j++) {
+        const ggml_tensor * node = cgraph->nodes[j];
+        if (j == i || j == i_cpy || j == i_conv || node == tail) {
+            continue;
+        }
+        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; k++) {
+            x_read = x_read || node->src[k] == x || node->src[k]->view_src == x;
+        }
+    }
     // what is written aliases nothing read, or only what the kernel reads first (conv_step)
     const Span s_saved = span_of(saved), s_steps = span_of(steps), s_w = span_of(w);
-    const Span s_x = span_of(x), s_tail = span_of(into), s_conv = span_of(conv);
+    const Span s_tail = span_of(into), s_conv = span_of(conv);
+    const Span s_x = x_read ? span_of(x) : Span{nullptr, nullptr};  // (apart from all: unwritten)
     const bool steps_dense = steps->nb[0] == sizeof(float) * size_t(C) &&
                              steps->nb[1] == sizeof(float) && steps->nb[2] == steps->nb[0] * t;
     auto over_steps = [&](const ggml_tensor * out) {  // the same element, the same thread
@@ -727,7 +741,55 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     if (!ok) {
         return 0;
     }
+    // qwen35's l2 norm of q and k after the SiLU: an RMS norm of its first heads of
+    // CONV_THREADS channels (a view of the SiLU's 2D reshape), then a SCALE
+    int heads = 0;
+    const ggml_tensor * normed = nullptr;
+    const ggml_tensor * scaled = nullptr;
+    int i_last = act ? i_act : i_conv;
+    const int i_norm = act ? next_op(cgraph, i_act) : cgraph->n_nodes;
+    const int i_scale = i_norm < cgraph->n_nodes ? next_op(cgraph, i_norm) : i_norm;
+    if (i_scale < cgraph->n_nodes && cgraph->nodes[i_norm]->op == GGML_OP_RMS_NORM &&
+        cgraph->nodes[i_scale]->op == GGML_OP_SCALE &&
+        cgraph->nodes[i_scale]->src[0] == cgraph->nodes[i_norm]) {
+        const ggml_tensor * norm = cgraph->nodes[i_norm];
+        const ggml_tensor * sc = cgraph->nodes[i_scale];
+        const ggml_tensor * qk = norm->src[0];
+        const int64_t h = qk->ne[1];
+        const size_t row = sizeof(float) * size_t(C);
+        float bias = 0.0f;
+        std::memcpy(&bias, sc->op_params + 1, sizeof(float));
+        const bool fits = qk->view_src == act && qk->view_offs == 0 && qk->type == GGML_TYPE_F32 &&
+                          qk->ne[0] == CONV_THREADS && h >= 1 && h * CONV_THREADS <= C &&
+                          qk->ne[2] == t && qk->ne[3] == N && qk->nb[0] == sizeof(float) &&
+                          qk->nb[1] == sizeof(float) * CONV_THREADS && qk->nb[2] == row &&
+                          qk->nb[3] == row * size_t(t) && norm->type == GGML_TYPE_F32 &&
+                          ggml_is_contiguous(norm) && ggml_are_same_shape(norm, qk) &&
+                          sc->type == GGML_TYPE_F32 && ggml_is_contiguous(sc) &&
+                          ggml_are_same_shape(sc, qk) && bias == 0.0f;
+        const Span s_norm = span_of(norm), s_sc = span_of(sc);
+        auto clear_of_all = [&](Span o) {
+            return apart(o, s_saved) && apart(o, s_steps) && apart(o, s_w) && apart(o, s_x) &&
+                   apart(o, s_tail) && apart(o, s_conv) && apart(o, span_of(act));
+        };
+        if (fits && clear_of_all(s_norm) && clear_of_all(s_sc) &&
+            (apart(s_norm, s_sc) || norm->data == sc->data)) {
+            heads = int(h);
+            normed = norm;
+            scaled = sc;
+            i_last = i_scale;
+        }
+    }
     ConvArgs a;
+    a.heads = heads;
+    a.normed = normed ? static_cast<float *>(normed->data) : nullptr;
+    a.scaled = scaled ? static_cast<float *>(scaled->data) : nullptr;
+    a.eps = 0.0f;
+    a.scale = 1.0f;
+    if (normed) {
+        std::memcpy(&a.eps, normed->op_params, sizeof(float));
+        std::memcpy(&a.scale, scaled->op_params, sizeof(float));
+    }
     a.saved = static_cast<const float *>(saved->data);
     a.s_c = saved->nb[1] / int64_t(sizeof(float));
     a.s_n = saved->nb[2] / int64_t(sizeof(float));
@@ -736,7 +798,7 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     a.x_c = steps->nb[1] / int64_t(sizeof(float));
     a.x_n = steps->nb[2] / int64_t(sizeof(float));
     a.w = static_cast<const float *>(w->data);
-    a.x = static_cast<float *>(x->data);
+    a.x = x_read ? static_cast<float *>(x->data) : nullptr;
     a.tail = static_cast<float *>(into->data);
     a.conv = static_cast<float *>(conv->data);
     a.act = act ? static_cast<float *>(act->data) : nullptr;
@@ -746,7 +808,7 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     const dim3 grid{unsigned((C + CONV_THREADS - 1) / CONV_THREADS), unsigned(N)};
     ggml_cuda_kernel_launch(conv_step<4>,
                             ggml_cuda_kernel_launch_params(grid, CONV_THREADS, 0, ctx.stream()), a);
-    return (act ? i_act : i_conv) - i;
+    return i_last - i;
 }
 
 // A gated norm from node i, an RMS_NORM (lucepy_cuda_fuse): the nodes after i computed, or 0

@@ -29,7 +29,8 @@ bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * 
 // allowed. The groups:
 //   - qwen35's conv step of 1-16 new columns: a CONCAT of a recurrent state's K - 1 saved
 //     columns and the new ones, the copy of the new tail into the state, the conv (SSM_CONV, K =
-//     4) and its SiLU;
+//     4) and its SiLU, and the l2 norm of its first heads of 128 channels (q's and k's: RMS_NORM
+//     of a view, SCALE) where the graph has it next;
 //   - a gated norm of rows of 64, 128 or 256 values read by a product of ours as one column (a
 //     decode): RMS_NORM, MUL by its weight, SiLU or sigmoid of a gate, MUL; its activations
 //     prepared for the product.
