@@ -639,13 +639,13 @@ __global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
 // ones (qwen35's DeltaNet conv: ggml's CONCAT, the copy of the new tail into the state, SSM_CONV
 // and its SiLU), one kernel where ggml-cuda runs three: grid (channels / CONV_THREADS rounded up,
 // sequences), a thread a channel. Each writes the joined columns `x` ([K - 1 + t, C, N], as the
-// concat does, where anything reads them), the conv and its SiLU ([C, t, N]) and the new tail ([K - 1, C, N], dense) over
-// the saved columns. The CTA reads every saved column of its channels before any is written; the
-// host checks that what is written aliases nothing read, or only what the same thread has read
-// already (the new columns as the conv or its SiLU, the conv as its SiLU) or, for the tail, the
-// same CTA (the saved columns). With `heads`, the first heads x CONV_THREADS channels of the SiLU
-// are also RMS-normed a head of CONV_THREADS channels at a time (qwen35's l2 norm of q and k:
-// ggml's RMS_NORM then SCALE), a CTA a head.
+// concat does, where anything reads them), the conv and its SiLU ([C, t, N]) and the new tail
+// ([K - 1, C, N], dense) over the saved columns. The CTA reads every saved column of its
+// channels before any is written; the host checks that what is written aliases nothing read, or
+// only what the same thread has read already (the new columns as the conv or its SiLU, the conv
+// as its SiLU) or, for the tail, the same CTA (the saved columns). With `heads`, the first heads
+// x CONV_THREADS channels of the SiLU are also RMS-normed a head of CONV_THREADS channels at a
+// time (qwen35's l2 norm of q and k: ggml's RMS_NORM then SCALE), a CTA a head.
 constexpr int CONV_THREADS = 128;
 constexpr int CONV_MAX_T = 16;
 
