@@ -94,6 +94,27 @@ struct ContextState {
     bool listed = false;
     std::unordered_map<const ggml_tensor *, Wanted> wants;  // see `wanted`
     bool planned = false;
+    std::unordered_map<const ggml_tensor *, int> reads;  // see `readers`
+    bool counted = false;
+
+    // How many of the graph's nodes read `t`, directly or through a view of it (a node reading
+    // two views of it counts twice), counted once a graph.
+    int readers(const ggml_tensor * t) {
+        if (!counted) {
+            for (int i = 0; cgraph && i < cgraph->n_nodes; i++) {
+                const ggml_tensor * node = cgraph->nodes[i];
+                for (int k = 0; k < GGML_MAX_SRC && node->src[k]; k++) {
+                    reads[node->src[k]]++;
+                    if (node->src[k]->view_src) {
+                        reads[node->src[k]->view_src]++;
+                    }
+                }
+            }
+            counted = true;
+        }
+        const auto found = reads.find(t);
+        return found == reads.end() ? 0 : found->second;
+    }
 
     bool in_graph(const ggml_tensor * t) {
         if (cgraph == nullptr) {
@@ -707,17 +728,11 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     }
     // the joined columns are written only where something else reads them (a verify keeps them
     // for its rollback): in a decode they are dead once the conv has read them, and ggml's
-    // allocator may place a later result of the group over them
-    bool x_read = (x->flags & GGML_TENSOR_FLAG_OUTPUT) != 0;
-    for (int j = 0; j < cgraph->n_nodes && !x_read; j++) {
-        const ggml_tensor * node = cgraph->nodes[j];
-        if (j == i || j == i_cpy || j == i_conv || node == tail) {
-            continue;
-        }
-        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; k++) {
-            x_read = x_read || node->src[k] == x || node->src[k]->view_src == x;
-        }
-    }
+    // allocator may place a later result of the group over them. Their readers in the group:
+    // the tail's view, the copy (through it) and the conv.
+    ContextState & st = state_of(ctx);
+    const bool x_read = (x->flags & GGML_TENSOR_FLAG_OUTPUT) != 0 || st.cgraph != cgraph ||
+                        st.readers(x) > 3;
     // what is written aliases nothing read, or only what the kernel reads first (conv_step)
     const Span s_saved = span_of(saved), s_steps = span_of(steps), s_w = span_of(w);
     const Span s_tail = span_of(into), s_conv = span_of(conv);
@@ -959,6 +974,8 @@ void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph 
     st.listed = false;
     st.wants.clear();
     st.planned = false;
+    st.reads.clear();
+    st.counted = false;
 }
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx) {
