@@ -352,8 +352,9 @@ class Qwen35(Architecture):
         flat = L.ggml_view_1d(c, state, K1 * C * N, plane * F)
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, tail, flat))
         out = L.ggml_silu(c, L.ggml_ssm_conv(c, x, w[f"blk.{il}.ssm_conv1d.weight"]))  # [C, t, N]
-        # the concat, the copy, the conv and its SiLU one after another: lucepy's CUDA kernels
-        # compute the four in one kernel (conv_step, vendor/ggml/cuda)
+        # the concat, the copy, the conv and its SiLU one after another (and the l2 norm of q
+        # and k, which the caller builds next): lucepy's CUDA kernels compute them in one kernel
+        # (conv_step, vendor/ggml/cuda)
         L.ggml_build_forward_expand(g.gf, out)
         return L.ggml_reshape_2d(c, out, C, t * N)
 
