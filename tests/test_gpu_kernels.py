@@ -446,6 +446,54 @@ def test_gpu_conv_step_is_one_kernel(t, C, keep_x, cuda):
                 np.testing.assert_array_equal(x[0], theirs[j][3])
 
 
+def delta_gates(lib, device, bias, a, alphas, betas):
+    """qwen35's DeltaNet gates as its graph writes them (models/qwen35.py ``_delta_net``):
+    softplus(alpha + bias) * a and sigmoid(beta), alpha and beta [T, heads], bias and a [heads];
+    per pair of ``alphas`` and ``betas``, [the decay, the sigmoid] (``computed``)."""
+    T, heads = alphas[0].shape
+    consts = [
+        (GGML_TYPE_F32, heads, 1, np.ascontiguousarray(v, dtype=np.float32)) for v in (bias, a)
+    ]
+
+    def build(c, ts, ins):
+        alpha, beta = ins
+        decay = lib.ggml_mul(c, lib.ggml_softplus(c, lib.ggml_add(c, alpha, ts[0])), ts[1])
+        return [decay, lib.ggml_sigmoid(c, beta)]
+
+    feeds = list(zip(alphas, betas, strict=True))
+    return computed(lib, device, consts, [(heads, T), (heads, T)], build, feeds)
+
+
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_delta_gates_are_one_kernel(T, cuda):
+    """qwen35's DeltaNet gates of a decode (1 token) or a verify (16): the decay (ADD of the dt
+    bias, SOFTPLUS, MUL by A) and beta's SIGMOID are one kernel of ours (counted once per
+    compute; the CUDA graph then replays it), each result no further from the exact math than
+    twice ggml's own error, past softplus' linear branch (inputs above 20)."""
+    lib, device, kernels = cuda
+    heads = 48
+    rng = np.random.default_rng(70 + T)
+    bias, a = rng.normal(size=heads), -np.exp(rng.normal(size=heads))
+    alphas = [8.0 * rng.normal(size=(T, heads)).astype(np.float32) for _ in range(3)]
+    alphas[1][0, :4] = 30.0
+    betas = [3.0 * rng.normal(size=(T, heads)).astype(np.float32) for _ in range(3)]
+    ops = kernels.ops
+    delta_gates(lib, device, bias, a, alphas[:1], betas[:1])
+    assert kernels.ops - ops == 1
+    ours = delta_gates(lib, device, bias, a, alphas, betas)
+    kernels.set(False)
+    theirs = delta_gates(lib, device, bias, a, alphas, betas)
+    kernels.set(True)
+    for j, (alpha, beta) in enumerate(zip(alphas, betas, strict=True)):
+        s = alpha.astype(np.float64) + bias.astype(np.float32)
+        soft = np.where(s > 20, s, np.log1p(np.exp(np.minimum(s, 20))))
+        exact = [soft * a.astype(np.float32), 1 / (1 + np.exp(-beta.astype(np.float64)))]
+        for got, ref, want in zip(ours[j], theirs[j], exact, strict=True):
+            # ggml's formulas (log(1 + exp(s)) loses about 1e-3 of a value near zero)
+            bound = 2 * float(np.abs(ref - want).max())
+            assert float(np.abs(got - want).max()) <= bound
+
+
 def argmaxes(lib, device, xs):
     """ggml's ARGMAX of each row of each of ``xs`` ([rows, n] f32), one graph (``computed``)."""
     rows, n = xs[0].shape

@@ -11,8 +11,8 @@
 //     (`quantize`), or by the kernel that writes them where that is an RMS norm times its
 //     weight (`norm_quantize`) or a SiLU or sigmoid gate (`gate_quantize`).
 // A gated norm of short rows does both at once (`norm_gate_quantize`). Also qwen35's conv step
-// (`conv_step`: three of ggml's kernels in one, no product), and the argmax of long rows
-// (`argmax_part`, `argmax_rows`).
+// (`conv_step`: three of ggml's kernels in one, no product), its DeltaNet gates (`delta_gates`)
+// and the argmax of long rows (`argmax_part`, `argmax_rows`).
 // 2 to 16 columns: lucepy-gemm.cuh (tensor cores). See lucepy-quants.cuh for the piece format.
 //
 // The includer may define LUCEPY_PDL_SYNC() (wait for the kernel before: programmatic dependent
@@ -735,6 +735,37 @@ template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const
     }
     for (int e = threadIdx.x; e < nc * K1; e += CONV_THREADS) {
         a.tail[first * K1 + e] = joined[(e / K1) * W + a.t + e % K1];
+    }
+}
+
+// qwen35's DeltaNet gates of a step, tiny tensors ([heads, tokens]): ggml's ADD of the dt bias,
+// SOFTPLUS and MUL by A (the decay), and the SIGMOID of beta where it comes next; one kernel
+// where ggml-cuda runs three, a thread an element. Each writes every node's result as ggml's
+// kernels do (their formulas).
+struct DeltaGates {
+    const float * alpha;  // [n]
+    const float * bias;   // [period], repeated
+    const float * a;      // [period], repeated
+    float * sum, * soft, * decay;
+    int n, period;
+    const float * beta;  // [nbeta], or nbeta 0
+    float * sig;
+    int nbeta;
+};
+
+__global__ void delta_gates(const DeltaGates g) {
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // alpha and beta: the product before has finished
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < g.n) {
+        const float s = g.alpha[e] + g.bias[e % g.period];
+        const float p = s > 20.0f ? s : logf(1.0f + expf(s));
+        g.sum[e] = s;
+        g.soft[e] = p;
+        g.decay[e] = p * g.a[e % g.period];
+    }
+    if (e < g.nbeta) {
+        g.sig[e] = 1.0f / (1.0f + expf(-g.beta[e]));
     }
 }
 

@@ -917,6 +917,92 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     return i_out - i;
 }
 
+// qwen35's DeltaNet gates from node i, an ADD (lucepy_cuda_fuse): the nodes after i computed,
+// or 0
+int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const ggml_tensor * add = cgraph->nodes[i];
+    const int i_soft = next_op(cgraph, i);
+    const int i_mul = i_soft < cgraph->n_nodes ? next_op(cgraph, i_soft) : i_soft;
+    if (i_mul >= cgraph->n_nodes) {
+        return 0;
+    }
+    const ggml_tensor * soft = cgraph->nodes[i_soft];
+    const ggml_tensor * mul = cgraph->nodes[i_mul];
+    if (soft->op != GGML_OP_UNARY || ggml_get_unary_op(soft) != GGML_UNARY_OP_SOFTPLUS ||
+        soft->src[0] != add || mul->op != GGML_OP_MUL ||
+        (mul->src[0] != soft && mul->src[1] != soft)) {
+        return 0;
+    }
+    const ggml_tensor * alpha = add->src[0];
+    const ggml_tensor * bias = add->src[1];
+    const ggml_tensor * a = mul->src[0] == soft ? mul->src[1] : mul->src[0];
+    const int64_t n = ggml_nelements(add), period = add->ne[0];
+    auto dense = [&](const ggml_tensor * t) {
+        return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_are_same_shape(t, add);
+    };
+    auto row = [&](const ggml_tensor * t) {  // one row of add's, repeated over its rows
+        return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->ne[0] == period &&
+               ggml_nelements(t) == period;
+    };
+    if (!dense(add) || !dense(alpha) || !dense(soft) || !dense(mul) || !row(bias) || !row(a) ||
+        n >= INT32_MAX) {
+        return 0;
+    }
+    // each result apart from the rows (read by every thread), and from alpha and the others or
+    // at the same address (the same element: read first by the thread that writes it)
+    auto clear = [](const ggml_tensor * p, const ggml_tensor * q) {
+        return apart(span_of(p), span_of(q)) || p->data == q->data;
+    };
+    for (const ggml_tensor * o : {add, soft, mul}) {
+        if (!apart(span_of(o), span_of(bias)) || !apart(span_of(o), span_of(a)) ||
+            !clear(o, alpha)) {
+            return 0;
+        }
+    }
+    if (!clear(add, soft) || !clear(add, mul) || !clear(soft, mul)) {
+        return 0;
+    }
+    DeltaGates g = {};
+    g.alpha = static_cast<const float *>(alpha->data);
+    g.bias = static_cast<const float *>(bias->data);
+    g.a = static_cast<const float *>(a->data);
+    g.sum = static_cast<float *>(add->data);
+    g.soft = static_cast<float *>(soft->data);
+    g.decay = static_cast<float *>(mul->data);
+    g.n = int(n);
+    g.period = int(period);
+    int i_last = i_mul;
+    // beta's sigmoid where it comes next (its own elements, apart from all of the above)
+    const int i_sig = next_op(cgraph, i_mul);
+    if (i_sig < cgraph->n_nodes) {
+        const ggml_tensor * sig = cgraph->nodes[i_sig];
+        const ggml_tensor * beta = sig->op == GGML_OP_UNARY ? sig->src[0] : nullptr;
+        const bool fits = beta && ggml_get_unary_op(sig) == GGML_UNARY_OP_SIGMOID &&
+                          beta->type == GGML_TYPE_F32 && sig->type == GGML_TYPE_F32 &&
+                          ggml_is_contiguous(beta) && ggml_is_contiguous(sig) &&
+                          ggml_are_same_shape(beta, sig) && ggml_nelements(sig) < INT32_MAX &&
+                          clear(sig, beta);
+        bool apart_all = fits;
+        for (const ggml_tensor * t : {alpha, bias, a, add, soft, mul}) {
+            apart_all = apart_all && apart(span_of(sig), span_of(t)) &&
+                        apart(span_of(beta), span_of(t));
+        }
+        if (apart_all) {
+            g.beta = static_cast<const float *>(beta->data);
+            g.sig = static_cast<float *>(sig->data);
+            g.nbeta = int(ggml_nelements(sig));
+            i_last = i_sig;
+        }
+    }
+    constexpr int THREADS = 256;
+    const int64_t most = std::max<int64_t>(g.n, g.nbeta);
+    const dim3 grid{unsigned((most + THREADS - 1) / THREADS)};
+    ggml_cuda_kernel_launch(delta_gates,
+                            ggml_cuda_kernel_launch_params(grid, THREADS, 0, ctx.stream()), g);
+    g_ops.fetch_add(1, std::memory_order_relaxed);
+    return i_last - i;
+}
+
 }  // namespace lucepy
 
 bool lucepy_cuda_argmax(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -958,6 +1044,7 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     switch (cgraph->nodes[i]->op) {
         case GGML_OP_CONCAT: return conv_step_nodes(ctx, cgraph, i);
         case GGML_OP_RMS_NORM: return norm_gate_nodes(ctx, cgraph, i);
+        case GGML_OP_ADD: return delta_gate_nodes(ctx, cgraph, i);
         default: return 0;
     }
 }

@@ -33,7 +33,9 @@ bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * 
 //     of a view, SCALE) where the graph has it next;
 //   - a gated norm of rows of 64, 128 or 256 values read by a product of ours as one column (a
 //     decode): RMS_NORM, MUL by its weight, SiLU or sigmoid of a gate, MUL; its activations
-//     prepared for the product.
+//     prepared for the product;
+//   - qwen35's DeltaNet gates: ADD of a row repeated (the dt bias), SOFTPLUS, MUL by a row
+//     repeated (A), and a SIGMOID (beta's) where it comes next.
 int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
 // Computes dst = ARGMAX of rows of at least 16,384 values (a greedy step's logits) in two kernels
