@@ -110,6 +110,35 @@ def weights_of(lib, kind: str, seed: int, rows: int = ROWS, n: int = N):
     return gtype, raw, dequantize(lib, raw, gtype, n).astype(np.float64)
 
 
+def counted(kernels, run) -> tuple[int, int, int]:
+    """What ``run()`` had lucepy's kernels do: (products, activations prepared, of those the
+    ones a kernel before the product prepared)."""
+    before = (kernels.calls, kernels.quantized, kernels.fused)
+    run()
+    after = (kernels.calls, kernels.quantized, kernels.fused)
+    return tuple(a - b for a, b in zip(after, before, strict=True))
+
+
+def ours_and_theirs(kernels, run):
+    """``run()`` on lucepy's kernels, then on ggml's."""
+    ours = run()
+    kernels.set(False)
+    try:
+        theirs = run()
+    finally:
+        kernels.set(True)
+    return ours, theirs
+
+
+def assert_products_near(mats, ours, theirs, x, label: str) -> None:
+    """Each of ``ours`` (``x`` [k, n] f64 times the exact weights of each of ``mats``) no further
+    from the exact math than twice ggml's (``theirs``) is."""
+    for i, (_, _, exact_w) in enumerate(mats):
+        exact = x @ exact_w.T
+        bound = 2 * float(rel_err(theirs[i], exact).max())
+        assert rel_err(ours[i], exact).max() <= bound, f"{label} matrix {i}"
+
+
 def compute_capability(index: int) -> float:
     """The GPU's compute capability as nvidia-smi reports it (9.0 for an H100 or H200)."""
     out = subprocess.run(
@@ -207,23 +236,14 @@ def test_gpu_rms_norm_prepares_the_activations_of_its_products(kind, k, cuda):
     rng = np.random.default_rng(21)
     wn = rng.uniform(0.5, 1.5, size=N).astype(np.float32)
     xs = [3.0 * rng.normal(size=(k, N)).astype(np.float32) for _ in range(3)]
-    calls, quantized, fused = kernels.calls, kernels.quantized, kernels.fused
-    products(lib, device, weights, xs[:1], norm=wn)
-    counts = (kernels.calls - calls, kernels.quantized - quantized, kernels.fused - fused)
-    assert counts == (2, 1, 1)
-    ours = products(lib, device, weights, xs, norm=wn)
-    kernels.set(False)
-    theirs = products(lib, device, weights, xs, norm=wn)
-    kernels.set(True)
+    assert counted(kernels, lambda: products(lib, device, weights, xs[:1], norm=wn)) == (2, 1, 1)
+    ours, theirs = ours_and_theirs(kernels, lambda: products(lib, device, weights, xs, norm=wn))
     for j, x in enumerate(xs):
         x64 = x.astype(np.float64)
         normed = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + EPS) * wn
         np.testing.assert_allclose(ours[j][-1], theirs[j][-1], rtol=1e-5, atol=1e-6)
         assert rel_err(ours[j][-1], normed).max() < 1e-5
-        for i, (_, _, exact_w) in enumerate(mats):
-            exact = normed @ exact_w.T
-            bound = 2 * float(rel_err(theirs[j][i], exact).max())
-            assert rel_err(ours[j][i], exact).max() <= bound, f"{kind} input {j} matrix {i}"
+        assert_products_near(mats, ours[j], theirs[j], normed, f"{kind} input {j}")
 
 
 def gated_products(lib, device, weights, zs, xs, op):
@@ -256,23 +276,17 @@ def test_gpu_gate_quantizes_for_its_products(kind, op, cuda):
     rng = np.random.default_rng(31)
     zs = [2.0 * rng.normal(size=(N // 128, 128)).astype(np.float32) for _ in range(3)]
     xs = [rng.normal(size=(N // 128, 128)).astype(np.float32) for _ in range(3)]
-    calls, quantized, fused = kernels.calls, kernels.quantized, kernels.fused
-    gated_products(lib, device, weights, zs[:1], xs[:1], op)
-    counts = (kernels.calls - calls, kernels.quantized - quantized, kernels.fused - fused)
-    assert counts == (2, 1, 1)
-    ours = gated_products(lib, device, weights, zs, xs, op)
-    kernels.set(False)
-    theirs = gated_products(lib, device, weights, zs, xs, op)
-    kernels.set(True)
+    first = counted(kernels, lambda: gated_products(lib, device, weights, zs[:1], xs[:1], op))
+    assert first == (2, 1, 1)
+    ours, theirs = ours_and_theirs(
+        kernels, lambda: gated_products(lib, device, weights, zs, xs, op)
+    )
     for j, (z, x) in enumerate(zip(zs, xs, strict=True)):
         z64 = z.astype(np.float64).reshape(1, N)
         act = z64 / (1 + np.exp(-z64)) if op == "silu" else 1 / (1 + np.exp(-z64))
         gated = act * x.astype(np.float64).reshape(1, N)
         np.testing.assert_allclose(ours[j][-1], theirs[j][-1], rtol=1e-6, atol=1e-7)
-        for i, (_, _, exact_w) in enumerate(mats):
-            exact = gated @ exact_w.T
-            bound = 2 * float(rel_err(theirs[j][i], exact).max())
-            assert rel_err(ours[j][i], exact).max() <= bound, f"{kind} input {j} matrix {i}"
+        assert_products_near(mats, ours[j], theirs[j], gated, f"{kind} input {j}")
 
 
 @pytest.mark.parametrize("k", [1, 16])
@@ -333,14 +347,13 @@ def test_gpu_gated_norm_quantizes_for_its_products(kind, op, n, cuda):
     wn = rng.uniform(0.5, 1.5, size=n).astype(np.float32)
     xs = [3.0 * rng.normal(size=(rows, n)).astype(np.float32) for _ in range(3)]
     zs = [2.0 * rng.normal(size=(rows, n)).astype(np.float32) for _ in range(3)]
-    calls, quantized, fused = kernels.calls, kernels.quantized, kernels.fused
-    gated_norm_products(lib, device, weights, wn, xs[:1], zs[:1], op)
-    counts = (kernels.calls - calls, kernels.quantized - quantized, kernels.fused - fused)
-    assert counts == (2, 1, 1)
-    ours = gated_norm_products(lib, device, weights, wn, xs, zs, op)
-    kernels.set(False)
-    theirs = gated_norm_products(lib, device, weights, wn, xs, zs, op)
-    kernels.set(True)
+    first = counted(
+        kernels, lambda: gated_norm_products(lib, device, weights, wn, xs[:1], zs[:1], op)
+    )
+    assert first == (2, 1, 1)
+    ours, theirs = ours_and_theirs(
+        kernels, lambda: gated_norm_products(lib, device, weights, wn, xs, zs, op)
+    )
     for j, (x, z) in enumerate(zip(xs, zs, strict=True)):
         x64, z64 = x.astype(np.float64), z.astype(np.float64)
         normed = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + EPS) * wn
@@ -349,10 +362,7 @@ def test_gpu_gated_norm_quantizes_for_its_products(kind, op, n, cuda):
         np.testing.assert_allclose(ours[j][-1], theirs[j][-1], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(ours[j][-2], theirs[j][-2], rtol=1e-5, atol=1e-6)
         assert rel_err(ours[j][-2], gated).max() < 1e-5
-        for i, (_, _, exact_w) in enumerate(mats):
-            exact = gated @ exact_w.T
-            bound = 2 * float(rel_err(theirs[j][i], exact).max())
-            assert rel_err(ours[j][i], exact).max() <= bound, f"{kind} input {j} matrix {i}"
+        assert_products_near(mats, ours[j], theirs[j], gated, f"{kind} input {j}")
 
 
 HEADS = 4  # heads of 128 channels that the conv tests l2-norm, as qwen35 norms q and k
@@ -415,12 +425,11 @@ def test_gpu_conv_step_is_one_kernel(t, C, keep_x, cuda):
     ops = kernels.ops
     conv_steps(lib, device, w, states[:1], news[:1], keep_x)
     assert kernels.ops - ops == (1 if t <= 16 else 0)
-    ours = conv_steps(lib, device, w, states, news, keep_x)
-    theirs = None
-    if C % 128 == 0:
-        kernels.set(False)
-        theirs = conv_steps(lib, device, w, states, news, keep_x)
-        kernels.set(True)
+
+    def run():
+        return conv_steps(lib, device, w, states, news, keep_x)
+
+    ours, theirs = ours_and_theirs(kernels, run) if C % 128 == 0 else (run(), None)
     for j, (state, new) in enumerate(zip(states, news, strict=True)):
         joined = np.concatenate(
             [state.reshape(N, C, K - 1), new.reshape(N, t, C).transpose(0, 2, 1)], axis=2
@@ -480,10 +489,9 @@ def test_gpu_delta_gates_are_one_kernel(T, cuda):
     ops = kernels.ops
     delta_gates(lib, device, bias, a, alphas[:1], betas[:1])
     assert kernels.ops - ops == 1
-    ours = delta_gates(lib, device, bias, a, alphas, betas)
-    kernels.set(False)
-    theirs = delta_gates(lib, device, bias, a, alphas, betas)
-    kernels.set(True)
+    ours, theirs = ours_and_theirs(
+        kernels, lambda: delta_gates(lib, device, bias, a, alphas, betas)
+    )
     for j, (alpha, beta) in enumerate(zip(alphas, betas, strict=True)):
         s = alpha.astype(np.float64) + bias.astype(np.float32)
         soft = np.where(s > 20, s, np.log1p(np.exp(np.minimum(s, 20))))

@@ -77,6 +77,20 @@ __host__ __device__ inline float segment_scale(float amax) {
 
 constexpr int TH_THREADS = GM_SEG * 4;  // to_halves: a thread a group (8 values) of a segment
 
+// a group's 8 values times the segment's scale as halves, in gemm's order (values 0, 2 | 1, 3 |
+// 4, 6 | 5, 7 paired)
+__device__ __forceinline__ uint4 group_halves(const float * v, float s) {
+    const __half2 h[4] = {
+        __floats2half2_rn(v[0] * s, v[2] * s), __floats2half2_rn(v[1] * s, v[3] * s),
+        __floats2half2_rn(v[4] * s, v[6] * s), __floats2half2_rn(v[5] * s, v[7] * s)};
+    uint4 o;
+    o.x = *reinterpret_cast<const uint32_t *>(&h[0]);
+    o.y = *reinterpret_cast<const uint32_t *>(&h[1]);
+    o.z = *reinterpret_cast<const uint32_t *>(&h[2]);
+    o.w = *reinterpret_cast<const uint32_t *>(&h[3]);
+    return o;
+}
+
 // A CTA of TH_THREADS a segment of a column, grid (segments, padded columns): x [ncols]
 // [col_stride] f32 to `out` (halves_at).
 __global__ void __launch_bounds__(TH_THREADS)
@@ -120,18 +134,7 @@ __global__ void __launch_bounds__(TH_THREADS)
     if (piece >= npieces) {
         return;
     }
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        v[j] *= scale;
-    }
-    const __half2 h[4] = {__floats2half2_rn(v[0], v[2]), __floats2half2_rn(v[1], v[3]),
-                          __floats2half2_rn(v[4], v[6]), __floats2half2_rn(v[5], v[7])};
-    uint4 o;
-    o.x = *reinterpret_cast<const uint32_t *>(&h[0]);
-    o.y = *reinterpret_cast<const uint32_t *>(&h[1]);
-    o.z = *reinterpret_cast<const uint32_t *>(&h[2]);
-    o.w = *reinterpret_cast<const uint32_t *>(&h[3]);
-    out.xh[(int64_t(c) * npieces + piece) * 4 + t] = o;
+    out.xh[(int64_t(c) * npieces + piece) * 4 + t] = group_halves(v, scale);
 }
 
 // norm_quantize's twin for 3-16 columns (a verify): a CTA a padded column, warp w taking
@@ -189,17 +192,8 @@ __global__ void __launch_bounds__(NORM_THREADS)
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             if (piece[g] < npieces) {
-                const float * u = v[g];
-                const __half2 h[4] = {__floats2half2_rn(u[0] * s, u[2] * s),
-                                      __floats2half2_rn(u[1] * s, u[3] * s),
-                                      __floats2half2_rn(u[4] * s, u[6] * s),
-                                      __floats2half2_rn(u[5] * s, u[7] * s)};
-                uint4 o;
-                o.x = *reinterpret_cast<const uint32_t *>(&h[0]);
-                o.y = *reinterpret_cast<const uint32_t *>(&h[1]);
-                o.z = *reinterpret_cast<const uint32_t *>(&h[2]);
-                o.w = *reinterpret_cast<const uint32_t *>(&h[3]);
-                out.xh[(int64_t(c) * npieces + piece[g]) * 4 + (32 * g + lane) % 4] = o;
+                out.xh[(int64_t(c) * npieces + piece[g]) * 4 + (32 * g + lane) % 4] =
+                    group_halves(v[g], s);
             }
         }
     }

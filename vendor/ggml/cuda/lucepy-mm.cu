@@ -150,6 +150,17 @@ size_t quantized_bytes(int64_t npieces, int64_t ncols, int planes) {
     return size_t(npieces * ncols * planes) * (32 + sizeof(float2));
 }
 
+// Where in a buffer of quantized_bytes the planes and their scales lie (`quantize`'s layout).
+struct Planes {
+    int8_t * xq;
+    float2 * xds;
+};
+
+Planes planes_at(uint8_t * buf, int64_t npieces, int64_t ncols, int planes) {
+    return {reinterpret_cast<int8_t *>(buf),
+            reinterpret_cast<float2 *>(buf + npieces * ncols * planes * 32)};
+}
+
 void run_quantize(const ggml_tensor * src1, int64_t npieces, int planes, uint8_t * buf,
                   cudaStream_t stream) {
     const int64_t ncols = src1->ne[1];
@@ -163,14 +174,13 @@ void run_quantize(const ggml_tensor * src1, int64_t npieces, int planes, uint8_t
                                 halves_at(buf, npieces, int(ncols)));
         return;
     }
-    int8_t * xq = reinterpret_cast<int8_t *>(buf);
-    float2 * xds = reinterpret_cast<float2 *>(buf + npieces * ncols * planes * 32);
+    const Planes out = planes_at(buf, npieces, ncols, planes);
     constexpr int WARPS = 8;
     const dim3 grid(unsigned((npieces + WARPS - 1) / WARPS), unsigned(ncols));
     ggml_cuda_kernel_launch(quantize, ggml_cuda_kernel_launch_params(grid, WARPS * 32, 0, stream),
                             static_cast<const float *>(src1->data),
                             src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols), planes,
-                            xq, xds);
+                            out.xq, out.xds);
 }
 
 // The slot that keeps src1's activations (`planes` planes, or halves) for the graph: its buffer,
@@ -222,6 +232,16 @@ uint8_t * kept_quantized(ContextState & st, ggml_backend_cuda_context & ctx,
     if (fresh) {
         run_quantize(src1, npieces, planes, buf, ctx.stream());
     }
+    return buf;
+}
+
+// The slot for src1's activations that the kernel before its product fills as it writes its
+// result (an RMS norm, a gate), counted as quantized and as fused: its buffer.
+uint8_t * prepared(ContextState & st, const ggml_tensor * src1, int64_t npieces, int planes) {
+    bool fresh = false;  // (a kept slot or not: the result is new)
+    uint8_t * buf = claim(st, src1, npieces, planes, &fresh);
+    g_quantized.fetch_add(1, std::memory_order_relaxed);
+    g_fused.fetch_add(1, std::memory_order_relaxed);
     return buf;
 }
 
@@ -504,14 +524,14 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         return false;
     }
     const int planes = planes_of(kind);
-    const uint8_t * quantized = activations(planes);
+    const Planes quantized = planes_at(activations(planes), npieces, ncols, planes);
 
     Args a;
     a.w = static_cast<const uint8_t *>(src0->data);
     a.gate = gate ? static_cast<const uint8_t *>(gate->data) : nullptr;
     a.row_stride = src0->nb[1];
-    a.xq = reinterpret_cast<const int *>(quantized);
-    a.xds = reinterpret_cast<const float2 *>(quantized + npieces * ncols * planes * 32);
+    a.xq = reinterpret_cast<const int *>(quantized.xq);
+    a.xds = quantized.xds;
     a.dst = static_cast<float *>(dst->data);
     a.x_bias =
         fusion && fusion->x_bias ? static_cast<const float *>(fusion->x_bias->data) : nullptr;
@@ -571,10 +591,7 @@ bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph
     float eps = 0.0f;
     std::memcpy(&eps, norm->op_params, sizeof(float));
     const int64_t npieces = n / 32;
-    bool fresh = false;  // (a kept slot or not: the norm's result is new)
-    uint8_t * buf = claim(st, mul, npieces, planes, &fresh);
-    g_quantized.fetch_add(1, std::memory_order_relaxed);
-    g_fused.fetch_add(1, std::memory_order_relaxed);
+    uint8_t * buf = prepared(st, mul, npieces, planes);
     const float * xd = static_cast<const float *>(x->data);
     const float * wd = static_cast<const float *>(w->data);
     float * dst = static_cast<float *>(mul->data);
@@ -589,10 +606,10 @@ bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph
         return true;
     }
     const dim3 grid{unsigned((npieces + NORM_THREADS / 32 - 1) / (NORM_THREADS / 32))};
+    const Planes out = planes_at(buf, npieces, 1, planes);
     ggml_cuda_kernel_launch(
         norm_quantize, ggml_cuda_kernel_launch_params(grid, NORM_THREADS, 0, ctx.stream()), xd,
-        x_stride, wd, dst, dst_stride, int(n), eps, 1, planes, reinterpret_cast<int8_t *>(buf),
-        reinterpret_cast<float2 *>(buf + npieces * planes * 32));
+        x_stride, wd, dst, dst_stride, int(n), eps, 1, planes, out.xq, out.xds);
     return true;
 }
 
@@ -628,10 +645,8 @@ bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * 
         return false;  // one column only (a decode)
     }
     const int64_t npieces = n / 32;
-    bool fresh = false;  // (a kept slot or not: the gate's result is new)
-    uint8_t * buf = claim(st, want->src1, npieces, want->planes, &fresh);
-    g_quantized.fetch_add(1, std::memory_order_relaxed);
-    g_fused.fetch_add(1, std::memory_order_relaxed);
+    const Planes out =
+        planes_at(prepared(st, want->src1, npieces, want->planes), npieces, 1, want->planes);
     constexpr int WARPS = 8;
     const dim3 grid{unsigned((npieces + WARPS - 1) / WARPS)};
     ggml_cuda_kernel_launch(gate_quantize,
@@ -639,8 +654,7 @@ bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * 
                             static_cast<const float *>(z->data), static_cast<const float *>(x->data),
                             static_cast<float *>(mul->data), int(npieces),
                             op == GGML_UNARY_OP_SILU ? GATE_SILU : GATE_SIGMOID, want->planes,
-                            reinterpret_cast<int8_t *>(buf),
-                            reinterpret_cast<float2 *>(buf + npieces * want->planes * 32));
+                            out.xq, out.xds);
     return true;
 }
 
@@ -888,10 +902,8 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         return 0;
     }
     const int64_t npieces = ggml_nelements(out) / 32;
-    bool fresh = false;  // (a kept slot or not: the result is new)
-    uint8_t * buf = claim(st, want->src1, npieces, want->planes, &fresh);
-    g_quantized.fetch_add(1, std::memory_order_relaxed);
-    g_fused.fetch_add(1, std::memory_order_relaxed);
+    const Planes quant =
+        planes_at(prepared(st, want->src1, npieces, want->planes), npieces, 1, want->planes);
     float eps = 0.0f;
     std::memcpy(&eps, norm->op_params, sizeof(float));
     const int gate = ggml_get_unary_op(act) == GGML_UNARY_OP_SILU ? GATE_SILU : GATE_SIGMOID;
@@ -905,9 +917,7 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
                                 static_cast<const float *>(z->data),
                                 static_cast<float *>(mul->data), static_cast<float *>(act->data),
                                 static_cast<float *>(out->data),
-                                int(nrows), eps, gate, want->planes,
-                                reinterpret_cast<int8_t *>(buf),
-                                reinterpret_cast<float2 *>(buf + npieces * want->planes * 32));
+                                int(nrows), eps, gate, want->planes, quant.xq, quant.xds);
     };
     switch (n) {
         case 64: launch(norm_gate_quantize<2>); break;

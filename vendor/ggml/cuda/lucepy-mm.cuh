@@ -55,8 +55,8 @@ void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
 // whether they run on one device (1) or ggml's do (0). Then the count of matrix products they
 // computed in this process, of activations they quantized for them, and of those that the kernel
 // before the product prepared as it wrote its result (lucepy_cuda_rms_norm_mul, _unary_mul and
-// _fuse's gated norms), and of other ops they computed (lucepy_cuda_fuse's conv steps,
-// lucepy_cuda_argmax's argmaxes).
+// _fuse's gated norms), and of other ops they computed (lucepy_cuda_fuse's conv steps and
+// DeltaNet gates, lucepy_cuda_argmax's argmaxes).
 // Launches that a captured CUDA graph replays are not counted: no host code runs for them.
 extern "C" {
 GGML_BACKEND_API void lucepy_cuda_kernels_set(int mode);
