@@ -675,6 +675,17 @@ bool apart(Span a, Span b) {
     return a.begin == a.end || b.begin == b.end || a.end <= b.begin || b.end <= a.begin;
 }
 
+// apart, or at the same address: an element-wise kernel that reads each element before it
+// writes it there
+bool apart_or_same(const ggml_tensor * p, const ggml_tensor * q) {
+    return apart(span_of(p), span_of(q)) || p->data == q->data;
+}
+
+// f32, contiguous and of `like`'s shape
+bool dense_like(const ggml_tensor * t, const ggml_tensor * like) {
+    return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_are_same_shape(t, like);
+}
+
 // a dense f32 tensor of ne0 x ne1 x ne2 at the start of `t`'s bytes, element for element
 bool dense_as(const ggml_tensor * t, int64_t ne0, int64_t ne1, int64_t ne2) {
     return t->type == GGML_TYPE_F32 && t->nb[0] == sizeof(float) &&
@@ -764,7 +775,7 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
               apart(s_conv, s_w) && over_steps(conv);
     if (act) {
         const Span s_act = span_of(act);
-        ok = ok && (apart(s_act, s_conv) || act->data == conv->data) && apart(s_act, s_saved) &&
+        ok = ok && apart_or_same(act, conv) && apart(s_act, s_saved) &&
              apart(s_act, s_w) && apart(s_act, s_x) && apart(s_act, s_tail) && over_steps(act);
     }
     if (!ok) {
@@ -802,7 +813,7 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
                    apart(o, s_tail) && apart(o, s_conv) && apart(o, span_of(act));
         };
         if (fits && clear_of_all(s_norm) && clear_of_all(s_sc) &&
-            (apart(s_norm, s_sc) || norm->data == sc->data)) {
+            apart_or_same(norm, sc)) {
             heads = int(h);
             normed = norm;
             scaled = sc;
@@ -870,9 +881,7 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     const bool rows = x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) &&
                       x->nb[1] % sizeof(float) == 0 && x->nb[2] == x->nb[1] * size_t(x->ne[1]) &&
                       x->nb[3] == x->nb[2] * size_t(x->ne[2]);
-    auto dense = [&](const ggml_tensor * t) {
-        return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_are_same_shape(t, x);
-    };
+    auto dense = [&](const ggml_tensor * t) { return dense_like(t, x); };
     const bool shapes = rows && (n == 64 || n == 128 || n == 256) && nrows * n / 32 < INT32_MAX &&
                         w->type == GGML_TYPE_F32 && ggml_is_contiguous(w) &&
                         ggml_nelements(w) == n && w->ne[0] == n && dense(mul) && dense(act) &&
@@ -888,9 +897,7 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     // each result apart from the weight, and from x, z and the other results or at the same
     // address (the same element: read before it is written, by the same lane or, for x's rows,
     // the same CTA)
-    auto clear = [](const ggml_tensor * p, const ggml_tensor * q) {
-        return apart(span_of(p), span_of(q)) || p->data == q->data;
-    };
+    const auto clear = apart_or_same;
     const bool x_dense = x->nb[1] == sizeof(float) * size_t(n);
     for (const ggml_tensor * o : {mul, act, out}) {
         const bool over_x = x_dense ? clear(o, x) : apart(span_of(o), span_of(x));
@@ -947,9 +954,7 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     const ggml_tensor * bias = add->src[1];
     const ggml_tensor * a = mul->src[0] == soft ? mul->src[1] : mul->src[0];
     const int64_t n = ggml_nelements(add), period = add->ne[0];
-    auto dense = [&](const ggml_tensor * t) {
-        return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_are_same_shape(t, add);
-    };
+    auto dense = [&](const ggml_tensor * t) { return dense_like(t, add); };
     auto row = [&](const ggml_tensor * t) {  // one row of add's, repeated over its rows
         return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->ne[0] == period &&
                ggml_nelements(t) == period;
@@ -960,9 +965,7 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     }
     // each result apart from the rows (read by every thread), and from alpha and the others or
     // at the same address (the same element: read first by the thread that writes it)
-    auto clear = [](const ggml_tensor * p, const ggml_tensor * q) {
-        return apart(span_of(p), span_of(q)) || p->data == q->data;
-    };
+    const auto clear = apart_or_same;
     for (const ggml_tensor * o : {add, soft, mul}) {
         if (!apart(span_of(o), span_of(bias)) || !apart(span_of(o), span_of(a)) ||
             !clear(o, alpha)) {
