@@ -86,7 +86,7 @@ class GraphSpec:
     n_tokens: int
     n_kv: int
     logits: str = "last"  # "last" or "all" rows of logits (last shard only)
-    verify: bool = False  # keep per-token recurrent snapshots so the step can be rolled back
+    verify: bool = False  # keep what a rollback of the recurrent state reads (models/state.py)
     capture: tuple[int, ...] = ()  # layers whose entering residual stream is an output
     ring: int = 0  # rows of the sliding-window rings the step attends over (0: the model has none)
     queries: bool = False  # output each full-attention layer's query (``q.L``; KV Flash's QK rank)

@@ -171,7 +171,7 @@ class Qwen35(Architecture):
             if p.recurrent[il]:
                 conv = DeltaNetState(
                     il, p.ssm_conv_kernel - 1, p.conv_dim, p.ssm_state, p.ssm_v_heads,
-                    self.options.n_seq,
+                    p.ssm_k_heads, self.options.n_seq,
                 )  # fmt: skip
                 out.append(conv)
             else:
@@ -202,7 +202,8 @@ class Qwen35(Architecture):
         Inputs: ``tokens`` (first shard) or ``x``; ``pos`` and, with attention layers, ``mask`` and
         ``rows`` (cache rows to write). Returns logits on the last shard, else the activation.
         Extra outputs go to ``g.outputs``: ``argmax``, ``feat.L`` (the residual entering layer L),
-        and in verify graphs ``gdn.il`` / ``conv.il`` (per-token recurrent snapshots).
+        and in verify graphs what ``DeltaNetState.rollback`` reads: ``conv.il`` and the
+        ``gdn_*.il`` (the recurrence's state before the step and its inputs).
         """
         p, L, c, T = self.p, g.lib, g.ctx, spec.n_tokens
         if spec.n_kv > 0 and T // max(spec.streams[0], 1) > spec.n_kv:  # per sequence
@@ -296,16 +297,20 @@ class Qwen35(Architecture):
         qkv = y["attn_qkv"]  # [conv_dim, T]
         z = y["attn_gate"]  # [value_dim, T]
         beta = L.ggml_sigmoid(c, y["ssm_beta"])  # [Hv, T]
-        beta = L.ggml_reshape_4d(c, beta, 1, Hv, t, N)
         alpha = y["ssm_alpha"]  # [Hv, T]
         alpha = L.ggml_softplus(c, L.ggml_add(c, alpha, w[b + "ssm_dt.bias"]))
-        decay = L.ggml_reshape_4d(c, L.ggml_mul(c, alpha, w[b + "ssm_a"]), 1, Hv, t, N)
+        decay = L.ggml_mul(c, alpha, w[b + "ssm_a"])  # [Hv, T]
 
-        conv = self._conv(g, w, st, il, qkv, (t, N, F), verify)  # [conv_dim, T] after SiLU
+        conv = self._conv(g, w, st, il, qkv, (t, N, F), verify)  # [conv_dim, t, N] after SiLU
         es, row = L.ggml_element_size(conv), conv.nb[1]
         # q's and k's heads side by side, normalized by one op (not two: a kernel fewer a layer)
         qk = L.ggml_view_4d(c, conv, S, 2 * Hk, t, N, es * S, row, row * t, 0)
         qk = self._l2_norm(g, qk)  # [S, 2 Hk, t, N]
+        if verify:  # the recurrence's inputs, for DeltaNetState.rollback to run it again
+            for name, tensor in (("qk", qk), ("x", conv), ("decay", decay), ("beta", beta)):
+                g.output(f"gdn_{name}.{il}", tensor)
+        beta = L.ggml_reshape_4d(c, beta, 1, Hv, t, N)
+        decay = L.ggml_reshape_4d(c, decay, 1, Hv, t, N)
         nb1, nb2, nb3 = qk.nb[1], qk.nb[2], qk.nb[3]
         q = L.ggml_view_4d(c, qk, S, Hk, t, N, nb1, nb2, nb3, 0)
         k = L.ggml_view_4d(c, qk, S, Hk, t, N, nb1, nb2, nb3, nb1 * Hk)
@@ -316,10 +321,9 @@ class Qwen35(Architecture):
         fs = L.ggml_element_size(state)
         mine = L.ggml_view_1d(c, state, n * N, fs * n * F)  # these sequences' slices
         s0 = L.ggml_reshape_4d(c, mine, S, S, Hv, N)
-        # a verify pass keeps a state snapshot per token (slot s: s tokens back) for rollback
-        res = L.ggml_gated_delta_net(c, q, k, v, decay, beta, s0, T if verify else 1)
-        if verify:
-            g.output(f"gdn.{il}", res)
+        if verify:  # the state before it, kept for a rollback (the copy is what the op reads)
+            s0 = g.output(f"gdn_s0.{il}", L.ggml_dup(c, s0))
+        res = L.ggml_gated_delta_net(c, q, k, v, decay, beta, s0, 1)
         out = L.ggml_view_4d(c, res, S, Hv, t, N, fs * S, fs * S * Hv, fs * S * Hv * t, 0)
         new_state = L.ggml_view_1d(c, res, n * N, fs * S * Hv * T)
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, new_state, mine))
@@ -356,7 +360,7 @@ class Qwen35(Architecture):
         # and k, which the caller builds next): lucepy's CUDA kernels compute them in one kernel
         # (conv_step, vendor/ggml/cuda)
         L.ggml_build_forward_expand(g.gf, out)
-        return L.ggml_reshape_2d(c, out, C, t * N)
+        return out
 
     def _l2_norm(self, g: Builder, t: Tensor) -> Tensor:
         # x / max(||x||, eps) as llama.cpp writes it: rms_norm with eps/n, then scale by 1/sqrt(n)

@@ -13,7 +13,8 @@ learn what a tensor is.
   row that one of its own tokens, or a token after a rollback, still attends to. It is stored
   whole (it does not append).
 - ``DeltaNetState``: Gated DeltaNet conv tail and recurrent matrix, whole at every length; a verify
-  step keeps per-token snapshots, and ``rollback`` copies the kept one back (decision 4).
+  step keeps the state before it and the recurrence's inputs, and ``rollback`` runs the
+  recurrence again over the kept tokens (decision 4).
 """
 
 from __future__ import annotations
@@ -112,18 +113,28 @@ class RingKVCache(KVCache):
 class DeltaNetState(LayerState):
     """Gated DeltaNet: ``conv.L`` [K-1, channels] (the conv's last inputs) and ``ssm.L``
     [S, S, H] (the recurrent matrix per value head), with an outer dimension of ``n_seq``
-    sequences when there are several (--parallel). A verify graph outputs ``gdn.L`` (its
-    per-token state snapshots) and ``conv.L`` (the conv input with the saved tail). Snapshots,
-    verify and rollback are sequence 0's (the one-sequence engine's)."""
+    sequences when there are several (--parallel). The conv's channels are q's ``k_heads`` heads,
+    k's, then v's ``heads``, each of S. A verify graph outputs ``conv.L`` (the conv input with the
+    saved tail) and what the recurrence read: ``gdn_s0.L`` (the state before the step), ``gdn_qk.L``
+    (q's and k's normalized heads), ``gdn_x.L`` (the conv's output, v its last channels),
+    ``gdn_decay.L`` and ``gdn_beta.L``. Snapshots, verify and rollback are sequence 0's (the
+    one-sequence engine's)."""
 
     rolls_back = True
     sequences = True
 
     def __init__(
-        self, layer: int, conv_tail: int, channels: int, head_dim: int, heads: int, n_seq: int = 1
+        self,
+        layer: int,
+        conv_tail: int,
+        channels: int,
+        head_dim: int,
+        heads: int,
+        k_heads: int,
+        n_seq: int = 1,
     ):
         self.layer, self.conv_tail, self.channels = layer, conv_tail, channels
-        self.head_dim, self.heads, self.n_seq = head_dim, heads, n_seq
+        self.head_dim, self.heads, self.k_heads, self.n_seq = head_dim, heads, k_heads, n_seq
         self.conv, self.ssm = f"conv.{layer}", f"ssm.{layer}"
 
     def specs(self) -> dict[str, Spec]:
@@ -142,15 +153,32 @@ class DeltaNetState(LayerState):
         return {self.conv: (self.conv_tail, self.channels), self.ssm: (S, S, self.heads)}
 
     def rollback(self, g, st: dict[str, Tensor], outputs: dict, n_tokens: int, keep: int) -> None:
-        """Copy back the state after the first ``keep`` of ``n_tokens`` verified tokens: slot
-        ``s`` of the snapshots is the state ``s`` tokens before the end."""
-        L, c, S, H, K1 = g.lib, g.ctx, self.head_dim, self.heads, self.conv_tail
-        res, x = outputs[f"gdn.{self.layer}"], outputs[f"conv.{self.layer}"]
-        fs, n = L.ggml_element_size(res), S * S * H
-        slot = n_tokens - keep
-        snap = g.alias(res, (n,), (), fs * (S * H * n_tokens + slot * n))
+        """Set the state after the first ``keep`` of ``n_tokens`` verified tokens: the recurrence
+        run again over those tokens from the state before the verify (one op, the same
+        arithmetic token by token, so the same state as a step of ``keep`` tokens), and the
+        conv's tail copied from its input columns. Keeping 16 per-token snapshots instead wrote
+        16 states a verify (docs/architecture.md, decision 4)."""
+        L, c, S, H, K1, il = g.lib, g.ctx, self.head_dim, self.heads, self.conv_tail, self.layer
+        s0 = outputs[f"gdn_s0.{il}"]
+        fs = L.ggml_element_size(s0)
+        s0 = g.alias(s0, (S, S, H, 1), (s0.nb[1], s0.nb[2], s0.nb[3]), 0)
+        qk = outputs[f"gdn_qk.{il}"]  # [S, 2 k_heads, n_tokens, 1]
+        strides = (qk.nb[1], qk.nb[2], qk.nb[3])
+        q = g.alias(qk, (S, self.k_heads, keep, 1), strides, 0)
+        k = g.alias(qk, (S, self.k_heads, keep, 1), strides, qk.nb[1] * self.k_heads)
+        x = outputs[f"gdn_x.{il}"]  # [channels, n_tokens, 1]
+        v_at = fs * S * 2 * self.k_heads
+        v = g.alias(x, (S, H, keep, 1), (fs * S, x.nb[1], x.nb[2]), v_at)
+        decay, beta = (
+            g.alias(outputs[f"gdn_{n}.{il}"], (1, H, keep, 1), (fs, fs * H, fs * H * keep), 0)
+            for n in ("decay", "beta")
+        )
+        res = L.ggml_gated_delta_net(c, q, k, v, decay, beta, s0, 1)
+        n = S * S * H
         state = L.ggml_view_1d(c, st[self.ssm], n, 0)  # sequence 0's
-        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, snap, state))
+        after = L.ggml_view_1d(c, res, n, fs * S * H * keep)  # past the attention rows
+        L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, after, state))
+        x = outputs[f"conv.{il}"]
         tail = g.alias(x, (K1, x.ne[1]), (x.nb[1],), g.row_size(x, keep))
         conv = st[self.conv]
         conv0 = L.ggml_view_1d(c, conv, K1 * conv.ne[1], 0)  # flat: see qwen35's _conv

@@ -181,7 +181,7 @@ class Shard:
             rb = self._rollbacks[(spec, keep)] = compile_graph(
                 self.lib,
                 self.backend,
-                8 * len(self.layers) + 16,
+                20 * len(self.layers) + 16,
                 lambda b: self._rollback(b, g, spec.n_tokens, keep),
             )
         compute(self.lib, self.backend, rb)
