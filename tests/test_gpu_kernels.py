@@ -502,6 +502,129 @@ def test_gpu_delta_gates_are_one_kernel(T, cuda):
             assert float(np.abs(got - want).max()) <= bound
 
 
+def delta_nets(lib, device, shape, feeds, own_state=True, keep=False):
+    """qwen35's DeltaNet recurrence as its graphs write it (models/qwen35.py ``_delta_net``,
+    models/state.py ``rollback``): ``ggml_gated_delta_net`` of T tokens of N sequences (q's and
+    k's Hk heads of 128 side by side, v's H, a scalar gate and beta a head and token) from the
+    state s0, then the copy of its new state into the sequences' state: s0 itself (a decode,
+    ``own_state``) or a copy of it (a verify); with ``keep`` the graph keeps the op's own result
+    too. ``shape``: (T, N, Hk, H); ``feeds``: (qk [T N, 2 Hk 128], v [T N, H 128], g and beta
+    [T N, H], s0 [N, H 128 128]) each. Returns, per feed, [the attention [T N, H 128], the state
+    after [1, N H 128 128], with ``keep`` the op's state [N, H 128 128]] (``computed``)."""
+    T, N, Hk, H = shape
+    S = 128
+
+    def build(c, ts, ins):
+        qk, v, g, beta, state = ins
+        qk4 = lib.ggml_reshape_4d(c, qk, S, 2 * Hk, T, N)
+        nb = (qk4.nb[1], qk4.nb[2], qk4.nb[3])
+        q = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, 0)
+        k = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, qk4.nb[1] * Hk)
+        v4 = lib.ggml_reshape_4d(c, v, S, H, T, N)
+        g4, beta4 = (lib.ggml_reshape_4d(c, t, 1, H, T, N) for t in (g, beta))
+        mine = lib.ggml_view_1d(c, state, S * S * H * N, 0)
+        s0 = lib.ggml_reshape_4d(c, mine, S, S, H, N)
+        if not own_state:
+            s0 = lib.ggml_dup(c, s0)
+        res = lib.ggml_gated_delta_net(c, q, k, v4, g4, beta4, s0, 1)
+        attn = lib.ggml_view_2d(c, res, S * H, T * N, res.nb[1], 0)
+        lib.ggml_set_output(attn)
+        new = lib.ggml_view_1d(c, res, S * S * H * N, 4 * S * H * T * N)
+        outs = [attn, lib.ggml_cpy(c, new, mine)]
+        if keep:
+            lib.ggml_set_output(res)
+            outs.append(lib.ggml_view_2d(c, res, S * S * H, N, 4 * S * S * H, 4 * S * H * T * N))
+        return outs
+
+    inputs = [(2 * Hk * S, T * N), (H * S, T * N), (H, T * N), (H, T * N), (S * S * H, N)]
+    return computed(lib, device, [], inputs, build, feeds)
+
+
+def delta_net_exact(shape, feed):
+    """The recurrence in float64, ggml's layout (a head's state [column][row]): per token
+    M <- e^g M, delta = (v - M k) beta, M <- M + delta k^T, out = M q / sqrt(128)."""
+    T, N, Hk, H = shape
+    S = 128
+    qk, v, g, beta, s0 = (np.asarray(a, dtype=np.float64) for a in feed)
+    qk = qk.reshape(N, T, 2, Hk, S)
+    v, g, beta = v.reshape(N, T, H, S), g.reshape(N, T, H), beta.reshape(N, T, H)
+    m = s0.reshape(N, H, S, S).copy()
+    out = np.zeros((N, T, H, S))
+    for n in range(N):
+        for t in range(T):
+            for h in range(H):
+                q, k = qk[n, t, 0, h % Hk], qk[n, t, 1, h % Hk]
+                m[n, h] *= np.exp(g[n, t, h])
+                delta = (v[n, t, h] - m[n, h] @ k) * beta[n, t, h]
+                m[n, h] += np.outer(delta, k)
+                out[n, t, h] = m[n, h] @ q / np.sqrt(S)
+    return out.reshape(N * T, H * S), m.reshape(1, -1)
+
+
+def delta_net_feeds(shape, seed: int, count: int = 3) -> list[tuple]:
+    T, N, Hk, H = shape
+    rng = np.random.default_rng(seed)
+
+    def unit(rows, heads):  # l2-normed heads of 128, as qwen35's q and k are
+        x = rng.normal(size=(rows, heads, 128))
+        return (x / np.linalg.norm(x, axis=2, keepdims=True)).reshape(rows, heads * 128)
+
+    return [
+        tuple(
+            a.astype(np.float32)
+            for a in (
+                unit(T * N, 2 * Hk),
+                rng.normal(size=(T * N, H * 128)),
+                -0.5 * np.abs(rng.normal(size=(T * N, H))),  # the log of the decay
+                1 / (1 + np.exp(-rng.normal(size=(T * N, H)))),
+                0.1 * rng.normal(size=(N, H * 128 * 128)),
+            )
+        )
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("T", "N", "own_state", "keep"),
+    [(1, 2, True, False), (16, 1, False, False), (16, 1, True, True), (40, 2, True, False)],
+)
+def test_gpu_delta_net_is_one_kernel(T, N, own_state, keep, cuda):
+    """qwen35's DeltaNet recurrence of a decode (1 token a sequence, 2 sequences), a verify (16
+    tokens, its state copied first as a verify keeps it for a rollback) or a prompt chunk (40
+    tokens: tiles of 8 and a partial one), with the copy of its new state, is one kernel of ours
+    (counted once per compute; the CUDA graph then replays it): the attention and the state
+    after no further from the exact math than twice ggml's own kernel is, and the op's own
+    state, where the graph keeps it, the same state."""
+    lib, device, kernels = cuda
+    shape = (T, N, 2, 4)  # q's and k's 2 heads, v's 4: tiled as qwen35's (head h reads h % 2)
+    feeds = delta_net_feeds(shape, 80 + T)
+    ops = kernels.ops
+    delta_nets(lib, device, shape, feeds[:1], own_state, keep)
+    assert kernels.ops - ops == 1
+    ours, theirs = ours_and_theirs(
+        kernels, lambda: delta_nets(lib, device, shape, feeds, own_state, keep)
+    )
+    for j, feed in enumerate(feeds):
+        exact = delta_net_exact(shape, feed)
+        for got, ref, want in zip(ours[j][:2], theirs[j][:2], exact, strict=True):
+            bound = 2 * float(rel_err(ref, want).max())
+            assert float(rel_err(got, want).max()) <= bound
+        if keep:
+            np.testing.assert_array_equal(ours[j][2].reshape(1, -1), ours[j][1])
+
+
+def test_gpu_delta_net_keeps_ggmls_arithmetic(cuda):
+    """Ours computes each token as ggml-cuda's kernel does (the same sums in the same order), so
+    a 16-token verify gives ggml's attention and state bit for bit."""
+    lib, device, kernels = cuda
+    shape = (16, 1, 2, 4)
+    feeds = delta_net_feeds(shape, 90)
+    ours, theirs = ours_and_theirs(kernels, lambda: delta_nets(lib, device, shape, feeds))
+    for j in range(len(feeds)):
+        for got, ref in zip(ours[j], theirs[j], strict=True):
+            np.testing.assert_array_equal(got, ref)
+
+
 def argmaxes(lib, device, xs):
     """ggml's ARGMAX of each row of each of ``xs`` ([rows, n] f32), one graph (``computed``)."""
     rows, n = xs[0].shape

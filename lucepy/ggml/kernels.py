@@ -60,8 +60,8 @@ class CudaKernels:
     def ops(self) -> int:
         """Other ops they computed: conv steps (qwen35's concat, tail copy, conv, SiLU and the
         l2 norm of q and k after it: one kernel where ggml-cuda runs four), DeltaNet gates (the
-        decay and beta's sigmoid: one kernel, not three) and argmaxes of long rows, counted
-        alike."""
+        decay and beta's sigmoid: one kernel, not three), DeltaNet recurrences (with the copy
+        of the new state) and argmaxes of long rows, counted alike."""
         return int(self.handle.lucepy_cuda_kernels_ops())
 
 

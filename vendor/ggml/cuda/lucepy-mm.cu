@@ -1016,6 +1016,132 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     return i_last - i;
 }
 
+
+// Whether a node of the graph other than `skip` reads bytes [from, to) of `t`'s, directly or
+// through a view, or the graph keeps them (an output)
+bool bytes_read(const ggml_cgraph * cgraph, const ggml_tensor * t, size_t from, size_t to,
+                const ggml_tensor * skip) {
+    if (t->flags & GGML_TENSOR_FLAG_OUTPUT) {
+        return true;
+    }
+    auto overlaps = [&](const ggml_tensor * u) {
+        if (u == t) {
+            return true;
+        }
+        const size_t at = u->view_offs;
+        return u->view_src == t && at < to && from < at + ggml_nbytes(u);
+    };
+    for (int j = 0; j < cgraph->n_nodes; j++) {
+        const ggml_tensor * node = cgraph->nodes[j];
+        if (node == skip) {
+            continue;
+        }
+        if (node->view_src == t) {  // a view: what reads it counts, and whether it is kept
+            if ((node->flags & GGML_TENSOR_FLAG_OUTPUT) && overlaps(node)) {
+                return true;
+            }
+            continue;
+        }
+        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; k++) {
+            if (overlaps(node->src[k])) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+// qwen35's gated delta net from node i, a GATED_DELTA_NET, and the copy of its new state that
+// comes next (lucepy_cuda_fuse): the nodes after i computed, or 0
+int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const ggml_tensor * dn = cgraph->nodes[i];
+    const ggml_tensor * q = dn->src[0];
+    const ggml_tensor * k = dn->src[1];
+    const ggml_tensor * v = dn->src[2];
+    const ggml_tensor * g = dn->src[3];
+    const ggml_tensor * beta = dn->src[4];
+    const ggml_tensor * s0 = dn->src[5];
+    const int64_t S = v->ne[0], H = v->ne[1], T = v->ne[2], N = v->ne[3];
+    const int i_cpy = next_op(cgraph, i);
+    if (ggml_get_op_params_i32(dn, 0) != 1 || S != DN_S || i_cpy >= cgraph->n_nodes) {
+        return 0;  // per-token snapshots, or another state size: ggml's
+    }
+    const ggml_tensor * cpy = cgraph->nodes[i_cpy];
+    const ggml_tensor * from = cpy->src[0];
+    const ggml_tensor * into = cpy->src[1];
+    const size_t attn_bytes = sizeof(float) * size_t(S * H * T * N);
+    const int64_t nstate = S * S * H * N;
+    // 16-byte rows at 16-byte strides (cp.async's copies)
+    auto rows16 = [](const ggml_tensor * t) {
+        return t->type == GGML_TYPE_F32 && t->nb[0] == sizeof(float) &&
+               reinterpret_cast<uintptr_t>(t->data) % 16 == 0 && t->nb[1] % 16 == 0 &&
+               t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0;
+    };
+    auto gate = [&](const ggml_tensor * t) {
+        return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->ne[0] == 1 &&
+               t->ne[1] == H && t->ne[2] == T && t->ne[3] == N;
+    };
+    const bool shapes =
+        cpy->op == GGML_OP_CPY && from->view_src == dn && from->view_offs == attn_bytes &&
+        dense_like(from, from) && ggml_nelements(from) == nstate && dense_like(into, into) &&
+        ggml_nelements(into) == nstate && rows16(q) && rows16(k) && rows16(v) &&
+        q->ne[0] == S && ggml_are_same_shape(q, k) && ggml_are_same_stride(q, k) &&
+        q->ne[2] == T && q->ne[3] >= 1 && N % q->ne[3] == 0 && gate(g) && gate(beta) &&
+        s0->type == GGML_TYPE_F32 && ggml_is_contiguous(s0) && s0->ne[0] == S &&
+        s0->ne[1] == S && s0->ne[2] == H && s0->ne[3] == N && dn->type == GGML_TYPE_F32 &&
+        ggml_is_contiguous(dn) && H <= 65535 && N <= 65535 && T * N < INT32_MAX;
+    if (!shapes) {
+        return 0;
+    }
+    // The attention rows apart from every input; the new state apart from them but s0, which it
+    // may be (each warp reads its column of s0 before it writes the same column).
+    const Span s_attn = {static_cast<const char *>(dn->data),
+                         static_cast<const char *>(dn->data) + attn_bytes};
+    const Span s_into = span_of(into);
+    for (const ggml_tensor * in : {q, k, v, g, beta}) {
+        if (!apart(s_attn, span_of(in)) || !apart(s_into, span_of(in))) {
+            return 0;
+        }
+    }
+    const bool into_s0 = into->data == s0->data;
+    if (!apart(s_attn, span_of(s0)) || !apart(s_attn, s_into) ||
+        !(apart(s_into, span_of(s0)) || into_s0)) {
+        return 0;
+    }
+    // the op's own copy of the state: only where anything but the copy reads it
+    const bool keep = bytes_read(cgraph, dn, attn_bytes, ggml_nbytes(dn), cpy);
+    DeltaNetArgs a = {};
+    a.q = static_cast<const float *>(q->data);
+    a.k = static_cast<const float *>(k->data);
+    a.sq1 = int64_t(q->nb[1] / sizeof(float));
+    a.sq2 = int64_t(q->nb[2] / sizeof(float));
+    a.sq3 = int64_t(q->nb[3] / sizeof(float));
+    a.v = static_cast<const float *>(v->data);
+    a.sv1 = int64_t(v->nb[1] / sizeof(float));
+    a.sv2 = int64_t(v->nb[2] / sizeof(float));
+    a.sv3 = int64_t(v->nb[3] / sizeof(float));
+    a.g = static_cast<const float *>(g->data);
+    a.beta = static_cast<const float *>(beta->data);
+    a.sb1 = int64_t(beta->nb[1] / sizeof(float));
+    a.sb2 = int64_t(beta->nb[2] / sizeof(float));
+    a.sb3 = int64_t(beta->nb[3] / sizeof(float));
+    a.s0 = static_cast<const float *>(s0->data);
+    a.attn = static_cast<float *>(dn->data);
+    a.state = static_cast<float *>(into->data);
+    a.state2 = keep ? static_cast<float *>(dn->data) + S * H * T * N : nullptr;
+    a.H = int(H);
+    a.T = int(T);
+    a.hk = int(q->ne[1]);
+    a.rq3 = int(N / q->ne[3]);
+    a.scale = 1.0f / sqrtf(float(S));
+    const dim3 grid{unsigned(H), unsigned(N), unsigned(DN_S / DN_WARPS)};
+    ggml_cuda_kernel_launch(delta_net,
+                            ggml_cuda_kernel_launch_params(grid, DN_WARPS * 32, 0, ctx.stream()),
+                            a);
+    g_ops.fetch_add(1, std::memory_order_relaxed);
+    return i_cpy - i;
+}
+
 }  // namespace lucepy
 
 bool lucepy_cuda_argmax(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -1058,6 +1184,7 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
         case GGML_OP_CONCAT: return conv_step_nodes(ctx, cgraph, i);
         case GGML_OP_RMS_NORM: return norm_gate_nodes(ctx, cgraph, i);
         case GGML_OP_ADD: return delta_gate_nodes(ctx, cgraph, i);
+        case GGML_OP_GATED_DELTA_NET: return delta_net_nodes(ctx, cgraph, i);
         default: return 0;
     }
 }

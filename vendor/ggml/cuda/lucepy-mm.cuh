@@ -35,7 +35,9 @@ bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * 
 //     decode): RMS_NORM, MUL by its weight, SiLU or sigmoid of a gate, MUL; its activations
 //     prepared for the product;
 //   - qwen35's DeltaNet gates: ADD of a row repeated (the dt bias), SOFTPLUS, MUL by a row
-//     repeated (A), and a SIGMOID (beta's) where it comes next.
+//     repeated (A), and a SIGMOID (beta's) where it comes next;
+//   - qwen35's DeltaNet recurrence: GATED_DELTA_NET (a scalar gate, state rows of 128, no
+//     per-token snapshots, any number of tokens) and the CPY of its new state that follows.
 int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
 // Computes dst = ARGMAX of rows of at least 16,384 values (a greedy step's logits) in two kernels
@@ -55,8 +57,8 @@ void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
 // whether they run on one device (1) or ggml's do (0). Then the count of matrix products they
 // computed in this process, of activations they quantized for them, and of those that the kernel
 // before the product prepared as it wrote its result (lucepy_cuda_rms_norm_mul, _unary_mul and
-// _fuse's gated norms), and of other ops they computed (lucepy_cuda_fuse's conv steps and
-// DeltaNet gates, lucepy_cuda_argmax's argmaxes).
+// _fuse's gated norms), and of other ops they computed (lucepy_cuda_fuse's conv steps,
+// DeltaNet gates and recurrences, lucepy_cuda_argmax's argmaxes).
 // Launches that a captured CUDA graph replays are not counted: no host code runs for them.
 extern "C" {
 GGML_BACKEND_API void lucepy_cuda_kernels_set(int mode);
