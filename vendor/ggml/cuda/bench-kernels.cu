@@ -410,11 +410,24 @@ struct GemmVariant {
     std::function<void(const GemmArgs &, float *, cudaStream_t)> run;
 };
 
+// lucepy-mm.cu's launch, then others measured against it (docs/BENCHMARKS.md, sessions 17 and
+// 20): more CTAs an SM, more stages, smaller chunks, 8 warps and one part were all slower or
+// the same
 template <int K, int NT> std::vector<GemmVariant> gemm_variants() {
-    return {{"gemm", launch_gemm<K, NT, 8, 2, 4>},  // as lucepy-mm.cu launches it
-            {"3 stages", launch_gemm<K, NT, 8, 3, 4>},
-            {"8 warps", launch_gemm<K, NT, 8, 2, 8>},
-            {"one part", launch_gemm<K, NT, 8, 2, 4, 4, 1>}};
+    std::vector<GemmVariant> out = {
+        {"gemm", launch_gemm<K, NT, 8, 2, 4>},  // as lucepy-mm.cu launches it
+        {"3 stages", launch_gemm<K, NT, 8, 3, 4>},
+        {"4 stages", launch_gemm<K, NT, 8, 4, 4>},
+        {"16 pieces 3st", launch_gemm<K, NT, 16, 3, 4>},
+        {"5 a SM", launch_gemm<K, NT, 8, 2, 4, 5>},
+        {"8 warps", launch_gemm<K, NT, 8, 2, 8>},
+        {"one part", launch_gemm<K, NT, 8, 2, 4, 4, 1>}};
+    if constexpr (Layout<K>::pieces <= 4) {  // chunks of 4 pieces: Q4_0 and Q8_0
+        out.push_back({"P4 3st 6/SM", launch_gemm<K, NT, 4, 3, 4, 6>});
+        out.push_back({"P4 2st 8/SM", launch_gemm<K, NT, 4, 2, 4, 8>});
+        out.push_back({"P4 4st 5/SM", launch_gemm<K, NT, 4, 4, 4, 5>});
+    }
+    return out;
 }
 
 template <int K> std::vector<GemmVariant> gemm_variants(int ncols) {
