@@ -514,6 +514,184 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
     }
 }
 
+// --- the product, a warp streaming its own rows ----------------------------------------------
+//
+// `gemm` with no barrier between warps (issue 19, session 20; bench-kernels.cu measures it
+// against `gemm`): each warp copies its own 16 rows' chunks into its own part of the shared
+// memory, ST chunks in flight, as `gemv` streams its rows, and reads the activations' fragments
+// from the caches (every warp of the GPU reads the same few KB) instead of a CTA's copy.
+template <int K, int NT, int P, int ST, int W> struct Gw {
+    using L = Layout<K>;
+    static_assert(P % L::pieces == 0, "a chunk is whole blocks");
+    static_assert(GM_SEG % P == 0, "a chunk is in one segment");
+    static constexpr int rows = 16 * W;  // a CTA's
+    static constexpr int bytes = P / L::pieces * L::bytes;  // of a row's chunk
+    static constexpr int granules = (bytes + 15) / 16 + 1;
+    static constexpr int pitch = 16 * granules + 16 * ((granules + 1) % 2);
+    static constexpr int stage = 16 * pitch;  // a warp's chunk
+    static constexpr int warp_smem = ST * stage;
+    static constexpr int smem = W * warp_smem;
+};
+
+template <int K, int NT, int P, int ST = 4, int W = GM_WARPS, int MINB = 16 / W>
+__global__ void __launch_bounds__(W * 32, MINB) gemm_w(const GemmArgs a) {
+    using L = Layout<K>;
+    using G = Gw<K, NT, P, ST, W>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int g = lane / 4;  // the row (and row + 8) of the tile, the column of B
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * G::rows + warp * 16;  // this warp's first row
+    const int rows = min(16, a.nrows - row0);
+    const int nchunks_all = (a.npieces + P - 1) / P;
+    const int chunk0 = blockIdx.y * a.per_part;
+    const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
+    if (rows <= 0) {
+        return;  // past the last row (an exit lets the next kernel start, as PDL's launch does)
+    }
+    uint8_t * mine = smem + warp * G::warp_smem;
+    const uint8_t * first_row = a.w + int64_t(row0) * a.row_stride + int64_t(chunk0) * G::bytes;
+    constexpr bool FIXED = G::bytes % 16 == 0;  // a row's chunks start alike in their granule
+    constexpr int WC = (16 * G::granules + 31) / 32;  // a lane's copies of a chunk
+    const uint8_t * w_src[WC];
+    int w_dst[WC];
+    int w_from[WC];  // where the granule starts against its row's chunk: a copy where < bytes
+#pragma unroll
+    for (int k = 0; k < WC; k++) {
+        const int i = lane + 32 * k;
+        const int r = i / G::granules;
+        const int q = i % G::granules;
+        const uint8_t * src = first_row + int64_t(min(r, rows - 1)) * a.row_stride;
+        const int at = int(uintptr_t(src) & 15);
+        w_src[k] = src - at + 16 * q;
+        w_dst[k] = min(r, 15) * G::pitch + 16 * q;
+        w_from[k] = r < rows ? 16 * q - at : INT32_MAX;
+    }
+    auto issue = [&](int ch) {  // chunk ch into stage ch % ST (an empty group past the end)
+        if (ch < nchunks) {
+            const int first = (chunk0 + ch) * P;
+            const int bytes = min(P, a.npieces - first) / L::pieces * L::bytes;
+            uint8_t * stage = mine + (ch % ST) * G::stage;
+            if constexpr (FIXED) {
+#pragma unroll
+                for (int k = 0; k < WC; k++) {
+                    if (w_from[k] < bytes) {
+                        copy_async<16>(stage + w_dst[k], w_src[k] + int64_t(ch) * G::bytes);
+                    }
+                }
+            } else {
+                for (int i = lane; i < rows * G::granules; i += 32) {
+                    const int r = i / G::granules;
+                    const int q = i % G::granules;
+                    const uint8_t * src = first_row + int64_t(r) * a.row_stride +
+                                          int64_t(ch) * G::bytes;
+                    const uintptr_t start = uintptr_t(src) & ~uintptr_t(15);
+                    if (start + 16 * q < uintptr_t(src) + bytes) {
+                        copy_async<16>(stage + r * G::pitch + 16 * q,
+                                       reinterpret_cast<const uint8_t *>(start + 16 * q));
+                    }
+                }
+            }
+        }
+        copy_commit();
+    };
+    auto lead = [&](int r, int ch) {  // where row r's chunk starts in its first granule
+        return int(uintptr_t(first_row + int64_t(min(r, rows - 1)) * a.row_stride +
+                             int64_t(ch) * G::bytes) & 15);
+    };
+
+    float acc[NT][4] = {};    // this segment's
+    float total[NT][4] = {};  // and the sums of those before, scaled back
+    const int nsegs = segments(a.npieces);
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) {
+        issue(s);  // weights: no kernel before this one writes them
+    }
+    LUCEPY_PDL_SYNC();  // the activations: the kernel before has finished
+    const uint4 * xh = a.x.xh;
+    for (int ch = 0; ch < nchunks; ch++) {
+        issue(ch + ST - 1);
+        copy_wait<ST - 1>();
+        __syncwarp();  // chunk ch has landed for every lane
+        const int first = (chunk0 + ch) * P;
+        const int n = min(P, a.npieces - first);
+        const uint8_t * ws = mine + (ch % ST) * G::stage;
+        const uint8_t * row_a = ws + g * G::pitch + lead(g, ch);
+        const uint8_t * row_b = ws + (g + 8) * G::pitch + lead(g + 8, ch);
+        const int seg = first / GM_SEG;
+        const bool flush = ch + 1 == nchunks || (first + P) / GM_SEG != seg;
+        float inv[NT][2];
+        if (flush) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                inv[nt][0] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t) * nsegs + seg);
+                inv[nt][1] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t + 1) * nsegs + seg);
+            }
+        }
+        auto piece = [&](int i) {
+            const int blk = (i / L::pieces) * L::bytes;
+            const int at = i % L::pieces;
+            uint4 x[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                x[nt] = __ldg(xh + (int64_t(nt * GM_COL_TILE + g) * a.npieces + first + i) * 4 + t);
+            }
+            __half2 alo[2], ahi[2], blo[2], bhi[2];  // rows g and g + 8 (stale past the end)
+            piece_halves<K>(row_a + blk, at, t, alo, ahi);
+            piece_halves<K>(row_b + blk, at, t, blo, bhi);
+            const uint32_t a_lo[4] = {as_u32(alo[0]), as_u32(blo[0]), as_u32(alo[1]),
+                                      as_u32(blo[1])};
+            const uint32_t a_hi[4] = {as_u32(ahi[0]), as_u32(bhi[0]), as_u32(ahi[1]),
+                                      as_u32(bhi[1])};
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                mma_16816(acc[nt], a_lo, x[nt].x, x[nt].y);
+                mma_16816(acc[nt], a_hi, x[nt].z, x[nt].w);
+            }
+        };
+        if (n == P) {
+#pragma unroll
+            for (int i = 0; i < P; i++) {
+                piece(i);
+            }
+        } else {
+            for (int i = 0; i < n; i++) {
+                piece(i);
+            }
+        }
+        if (flush) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    total[nt][j] += acc[nt][j] * inv[nt][j % 2];
+                    acc[nt][j] = 0.0f;
+                }
+            }
+        }
+        __syncwarp();  // every lane is done with stage ch % ST: the next issue may overwrite it
+    }
+    copy_wait<0>();
+
+    LUCEPY_PDL_LAUNCH();
+
+    const bool split = gridDim.y > 1;
+    float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
+    const int64_t stride = split ? a.nrows : a.dst_stride;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int row = row0 + g + 8 * (j / 2);
+            const int col = nt * GM_COL_TILE + 2 * t + j % 2;
+            if (row < a.nrows && col < a.ncols) {
+                out[col * stride + row] = total[nt][j];
+            }
+        }
+    }
+}
+
 // dst[col][row] = the parts' sums, in part order (gemm split into parts)
 __global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, float * dst,
                          int64_t dst_stride) {
