@@ -405,25 +405,6 @@ void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
     }
 }
 
-template <int K, int NT, int P, int ST, int W = 4, int MINB = 16 / W, int MOST = 16>
-void launch_gemm_w(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    auto kernel = gemm_w<K, NT, P, ST, W, MINB>;
-    using G = Gw<K, NT, P, ST, W>;
-    raise_smem(kernel, G::smem);
-    int per_sm = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, G::smem));
-    const GemmPlan plan =
-        gemm_plan(a.nrows, a.npieces, G::rows, P, int64_t(per_sm) * g_sms, MOST);
-    a.per_part = plan.per_part;
-    a.parts = parts_buf;
-    kernel<<<plan.grid, W * 32, G::smem, s>>>(a);
-    if (plan.grid.y > 1) {
-        const int64_t n = int64_t(a.nrows) * a.ncols;
-        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.parts, int(plan.grid.y), a.nrows,
-                                                           a.ncols, a.dst, a.dst_stride);
-    }
-}
-
 struct GemmVariant {
     std::string name;
     std::function<void(const GemmArgs &, float *, cudaStream_t)> run;
@@ -431,7 +412,7 @@ struct GemmVariant {
 
 // lucepy-mm.cu's launch, then others measured against it (docs/BENCHMARKS.md, sessions 17 and
 // 20): more CTAs an SM, more stages, smaller chunks, 8 warps and one part were all slower or
-// the same
+// the same; so was a warp streaming its own rows (gemm_w, at 627d6e3)
 template <int K, int NT> std::vector<GemmVariant> gemm_variants() {
     std::vector<GemmVariant> out = {
         {"gemm", launch_gemm<K, NT, 8, 2, 4>},  // as lucepy-mm.cu launches it
@@ -440,11 +421,7 @@ template <int K, int NT> std::vector<GemmVariant> gemm_variants() {
         {"16 pieces 3st", launch_gemm<K, NT, 16, 3, 4>},
         {"5 a SM", launch_gemm<K, NT, 8, 2, 4, 5>},
         {"8 warps", launch_gemm<K, NT, 8, 2, 8>},
-        {"one part", launch_gemm<K, NT, 8, 2, 4, 4, 1>},
-        {"w: 4 stages", launch_gemm_w<K, NT, 8, 4>},
-        {"w: 3 stages", launch_gemm_w<K, NT, 8, 3>},
-        {"w: 16p 3st", launch_gemm_w<K, NT, 16, 3>},
-        {"w: 6 stages 2w", launch_gemm_w<K, NT, 8, 6, 2, 8>}};
+        {"one part", launch_gemm<K, NT, 8, 2, 4, 4, 1>}};
     if constexpr (Layout<K>::pieces <= 4) {  // chunks of 4 pieces: Q4_0 and Q8_0
         out.push_back({"P4 3st 6/SM", launch_gemm<K, NT, 4, 3, 4, 6>});
         out.push_back({"P4 2st 8/SM", launch_gemm<K, NT, 4, 2, 4, 8>});
