@@ -405,31 +405,6 @@ void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
     }
 }
 
-// the parts of a row tile as one cluster that adds them up (at most 8 parts), no gemm_sum
-template <int K, int NT, int P, int ST, int W = 4, int MINB = 16 / W>
-void launch_gemm_cluster(GemmArgs a, float *, cudaStream_t s) {
-    auto kernel = gemm<K, NT, P, ST, W, MINB, true>;
-    using G = Gm<K, NT, P, ST, W>;
-    raise_smem(kernel, G::smem);
-    int per_sm = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, G::smem));
-    const GemmPlan plan = gemm_plan(a.nrows, a.npieces, G::rows, P, int64_t(per_sm) * g_sms, 8);
-    a.per_part = plan.per_part;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 1;
-    attr.val.clusterDim.y = plan.grid.y;
-    attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = plan.grid;
-    cfg.blockDim = dim3(W * 32);
-    cfg.dynamicSmemBytes = G::smem;
-    cfg.stream = s;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-}
-
 struct GemmVariant {
     std::string name;
     std::function<void(const GemmArgs &, float *, cudaStream_t)> run;
@@ -437,12 +412,11 @@ struct GemmVariant {
 
 // lucepy-mm.cu's launch, then others measured against it (docs/BENCHMARKS.md, sessions 17 and
 // 20): more CTAs an SM, more stages, smaller chunks, 8 warps and one part were all slower or
-// the same; so was a warp streaming its own rows (gemm_w, at 627d6e3)
+// the same; so was a warp streaming its own rows (gemm_w, at 627d6e3), and the parts of a
+// split product as a cluster adding them up in place of gemm_sum (cluster_sum, at ae2cd28)
 template <int K, int NT> std::vector<GemmVariant> gemm_variants() {
     std::vector<GemmVariant> out = {
         {"gemm", launch_gemm<K, NT, 8, 2, 4>},  // as lucepy-mm.cu launches it
-        {"cluster sum", launch_gemm_cluster<K, NT, 8, 2, 4>},
-        {"8 parts, gemm_sum", launch_gemm<K, NT, 8, 2, 4, 4, 8>},
         {"3 stages", launch_gemm<K, NT, 8, 3, 4>},
         {"4 stages", launch_gemm<K, NT, 8, 4, 4>},
         {"16 pieces 3st", launch_gemm<K, NT, 16, 3, 4>},

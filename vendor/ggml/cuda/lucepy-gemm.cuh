@@ -23,7 +23,6 @@
 
 #include "lucepy-kernels.cuh"  // copy_async, the PDL hooks
 
-#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -307,56 +306,13 @@ __device__ __forceinline__ void piece_halves(const uint8_t * b, int at, int t, _
     }
 }
 
-// A split product's parts launched as one cluster a row tile (1 x parts CTAs, at most 8): each
-// CTA puts its sums in its shared memory (the stages, done with), and part 0 adds every part's
-// over distributed shared memory in part order, as gemm_sum adds them from global memory (the
-// same sums, bit for bit), and writes the result; no second kernel.
-template <int ROWS, int NT>
-__device__ __forceinline__ void cluster_sum(const GemmArgs & a, const float (&total)[NT][4],
-                                            int row0, int rows, int warp, int g, int t,
-                                            float * sums) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    __syncthreads();  // every warp is done with the stages
-    if (warp * 16 < rows) {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int r = warp * 16 + g + 8 * (j / 2);
-                const int col = nt * GM_COL_TILE + 2 * t + j % 2;
-                sums[col * ROWS + r] = total[nt][j];
-            }
-        }
-    }
-    cluster.sync();  // every part's sums are in its shared memory
-    if (cluster.block_rank() == 0) {
-        const int nparts = int(cluster.num_blocks());
-        for (int e = threadIdx.x; e < NT * GM_COL_TILE * ROWS; e += blockDim.x) {
-            const int col = e / ROWS;
-            const int r = e % ROWS;
-            if (r < rows && col < a.ncols) {
-                float v = 0.0f;
-                for (int p = 0; p < nparts; p++) {
-                    v += cluster.map_shared_rank(sums, p)[e];
-                }
-                a.dst[col * a.dst_stride + row0 + r] = v;
-            }
-        }
-    }
-    cluster.sync();  // no part exits while part 0 reads its shared memory
-#endif
-}
-
 // The mma's k order: of a piece's low 16 values (one mma; the high 16 the next), lane t of a
 // quad holds A's k = 2t, 2t+1 (register 0, row g) and 2t+8, 2t+9 (register 2); they are values
 // 4t, 4t+2 and 4t+1, 4t+3 here, and B's registers hold the activations of the same values
 // (to_halves' order), so the sum over k is the piece's dot product.
 //
 // Launched with grid (row tiles, parts), W * 32 threads, Gm::smem bytes of shared memory.
-template <int K, int NT, int P, int ST = 2, int W = GM_WARPS, int MINB = 16 / W,
-          bool CLUSTER = false>
+template <int K, int NT, int P, int ST = 2, int W = GM_WARPS, int MINB = 16 / W>
 __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
     using L = Layout<K>;
     using G = Gm<K, NT, P, ST, W>;
@@ -541,13 +497,6 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
     LUCEPY_PDL_LAUNCH();  // the next kernel may start (and fetch its own weights)
 
     const bool split = gridDim.y > 1;
-    if constexpr (CLUSTER) {
-        if (split) {  // the parts of a row tile are one cluster: part 0 adds them up
-            cluster_sum<G::rows, NT>(a, total, row0, rows, warp, g, t,
-                                     reinterpret_cast<float *>(smem));
-            return;
-        }
-    }
     float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
     const int64_t stride = split ? a.nrows : a.dst_stride;
     if (warp * 16 < rows) {
