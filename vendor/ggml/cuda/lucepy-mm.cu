@@ -84,52 +84,41 @@ struct Wanted {
     int planes;
 };
 
+struct ContextState;
+void scan(ContextState & st);  // what the hooks ask of the graph, learnt once a graph (below)
+
 struct ContextState {
     uint64_t graph = 1;
     uint64_t clock = 0;
     Kept slot[SLOTS];
     std::vector<uint8_t *> retired;
     const ggml_cgraph * cgraph = nullptr;  // the graph being computed
-    std::unordered_set<const ggml_tensor *> members;  // its nodes and leafs, once asked
-    bool listed = false;
+    bool scanned = false;                  // what `scan` learnt of it:
+    std::unordered_set<const ggml_tensor *> members;        // its nodes and leafs
     std::unordered_map<const ggml_tensor *, Wanted> wants;  // see `wanted`
-    bool planned = false;
-    std::unordered_map<const ggml_tensor *, int> reads;  // see `readers`
-    bool counted = false;
+    std::unordered_map<const ggml_tensor *, int> reads;     // see `readers`
 
     // How many of the graph's nodes read `t`, directly or through a view of it (a node reading
-    // two views of it counts twice), counted once a graph.
+    // two views of it counts twice).
     int readers(const ggml_tensor * t) {
-        if (!counted) {
-            for (int i = 0; cgraph && i < cgraph->n_nodes; i++) {
-                const ggml_tensor * node = cgraph->nodes[i];
-                for (int k = 0; k < GGML_MAX_SRC && node->src[k]; k++) {
-                    reads[node->src[k]]++;
-                    if (node->src[k]->view_src) {
-                        reads[node->src[k]->view_src]++;
-                    }
-                }
-            }
-            counted = true;
-        }
+        scan(*this);
         const auto found = reads.find(t);
         return found == reads.end() ? 0 : found->second;
     }
 
     bool in_graph(const ggml_tensor * t) {
-        if (cgraph == nullptr) {
-            return false;
-        }
-        if (!listed) {
-            for (int i = 0; i < cgraph->n_nodes; i++) {
-                members.insert(cgraph->nodes[i]);
-            }
-            for (int i = 0; i < cgraph->n_leafs; i++) {
-                members.insert(cgraph->leafs[i]);
-            }
-            listed = true;
-        }
+        scan(*this);
         return members.count(t) != 0;
+    }
+
+    // `g` begins: nothing learnt of it yet, and what was kept for the graph before is stale
+    void begin(const ggml_cgraph * g) {
+        graph++;
+        cgraph = g;
+        scanned = false;
+        members.clear();
+        wants.clear();
+        reads.clear();
     }
 };
 
@@ -403,34 +392,50 @@ int copy_unit(const ggml_tensor * src0, const ggml_tensor * gate, int chunk) {
     return 0;
 }
 
-// What the graph's first product of ours that reads `t` (or a reshape of it) reads of it, or
-// null; found once a graph, for the kernels before the products that prepare their results for
-// them (an RMS norm, a gate).
-const Wanted * wanted(ContextState & st, const ggml_tensor * t) {
-    if (st.cgraph == nullptr) {
-        return nullptr;
+// One pass over the graph being computed, the first time a hook asks of it: its nodes and
+// leafs, how many nodes read each tensor, and what the first product of ours that reads a
+// tensor (or a reshape of it) reads of it.
+void scan(ContextState & st) {
+    const ggml_cgraph * g = st.cgraph;
+    if (st.scanned || g == nullptr) {
+        return;
     }
-    if (!st.planned) {
-        for (int i = 0; i < st.cgraph->n_nodes; i++) {
-            const ggml_tensor * node = st.cgraph->nodes[i];
-            int kind, chunk;
-            if (node->op != GGML_OP_MUL_MAT || !kind_of(node->src[0]->type, kind, chunk)) {
-                continue;
+    st.scanned = true;
+    for (int i = 0; i < g->n_leafs; i++) {
+        st.members.insert(g->leafs[i]);
+    }
+    for (int i = 0; i < g->n_nodes; i++) {
+        const ggml_tensor * node = g->nodes[i];
+        st.members.insert(node);
+        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; k++) {
+            st.reads[node->src[k]]++;
+            if (node->src[k]->view_src) {
+                st.reads[node->src[k]->view_src]++;
             }
-            const ggml_tensor * src1 = node->src[1];
-            const int64_t ncols = src1->ne[1];
-            if (ncols != 1 && (ncols < MIN_GEMM_COLS || ncols > MAX_COLS)) {
-                continue;
-            }
-            const ggml_tensor * from = src1;  // a reshape's products read its source's bytes
-            if (src1->op == GGML_OP_RESHAPE && src1->view_src && ggml_is_contiguous(src1) &&
-                ggml_is_contiguous(src1->view_src) && src1->data == src1->view_src->data) {
-                from = src1->view_src;
-            }
-            st.wants.emplace(from, Wanted{src1, ncols == 1 ? planes_of(kind) : 0});  // the first
         }
-        st.planned = true;
+        int kind, chunk;
+        if (node->op != GGML_OP_MUL_MAT || !kind_of(node->src[0]->type, kind, chunk)) {
+            continue;
+        }
+        const ggml_tensor * src1 = node->src[1];
+        const int64_t ncols = src1->ne[1];
+        if (ncols != 1 && (ncols < MIN_GEMM_COLS || ncols > MAX_COLS)) {
+            continue;
+        }
+        const ggml_tensor * from = src1;  // a reshape's products read its source's bytes
+        if (src1->op == GGML_OP_RESHAPE && src1->view_src && ggml_is_contiguous(src1) &&
+            ggml_is_contiguous(src1->view_src) && src1->data == src1->view_src->data) {
+            from = src1->view_src;
+        }
+        st.wants.emplace(from, Wanted{src1, ncols == 1 ? planes_of(kind) : 0});  // the first
     }
+}
+
+// What the graph's first product of ours that reads `t` (or a reshape of it) reads of it, or
+// null (for the kernels before the products that prepare their results for them: an RMS norm,
+// a gate).
+const Wanted * wanted(ContextState & st, const ggml_tensor * t) {
+    scan(st);
     const auto found = st.wants.find(t);
     return found == st.wants.end() ? nullptr : &found->second;
 }
@@ -1194,15 +1199,7 @@ void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph 
     if (!lucepy::enabled(ctx.device)) {
         return;
     }
-    lucepy::ContextState & st = lucepy::state_of(ctx);
-    st.graph++;
-    st.cgraph = cgraph;
-    st.members.clear();
-    st.listed = false;
-    st.wants.clear();
-    st.planned = false;
-    st.reads.clear();
-    st.counted = false;
+    lucepy::state_of(ctx).begin(cgraph);
 }
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx) {
