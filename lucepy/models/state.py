@@ -166,9 +166,9 @@ class DeltaNetState(LayerState):
         strides = (qk.nb[1], qk.nb[2], qk.nb[3])
         q = g.alias(qk, (S, self.k_heads, keep, 1), strides, 0)
         k = g.alias(qk, (S, self.k_heads, keep, 1), strides, qk.nb[1] * self.k_heads)
-        x = outputs[f"gdn_x.{il}"]  # [channels, n_tokens, 1]
-        v_at = fs * S * 2 * self.k_heads
-        v = g.alias(x, (S, H, keep, 1), (fs * S, x.nb[1], x.nb[2]), v_at)
+        act = outputs[f"gdn_x.{il}"]  # the conv's output [channels, n_tokens, 1]
+        v_at = fs * S * 2 * self.k_heads  # v's channels after q's and k's
+        v = g.alias(act, (S, H, keep, 1), (fs * S, act.nb[1], act.nb[2]), v_at)
         decay, beta = (
             g.alias(outputs[f"gdn_{n}.{il}"], (1, H, keep, 1), (fs, fs * H, fs * H * keep), 0)
             for n in ("decay", "beta")
