@@ -386,9 +386,9 @@ double host_gemm(int k, const uint8_t * row, int npieces, const float * xr) {
     }
 }
 
-template <int K, int NT, int P, int ST, int W, int MINB = 16 / W, int MOST = 16>
+template <int K, int NT, int P, int ST, int W, int MINB = 16 / W, int MOST = 16, int CHAINS = 1>
 void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    auto kernel = gemm<K, NT, P, ST, W, MINB>;
+    auto kernel = gemm<K, NT, P, ST, W, MINB, CHAINS>;
     using G = Gm<K, NT, P, ST, W>;
     raise_smem(kernel, G::smem);
     int per_sm = 0;
@@ -417,6 +417,7 @@ struct GemmVariant {
 template <int K, int NT> std::vector<GemmVariant> gemm_variants() {
     std::vector<GemmVariant> out = {
         {"gemm", launch_gemm<K, NT, 8, 2, 4>},  // as lucepy-mm.cu launches it
+        {"2 chains", launch_gemm<K, NT, 8, 2, 4, 4, 16, 2>},
         {"3 stages", launch_gemm<K, NT, 8, 3, 4>},
         {"4 stages", launch_gemm<K, NT, 8, 4, 4>},
         {"16 pieces 3st", launch_gemm<K, NT, 16, 3, 4>},
