@@ -386,9 +386,9 @@ double host_gemm(int k, const uint8_t * row, int npieces, const float * xr) {
     }
 }
 
-template <int K, int NT, int P, int ST, int W, int MINB = 16 / W, int MOST = 16, int CHAINS = 1>
+template <int K, int NT, int P, int ST, int W, int MINB = 16 / W, int MOST = 16>
 void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    auto kernel = gemm<K, NT, P, ST, W, MINB, CHAINS>;
+    auto kernel = gemm<K, NT, P, ST, W, MINB>;
     using G = Gm<K, NT, P, ST, W>;
     raise_smem(kernel, G::smem);
     int per_sm = 0;
@@ -412,12 +412,12 @@ struct GemmVariant {
 
 // lucepy-mm.cu's launch, then others measured against it (docs/BENCHMARKS.md, sessions 17 and
 // 20): more CTAs an SM, more stages, smaller chunks, 8 warps and one part were all slower or
-// the same; so was a warp streaming its own rows (gemm_w, at 627d6e3), and the parts of a
-// split product as a cluster adding them up in place of gemm_sum (cluster_sum, at ae2cd28)
+// the same; so was a warp streaming its own rows (gemm_w, at 627d6e3), the parts of a
+// split product as a cluster adding them up in place of gemm_sum (cluster_sum, at ae2cd28), and
+// two accumulators a tile (CHAINS, at f7dc19f)
 template <int K, int NT> std::vector<GemmVariant> gemm_variants() {
     std::vector<GemmVariant> out = {
         {"gemm", launch_gemm<K, NT, 8, 2, 4>},  // as lucepy-mm.cu launches it
-        {"2 chains", launch_gemm<K, NT, 8, 2, 4, 4, 16, 2>},
         {"3 stages", launch_gemm<K, NT, 8, 3, 4>},
         {"4 stages", launch_gemm<K, NT, 8, 4, 4>},
         {"16 pieces 3st", launch_gemm<K, NT, 16, 3, 4>},

@@ -312,7 +312,7 @@ __device__ __forceinline__ void piece_halves(const uint8_t * b, int at, int t, _
 // (to_halves' order), so the sum over k is the piece's dot product.
 //
 // Launched with grid (row tiles, parts), W * 32 threads, Gm::smem bytes of shared memory.
-template <int K, int NT, int P, int ST = 2, int W = GM_WARPS, int MINB = 16 / W, int CHAINS = 1>
+template <int K, int NT, int P, int ST = 2, int W = GM_WARPS, int MINB = 16 / W>
 __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
     using L = Layout<K>;
     using G = Gm<K, NT, P, ST, W>;
@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
         copy_commit();
     };
 
-    float acc[CHAINS][NT][4] = {};  // this segment's (a piece's low half, its high half)
+    float acc[NT][4] = {};    // this segment's
     float total[NT][4] = {};  // and the sums of those before, scaled back
     const int nsegs = segments(a.npieces);
 
@@ -467,8 +467,8 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
             for (int nt = 0; nt < NT; nt++) {
                 const uint4 x = *reinterpret_cast<const uint4 *>(
                     xs + (nt * GM_COL_TILE + g) * G::x_pitch + i * 64 + 16 * t);
-                mma_16816(acc[0][nt], a_lo, x.x, x.y);
-                mma_16816(acc[CHAINS - 1][nt], a_hi, x.z, x.w);
+                mma_16816(acc[nt], a_lo, x.x, x.y);
+                mma_16816(acc[nt], a_hi, x.z, x.w);
             }
         };
         if (n == P) {  // a whole chunk: unrolled, so that pieces overlap
@@ -486,12 +486,8 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
             for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
-                    const float sum = CHAINS == 1 ? acc[0][nt][j] : acc[0][nt][j] + acc[1][nt][j];
-                    total[nt][j] += sum * inv[nt][j % 2];
-#pragma unroll
-                    for (int c = 0; c < CHAINS; c++) {
-                        acc[c][nt][j] = 0.0f;
-                    }
+                    total[nt][j] += acc[nt][j] * inv[nt][j % 2];
+                    acc[nt][j] = 0.0f;
                 }
             }
         }
