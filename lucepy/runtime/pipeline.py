@@ -40,7 +40,7 @@ class Step:
 
     logits: str = "last"  # "last" or "all" rows
     want: str = "out"  # read the logits ("out") or only their argmax ("argmax")
-    verify: bool = False  # keep recurrent snapshots so the step can be rolled back
+    verify: bool = False  # keep what a rollback of the step reads (models/state.py)
     capture: tuple[int, ...] = ()  # target layers whose entering residual to return
 
 
