@@ -899,7 +899,7 @@ __global__ void __launch_bounds__(DN_WARPS * 32, 8) delta_net(const DeltaNetArgs
     const float * v = a.v + n * a.sv3 + h * a.sv1 + col0;
     const int64_t gb_at = n * a.sb3 + h * a.sb1;
     const int ntiles = (a.T + DN_TILE - 1) / DN_TILE;
-    auto issue = [&](int tile) {  // tile's inputs into buffer tile % 2 (an empty group past the end)
+    auto issue = [&](int tile) {  // tile's inputs into buffer tile % 2 (past the end: empty)
         if (tile < ntiles) {
             const int t0 = tile * DN_TILE;
             const int nt = min(DN_TILE, a.T - t0);

@@ -97,6 +97,11 @@ struct ContextState {
     std::unordered_set<const ggml_tensor *> members;        // its nodes and leafs
     std::unordered_map<const ggml_tensor *, Wanted> wants;  // see `wanted`
     std::unordered_map<const ggml_tensor *, int> reads;     // see `readers`
+    struct Read {  // a node's read of bytes [from, to) of a tensor
+        const ggml_tensor * by;
+        size_t from, to;
+    };
+    std::unordered_map<const ggml_tensor *, std::vector<Read>> spans;  // see `bytes_read`
 
     // How many of the graph's nodes read `t`, directly or through a view of it (a node reading
     // two views of it counts twice).
@@ -119,6 +124,7 @@ struct ContextState {
         members.clear();
         wants.clear();
         reads.clear();
+        spans.clear();
     }
 };
 
@@ -392,9 +398,16 @@ int copy_unit(const ggml_tensor * src0, const ggml_tensor * gate, int chunk) {
     return 0;
 }
 
+// a node that computes nothing: a view, a reshape, a permutation or an empty tensor
+bool no_op(const ggml_tensor * t) {
+    return ggml_is_empty(t) || t->op == GGML_OP_NONE || t->op == GGML_OP_VIEW ||
+           t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE || t->op == GGML_OP_TRANSPOSE;
+}
+
 // One pass over the graph being computed, the first time a hook asks of it: its nodes and
-// leafs, how many nodes read each tensor, and what the first product of ours that reads a
-// tensor (or a reshape of it) reads of it.
+// leafs, how many nodes read each tensor, which bytes of each tensor the nodes that compute
+// something read (a view kept as an output counts as a read of its bytes), and what the first
+// product of ours that reads a tensor (or a reshape of it) reads of it.
 void scan(ContextState & st) {
     const ggml_cgraph * g = st.cgraph;
     if (st.scanned || g == nullptr) {
@@ -412,6 +425,18 @@ void scan(ContextState & st) {
             if (node->src[k]->view_src) {
                 st.reads[node->src[k]->view_src]++;
             }
+        }
+        auto read = [&](const ggml_tensor * t) {
+            const ggml_tensor * base = t->view_src ? t->view_src : t;
+            const size_t from = t->view_src ? t->view_offs : 0;
+            st.spans[base].push_back({node, from, from + ggml_nbytes(t)});
+        };
+        if (!no_op(node)) {
+            for (int k = 0; k < GGML_MAX_SRC && node->src[k]; k++) {
+                read(node->src[k]);
+            }
+        } else if (node->view_src && (node->flags & GGML_TENSOR_FLAG_OUTPUT)) {
+            read(node);
         }
         int kind, chunk;
         if (node->op != GGML_OP_MUL_MAT || !kind_of(node->src[0]->type, kind, chunk)) {
@@ -701,11 +726,7 @@ bool dense_as(const ggml_tensor * t, int64_t ne0, int64_t ne1, int64_t ne2) {
 // the next node after i that computes something (not a view or a no-op), or n_nodes
 int next_op(const ggml_cgraph * cgraph, int i) {
     for (i++; i < cgraph->n_nodes; i++) {
-        const ggml_tensor * t = cgraph->nodes[i];
-        const bool noop = ggml_is_empty(t) || t->op == GGML_OP_NONE || t->op == GGML_OP_VIEW ||
-                          t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE ||
-                          t->op == GGML_OP_TRANSPOSE;
-        if (!noop) {
+        if (!no_op(cgraph->nodes[i])) {
             return i;
         }
     }
@@ -1022,33 +1043,19 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
 }
 
 
-// Whether a node of the graph other than `skip` reads bytes [from, to) of `t`'s, directly or
-// through a view, or the graph keeps them (an output)
-bool bytes_read(const ggml_cgraph * cgraph, const ggml_tensor * t, size_t from, size_t to,
-                const ggml_tensor * skip) {
-    if (t->flags & GGML_TENSOR_FLAG_OUTPUT) {
+// Whether a node of `cgraph` other than `skip` reads bytes [from, to) of `t`'s, directly or
+// through a view, or the graph keeps them (an output); true, to be safe, for a graph that is
+// not the one that began
+bool bytes_read(ContextState & st, const ggml_cgraph * cgraph, const ggml_tensor * t,
+                size_t from, size_t to, const ggml_tensor * skip) {
+    if ((t->flags & GGML_TENSOR_FLAG_OUTPUT) || st.cgraph != cgraph) {
         return true;
     }
-    auto overlaps = [&](const ggml_tensor * u) {
-        if (u == t) {
-            return true;
-        }
-        const size_t at = u->view_offs;
-        return u->view_src == t && at < to && from < at + ggml_nbytes(u);
-    };
-    for (int j = 0; j < cgraph->n_nodes; j++) {
-        const ggml_tensor * node = cgraph->nodes[j];
-        if (node == skip) {
-            continue;
-        }
-        if (node->view_src == t) {  // a view: what reads it counts, and whether it is kept
-            if ((node->flags & GGML_TENSOR_FLAG_OUTPUT) && overlaps(node)) {
-                return true;
-            }
-            continue;
-        }
-        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; k++) {
-            if (overlaps(node->src[k])) {
+    scan(st);
+    const auto found = st.spans.find(t);
+    if (found != st.spans.end()) {
+        for (const ContextState::Read & r : found->second) {
+            if (r.by != skip && r.from < to && from < r.to) {
                 return true;
             }
         }
@@ -1082,14 +1089,16 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
                reinterpret_cast<uintptr_t>(t->data) % 16 == 0 && t->nb[1] % 16 == 0 &&
                t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0;
     };
+    auto a_state = [&](const ggml_tensor * t) {  // the new state's elements, dense
+        return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_nelements(t) == nstate;
+    };
     auto gate = [&](const ggml_tensor * t) {
         return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->ne[0] == 1 &&
                t->ne[1] == H && t->ne[2] == T && t->ne[3] == N;
     };
     const bool shapes =
         cpy->op == GGML_OP_CPY && from->view_src == dn && from->view_offs == attn_bytes &&
-        dense_like(from, from) && ggml_nelements(from) == nstate && dense_like(into, into) &&
-        ggml_nelements(into) == nstate && rows16(q) && rows16(k) && rows16(v) &&
+        a_state(from) && a_state(into) && rows16(q) && rows16(k) && rows16(v) &&
         q->ne[0] == S && ggml_are_same_shape(q, k) && ggml_are_same_stride(q, k) &&
         q->ne[2] == T && q->ne[3] >= 1 && N % q->ne[3] == 0 && gate(g) && gate(beta) &&
         s0->type == GGML_TYPE_F32 && ggml_is_contiguous(s0) && s0->ne[0] == S &&
@@ -1114,7 +1123,7 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         return 0;
     }
     // the op's own copy of the state: only where anything but the copy reads it
-    const bool keep = bytes_read(cgraph, dn, attn_bytes, ggml_nbytes(dn), cpy);
+    const bool keep = bytes_read(state_of(ctx), cgraph, dn, attn_bytes, ggml_nbytes(dn), cpy);
     DeltaNetArgs a = {};
     a.q = static_cast<const float *>(q->data);
     a.k = static_cast<const float *>(k->data);
