@@ -8,6 +8,7 @@ written by tools/dflash_gguf.py (docs/architecture.md, decision 5).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +32,17 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, neox: bool) -> torch.
     inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
     ang = pos[..., None].float() * inv  # [S, T, D/2]
     cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]
+    if not neox:
+        return rope_cs(x, cos, sin)
     x32 = x.float()
-    if neox:
-        a, b = x32[..., : d // 2], x32[..., d // 2 :]
-        return torch.cat([a * cos - b * sin, a * sin + b * cos], -1).to(x.dtype)
+    a, b = x32[..., : d // 2], x32[..., d // 2 :]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], -1).to(x.dtype)
+
+
+def rope_cs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """ggml's normal RoPE (pairs 2i, 2i + 1) of x [S, T, H, D] with the angles' cos and sin
+    [S, T, 1, D/2]."""
+    x32 = x.float()
     a, b = x32[..., 0::2], x32[..., 1::2]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(x.dtype)
 
@@ -65,6 +73,7 @@ class Target:
         self.embd = self.w["token_embd.weight"]  # [n_vocab, n_embd]
         self.head = self.w.get("output.weight", self.embd)
         self.hd = self.embd.shape[1] // self.n_head
+        self._cast: dict[torch.dtype, dict[str, torch.Tensor]] = {}
 
     def _layer(self, i: int, x, pos, mask, cache, t0: int):
         w, S, T = self.w, x.shape[0], x.shape[1]
@@ -116,13 +125,59 @@ class Target:
                 x = self._layer(i, x, pos, mask, None, 0)
         return torch.cat([out[i] for i in layers], -1)
 
+    def _stacked(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Each layer's matrices in ``dtype`` for generation, Q/K/V and gate/up stacked (one
+        product each), made once per dtype."""
+        if dtype not in self._cast:
+            w, out = self.w, {"head": self.head.to(dtype)}
+            for i in range(self.n_layer):
+                b = f"blk.{i}."
+                parts = [w[b + f"attn_{n}.weight"] for n in "qkv"]
+                out[b + "qkv"] = torch.cat(parts).to(dtype)
+                out[b + "o"] = w[b + "attn_output.weight"].to(dtype)
+                out[b + "gate_up"] = torch.cat([w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"]])
+                out[b + "gate_up"] = out[b + "gate_up"].to(dtype)
+                out[b + "down"] = w[b + "ffn_down.weight"].to(dtype)
+            self._cast[dtype] = out
+        return self._cast[dtype]
+
+    def _gen_layer(self, i: int, x, cos, sin, cache, t0: int, bias, m: dict):
+        """One layer over x [S, T, e] (the residual, f32) at cache columns t0.., the products
+        in the cache's dtype, attention written out so that the cache's columns are read in
+        place: the query heads of one K/V head as rows, the scores plus ``bias`` [S, 1, 1, T,
+        t0 + T] (0 or -inf)."""
+        w, S, T, dt = self.w, x.shape[0], x.shape[1], cache[i][0].dtype
+        nh, nkv, hd, b = self.n_head, self.n_kv, self.hd, f"blk.{i}."
+        h = rms(x, w[b + "attn_norm.weight"], self.eps).to(dt)
+        q, k, v = (h @ m[b + "qkv"].T).split([nh * hd, nkv * hd, nkv * hd], -1)
+        q = rope_cs(q.view(S, T, nh, hd), cos, sin)
+        cache[i][0][:, :, t0 : t0 + T] = rope_cs(k.view(S, T, nkv, hd), cos, sin).transpose(1, 2)
+        cache[i][1][:, :, t0 : t0 + T] = v.view(S, T, nkv, hd).transpose(1, 2)
+        keys, values = cache[i][0][:, :, : t0 + T], cache[i][1][:, :, : t0 + T]
+        r = nh // nkv
+        q = q.view(S, T, nkv, r, hd).permute(0, 2, 3, 1, 4).reshape(S, nkv, r * T, hd)
+        scores = (q @ keys.transpose(-1, -2)).float() * hd**-0.5
+        scores = scores.view(S, nkv, r, T, t0 + T) + bias
+        att = torch.softmax(scores, -1).to(dt).view(S, nkv, r * T, t0 + T) @ values
+        att = att.view(S, nkv, r, T, hd).permute(0, 3, 1, 2, 4).reshape(S, T, nh * hd)
+        x = x + (att @ m[b + "o"].T).float()
+        h = rms(x, w[b + "ffn_norm.weight"], self.eps).to(dt)
+        gate, up = (h @ m[b + "gate_up"].T).chunk(2, -1)
+        return x + ((F.silu(gate) * up) @ m[b + "down"].T).float()
+
     @torch.no_grad()
-    def generate(self, prompts, n: int, temperature: float, stop, gen, top_k: int = 50):
+    def generate(
+        self, prompts, n: int, temperature, stop, gen, top_k: int = 50, dtype=torch.float32
+    ):
         """Up to ``n`` new tokens per prompt (batched, prompts left-padded), each list cut after
-        ``stop`` where it appears. Greedy at temperature 0, else top-k sampling."""
-        S, P, dev = len(prompts), max(len(p) for p in prompts), self.device
+        ``stop`` where it appears. ``temperature``: one for all, or one per prompt; greedy at 0,
+        else top-k sampling. ``dtype``: of the weights, the cache and the products (bf16 for
+        training data: half the bytes a step; f32, TF32 products, for evaluation)."""
+        S, P, dev = len(prompts), max((len(p) for p in prompts), default=0), self.device
         if S == 0:
             return []
+        m = self._stacked(dtype)
+        temps = torch.as_tensor(temperature, dtype=torch.float32, device=dev).expand(S)
         tokens = torch.zeros(S, P, dtype=torch.long)
         for i, p in enumerate(prompts):
             tokens[i, P - len(p) :] = torch.tensor(p)
@@ -130,32 +185,37 @@ class Target:
         cols = torch.arange(P + n, device=dev)
         valid = cols[None, :] >= pad[:, None]  # [S, P + n]: a key column holds a token
         cache = [
-            [torch.zeros(S, self.n_kv, P + n, self.hd, device=dev) for _ in range(2)]
+            [torch.zeros(S, self.n_kv, P + n, self.hd, device=dev, dtype=dtype) for _ in "kv"]
             for _ in range(self.n_layer)
         ]
+        inv = self.theta ** (-torch.arange(0, self.hd, 2, device=dev).float() / self.hd)
+        sampling = bool((temps > 0).any())
         out, done, t0, x = [], torch.zeros(S, dtype=torch.bool, device=dev), 0, tokens
-        for _step in range(n):
+        for step in range(n):
             T = x.shape[1]
             q_cols = cols[t0 : t0 + T]
-            pos = (q_cols[None, :] - pad[:, None]).clamp(min=0)
+            ang = (q_cols[None, :] - pad[:, None]).clamp(min=0)[..., None].float() * inv
+            cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]  # [S, T, 1, D/2]
             keys = cols[None, None, : t0 + T]
-            mask = valid[:, None, None, : t0 + T] & (keys <= q_cols[:, None])
-            mask |= keys == q_cols[:, None]  # a padding row sees itself: no row is all -inf
+            allowed = valid[:, None, : t0 + T] & (keys <= q_cols[:, None])
+            allowed |= keys == q_cols[:, None]  # a padding row sees itself: no row is all -inf
+            bias = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, -math.inf)
             h = self.embd[x]
             for i in range(self.n_layer):
-                h = self._layer(i, h, pos, mask, cache, t0)
-            logits = rms(h[:, -1], self.w["output_norm.weight"], self.eps) @ self.head.T
-            if temperature > 0:
+                h = self._gen_layer(i, h, cos, sin, cache, t0, bias[:, None, None], m)
+            h = rms(h[:, -1], self.w["output_norm.weight"], self.eps).to(dtype)
+            logits = (h @ m["head"].T).float()
+            nxt = logits.argmax(-1)
+            if sampling:
                 top = logits.topk(top_k, -1)
-                probs = torch.softmax(top.values / temperature, -1)
-                nxt = top.indices.gather(1, torch.multinomial(probs, 1, generator=gen))[:, 0]
-            else:
-                nxt = logits.argmax(-1)
+                probs = torch.softmax(top.values / temps.clamp(min=1e-6)[:, None], -1)
+                drawn = top.indices.gather(1, torch.multinomial(probs, 1, generator=gen))[:, 0]
+                nxt = torch.where(temps > 0, drawn, nxt)
             out.append(nxt)
             t0, x = t0 + T, nxt[:, None]
             if stop is not None:
                 done |= nxt == stop
-                if bool(done.all()):
+                if step % 16 == 15 and bool(done.all()):  # a sync: not every step
                     break
         rows = torch.stack(out, 1).tolist()
         if stop is None:

@@ -54,21 +54,22 @@ def make_data(target: Target, prompts: dict, args, have: int) -> list[tuple]:
     heldout = {tuple(p) for p in prompts["heldout"]}
     seeds = [prompts["seed_head"] + tail for tail in prompts["seeds"]]
     out, t0 = [], time.time()
+    dtype = getattr(torch, args.gen_dtype)
     while len(out) < n_seq and time.time() - t0 < args.data_s:
         picks = rng.integers(len(seeds), size=batch).tolist()
-        requests = target.generate([seeds[i] for i in picks], 64, 1.0, end, gen)
+        requests = target.generate([seeds[i] for i in picks], 64, 1.0, end, gen, dtype=dtype)
         starts = [
             seeds[i] + r[: r.index(end) if end in r else len(r)] + prompts["assistant"]
             for i, r in zip(picks, requests, strict=False)
         ]
         starts = [s for s in starts if tuple(s) not in heldout]
-        half = len(starts) * 3 // 4
-        answers = target.generate(starts[:half], 256, 0.0, end, gen)
-        answers += target.generate(starts[half:], 256, 0.7, end, gen)
+        temps = [0.0 if i % 4 else 0.7 for i in range(len(starts))]  # greedy for three in four
+        answers = target.generate(starts, 256, temps, end, gen, dtype=dtype)
         for s, a in zip(starts, answers, strict=False):
             if len(a) >= 8:
                 out.append((s + a, len(s)))
-        log(f"data: {len(out)} sequences ({time.time() - t0:.0f} s)")
+        n_tok = sum(len(s) for s, _ in out)
+        log(f"data: {len(out)} sequences, {n_tok} tokens ({time.time() - t0:.0f} s)")
     return out[:n_seq]
 
 
@@ -102,8 +103,9 @@ class Corpus:
     def batch(self, idx: torch.Tensor) -> Corpus:
         n = int(self.lens[idx].max())
         tokens = self.tokens[idx, :n]
-        if self.feats is None:
-            feats = self.target.features(tokens, self.layers).to(torch.bfloat16)
+        if self.feats is None:  # bf16 products: the draft reads them as bf16 anyway
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=tokens.is_cuda):
+                feats = self.target.features(tokens, self.layers).to(torch.bfloat16)
         else:
             feats = self.feats[idx, :n]
         return Corpus(tokens, self.plen[idx], self.lens[idx], feats, self.target, self.layers)
@@ -120,10 +122,15 @@ def loss_of(draft: Draft, embd: torch.Tensor, c: Corpus, anchors: int, gen) -> t
     ce = F.cross_entropy(
         logits.float().flatten(0, 1), b.labels.flatten(), ignore_index=-100, reduction="none"
     )
-    k = torch.arange(b.labels.shape[1], device=lo.device) % draft.cfg.block_size
-    weight = torch.exp(-(k - 1).clamp(min=0) / LOSS_DECAY)
-    weight = (weight[None, :] * (b.labels >= 0)).flatten()
+    weight = row_weights(b.labels, draft.cfg.block_size).flatten()
     return (ce * weight).sum() / weight.sum()
+
+
+def row_weights(labels: torch.Tensor, B: int) -> torch.Tensor:
+    """The loss's weight of each row of blocks of B: row k exp(-(k-1)/gamma), 0 where there is
+    no label (row 0, past the end)."""
+    k = torch.arange(labels.shape[-1], device=labels.device) % B
+    return torch.exp(-(k - 1).clamp(min=0) / LOSS_DECAY) * (labels >= 0)
 
 
 def train(draft: Draft, embd: torch.Tensor, corpus: Corpus, args) -> list[dict]:
@@ -169,11 +176,14 @@ def load_data(path: Path | None) -> list[tuple]:
 def evaluate(draft: Draft, target: Target, prompts: dict, n_tokens: int) -> dict:
     """tau of the greedy speculative walk over the target's greedy answers to the held-out
     prompts: from the first answer token, a step accepts the drafts up to the first mismatch,
-    then takes the target's token (the bonus)."""
+    then takes the target's token (the bonus). Also the training loss on those answers (a block
+    at every position) and each row's accuracy: how far they are from the training data's
+    says whether the draft learnt this target or its training sequences."""
     held = prompts["heldout"]
     answers = target.generate(held, n_tokens, 0.0, None, None)
     seqs = [(p + a, len(p)) for p, a in zip(held, answers, strict=False)]
     B, hist, steps = draft.cfg.block_size, np.zeros(draft.cfg.block_size, int), 0
+    loss, weights, hits, rows = 0.0, 0.0, torch.zeros(B - 1), torch.zeros(B - 1)
     for seq, plen in seqs:
         tokens, _, lens = target.pad([(seq, plen)])
         feats = target.features(tokens, draft.cfg.target_layers).to(torch.bfloat16)
@@ -181,7 +191,18 @@ def evaluate(draft: Draft, target: Target, prompts: dict, n_tokens: int) -> dict
         b = block_batch(tokens, lens, anchor, B, draft.cfg.mask_token)
         with torch.autocast("cuda" if tokens.is_cuda else "cpu", dtype=torch.bfloat16):
             hidden = draft(feats, b)
-        guess = (hidden.float() @ target.embd.T).argmax(-1).view(-1, B)[:, 1:].cpu().numpy()
+        logits = hidden.float()[0] @ target.embd.T
+        labels = b.labels[0]
+        w = row_weights(labels, B)
+        loss += float(
+            (F.cross_entropy(logits, labels, ignore_index=-100, reduction="none") * w).sum()
+        )
+        weights += float(w.sum())
+        top = logits.argmax(-1).view(-1, B)[:, 1:]
+        labeled = labels.view(-1, B)[:, 1:] >= 0
+        hits += ((top == labels.view(-1, B)[:, 1:]) & labeled).sum(0).cpu()
+        rows += labeled.sum(0).cpu()
+        guess = top.cpu().numpy()
         a, end = plen, len(seq) - 1
         while a < end:
             want = np.array(seq[a + 1 : a + B])
@@ -198,6 +219,8 @@ def evaluate(draft: Draft, target: Target, prompts: dict, n_tokens: int) -> dict
         "steps": steps,
         "tau": round((accepted + steps) / steps, 3),
         "histogram": hist.tolist(),
+        "loss": round(loss / weights, 3),
+        "accuracy": [round(float(h / max(r, 1)), 3) for h, r in zip(hits, rows, strict=True)],
     }
 
 
@@ -219,7 +242,8 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--prompts", type=Path, default=Path(__file__).with_name("dflash_prompts.json"))
     ap.add_argument("--sequences", type=int, default=16384)
-    ap.add_argument("--gen-batch", type=int, default=2048)
+    ap.add_argument("--gen-batch", type=int, default=4096)
+    ap.add_argument("--gen-dtype", default="bfloat16", help="of the target's products for data")
     ap.add_argument("--data-s", type=float, default=150.0, help="data generation time budget")
     ap.add_argument("--train-s", type=float, default=300.0, help="training time budget")
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: time)")
