@@ -37,6 +37,41 @@ def test_the_choice_maximises_expected_tokens_per_second():
     assert VerifyLength(steep, prior=(0.95, 2.0)).drafts()
 
 
+def test_drafting_competes_with_a_plain_decode():
+    """A 1-token verify also copies the features the draft reads: where a plain decode is
+    cheaper, drafting must beat the decode, not that verify."""
+    pays_over_verify = costs([1.0 + 0.3 * k for k in range(8)])  # 1.6 / 1.3 > 1 / 1
+    assert VerifyLength(pays_over_verify, prior=(0.6, 2.0)).drafts()
+    cheap = StepCosts(pays_over_verify.draft, pays_over_verify.verify, decode=0.7)
+    lengths = VerifyLength(cheap, prior=(0.6, 2.0))
+    best = max(lengths.expected()[1:] / [cheap.step(k) for k in range(2, 9)])
+    assert best < 1 / 0.7 and not lengths.drafts()
+    assert VerifyLength(cheap, prior=(0.95, 2.0)).drafts()
+    assert StepCosts.from_dict(cheap.to_dict()) == cheap
+    old = {"draft": list(cheap.draft), "verify": list(cheap.verify)}  # cached before decode
+    assert StepCosts.from_dict(old).plain() == cheap.verify[1]
+
+
+def test_a_choice_of_one_decodes_plainly_from_there_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("LUCEPY_CACHE_DIR", str(tmp_path / "cache"))
+    target, draft = write_agreeing_pair(tmp_path)
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256, draft=str(draft), verify_len="auto")
+    with Engine(target, RuntimeConfig(threads=THREADS, max_ctx=256), tokenizer=False) as engine:
+        plain = generate(engine, PROMPT, 40, stop_at_end=False).tokens
+    with Engine(target, cfg, tokenizer=False) as engine:
+        engine._lengths = lengths = VerifyLength(costs([1.0] * 8))
+        choices = iter([4, 3, 1, 8, 8])
+        lengths.choose = lambda limit: next(choices)
+        decodes = []
+        decode = engine.decode
+        monkeypatch.setattr(engine, "decode", lambda t: decodes.append(t) or decode(t))
+        gen = generate(engine, PROMPT, 40, stop_at_end=False)
+    assert gen.tokens == plain
+    assert gen.accept.steps == 2 and next(choices) == 8  # asked three times only
+    committed = 1 + 2 + sum(gen.accept.histogram * np.arange(8))  # the first token, 2 bonuses
+    assert len(decodes) == 40 - committed
+
+
 def test_a_step_informs_only_the_drafts_it_offered():
     lengths = VerifyLength(costs([1.0] * 8), prior=(0.5, 1.0))
     before = lengths.offered.copy()
@@ -70,8 +105,8 @@ def test_speculation_with_chosen_lengths_equals_greedy(tmp_path, monkeypatch, pr
         engine._lengths.choose = lambda limit: chosen.append(choose(limit)) or chosen[-1]
         gen = generate(engine, PROMPT, 60, stop_at_end=False)
     assert gen.tokens == plain
-    assert len(set(chosen)) > 1, chosen
-    steps = len(chosen) - 1  # the first choice asked whether drafting pays at all
+    assert len(set(chosen)) > 1 and 1 not in chosen[:-1], chosen
+    steps = sum(c > 1 for c in chosen)  # a choice of 1 decodes plainly from there on
     assert gen.accept.steps == steps and sum(gen.accept.histogram) == steps
     cached = list((tmp_path / "cache" / "step-costs").iterdir())
     assert len(cached) == 1 and StepCosts.from_dict(json.loads(cached[0].read_text())) == measured

@@ -32,11 +32,14 @@ CALIBRATION_PROMPT = 64  # tokens before the measured steps
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds per step of length k = 1..block: the draft's pass over k tokens and the target's
-    k-token verify (with its commit). Index 0 is unused."""
+    """Seconds per step of length k = 1..block: the draft's pass over k tokens, and the target's
+    k-token verify with what a step does after it (the commit of the kept tokens, the draft's
+    copy of their features); and ``decode``, a plain decode step, what drafting competes with
+    (None: as a 1-token verify, for costs given without it). Index 0 is unused."""
 
     draft: tuple[float, ...]
     verify: tuple[float, ...]
+    decode: float | None = None
 
     @property
     def block(self) -> int:
@@ -45,12 +48,21 @@ class StepCosts:
     def step(self, k: int) -> float:
         return self.verify[k] + (self.draft[k] if k > 1 else 0.0)
 
+    def plain(self) -> float:
+        """A token decoded without the draft."""
+        return self.decode if self.decode is not None else self.verify[1]
+
     def to_dict(self) -> dict:
-        return {"draft": list(self.draft), "verify": list(self.verify)}
+        return {"draft": list(self.draft), "verify": list(self.verify), "decode": self.decode}
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCosts:
-        return cls(tuple(float(x) for x in d["draft"]), tuple(float(x) for x in d["verify"]))
+        decode = d.get("decode")
+        return cls(
+            tuple(float(x) for x in d["draft"]),
+            tuple(float(x) for x in d["verify"]),
+            None if decode is None else float(decode),
+        )
 
 
 class VerifyLength:
@@ -78,11 +90,14 @@ class VerifyLength:
         return int(np.argmax(rate)) + 1
 
     def drafts(self) -> bool:
-        """Whether drafting can pay here: the running rates choose a length above 1, or the
-        prior ones do (the rates drift back to them while no drafts are offered). When not,
-        plain decoding is faster than any step of this draft on this device."""
+        """Whether drafting can pay here: some length above 1 commits tokens faster than plain
+        decoding under the running rates, or under the prior ones (the rates drift back to
+        them while no drafts are offered). When not, generation decodes plainly."""
+        if self.costs.block < 2:
+            return False
+        running = self.expected() / self._step
         prior = self.expected(self.prior_accepted, self.prior_offered) / self._step
-        return self.choose(self.costs.block) > 1 or int(np.argmax(prior)) > 0
+        return max(running[1:].max(), prior[1:].max()) * self.costs.plain() > 1.0
 
     def record(self, k: int, accepted: int) -> None:
         """A step of length k accepted ``accepted`` drafts: drafts 1..accepted were taken and,
@@ -116,31 +131,41 @@ def median_s(run: Callable[[], object], repeats: int) -> float:
 
 def measurable(n_ctx: int, block: int, repeats: int = 3) -> bool:
     """Whether ``measure`` fits a context of ``n_ctx``: its prompt, one kept token per timed
-    verify and the longest verify."""
-    return n_ctx >= CALIBRATION_PROMPT + (repeats + 1) * block + block
+    step and decode, and the longest verify."""
+    return n_ctx >= CALIBRATION_PROMPT + (repeats + 1) * (block + 1) + block
 
 
 def measure(engine, repeats: int = 3) -> StepCosts:
-    """Time a step of each length on ``engine`` (with its draft) at a short context, as the
-    median of ``repeats`` after a warm-up; then reset the engine. Each verify keeps its first
-    token, so the context grows by one per run."""
+    """Time a step of each length on ``engine`` (with its draft) at a short context, and a
+    plain decode, each as the median of ``repeats`` after a warm-up; then reset the engine. A
+    timed step is a speculative step's work: the draft's pass, the verify with the features
+    the draft reads, the commit of its first token and the draft's copy of that token's
+    features; so the context grows by one per run."""
     draft, block = engine.draft, engine.draft.block
     assert measurable(engine.n_ctx, block, repeats), "the caller checks measurable()"
+    layers, capture = draft.p.target_layers, engine.capture
     engine.reset()
     tokens = np.arange(CALIBRATION_PROMPT, dtype=np.int32) % engine.params.n_vocab
     engine.prefill(tokens)
 
     def verify(k: int) -> None:
-        engine.verify(np.ones(k, dtype=np.int32), greedy=True)
-        engine.rollback(1)
+        handle = engine.verify(np.ones(k, dtype=np.int32), greedy=True)
+        engine.commit(handle, 1)
+        draft.inject([handle.features[L] for L in layers], handle.pos0, 1)
 
     def propose(k: int) -> None:
         draft.propose(1, engine.n_past, "argmax", k)
 
     draft_s, verify_s = [0.0, 0.0], [0.0]
-    for k in range(1, block + 1):
-        verify_s.append(median_s(lambda k=k: verify(k), repeats))
-        if k > 1:
-            draft_s.append(median_s(lambda k=k: propose(k), repeats))
-    engine.reset()
-    return StepCosts(tuple(draft_s), tuple(verify_s))
+    try:
+        engine.capture = layers
+        for k in range(1, block + 1):
+            verify_s.append(median_s(lambda k=k: verify(k), repeats))
+            if k > 1:
+                draft_s.append(median_s(lambda k=k: propose(k), repeats))
+        engine.capture = capture
+        decode_s = median_s(lambda: engine.decode(1), repeats)
+    finally:
+        engine.capture = capture
+        engine.reset()
+    return StepCosts(tuple(draft_s), tuple(verify_s), decode_s)
