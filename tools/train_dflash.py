@@ -3,7 +3,9 @@
 1. Data: the target, read from its GGUF and dequantized, writes a request after each seed of
    tools/dflash_prompts.json at temperature 1, then answers it: greedily for three in four,
    at temperature 0.7 for the rest, up to 256 tokens. A request equal to a held-out prompt is
-   dropped.
+   dropped. It generates in bf16 products (``--gen-dtype``), 4,096 sequences a batch. A draft
+   trained for many passes over few sequences learns them, not the target: train in rounds,
+   each on sequences it has just made (``--init`` the last round's weights, a new ``--seed``).
 2. Training, DFlash's way: blocks of 16 at random anchors in the answers. Row 0 holds the
    anchor's token, rows 1..15 the mask token, at the anchor's positions onward. A block sees the
    target's features of every position before its anchor (``fc``, then each layer's K/V of it:
