@@ -179,8 +179,8 @@ def evaluate(draft: Draft, target: Target, prompts: dict, n_tokens: int) -> dict
     """tau of the greedy speculative walk over the target's greedy answers to the held-out
     prompts: from the first answer token, a step accepts the drafts up to the first mismatch,
     then takes the target's token (the bonus). Also the training loss on those answers (a block
-    at every position) and each row's accuracy: how far they are from the training data's
-    says whether the draft learnt this target or its training sequences."""
+    at every position) and each row's accuracy: set beside the training loss, they say whether
+    the draft learnt this target or only its training sequences."""
     held = prompts["heldout"]
     answers = target.generate(held, n_tokens, 0.0, None, None)
     seqs = [(p + a, len(p)) for p, a in zip(held, answers, strict=False)]

@@ -138,7 +138,7 @@ def measurable(n_ctx: int, block: int, repeats: int = 3) -> bool:
 
 def measure(engine, repeats: int = 3) -> StepCosts:
     """Time a step of each length on ``engine`` (with its draft) at a short context, and a
-    plain decode, each as the median of ``repeats`` after a warm-up; then reset the engine. A
+    plain decode, each as the median of ``repeats`` after warm-ups; then reset the engine. A
     timed step is a speculative step's work: the draft's pass, the verify with the features
     the draft reads, the commit of its first token and the draft's copy of that token's
     features; so the context grows by one per run."""
@@ -164,7 +164,6 @@ def measure(engine, repeats: int = 3) -> StepCosts:
             verify_s.append(median_s(lambda k=k: verify(k), repeats))
             if k > 1:
                 draft_s.append(median_s(lambda k=k: propose(k), repeats))
-        engine.capture = capture
         # ggml-cuda replays a graph from its third run of the same shape, as a generation's
         decode_s = median_s(lambda: engine.decode(1), repeats, warmup=3)
     finally:
