@@ -147,7 +147,6 @@ def stream(
     stats = gen.accept = AcceptStats(draft.block)
     pending = [choose(sampler, logits, constraint)]
     notes = _notes(logits[None], pending, logprobs)
-    plain = False
     while True:
         for i, token in enumerate(pending):
             if len(gen.tokens) >= max_tokens:
@@ -168,19 +167,14 @@ def stream(
         room = min(draft.block, engine.n_ctx - pos)
         if room == 0:
             return  # the context is full: stop as at max_tokens ("length")
-        # room for one more token only, or no drafting pays at the running rates (then not for
-        # the rest of this generation: a plain decode costs no more than a 1-token verify, which
-        # also copies the features the draft would read): decode as plain greedy would
-        if not plain:
-            block = lengths.choose(room) if lengths is not None and room > 1 else room
-            plain = block == 1
-        if plain:
-            if lengths is not None:
-                lengths.record(1, 0)  # no draft offered: the rates drift back to the prior
+        if room == 1:  # room for one more token only: decode it as plain greedy would
             logits = engine.decode(last)
             pending = [choose(sampler, logits, constraint)]
             notes = _notes(logits[None], pending, logprobs)
             continue
+        # a length of 1 verifies the last token alone: it keeps the draft's context whole, so
+        # drafting can resume when the rates recover
+        block = lengths.choose(room) if lengths is not None else room
         pending, notes = _step(
             engine, draft, sampler, stats, last, pos, block, logprobs, constraint
         )

@@ -74,9 +74,7 @@ class VerifyLength:
         self.prior_offered = np.full(n, prior[1])
         self.prior_accepted = np.full(n, prior[0] * prior[1])
         self.offered, self.accepted = self.prior_offered.copy(), self.prior_accepted.copy()
-        # length 1 is a plain decode (speculative.stream decodes plainly once it is chosen)
         self._step = np.array([costs.step(k) for k in range(1, n + 1)])
-        self._step[0] = min(self._step[0], costs.plain())
 
     def expected(self, accepted=None, offered=None) -> np.ndarray:
         """E[committed tokens] for k = 1..block (index k - 1), under the running rates or
@@ -92,12 +90,15 @@ class VerifyLength:
         return int(np.argmax(rate)) + 1
 
     def drafts(self) -> bool:
-        """Whether drafting can pay here: some length above 1 commits tokens faster than plain
-        decoding under the running rates, or under the prior ones (the rates drift back to
-        them while no drafts are offered). When not, generation decodes plainly."""
+        """Whether a generation drafts at all: some length above 1 commits tokens faster than
+        plain decoding (which, unlike a 1-token step, copies no features for the draft) under
+        the running rates, or under the prior ones (the rates drift back to them as steps go
+        by). When not, it decodes plainly."""
+        if self.costs.block < 2:
+            return False
         running = self.expected() / self._step
         prior = self.expected(self.prior_accepted, self.prior_offered) / self._step
-        return int(np.argmax(running)) > 0 or int(np.argmax(prior)) > 0
+        return max(running[1:].max(), prior[1:].max()) * self.costs.plain() > 1.0
 
     def record(self, k: int, accepted: int) -> None:
         """A step of length k accepted ``accepted`` drafts: drafts 1..accepted were taken and,
