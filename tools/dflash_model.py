@@ -29,14 +29,19 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, neox: bool) -> torch.
     """x [S, T, H, D] at positions pos [S, T]. NeoX pairs dims (i, i + D/2); llama's GGUF
     (ggml's normal mode) pairs (2i, 2i + 1)."""
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = pos[..., None].float() * inv  # [S, T, D/2]
-    cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]
+    cos, sin = rope_angles(pos, theta, d)
     if not neox:
         return rope_cs(x, cos, sin)
     x32 = x.float()
     a, b = x32[..., : d // 2], x32[..., d // 2 :]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], -1).to(x.dtype)
+
+
+def rope_angles(pos: torch.Tensor, theta: float, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin [S, T, 1, D/2] of RoPE's angles at positions pos [S, T]."""
+    inv = theta ** (-torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d)
+    ang = pos[..., None].float() * inv  # [S, T, D/2]
+    return ang.cos()[:, :, None], ang.sin()[:, :, None]
 
 
 def rope_cs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -135,8 +140,8 @@ class Target:
                 parts = [w[b + f"attn_{n}.weight"] for n in "qkv"]
                 out[b + "qkv"] = torch.cat(parts).to(dtype)
                 out[b + "o"] = w[b + "attn_output.weight"].to(dtype)
-                out[b + "gate_up"] = torch.cat([w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"]])
-                out[b + "gate_up"] = out[b + "gate_up"].to(dtype)
+                parts = [w[b + f"ffn_{n}.weight"] for n in ("gate", "up")]
+                out[b + "gate_up"] = torch.cat(parts).to(dtype)
                 out[b + "down"] = w[b + "ffn_down.weight"].to(dtype)
             self._cast[dtype] = out
         return self._cast[dtype]
@@ -188,14 +193,13 @@ class Target:
             [torch.zeros(S, self.n_kv, P + n, self.hd, device=dev, dtype=dtype) for _ in "kv"]
             for _ in range(self.n_layer)
         ]
-        inv = self.theta ** (-torch.arange(0, self.hd, 2, device=dev).float() / self.hd)
         sampling = bool((temps > 0).any())
         out, done, t0, x = [], torch.zeros(S, dtype=torch.bool, device=dev), 0, tokens
         for step in range(n):
             T = x.shape[1]
             q_cols = cols[t0 : t0 + T]
-            ang = (q_cols[None, :] - pad[:, None]).clamp(min=0)[..., None].float() * inv
-            cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]  # [S, T, 1, D/2]
+            pos = (q_cols[None, :] - pad[:, None]).clamp(min=0)
+            cos, sin = rope_angles(pos, self.theta, self.hd)
             keys = cols[None, None, : t0 + T]
             allowed = valid[:, None, : t0 + T] & (keys <= q_cols[:, None])
             allowed |= keys == q_cols[:, None]  # a padding row sees itself: no row is all -inf

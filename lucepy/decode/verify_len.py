@@ -28,6 +28,9 @@ import numpy as np
 PRIOR = (0.6, 2.0)  # each draft's acceptance rate before any step, and its weight in steps
 DECAY = 0.98  # per step: the counts of about the last 50 steps weigh
 CALIBRATION_PROMPT = 64  # tokens before the measured steps
+# untimed decodes before the timed ones: ggml-cuda replays a graph from its third run of the
+# same shape, as a generation's decodes are
+DECODE_WARMUP = 3
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ def median_s(run: Callable[[], object], repeats: int, warmup: int = 1) -> float:
 def measurable(n_ctx: int, block: int, repeats: int = 3) -> bool:
     """Whether ``measure`` fits a context of ``n_ctx``: its prompt, one kept token per timed
     step (and warm-up) and per decode, and the longest verify."""
-    return n_ctx >= CALIBRATION_PROMPT + (repeats + 1) * block + repeats + 3 + block
+    return n_ctx >= CALIBRATION_PROMPT + (repeats + 1) * block + repeats + DECODE_WARMUP + block
 
 
 def measure(engine, repeats: int = 3) -> StepCosts:
@@ -165,8 +168,7 @@ def measure(engine, repeats: int = 3) -> StepCosts:
             verify_s.append(median_s(lambda k=k: verify(k), repeats))
             if k > 1:
                 draft_s.append(median_s(lambda k=k: propose(k), repeats))
-        # ggml-cuda replays a graph from its third run of the same shape, as a generation's
-        decode_s = median_s(lambda: engine.decode(1), repeats, warmup=3)
+        decode_s = median_s(lambda: engine.decode(1), repeats, warmup=DECODE_WARMUP)
     finally:
         engine.capture = capture
         engine.reset()
