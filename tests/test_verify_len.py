@@ -97,7 +97,7 @@ def test_a_context_too_small_to_time_lengths_keeps_the_block(tmp_path, monkeypat
     target, draft = write_agreeing_pair(tmp_path)
     cfg = RuntimeConfig(threads=THREADS, max_ctx=96, draft=str(draft), verify_len="auto")
     with Engine(target, cfg, tokenizer=False) as engine:
-        assert engine.verify_lengths() is None  # 64 + 4 x 8 + 8 rows would not fit
+        assert engine.verify_lengths() is None  # 64 + 4 x 8 decodes + 4 x 8 + 8: no room
         gen = generate(engine, PROMPT, 24, stop_at_end=False)
     assert gen.accept.steps > 0 and gen.accept.drafted == 7 * gen.accept.steps
     assert not (tmp_path / "cache").exists()

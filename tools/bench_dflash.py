@@ -8,12 +8,14 @@ Every prompt is answered greedily for exactly ``--tokens`` tokens (end tokens do
 lucepy and llama.cpp produce the same lengths. Per configuration: the median over prompts of the
 decode tok/s (the tokens after the first, over the time after the prefill), tau (tokens committed
 per verify step, the bonus included) and the histogram of accepted drafts, summed over prompts;
-``same`` counts the prompts whose tokens equal lucepy's plain greedy ones. lucepy runs DFlash
-with every step verifying 16 tokens, and with ``auto`` lengths (decode/verify_len.py; the JSON
-keeps the measured step costs and the acceptance rates reached; with no drafting that pays,
-``auto`` decodes plainly and reports no tau). ``--temperature`` adds lucepy's tau when sampling
-(rejection sampling keeps the target's distribution). ``--batch-invariant`` adds lucepy plain and
-DFlash 16 with RuntimeConfig.batch_invariant (the second's ``same`` against the first's tokens).
+``same`` counts the prompts whose tokens equal lucepy's plain greedy ones; ``ms_a_step`` splits
+a DFlash step's time (the draft's pass, the verify with its commit and injection, the rest).
+lucepy runs DFlash with every step verifying 16 tokens, and with ``auto`` lengths
+(decode/verify_len.py; the JSON keeps the measured step costs and the acceptance rates reached;
+with no drafting that pays, ``auto`` decodes plainly and reports no tau). ``--temperature`` adds
+lucepy's tau when sampling (rejection sampling keeps the target's distribution).
+``--batch-invariant`` adds lucepy plain and DFlash 16 with RuntimeConfig.batch_invariant (the
+second's ``same`` against the first's tokens).
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ def summary(runs: list[dict], plain: list[list[int]] | None) -> dict:
         out["tau"] = round(float((hist * np.arange(hist.size)).sum() + steps) / steps, 3)
         out["histogram"] = hist.tolist()
         out["mean_k"] = round(1 + sum(r["drafted"] for r in runs) / steps, 2)
+    steps = int(np.sum([r.get("histogram", 0) for r in runs]))
+    if runs[0].get("step_ms") is not None and steps:  # where a step's time goes, over prompts
+        draft, verify, wall = np.sum([r["step_ms"] for r in runs], axis=0)
+        out["ms_a_step"] = {  # the draft's pass; verify, commit and injection; the rest
+            "draft": round(draft / steps, 4),
+            "verify": round(verify / steps, 4),
+            "other": round((wall - draft - verify) / steps, 4),
+        }
     return out
 
 
@@ -76,6 +86,7 @@ def lucepy_runs(
             if gen.accept is not None:
                 run["histogram"] = gen.accept.histogram
                 run["drafted"] = gen.accept.drafted
+                run["step_ms"] = (gen.accept.draft_ms, gen.accept.verify_ms, decode_s * 1e3)
             runs.append(run)
         lengths = engine.verify_lengths()
         if lengths is not None:  # the measured step costs and the rates reached
@@ -174,6 +185,8 @@ def main() -> None:
         )
     table = markdown(res)
     print(table)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
     if args.md:
         args.md.write_text(table)
 

@@ -34,7 +34,9 @@
 # Compute kernel lists), GPU_RUN_KVPOOL (depths, e.g. 8192,32768,131072: KV Flash's benchmark,
 # tools/bench_kvpool.py, before the others; GPU_RUN_POOL its pool, 4096; adds kvpool.json),
 # GPU_RUN_DFLASH (set: DFlash on SmolLM2, staged first by tools/gpu_train.sh's stage calls, with
-# the shipped draft, against llama.cpp's, tools/bench_dflash.py; adds dflash.json, dflash.md),
+# the shipped draft, against llama.cpp's, tools/bench_dflash.py; adds dflash.json, dflash.md;
+# GPU_RUN_DFLASH=ggml also runs lucepy's side again on ggml's kernels, LUCEPY_CUDA_KERNELS=0:
+# dflash-ggml.json, dflash-ggml.md),
 # GPU_RUN_BATCH (clients, e.g. 1,4,8,32: `lucepy serve --parallel N` on the model against
 # llama-server -np N and llama-batched-bench of the unpatched build, tools/bench_batch.py, medians
 # of 3 runs a level; "engine" and "batched-bench" in GPU_RUN_SKIP leave out those sides; adds
@@ -338,6 +340,11 @@ if ((built)) && [[ -n ${GPU_RUN_DFLASH:-} ]]; then # SmolLM2 staged by tools/gpu
         exec python3 tools/bench_dflash.py --model /tmp/lucepy-smol/model.gguf --device $DEVICE \
         --llama-dflash '$BUILD_GGML/llama-dflash' --json '$OUTDIR/dflash.json' \
         --md '$OUTDIR/dflash.md'" || true
+    if [[ $GPU_RUN_DFLASH == ggml ]]; then # the same on ggml's kernels, lucepy's side only
+        step dflash-ggml 240 "$BENCHLOG" env LUCEPY_CUDA_KERNELS=0 python3 tools/bench_dflash.py \
+            --model /tmp/lucepy-smol/model.gguf --device "$DEVICE" --temperature 0 \
+            --json "$OUTDIR/dflash-ggml.json" --md "$OUTDIR/dflash-ggml.md" || true
+    fi
 fi
 
 if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_BATCH:-} ]]; then # continuous batching

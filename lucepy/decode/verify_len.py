@@ -28,9 +28,9 @@ import numpy as np
 PRIOR = (0.6, 2.0)  # each draft's acceptance rate before any step, and its weight in steps
 DECAY = 0.98  # per step: the counts of about the last 50 steps weigh
 CALIBRATION_PROMPT = 64  # tokens before the measured steps
-# untimed decodes before the timed ones: ggml-cuda replays a graph from its third run of the
-# same shape, as a generation's decodes are
-DECODE_WARMUP = 3
+# decodes a timed run of plain decoding, one after another as a generation's are (ggml-cuda
+# replays a graph from its third run of the same shape); one untimed run first
+DECODE_RUN = 8
 
 
 @dataclass(frozen=True)
@@ -137,15 +137,17 @@ def median_s(run: Callable[[], object], repeats: int, warmup: int = 1) -> float:
 def measurable(n_ctx: int, block: int, repeats: int = 3) -> bool:
     """Whether ``measure`` fits a context of ``n_ctx``: its prompt, one kept token per timed
     step (and warm-up) and per decode, and the longest verify."""
-    return n_ctx >= CALIBRATION_PROMPT + (repeats + 1) * block + repeats + DECODE_WARMUP + block
+    decodes = (repeats + 1) * DECODE_RUN
+    return n_ctx >= CALIBRATION_PROMPT + decodes + (repeats + 1) * block + block
 
 
 def measure(engine, repeats: int = 3) -> StepCosts:
-    """Time a step of each length on ``engine`` (with its draft) at a short context, and a
-    plain decode, each as the median of ``repeats`` after warm-ups; then reset the engine. A
-    timed step is a speculative step's work: the draft's pass, the verify with the features
-    the draft reads, the commit of its first token and the draft's copy of that token's
-    features; so the context grows by one per run."""
+    """Time a plain decode and then a step of each length on ``engine`` (with its draft) at a
+    short context, each as the median of ``repeats`` after a warm-up; then reset the engine. A
+    decode is timed in runs of DECODE_RUN, first (where a generation starts). A timed step is a
+    speculative step's work: the draft's pass, the verify with the features the draft reads,
+    the commit of its first token and the draft's copy of that token's features; so the
+    context grows by one per run."""
     draft, block = engine.draft, engine.draft.block
     assert measurable(engine.n_ctx, block, repeats), "the caller checks measurable()"
     layers, capture = draft.p.target_layers, engine.capture
@@ -161,14 +163,18 @@ def measure(engine, repeats: int = 3) -> StepCosts:
     def propose(k: int) -> None:
         draft.propose(1, engine.n_past, "argmax", k)
 
+    def decodes() -> None:
+        for _ in range(DECODE_RUN):
+            engine.decode(1)
+
     draft_s, verify_s = [0.0, 0.0], [0.0]
     try:
+        decode_s = median_s(decodes, repeats) / DECODE_RUN
         engine.capture = layers
         for k in range(1, block + 1):
             verify_s.append(median_s(lambda k=k: verify(k), repeats))
             if k > 1:
                 draft_s.append(median_s(lambda k=k: propose(k), repeats))
-        decode_s = median_s(lambda: engine.decode(1), repeats, warmup=DECODE_WARMUP)
     finally:
         engine.capture = capture
         engine.reset()

@@ -15,6 +15,8 @@ KINDS = {
     "q8_0": (TYPES["GGML_TYPE_Q8_0"], 1),
     "q4_k": (TYPES["GGML_TYPE_Q4_K"], 2),
     "q6_k": (TYPES["GGML_TYPE_Q6_K"], 3),
+    "q4_1": (TYPES["GGML_TYPE_Q4_1"], 4),
+    "q5_1": (TYPES["GGML_TYPE_Q5_1"], 5),
 }
 
 

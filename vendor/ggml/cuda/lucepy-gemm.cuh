@@ -268,6 +268,15 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 #endif
 }
 
+// the nibbles at bits 0..3 and 16..19 of `bits` as the halves 1024 + n (one lop3: (a & b) | c)
+__device__ __forceinline__ __half2 nibble_halves(uint32_t bits) {
+    uint32_t h;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;"
+        : "=r"(h)
+        : "r"(bits), "r"(0x000F000Fu), "r"(0x64006400u));
+    return *reinterpret_cast<const __half2 *>(&h);
+}
+
 // Piece `at` of the block at `b`, the 8 values of a quad's lane t (4t..4t+3 and 16+4t..16+4t+3),
 // as halves with their scales: lo = (v[4t], v[4t+2]), (v[4t+1], v[4t+3]); hi alike, 16 on.
 template <int K>
@@ -277,16 +286,21 @@ __device__ __forceinline__ void piece_halves(const uint8_t * b, int at, int t, _
         const __half2 d = __half2half2(*reinterpret_cast<const __half *>(b));
         const uint32_t v = uint32_t(load_a2(b + 2 + 4 * t));
         const __half2 off = __float2half2_rn(1032.0f);
-        auto half2_of = [](uint32_t bits) {  // nibbles at bits 0 and 16: one lop3
-            uint32_t h;
-            asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(bits), "r"(0x000F000Fu),
-                "r"(0x64006400u));  // (a & b) | c
-            return *reinterpret_cast<const __half2 *>(&h);
-        };
-        lo[0] = __hmul2(__hsub2(half2_of(v), off), d);
-        lo[1] = __hmul2(__hsub2(half2_of(v >> 8), off), d);
-        hi[0] = __hmul2(__hsub2(half2_of(v >> 4), off), d);
-        hi[1] = __hmul2(__hsub2(half2_of(v >> 12), off), d);
+        lo[0] = __hmul2(__hsub2(nibble_halves(v), off), d);
+        lo[1] = __hmul2(__hsub2(nibble_halves(v >> 8), off), d);
+        hi[0] = __hmul2(__hsub2(nibble_halves(v >> 4), off), d);
+        hi[1] = __hmul2(__hsub2(nibble_halves(v >> 12), off), d);
+        return;
+    }
+    if constexpr (K == Q4_1) {  // as Q4_0's, less 1024: then times d plus m in one fma
+        const __half2 d = __half2half2(*reinterpret_cast<const __half *>(b));
+        const __half2 m = __half2half2(*reinterpret_cast<const __half *>(b + 2));
+        const uint32_t v = uint32_t(load_a4(b + 4 + 4 * t));
+        const __half2 off = __float2half2_rn(1024.0f);
+        lo[0] = __hfma2(__hsub2(nibble_halves(v), off), d, m);
+        lo[1] = __hfma2(__hsub2(nibble_halves(v >> 8), off), d, m);
+        hi[0] = __hfma2(__hsub2(nibble_halves(v >> 4), off), d, m);
+        hi[1] = __hfma2(__hsub2(nibble_halves(v >> 12), off), d, m);
         return;
     }
     const Scales s = scales<K>(b, at);
@@ -296,7 +310,7 @@ __device__ __forceinline__ void piece_halves(const uint8_t * b, int at, int t, _
     bytes_to_halves(qhi, hi[0], hi[1]);
     const __half2 s0 = __float2half2_rn(s.s0);
     const __half2 s1 = __float2half2_rn(s.s1);
-    if (K == Q4_K) {  // the only kind with a bias (its min)
+    if constexpr (biased<K>()) {  // a min (Q4_K's; Q5_1's m)
         const __half2 bias = __float2half2_rn(-s.bias);
         lo[0] = __hfma2(lo[0], s0, bias), lo[1] = __hfma2(lo[1], s0, bias);
         hi[0] = __hfma2(hi[0], s1, bias), hi[1] = __hfma2(hi[1], s1, bias);
@@ -337,7 +351,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
         return int(at & 15);
     };
     // Each thread's copies of a chunk, worked out once: a row's chunks start at the same place in
-    // a granule where a chunk is whole granules (Q4_0, Q4_K, Q8_0), so a copy's source only moves
+    // a granule where a chunk is whole granules (all but Q6_K), so a copy's source only moves
     // on by a chunk each time; Q6_K's chunks (210 bytes a block) start anywhere.
     constexpr int THREADS = W * 32;
     constexpr bool FIXED = G::bytes % 16 == 0;

@@ -369,6 +369,8 @@ bool fits(int kind, int64_t npieces, int device) {
         case Q4_0: smem = most_smem<Q4_0>(npieces); break;
         case Q8_0: smem = most_smem<Q8_0>(npieces); break;
         case Q4_K: smem = most_smem<Q4_K>(npieces); break;
+        case Q4_1: smem = most_smem<Q4_1>(npieces); break;
+        case Q5_1: smem = most_smem<Q5_1>(npieces); break;
         default: smem = most_smem<Q6_K>(npieces); break;
     }
     return size_t(smem) <= ggml_cuda_info().devices[device].smpbo;
@@ -380,6 +382,8 @@ bool kind_of(ggml_type type, int & kind, int & chunk) {
         case GGML_TYPE_Q8_0: kind = Q8_0; chunk = Gv<Q8_0, false, 1, 16>::bytes; return true;
         case GGML_TYPE_Q4_K: kind = Q4_K; chunk = Gv<Q4_K, false, 1, 16>::bytes; return true;
         case GGML_TYPE_Q6_K: kind = Q6_K; chunk = Gv<Q6_K, false, 1, 16>::bytes; return true;
+        case GGML_TYPE_Q4_1: kind = Q4_1; chunk = Gv<Q4_1, false, 1, 16>::bytes; return true;
+        case GGML_TYPE_Q5_1: kind = Q5_1; chunk = Gv<Q5_1, false, 1, 16>::bytes; return true;
         default: return false;
     }
 }
@@ -525,8 +529,8 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         return buf;
     };
 
-    if (ncols >= MIN_GEMM_COLS) {  // gemm: any row start of 2-byte alignment (4 for Q4_K's ints)
-        const size_t align = kind == Q4_K ? 4 : 2;
+    if (ncols >= MIN_GEMM_COLS) {  // gemm: rows at 2-byte alignment (4 for 4-byte loads' kinds)
+        const size_t align = kind == Q4_K || kind == Q4_1 || kind == Q5_1 ? 4 : 2;
         if (src0->nb[1] % align != 0 || uintptr_t(src0->data) % align != 0) {
             return false;
         }
@@ -543,6 +547,8 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
             case Q4_0: run_gemm<Q4_0>(ctx, g); break;
             case Q8_0: run_gemm<Q8_0>(ctx, g); break;
             case Q4_K: run_gemm<Q4_K>(ctx, g); break;
+            case Q4_1: run_gemm<Q4_1>(ctx, g); break;
+            case Q5_1: run_gemm<Q5_1>(ctx, g); break;
             default: run_gemm<Q6_K>(ctx, g); break;
         }
         g_calls.fetch_add(1, std::memory_order_relaxed);
@@ -576,6 +582,8 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         case Q4_0: run = pick<Q4_0>(gate != nullptr, unit); break;
         case Q8_0: run = pick<Q8_0>(gate != nullptr, unit); break;
         case Q4_K: run = pick<Q4_K>(gate != nullptr, unit); break;
+        case Q4_1: run = pick<Q4_1>(gate != nullptr, unit); break;
+        case Q5_1: run = pick<Q5_1>(gate != nullptr, unit); break;
         default: run = pick<Q6_K>(gate != nullptr, unit); break;
     }
     run(a, stream, ctx.device);

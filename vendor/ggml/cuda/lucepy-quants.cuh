@@ -6,7 +6,8 @@
 // A piece is 32 consecutive weights of a row. Its value i (0..31) is
 //     scale[i / 16] * q[i] - bias
 // with q[i] a signed byte packed four to an int (q[0] holds values 0..3, q[7] values 28..31).
-// Q4_0 and Q8_0 have one piece per block; Q4_K and Q6_K have eight per 256-value super-block.
+// Q4_0, Q8_0, Q4_1 and Q5_1 have one piece per block; Q4_K and Q6_K have eight per 256-value
+// super-block.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +22,7 @@
 
 namespace lucepy {
 
-enum Kind : int { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3 };
+enum Kind : int { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3, Q4_1 = 4, Q5_1 = 5 };
 
 // bytes of one quant block, and pieces (32 values) per block
 template <int K> struct Layout;
@@ -29,11 +30,18 @@ template <> struct Layout<Q4_0> { static constexpr int bytes = 18, pieces = 1; }
 template <> struct Layout<Q8_0> { static constexpr int bytes = 34, pieces = 1; };
 template <> struct Layout<Q4_K> { static constexpr int bytes = 144, pieces = 8; };
 template <> struct Layout<Q6_K> { static constexpr int bytes = 210, pieces = 8; };
+template <> struct Layout<Q4_1> { static constexpr int bytes = 20, pieces = 1; };
+template <> struct Layout<Q5_1> { static constexpr int bytes = 24, pieces = 1; };
+
+// whether a kind's values carry a bias (a min: Q4_K's, Q4_1's and Q5_1's)
+template <int K> LUCEPY_HD constexpr bool biased() {
+    return K == Q4_K || K == Q4_1 || K == Q5_1;
+}
 
 struct Piece {
     int q[8];
     float scale[2];  // values 0..15, values 16..31
-    float bias;      // subtracted from every value (Q4_K's min)
+    float bias;      // subtracted from every value (Q4_K's min; minus Q4_1's, Q5_1's m)
 };
 
 LUCEPY_HD int dp4a(int a, int b, int acc) {
@@ -154,6 +162,38 @@ template <> LUCEPY_HD void ints<Q4_K>(const uint8_t * b, int at, int t, int & lo
     const int shift = 4 * (at % 2);
     lo = (load_a4(qs + 4 * t) >> shift) & 0x0F0F0F0F;
     hi = (load_a4(qs + 16 + 4 * t) >> shift) & 0x0F0F0F0F;
+}
+
+// Q4_1: half d, half m, 16 bytes of nibbles as Q4_0's, unsigned: value i is d * q + m. Its
+// blocks of 20 bytes sit at 4-byte alignment where rows do.
+template <> LUCEPY_HD Scales scales<Q4_1>(const uint8_t * b, int) {
+    const float d = load_half(b);
+    return {d, d, -load_half(b + 2)};
+}
+
+template <> LUCEPY_HD void ints<Q4_1>(const uint8_t * b, int, int t, int & lo, int & hi) {
+    const int v = load_a4(b + 4 + 4 * t);
+    lo = v & 0x0F0F0F0F;
+    hi = (v >> 4) & 0x0F0F0F0F;
+}
+
+// bits 0..3 of `b` to bit 4 of bytes 0..3 (b's four bits land in distinct places: no carries)
+LUCEPY_HD int spread_to_bit4(uint32_t b) {
+    return int(((b & 15u) * 0x00204081u & 0x01010101u) << 4);
+}
+
+// Q5_1: half d, half m, 4 bytes qh (bit i: value i's fifth bit), 16 bytes of nibbles as Q4_1's;
+// value i is d * q + m, q of 0..31. Blocks of 24 bytes: 4-byte alignment where rows have it.
+template <> LUCEPY_HD Scales scales<Q5_1>(const uint8_t * b, int) {
+    const float d = load_half(b);
+    return {d, d, -load_half(b + 2)};
+}
+
+template <> LUCEPY_HD void ints<Q5_1>(const uint8_t * b, int, int t, int & lo, int & hi) {
+    const uint32_t qh = uint32_t(load_a4(b + 4));
+    const int v = load_a4(b + 8 + 4 * t);
+    lo = (v & 0x0F0F0F0F) | spread_to_bit4(qh >> (4 * t));
+    hi = ((v >> 4) & 0x0F0F0F0F) | spread_to_bit4(qh >> (16 + 4 * t));
 }
 
 // Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales (one per 16 values),
