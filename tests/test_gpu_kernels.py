@@ -1,8 +1,8 @@
 """GPU tier of issue 19: lucepy's own CUDA kernels (a build of `lucepy backends build cuda`) for
-Q4_0, Q8_0, Q4_K and Q6_K times 1 to 16 columns (`gemv` one, `gemm` 3 to 16, ggml's two), against
-the exact math on the same rounded weights, within the bound of the GPU parity tests (no further
-from it than twice ggml's own kernels on the same GPU), and against themselves where one graph
-shares its activations.
+Q4_0, Q8_0, Q4_K, Q6_K, Q4_1 and Q5_1 times 1 to 16 columns (`gemv` one, `gemm` 3 to 16, ggml's
+two), against the exact math on the same rounded weights, within the bound of the GPU parity
+tests (no further from it than twice ggml's own kernels on the same GPU), and against
+themselves where one graph shares its activations.
 Skipped where the loaded ggml has no GPU (tests/conftest.py); tools/gpu_run.sh runs them."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from lucepy.testing.quants import KINDS, dequantize, quantize
 
 pytestmark = pytest.mark.gpu
 GPU = "cuda:0"
-ROWS = 1001  # not a multiple of a CTA's rows (4 of gemv's, 64 of gemm's): idle warps at the end
+# not a multiple of a CTA's rows (4 of gemv's, 64 of gemm's): idle warps at the end; and enough
+# for gemm to take 3-8 columns (19 row tiles, 8 parts: a CTA for each of 132 multiprocessors)
+ROWS = 1201
 OURS = {1, *range(3, 17)}  # column counts lucepy's kernels take (lucepy-mm.cu: 2 is ggml's)
 N = 4096
 EPS = 1e-6  # of the RMS norms
@@ -666,21 +668,24 @@ def test_gpu_argmax_of_long_rows(rows, n, cuda):
 
 
 def test_gpu_rows_the_kernels_do_not_take_run_on_ggmls(cuda):
-    """One column of Q4_0 rows of 3 blocks (54 bytes: no 4-byte copies for gemv) and 17 columns
-    fall back to ggml; 5 columns of those rows are gemm's (any 2-byte aligned row), a partial
-    chunk and segment of 3 pieces."""
+    """One column of Q4_0 rows of 3 blocks (54 bytes: no 4-byte copies for gemv), 17 columns,
+    and 5 columns of a product too small to give gemm a CTA per multiprocessor (ggml's vector
+    kernel is faster there) fall back to ggml; 9 columns of those rows are gemm's (any 2-byte
+    aligned row), a partial chunk and segment of 3 pieces."""
     lib, device, kernels = cuda
     rng = np.random.default_rng(7)
-    x, x5 = (rng.normal(size=(k, 96)).astype(np.float32) for k in (1, 5))
+    x, x5, x9 = (rng.normal(size=(k, 96)).astype(np.float32) for k in (1, 5, 9))
     gtype, raw, exact_w = weights_of(lib, "q4_0", 8, rows=64, n=96)
     calls = kernels.calls
     [[out]] = products(lib, device, [(gtype, raw)], [x])
     x17 = np.random.default_rng(8).normal(size=(17, N)).astype(np.float32)
     gtype, raw17, exact17 = weights_of(lib, "q4_0", 9, rows=64)
     [[out17]] = products(lib, device, [(gtype, raw17)], [x17])
-    assert kernels.calls == calls
     [[out5]] = products(lib, device, [(gtype, raw)], [x5])
+    assert kernels.calls == calls
+    [[out9]] = products(lib, device, [(gtype, raw)], [x9])
     assert kernels.calls == calls + 1
     assert rel_err(out, x.astype(np.float64) @ exact_w.T).max() < 2e-2
     assert rel_err(out17, x17.astype(np.float64) @ exact17.T).max() < 2e-2
-    assert rel_err(out5, x5.astype(np.float64) @ exact_w.T).max() < 2e-3
+    assert rel_err(out5, x5.astype(np.float64) @ exact_w.T).max() < 2e-2
+    assert rel_err(out9, x9.astype(np.float64) @ exact_w.T).max() < 2e-3

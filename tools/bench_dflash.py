@@ -13,7 +13,9 @@ a DFlash step's time (the draft's pass, the verify with its commit and injection
 lucepy runs DFlash with every step verifying 16 tokens, and with ``auto`` lengths
 (decode/verify_len.py; the JSON keeps the measured step costs and the acceptance rates reached;
 with no drafting that pays, ``auto`` decodes plainly and reports no tau). ``--temperature`` adds
-lucepy's tau when sampling (rejection sampling keeps the target's distribution).
+lucepy's tau when sampling (rejection sampling keeps the target's distribution). lucepy's
+configurations are loaded side by side and take turns on each prompt (a machine's drift
+reaches them alike); llama.cpp's run after them.
 ``--batch-invariant`` adds lucepy plain and DFlash 16 with RuntimeConfig.batch_invariant (the
 second's ``same`` against the first's tokens).
 """
@@ -21,11 +23,13 @@ second's ``same`` against the first's tokens).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -64,34 +68,56 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
-def lucepy_runs(
-    args, prompts, draft: Path | None, sampling=None, verify_len="fixed", invariant=False
-) -> list:
-    cfg = RuntimeConfig(
-        device=args.device,
-        draft=str(draft) if draft else None,
-        threads=args.threads,
-        verify_len=verify_len,
-        batch_invariant=invariant,
-    )
-    with Engine(args.model, cfg, tokenizer=False) as engine:
-        engine.generate(prompts[0], 8, stop_at_end=False)  # warm-up: graphs built once
-        runs = []
+@dataclass(frozen=True)
+class Side:
+    """One lucepy configuration of the rotation."""
+
+    name: str
+    draft: bool = False
+    verify_len: str = "fixed"
+    invariant: bool = False
+    sampling: SamplingParams | None = None
+
+
+def lucepy_runs(args, prompts, sides: list[Side]) -> dict[str, list[dict]]:
+    """Every side's runs, the sides loaded side by side and taking turns on each prompt, so
+    that a machine's drift over the run (the H200's host ran the same decode 15 % slower for
+    seconds at a time) reaches them alike."""
+    runs: dict[str, list[dict]] = {side.name: [] for side in sides}
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for side in sides:
+            cfg = RuntimeConfig(
+                device=args.device,
+                draft=str(args.draft) if side.draft else None,
+                threads=args.threads,
+                verify_len=side.verify_len,
+                batch_invariant=side.invariant,
+            )
+            engine = stack.enter_context(Engine(args.model, cfg, tokenizer=False))
+            engine.generate(prompts[0], 8, stop_at_end=False)  # graphs built, lengths timed
+            engines.append(engine)
         for p in prompts:
-            t0 = time.perf_counter()
-            gen = engine.generate(p, args.tokens, stop_at_end=False, sampling=sampling)
-            wall = time.perf_counter() - t0
-            decode_s = wall - gen.timings.prefill_ms / 1e3
-            run = {"tokens": gen.tokens, "tok_s": (len(gen.tokens) - 1) / decode_s}
-            if gen.accept is not None:
-                run["histogram"] = gen.accept.histogram
-                run["drafted"] = gen.accept.drafted
-                run["step_ms"] = (gen.accept.draft_ms, gen.accept.verify_ms, decode_s * 1e3)
-            runs.append(run)
-        lengths = engine.verify_lengths()
-        if lengths is not None:  # the measured step costs and the rates reached
-            args.lengths = {"costs": lengths.costs.to_dict(), **lengths.to_dict()}
+            for side, engine in zip(sides, engines, strict=True):
+                runs[side.name].append(_run(engine, p, args.tokens, side.sampling))
+        for engine in engines:
+            lengths = engine.verify_lengths()
+            if lengths is not None:  # the measured step costs and the rates reached
+                args.lengths = {"costs": lengths.costs.to_dict(), **lengths.to_dict()}
     return runs
+
+
+def _run(engine, prompt, tokens: int, sampling) -> dict:
+    t0 = time.perf_counter()
+    gen = engine.generate(prompt, tokens, stop_at_end=False, sampling=sampling)
+    wall = time.perf_counter() - t0
+    decode_s = wall - gen.timings.prefill_ms / 1e3
+    run = {"tokens": gen.tokens, "tok_s": (len(gen.tokens) - 1) / decode_s}
+    if gen.accept is not None:
+        run["histogram"] = gen.accept.histogram
+        run["drafted"] = gen.accept.drafted
+        run["step_ms"] = (gen.accept.draft_ms, gen.accept.verify_ms, decode_s * 1e3)
+    return run
 
 
 def llama_runs(args, prompts, mode: str) -> list[dict]:
@@ -161,28 +187,35 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(res, indent=1) + "\n")
 
-    plain = lucepy_runs(args, prompts, None)
-    base = [r["tokens"] for r in plain]
-    record("lucepy plain", plain, base)
-    record("lucepy DFlash 16", lucepy_runs(args, prompts, args.draft), base)
+    sides = [
+        Side("lucepy plain"),
+        Side("lucepy DFlash 16", draft=True),
+        Side("lucepy DFlash auto", draft=True, verify_len="auto"),
+    ]
+    if args.batch_invariant:
+        sides += [
+            Side("lucepy plain, batch-invariant", invariant=True),
+            Side("lucepy DFlash 16, batch-invariant", draft=True, invariant=True),
+        ]
+    if args.temperature > 0:
+        sampling = SamplingParams(temperature=args.temperature, seed=0)
+        sides.append(Side(f"lucepy DFlash 16 T={args.temperature}", draft=True, sampling=sampling))
     args.lengths = None
-    record("lucepy DFlash auto", lucepy_runs(args, prompts, args.draft, None, "auto"), base)
+    runs = lucepy_runs(args, prompts, sides)
+    base = [r["tokens"] for r in runs["lucepy plain"]]
+    exact = runs.get("lucepy plain, batch-invariant")
+    for side in sides:
+        if side.sampling is not None:
+            against = None  # sampled: no greedy tokens to equal
+        elif side.invariant and side.draft:
+            against = [r["tokens"] for r in exact]
+        else:
+            against = base
+        record(side.name, runs[side.name], against)
     res["verify_lengths"] = args.lengths
     if args.llama_dflash:
         record("llama.cpp plain", llama_runs(args, prompts, "ar"), base)
         record("llama.cpp DFlash", llama_runs(args, prompts, "dflash"), base)
-    if args.batch_invariant:
-        exact = lucepy_runs(args, prompts, None, invariant=True)
-        record("lucepy plain, batch-invariant", exact, base)
-        runs = lucepy_runs(args, prompts, args.draft, invariant=True)
-        record("lucepy DFlash 16, batch-invariant", runs, [r["tokens"] for r in exact])
-    if args.temperature > 0:
-        sampling = SamplingParams(temperature=args.temperature, seed=0)
-        record(
-            f"lucepy DFlash 16 T={args.temperature}",
-            lucepy_runs(args, prompts, args.draft, sampling),
-            None,
-        )
     table = markdown(res)
     print(table)
     if args.json:

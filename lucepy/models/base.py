@@ -199,32 +199,47 @@ class Builder:
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return self.lib.ggml_mul(self.ctx, self.lib.ggml_rms_norm(self.ctx, x, eps), weight)
 
-    def part(self, t: Tensor, first: int, n: int) -> Tensor:
+    def part(self, t: Tensor, first: int, n: int, copy: bool = True) -> Tensor:
         """Rows ``first..first+n`` of a product [rows, T] of stacked weights
-        (``Architecture.stacked``) as a tensor [n, T] with rows back to back: a view for one
-        token, a copy for more (reshapes and some CUDA ops need them so)."""
+        (``Architecture.stacked``) as a tensor [n, T]: a view for one token or without
+        ``copy``, else a copy with rows back to back (reshapes and some CUDA ops need them
+        so)."""
         L, c = self.lib, self.ctx
         view = L.ggml_view_2d(c, t, n, t.ne[1], t.nb[1], first * L.ggml_element_size(t))
-        return view if t.ne[1] == 1 else L.ggml_cont(c, view)
+        return view if t.ne[1] == 1 or not copy else L.ggml_cont(c, view)
 
     def products(
-        self, w: dict, x: Tensor, b: str, rows: dict[str, int], stacks: dict[str, tuple[str, ...]]
+        self,
+        w: dict,
+        x: Tensor,
+        b: str,
+        rows: dict[str, int],
+        stacks: dict[str, tuple[str, ...]],
+        copy: bool = True,
     ) -> dict[str, Tensor]:
         """``x`` times layer ``b``'s weights ``rows`` (name -> its rows; the weight is
         ``b + name + ".weight"``), by name, one product per stack of them that the loader made
         (``stacks``: key -> the names stacked in row order; the stack is ``w[b + key]``,
-        ``Architecture.stack_all``)."""
+        ``Architecture.stack_all``). Without ``copy`` a stack's parts are views of its product
+        (rows ``nb[1]`` apart: ``heads`` takes them)."""
         out = {}
         for key, parts in stacks.items():
             if b + key in w and set(parts) <= set(rows) and not set(parts) & set(out):
                 y, first = self.lib.ggml_mul_mat(self.ctx, w[b + key], x), 0
                 for name in parts:
-                    out[name] = self.part(y, first, rows[name])
+                    out[name] = self.part(y, first, rows[name], copy)
                     first += rows[name]
         for name in rows:
             if name not in out:
                 out[name] = self.lib.ggml_mul_mat(self.ctx, w[f"{b}{name}.weight"], x)
         return out
+
+    def heads(self, t: Tensor, hd: int) -> Tensor:
+        """``t`` [hd * n, T] (its columns ``nb[1]`` apart, a stack's part) as [hd, n, T], a view:
+        ggml's rope and set_rows read such strides, so a verify copies no part."""
+        L = self.lib
+        es = L.ggml_element_size(t)
+        return L.ggml_view_3d(self.ctx, t, hd, t.ne[0] // hd, t.ne[1], es * hd, t.nb[1], 0)
 
     def swiglu_ffn(self, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
         L, c = self.lib, self.ctx

@@ -181,17 +181,15 @@ class Llama(Architecture):
         return out if bias is None else g.lib.ggml_add(g.ctx, out, bias)
 
     def _attention(self, g: Builder, w: dict, st: dict, il: int, x: Tensor) -> Tensor:
-        p, L, c, b, T = self.p, g.lib, g.ctx, f"blk.{il}.", x.ne[1]
+        p, b = self.p, f"blk.{il}."
         hd, nkv = p.head_dim, p.n_head_kv
         if b + _QKV in w:  # one product (no biases then): Q, K and V are parts of its rows
             rows = {"attn_q": hd * p.n_head, "attn_k": hd * nkv, "attn_v": hd * nkv}
-            y = g.products(w, x, b, rows, {_QKV: _QKV_PARTS})
+            y = g.products(w, x, b, rows, {_QKV: _QKV_PARTS}, copy=False)
             q, k, v = (y[m] for m in _QKV_PARTS)
         else:
             q, k, v = (self._proj(g, w, b + m, x) for m in _QKV_PARTS)
-        q = L.ggml_reshape_3d(c, q, hd, p.n_head, T)
-        k = L.ggml_reshape_3d(c, k, hd, nkv, T)
-        v = L.ggml_reshape_3d(c, v, hd, nkv, T)
+        q, k, v = (g.heads(t, hd) for t in (q, k, v))  # [hd, heads, T] views
         q, k = self._rope(g, w, q), self._rope(g, w, k)
         cache = self.kv_state(il)
         scale = p.attn_scale or 1.0 / math.sqrt(hd)

@@ -30,6 +30,32 @@ constexpr int MAX_COLS = 16;  // one column: gemv; 3 to 16: gemm (a DFlash verif
 // model on the H200 in 11.6 ms against gemm's 13.1; 3 columns gemm: 12.6 against ggml's 12.4
 // ms on Q4_0, 14.6 against 16.1 on Q4_K_M (docs/BENCHMARKS.md).
 constexpr int MIN_GEMM_COLS = 3;
+// Up to GGML_VECTOR_COLS columns (ggml's MMVQ_MAX_BATCH_SIZE), a product too small to give gemm
+// a CTA for each of the GPU's multiprocessors (row tiles times the most parts its pieces allow)
+// is ggml's too: there its vector kernel is faster (SmolLM2-135M's products of 576-1,536 rows,
+// 9-24 row tiles, verified 3 and 4 tokens in 1.81 and 1.86 ms on gemm against 1.70 and 1.71 on
+// ggml's on the H200; docs/BENCHMARKS.md). The 27B-shaped model's products all have enough.
+constexpr int GGML_VECTOR_COLS = 8;
+
+bool gemm_fills(int64_t nrows, int64_t npieces, int device) {
+    const int64_t tiles = (nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
+    const int64_t chunks = (npieces + gemm_chunk<Q4_0>() - 1) / gemm_chunk<Q4_0>();
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(16, chunks / 2));
+    return tiles * parts >= ggml_cuda_info().devices[device].nsm;
+}
+
+// whether lucepy's kernels take a product of `ncols` columns with this weight (as far as its
+// columns and size decide)
+bool takes_cols(const ggml_tensor * src0, int64_t ncols, int device) {
+    if (ncols == 1) {
+        return true;
+    }
+    if (ncols < MIN_GEMM_COLS || ncols > MAX_COLS) {
+        return false;
+    }
+    return ncols > GGML_VECTOR_COLS || gemm_fills(src0->ne[1], src0->ne[0] / 32, device);
+}
+
 constexpr int SLOTS = 4;     // quantized activations kept per context and graph
 
 // --- host side ----------------------------------------------------------------------------------
@@ -90,6 +116,7 @@ void scan(ContextState & st);  // what the hooks ask of the graph, learnt once a
 struct ContextState {
     uint64_t graph = 1;
     uint64_t clock = 0;
+    int device = 0;
     Kept slot[SLOTS];
     std::vector<uint8_t *> retired;
     const ggml_cgraph * cgraph = nullptr;  // the graph being computed
@@ -116,9 +143,11 @@ struct ContextState {
         return members.count(t) != 0;
     }
 
-    // `g` begins: nothing learnt of it yet, and what was kept for the graph before is stale
-    void begin(const ggml_cgraph * g) {
+    // `g` begins on `dev`: nothing learnt of it yet, and what was kept for the graph before is
+    // stale
+    void begin(const ggml_cgraph * g, int dev) {
         graph++;
+        device = dev;
         cgraph = g;
         scanned = false;
         members.clear();
@@ -448,7 +477,7 @@ void scan(ContextState & st) {
         }
         const ggml_tensor * src1 = node->src[1];
         const int64_t ncols = src1->ne[1];
-        if (ncols != 1 && (ncols < MIN_GEMM_COLS || ncols > MAX_COLS)) {
+        if (!takes_cols(node->src[0], ncols, st.device)) {
             continue;
         }
         const ggml_tensor * from = src1;  // a reshape's products read its source's bytes
@@ -497,7 +526,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     if (!shapes || !layouts || !weights || !GGML_CUDA_CC_IS_NVIDIA(cc) || cc < GGML_CUDA_CC_DP4A) {
         return false;
     }
-    if (ncols > 1 && ncols < MIN_GEMM_COLS) {
+    if (!takes_cols(src0, ncols, ctx.device)) {
         return false;
     }
     const ggml_tensor * gate = fusion ? fusion->gate : nullptr;
@@ -1216,7 +1245,7 @@ void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph 
     if (!lucepy::enabled(ctx.device)) {
         return;
     }
-    lucepy::state_of(ctx).begin(cgraph);
+    lucepy::state_of(ctx).begin(cgraph, ctx.device);
 }
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx) {
