@@ -46,7 +46,8 @@
 # llama-bench of the unpatched build (with "build-ggml" skipped: lucepy's build, made with
 # llama-bench and llama-quantize, its kernels off), and the CUPTI trace of a decode token with
 # each; adds kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json; GPU_RUN_TRACE_VERIFY=K
-# also traces a K-token verify with each).
+# also traces a K-token verify with each; GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M,
+# in place of Q4_K_M; "llama-q4_0 kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
 # runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with
@@ -386,11 +387,12 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
                 --json "$OUTDIR/trace-verify$choice.json" || true
         fi
     done
-    MODEL_K=${MODEL%-q4_0.gguf}-q4_k_m.gguf
+    QUANT=${GPU_RUN_REQUANT:-Q4_K_M}
+    MODEL_K=${MODEL%-q4_0.gguf}-${QUANT,,}.gguf
     step requantize 240 "$BENCHLOG" sh -c "test -f '$MODEL_K' || { '$LLAMA_BIN/llama-quantize' \
-        --allow-requantize '$MODEL' '$MODEL_K.part' Q4_K_M 16 && \
+        --allow-requantize '$MODEL' '$MODEL_K.part' $QUANT 16 && \
         mv '$MODEL_K.part' '$MODEL_K'; }" || true
-    if [[ -f $MODEL_K ]]; then kernels_bench "$MODEL_K" q4_k_m; fi
+    if [[ -f $MODEL_K ]]; then kernels_bench "$MODEL_K" "${QUANT,,}"; fi
 fi
 
 THREADS=${GPU_RUN_THREADS:-8}

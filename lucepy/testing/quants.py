@@ -17,6 +17,7 @@ KINDS = {
     "q6_k": (TYPES["GGML_TYPE_Q6_K"], 3),
     "q4_1": (TYPES["GGML_TYPE_Q4_1"], 4),
     "q5_1": (TYPES["GGML_TYPE_Q5_1"], 5),
+    "q5_k": (TYPES["GGML_TYPE_Q5_K"], 6),
 }
 
 

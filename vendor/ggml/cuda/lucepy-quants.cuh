@@ -6,8 +6,8 @@
 // A piece is 32 consecutive weights of a row. Its value i (0..31) is
 //     scale[i / 16] * q[i] - bias
 // with q[i] a signed byte packed four to an int (q[0] holds values 0..3, q[7] values 28..31).
-// Q4_0, Q8_0, Q4_1 and Q5_1 have one piece per block; Q4_K and Q6_K have eight per 256-value
-// super-block.
+// Q4_0, Q8_0, Q4_1 and Q5_1 have one piece per block; Q4_K, Q5_K and Q6_K have eight per
+// 256-value super-block.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +22,7 @@
 
 namespace lucepy {
 
-enum Kind : int { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3, Q4_1 = 4, Q5_1 = 5 };
+enum Kind : int { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3, Q4_1 = 4, Q5_1 = 5, Q5_K = 6 };
 
 // bytes of one quant block, and pieces (32 values) per block
 template <int K> struct Layout;
@@ -32,10 +32,11 @@ template <> struct Layout<Q4_K> { static constexpr int bytes = 144, pieces = 8; 
 template <> struct Layout<Q6_K> { static constexpr int bytes = 210, pieces = 8; };
 template <> struct Layout<Q4_1> { static constexpr int bytes = 20, pieces = 1; };
 template <> struct Layout<Q5_1> { static constexpr int bytes = 24, pieces = 1; };
+template <> struct Layout<Q5_K> { static constexpr int bytes = 176, pieces = 8; };
 
-// whether a kind's values carry a bias (a min: Q4_K's, Q4_1's and Q5_1's)
+// whether a kind's values carry a bias (a min: Q4_K's, Q5_K's, Q4_1's and Q5_1's)
 template <int K> LUCEPY_HD constexpr bool biased() {
-    return K == Q4_K || K == Q4_1 || K == Q5_1;
+    return K == Q4_K || K == Q5_K || K == Q4_1 || K == Q5_1;
 }
 
 struct Piece {
@@ -143,6 +144,7 @@ template <> LUCEPY_HD void ints<Q8_0>(const uint8_t * b, int, int t, int & lo, i
 
 // Q4_K: half d, half dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles. Pieces 2g and
 // 2g + 1 share bytes 32g..32g+31 (low nibbles, then high ones); piece j is d*sc[j]*q - dmin*m[j].
+// (Q5_K's first 16 bytes are the same.)
 template <> LUCEPY_HD Scales scales<Q4_K>(const uint8_t * b, int at) {
     const uint8_t * sm = b + 4;
     int sc, m;
@@ -194,6 +196,22 @@ template <> LUCEPY_HD void ints<Q5_1>(const uint8_t * b, int, int t, int & lo, i
     const int v = load_a4(b + 8 + 4 * t);
     lo = (v & 0x0F0F0F0F) | spread_to_bit4(qh >> (4 * t));
     hi = ((v >> 4) & 0x0F0F0F0F) | spread_to_bit4(qh >> (16 + 4 * t));
+}
+
+// Q5_K: Q4_K's d, dmin and scales, then 32 bytes qh (bit j of byte l: value l's fifth bit in
+// piece j), then Q4_K's 128 bytes of nibbles; piece j is d*sc[j]*q - dmin*m[j], q of 0..31. 176
+// bytes: blocks keep a row's 16-byte alignment.
+template <> LUCEPY_HD Scales scales<Q5_K>(const uint8_t * b, int at) {
+    return scales<Q4_K>(b, at);
+}
+
+template <> LUCEPY_HD void ints<Q5_K>(const uint8_t * b, int at, int t, int & lo, int & hi) {
+    const uint8_t * qs = b + 48 + 32 * (at / 2);
+    const int shift = 4 * (at % 2);
+    const int high_lo = ((load_a4(b + 16 + 4 * t) >> at) & 0x01010101) << 4;
+    const int high_hi = ((load_a4(b + 32 + 4 * t) >> at) & 0x01010101) << 4;
+    lo = ((load_a4(qs + 4 * t) >> shift) & 0x0F0F0F0F) | high_lo;
+    hi = ((load_a4(qs + 16 + 4 * t) >> shift) & 0x0F0F0F0F) | high_hi;
 }
 
 // Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales (one per 16 values),
