@@ -371,9 +371,11 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
             true
         step "kernels-$2" 300 "$BENCHLOG" python3 tools/bench_kernels.py measure "$1" \
             --device "$DEVICE" --json "$OUTDIR/kernels-$2.json" || true
-        python3 tools/bench_kernels.py report "$OUTDIR/kernels-$2.json" \
-            --llama-bench "$OUTDIR/llama-bench-$2.json" --llama-build "$LLAMA_BUILD" \
-            >>"$OUTDIR/kernels.md" 2>&1 || true
+        if [[ -f $OUTDIR/kernels-$2.json ]]; then
+            python3 tools/bench_kernels.py report "$OUTDIR/kernels-$2.json" \
+                --llama-bench "$OUTDIR/llama-bench-$2.json" --llama-build "$LLAMA_BUILD" \
+                >>"$OUTDIR/kernels.md" 2>&1 || true
+        fi
     }
     kernels_bench "$MODEL" q4_0
     for choice in 1 0; do
