@@ -18,6 +18,7 @@ KINDS = {
     "q4_1": (TYPES["GGML_TYPE_Q4_1"], 4),
     "q5_1": (TYPES["GGML_TYPE_Q5_1"], 5),
     "q5_k": (TYPES["GGML_TYPE_Q5_K"], 6),
+    "iq4_xs": (TYPES["GGML_TYPE_IQ4_XS"], 7),
 }
 
 

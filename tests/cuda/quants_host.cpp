@@ -26,6 +26,7 @@ static int row_bytes(int kind, int pieces) {
         case Q4_1: return pieces * Layout<Q4_1>::bytes;
         case Q5_1: return pieces * Layout<Q5_1>::bytes;
         case Q5_K: return pieces / 8 * Layout<Q5_K>::bytes;
+        case IQ4_XS: return pieces / 8 * Layout<IQ4_XS>::bytes;
         default: return pieces / 8 * Layout<Q6_K>::bytes;
     }
 }
@@ -56,6 +57,9 @@ int main() {
                 case Q4_1: out.push_back(piece_dot<Q4_1>(row, p, xq.data(), ds.data())); break;
                 case Q5_1: out.push_back(piece_dot<Q5_1>(row, p, xq.data(), ds.data())); break;
                 case Q5_K: out.push_back(piece_dot<Q5_K>(row, p, xq.data(), ds.data())); break;
+                case IQ4_XS:
+                    out.push_back(piece_dot<IQ4_XS>(row, p, xq.data(), ds.data()));
+                    break;
                 default: out.push_back(piece_dot<Q6_K>(row, p, xq.data(), ds.data())); break;
             }
         }

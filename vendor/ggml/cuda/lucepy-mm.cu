@@ -401,6 +401,7 @@ bool fits(int kind, int64_t npieces, int device) {
         case Q4_1: smem = most_smem<Q4_1>(npieces); break;
         case Q5_1: smem = most_smem<Q5_1>(npieces); break;
         case Q5_K: smem = most_smem<Q5_K>(npieces); break;
+        case IQ4_XS: smem = most_smem<IQ4_XS>(npieces); break;
         default: smem = most_smem<Q6_K>(npieces); break;
     }
     return size_t(smem) <= ggml_cuda_info().devices[device].smpbo;
@@ -415,6 +416,7 @@ bool kind_of(ggml_type type, int & kind, int & chunk) {
         case GGML_TYPE_Q4_1: kind = Q4_1; chunk = Gv<Q4_1, false, 1, 16>::bytes; return true;
         case GGML_TYPE_Q5_1: kind = Q5_1; chunk = Gv<Q5_1, false, 1, 16>::bytes; return true;
         case GGML_TYPE_Q5_K: kind = Q5_K; chunk = Gv<Q5_K, false, 1, 16>::bytes; return true;
+        case GGML_TYPE_IQ4_XS: kind = IQ4_XS; chunk = Gv<IQ4_XS, false, 1, 16>::bytes; return true;
         default: return false;
     }
 }
@@ -511,7 +513,8 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         return false;
     }
     const int64_t ncols = src1->ne[1];
-    const int64_t pieces_per_block = (kind == Q4_K || kind == Q5_K || kind == Q6_K) ? 8 : 1;
+    const int64_t pieces_per_block =
+        (kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == IQ4_XS) ? 8 : 1;
     const bool shapes = ncols >= 1 && ncols <= MAX_COLS && src1->ne[0] == src0->ne[0] &&
                         src0->ne[0] % (32 * pieces_per_block) == 0 && src0->ne[1] < INT32_MAX &&
                         src0->ne[0] / 32 < INT32_MAX && dst->ne[0] == src0->ne[1] &&
@@ -581,6 +584,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
             case Q4_1: run_gemm<Q4_1>(ctx, g); break;
             case Q5_1: run_gemm<Q5_1>(ctx, g); break;
             case Q5_K: run_gemm<Q5_K>(ctx, g); break;
+            case IQ4_XS: run_gemm<IQ4_XS>(ctx, g); break;
             default: run_gemm<Q6_K>(ctx, g); break;
         }
         g_calls.fetch_add(1, std::memory_order_relaxed);
@@ -617,6 +621,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         case Q4_1: run = pick<Q4_1>(gate != nullptr, unit); break;
         case Q5_1: run = pick<Q5_1>(gate != nullptr, unit); break;
         case Q5_K: run = pick<Q5_K>(gate != nullptr, unit); break;
+        case IQ4_XS: run = pick<IQ4_XS>(gate != nullptr, unit); break;
         default: run = pick<Q6_K>(gate != nullptr, unit); break;
     }
     run(a, stream, ctx.device);

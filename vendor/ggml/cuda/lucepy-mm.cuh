@@ -1,6 +1,6 @@
 // lucepy's own kernels (issue 19, decision 12), hooked into the pinned ggml-cuda by hooks.patch:
-// a quantized weight matrix (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, and Q4_1 and Q5_1: SmolLM2's and its
-// draft's) times 1 or 3 to 16 columns of f32
+// a quantized weight matrix (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, and Q4_1 and Q5_1: SmolLM2's
+// and its draft's) times 1 or 3 to 16 columns of f32
 // activations, and some of the small ops around those products.
 #pragma once
 

@@ -6,7 +6,7 @@
 // A piece is 32 consecutive weights of a row. Its value i (0..31) is
 //     scale[i / 16] * q[i] - bias
 // with q[i] a signed byte packed four to an int (q[0] holds values 0..3, q[7] values 28..31).
-// Q4_0, Q8_0, Q4_1 and Q5_1 have one piece per block; Q4_K, Q5_K and Q6_K have eight per
+// Q4_0, Q8_0, Q4_1 and Q5_1 have one piece per block; Q4_K, Q5_K, Q6_K and IQ4_XS have eight per
 // 256-value super-block.
 #pragma once
 
@@ -22,7 +22,9 @@
 
 namespace lucepy {
 
-enum Kind : int { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3, Q4_1 = 4, Q5_1 = 5, Q5_K = 6 };
+enum Kind : int {
+    Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3, Q4_1 = 4, Q5_1 = 5, Q5_K = 6, IQ4_XS = 7
+};
 
 // bytes of one quant block, and pieces (32 values) per block
 template <int K> struct Layout;
@@ -33,6 +35,7 @@ template <> struct Layout<Q6_K> { static constexpr int bytes = 210, pieces = 8; 
 template <> struct Layout<Q4_1> { static constexpr int bytes = 20, pieces = 1; };
 template <> struct Layout<Q5_1> { static constexpr int bytes = 24, pieces = 1; };
 template <> struct Layout<Q5_K> { static constexpr int bytes = 176, pieces = 8; };
+template <> struct Layout<IQ4_XS> { static constexpr int bytes = 136, pieces = 8; };
 
 // whether a kind's values carry a bias (a min: Q4_K's, Q5_K's, Q4_1's and Q5_1's)
 template <int K> LUCEPY_HD constexpr bool biased() {
@@ -212,6 +215,43 @@ template <> LUCEPY_HD void ints<Q5_K>(const uint8_t * b, int at, int t, int & lo
     const int high_hi = ((load_a4(b + 32 + 4 * t) >> at) & 0x01010101) << 4;
     lo = ((load_a4(qs + 4 * t) >> shift) & 0x0F0F0F0F) | high_lo;
     hi = ((load_a4(qs + 16 + 4 * t) >> shift) & 0x0F0F0F0F) | high_hi;
+}
+
+// IQ4_XS: half d, 16 bits of scales' high pairs, 4 bytes of scales' low nibbles, 128 bytes of
+// nibbles that index a table of 16 signed values (ggml's kvalues_iq4nl); piece j holds bytes
+// 16j..16j+15 as Q4_0 holds its 16 (low nibbles values 0..15, high ones 16..31) and its scale is
+// d * (6-bit s_j - 32). Blocks of 136 bytes sit at 8-byte alignment where rows do.
+LUCEPY_HD int iq4nl_values(uint32_t nibbles) {  // four bytes of 0..15 to their table values
+#if defined(__CUDA_ARCH__)
+    const uint32_t x = nibbles & 0x07070707u;  // each byte's place among 8 table bytes
+    const uint32_t packed = x | (x >> 4);
+    const uint32_t sel = (packed & 0xFFu) | ((packed >> 8) & 0xFF00u);
+    const uint32_t low = __byte_perm(0xBFAD9881u, 0xF6EADDCFu, sel);   // -127 .. -10
+    const uint32_t high = __byte_perm(0x26190D01u, 0x71594535u, sel);  // 1 .. 113
+    const uint32_t upper = ((nibbles & 0x08080808u) >> 3) * 0xFFu;     // bytes of 8..15
+    return int((low & ~upper) | (high & upper));
+#else
+    static const int8_t table[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                     1,    13,   25,  38,  53,  69,  89,  113};
+    uint32_t out = 0;
+    for (int i = 0; i < 4; i++) {
+        out |= uint32_t(uint8_t(table[(nibbles >> (8 * i)) & 15])) << (8 * i);
+    }
+    return int(out);
+#endif
+}
+
+template <> LUCEPY_HD Scales scales<IQ4_XS>(const uint8_t * b, int at) {
+    const int high = (int(b[2] | (b[3] << 8)) >> (2 * at)) & 3;
+    const int low = (b[4 + at / 2] >> (4 * (at % 2))) & 15;
+    const float s = load_half(b) * float((low | (high << 4)) - 32);
+    return {s, s, 0.0f};
+}
+
+template <> LUCEPY_HD void ints<IQ4_XS>(const uint8_t * b, int at, int t, int & lo, int & hi) {
+    const uint32_t v = uint32_t(load_a2(b + 8 + 16 * at + 4 * t));
+    lo = iq4nl_values(v & 0x0F0F0F0Fu);
+    hi = iq4nl_values((v >> 4) & 0x0F0F0F0Fu);
 }
 
 // Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales (one per 16 values),
