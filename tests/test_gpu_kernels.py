@@ -1,8 +1,8 @@
 """GPU tier of issue 19: lucepy's own CUDA kernels (a build of `lucepy backends build cuda`) for
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, Q4_1 and Q5_1 times 1 to 16 columns (`gemv` one, `gemm` 3 to 16,
-ggml's two), against the exact math on the same rounded weights, within the bound of the GPU
-parity tests (no further from it than twice ggml's own kernels on the same GPU), and against
-themselves where one graph shares its activations.
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_1 and Q5_1 times 1 to 16 columns (`gemv` one, `gemm`
+3 to 16, ggml's two), against the exact math on the same rounded weights, within the bound of
+the GPU parity tests (no further from it than twice ggml's own kernels on the same GPU), and
+against themselves where one graph shares its activations.
 Skipped where the loaded ggml has no GPU (tests/conftest.py); tools/gpu_run.sh runs them."""
 
 from __future__ import annotations
