@@ -6,7 +6,8 @@
 // those counts of columns (stages, warps, parts) against gemv's one column.
 //
 //     nvcc -O3 -std=c++17 -arch=sm_90 -o bench-kernels bench-kernels.cu
-//     ./bench-kernels [--quick] [--kind q4_0|q4_K|q8_0|q6_K] [--shape NAME] [--cols 2,4,8,16]
+//     ./bench-kernels [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16]
+//     (KIND: q4_0, q4_K, q8_0, q6_K by default; also q5_K, iq4_xs, q4_1, q5_1 when named)
 //     BENCH_ONCE=1 ncu --kernel-name regex:gemv ./bench-kernels --quick --shape ffn_down
 //
 // The weights are random bytes with finite scales, several copies of each matrix in turn so that
@@ -43,15 +44,33 @@ using namespace lucepy;
 namespace {
 
 const char * kind_name(int k) {
-    return k == Q4_0 ? "q4_0" : k == Q8_0 ? "q8_0" : k == Q4_K ? "q4_K" : "q6_K";
+    switch (k) {
+        case Q4_0: return "q4_0";
+        case Q8_0: return "q8_0";
+        case Q4_K: return "q4_K";
+        case Q6_K: return "q6_K";
+        case Q4_1: return "q4_1";
+        case Q5_1: return "q5_1";
+        case Q5_K: return "q5_K";
+        default: return "iq4_xs";
+    }
 }
 
 int block_bytes(int k) {
-    return k == Q4_0 ? 18 : k == Q8_0 ? 34 : k == Q4_K ? 144 : 210;
+    switch (k) {
+        case Q4_0: return Layout<Q4_0>::bytes;
+        case Q8_0: return Layout<Q8_0>::bytes;
+        case Q4_K: return Layout<Q4_K>::bytes;
+        case Q6_K: return Layout<Q6_K>::bytes;
+        case Q4_1: return Layout<Q4_1>::bytes;
+        case Q5_1: return Layout<Q5_1>::bytes;
+        case Q5_K: return Layout<Q5_K>::bytes;
+        default: return Layout<IQ4_XS>::bytes;
+    }
 }
 
 int block_values(int k) {
-    return k == Q4_0 || k == Q8_0 ? 32 : 256;
+    return k == Q4_K || k == Q6_K || k == Q5_K || k == IQ4_XS ? 256 : 32;
 }
 
 void put_half(uint8_t * p, float v) {
@@ -68,9 +87,14 @@ void fill_block(int k, uint8_t * b, std::mt19937 & rng) {
     }
     if (k == Q4_0 || k == Q8_0) {
         put_half(b, scale(rng));
-    } else if (k == Q4_K) {
+    } else if (k == Q4_1 || k == Q5_1) {
+        put_half(b, scale(rng));
+        put_half(b + 2, -scale(rng));
+    } else if (k == Q4_K || k == Q5_K) {
         put_half(b, scale(rng) / 16);
         put_half(b + 2, scale(rng) / 16);
+    } else if (k == IQ4_XS) {
+        put_half(b, scale(rng) / 64);
     } else {
         put_half(b + 208, scale(rng) / 16);
     }
@@ -98,6 +122,10 @@ float host_dot(int k, const uint8_t * row, int npieces, const int8_t * xq, const
         case Q4_0: return host_dot_row<Q4_0>(row, npieces, xq, xds);
         case Q8_0: return host_dot_row<Q8_0>(row, npieces, xq, xds);
         case Q4_K: return host_dot_row<Q4_K>(row, npieces, xq, xds);
+        case Q4_1: return host_dot_row<Q4_1>(row, npieces, xq, xds);
+        case Q5_1: return host_dot_row<Q5_1>(row, npieces, xq, xds);
+        case Q5_K: return host_dot_row<Q5_K>(row, npieces, xq, xds);
+        case IQ4_XS: return host_dot_row<IQ4_XS>(row, npieces, xq, xds);
         default: return host_dot_row<Q6_K>(row, npieces, xq, xds);
     }
 }
@@ -195,6 +223,10 @@ std::vector<Variant> variants_of(int k, bool gate, int unit) {
         case Q4_0: return variants<Q4_0>(gate, unit);
         case Q8_0: return variants<Q8_0>(gate, unit);
         case Q4_K: return variants<Q4_K>(gate, unit);
+        case Q4_1: return variants<Q4_1>(gate, unit);
+        case Q5_1: return variants<Q5_1>(gate, unit);
+        case Q5_K: return variants<Q5_K>(gate, unit);
+        case IQ4_XS: return variants<IQ4_XS>(gate, unit);
         default: return variants<Q6_K>(gate, unit);
     }
 }
@@ -382,6 +414,10 @@ double host_gemm(int k, const uint8_t * row, int npieces, const float * xr) {
         case Q4_0: return host_gemm_row<Q4_0>(row, npieces, xr);
         case Q8_0: return host_gemm_row<Q8_0>(row, npieces, xr);
         case Q4_K: return host_gemm_row<Q4_K>(row, npieces, xr);
+        case Q4_1: return host_gemm_row<Q4_1>(row, npieces, xr);
+        case Q5_1: return host_gemm_row<Q5_1>(row, npieces, xr);
+        case Q5_K: return host_gemm_row<Q5_K>(row, npieces, xr);
+        case IQ4_XS: return host_gemm_row<IQ4_XS>(row, npieces, xr);
         default: return host_gemm_row<Q6_K>(row, npieces, xr);
     }
 }
@@ -441,6 +477,10 @@ std::vector<GemmVariant> gemm_variants_of(int k, int ncols) {
         case Q4_0: return gemm_variants<Q4_0>(ncols);
         case Q8_0: return gemm_variants<Q8_0>(ncols);
         case Q4_K: return gemm_variants<Q4_K>(ncols);
+        case Q4_1: return gemm_variants<Q4_1>(ncols);
+        case Q5_1: return gemm_variants<Q5_1>(ncols);
+        case Q5_K: return gemm_variants<Q5_K>(ncols);
+        case IQ4_XS: return gemm_variants<IQ4_XS>(ncols);
         default: return gemm_variants<Q6_K>(ncols);
     }
 }
@@ -629,7 +669,11 @@ int main(int argc, char ** argv) {
         {"attn_k", 5120, 1024, false},
         {"output", 5120, 248320, false},
     };
-    for (int k : {Q4_0, Q4_K, Q8_0, Q6_K}) {
+    for (int k : {Q4_0, Q4_K, Q8_0, Q6_K, Q5_K, IQ4_XS, Q4_1, Q5_1}) {
+        const bool more = k == Q5_K || k == IQ4_XS || k == Q4_1 || k == Q5_1;
+        if (more && !only_kind) {
+            continue;  // the types beyond the 27B-shaped Q4_0 and Q4_K_M files: when named
+        }
         for (const Shape & sh : shapes) {
             if ((sh.rows > 100000 && k != Q6_K) || (quick && k == Q8_0)) {
                 continue;  // the output head is Q6_K in the Q4_0 and Q4_K_M files
