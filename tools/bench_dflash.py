@@ -53,10 +53,9 @@ def summary(runs: list[dict], plain: list[list[int]] | None) -> dict:
         out["tau"] = round(float((hist * np.arange(hist.size)).sum() + steps) / steps, 3)
         out["histogram"] = hist.tolist()
         out["mean_k"] = round(1 + sum(r["drafted"] for r in runs) / steps, 2)
-    steps = int(np.sum([r.get("histogram", 0) for r in runs]))
-    if runs[0].get("step_ms") is not None and steps:  # where a step's time goes, over prompts
+        # where a step's time goes: the draft's pass; verify, commit and injection; the rest
         draft, verify, wall = np.sum([r["step_ms"] for r in runs], axis=0)
-        out["ms_a_step"] = {  # the draft's pass; verify, commit and injection; the rest
+        out["ms_a_step"] = {
             "draft": round(draft / steps, 4),
             "verify": round(verify / steps, 4),
             "other": round((wall - draft - verify) / steps, 4),

@@ -121,11 +121,10 @@ class VerifyLength:
         }
 
 
-def median_s(run: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``run`` over ``repeats`` runs after ``warmup`` untimed ones (graph
-    builds and first touches are not what is measured). lucepy's benchmarks time with it too."""
-    for _ in range(warmup):
-        run()
+def median_s(run: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``run`` over ``repeats`` runs after one untimed warm-up (graph builds
+    and first touches are not what is measured). lucepy's benchmarks time with it too."""
+    run()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -19,16 +19,10 @@ template <int K> static float piece_dot(const uint8_t * row, int piece, const in
 }
 
 static int row_bytes(int kind, int pieces) {
-    switch (kind) {
-        case Q4_0: return pieces * Layout<Q4_0>::bytes;
-        case Q8_0: return pieces * Layout<Q8_0>::bytes;
-        case Q4_K: return pieces / 8 * Layout<Q4_K>::bytes;
-        case Q4_1: return pieces * Layout<Q4_1>::bytes;
-        case Q5_1: return pieces * Layout<Q5_1>::bytes;
-        case Q5_K: return pieces / 8 * Layout<Q5_K>::bytes;
-        case IQ4_XS: return pieces / 8 * Layout<IQ4_XS>::bytes;
-        default: return pieces / 8 * Layout<Q6_K>::bytes;
-    }
+    return with_kind(kind, [&](auto k) {
+        using L = Layout<decltype(k)::value>;
+        return pieces / L::pieces * L::bytes;
+    });
 }
 
 int main() {
@@ -50,18 +44,9 @@ int main() {
     for (int r = 0; r < rows; r++) {
         const uint8_t * row = w.data() + size_t(r) * rb;
         for (int p = 0; p < pieces; p++) {
-            switch (kind) {
-                case Q4_0: out.push_back(piece_dot<Q4_0>(row, p, xq.data(), ds.data())); break;
-                case Q8_0: out.push_back(piece_dot<Q8_0>(row, p, xq.data(), ds.data())); break;
-                case Q4_K: out.push_back(piece_dot<Q4_K>(row, p, xq.data(), ds.data())); break;
-                case Q4_1: out.push_back(piece_dot<Q4_1>(row, p, xq.data(), ds.data())); break;
-                case Q5_1: out.push_back(piece_dot<Q5_1>(row, p, xq.data(), ds.data())); break;
-                case Q5_K: out.push_back(piece_dot<Q5_K>(row, p, xq.data(), ds.data())); break;
-                case IQ4_XS:
-                    out.push_back(piece_dot<IQ4_XS>(row, p, xq.data(), ds.data()));
-                    break;
-                default: out.push_back(piece_dot<Q6_K>(row, p, xq.data(), ds.data())); break;
-            }
+            out.push_back(with_kind(kind, [&](auto k) {
+                return piece_dot<decltype(k)::value>(row, p, xq.data(), ds.data());
+            }));
         }
     }
     fwrite(out.data(), sizeof(float), out.size(), stdout);

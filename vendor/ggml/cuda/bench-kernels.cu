@@ -57,20 +57,11 @@ const char * kind_name(int k) {
 }
 
 int block_bytes(int k) {
-    switch (k) {
-        case Q4_0: return Layout<Q4_0>::bytes;
-        case Q8_0: return Layout<Q8_0>::bytes;
-        case Q4_K: return Layout<Q4_K>::bytes;
-        case Q6_K: return Layout<Q6_K>::bytes;
-        case Q4_1: return Layout<Q4_1>::bytes;
-        case Q5_1: return Layout<Q5_1>::bytes;
-        case Q5_K: return Layout<Q5_K>::bytes;
-        default: return Layout<IQ4_XS>::bytes;
-    }
+    return with_kind(k, [](auto kk) { return Layout<decltype(kk)::value>::bytes; });
 }
 
 int block_values(int k) {
-    return k == Q4_K || k == Q6_K || k == Q5_K || k == IQ4_XS ? 256 : 32;
+    return with_kind(k, [](auto kk) { return 32 * Layout<decltype(kk)::value>::pieces; });
 }
 
 void put_half(uint8_t * p, float v) {
@@ -118,16 +109,9 @@ float host_dot_row(const uint8_t * row, int npieces, const int8_t * xq, const fl
 }
 
 float host_dot(int k, const uint8_t * row, int npieces, const int8_t * xq, const float2 * xds) {
-    switch (k) {
-        case Q4_0: return host_dot_row<Q4_0>(row, npieces, xq, xds);
-        case Q8_0: return host_dot_row<Q8_0>(row, npieces, xq, xds);
-        case Q4_K: return host_dot_row<Q4_K>(row, npieces, xq, xds);
-        case Q4_1: return host_dot_row<Q4_1>(row, npieces, xq, xds);
-        case Q5_1: return host_dot_row<Q5_1>(row, npieces, xq, xds);
-        case Q5_K: return host_dot_row<Q5_K>(row, npieces, xq, xds);
-        case IQ4_XS: return host_dot_row<IQ4_XS>(row, npieces, xq, xds);
-        default: return host_dot_row<Q6_K>(row, npieces, xq, xds);
-    }
+    return with_kind(k, [&](auto kk) {
+        return host_dot_row<decltype(kk)::value>(row, npieces, xq, xds);
+    });
 }
 
 float host_glu(int op, float x, float g) {
@@ -219,16 +203,7 @@ template <int K> std::vector<Variant> variants(bool gate, int unit) {
 }
 
 std::vector<Variant> variants_of(int k, bool gate, int unit) {
-    switch (k) {
-        case Q4_0: return variants<Q4_0>(gate, unit);
-        case Q8_0: return variants<Q8_0>(gate, unit);
-        case Q4_K: return variants<Q4_K>(gate, unit);
-        case Q4_1: return variants<Q4_1>(gate, unit);
-        case Q5_1: return variants<Q5_1>(gate, unit);
-        case Q5_K: return variants<Q5_K>(gate, unit);
-        case IQ4_XS: return variants<IQ4_XS>(gate, unit);
-        default: return variants<Q6_K>(gate, unit);
-    }
+    return with_kind(k, [&](auto kk) { return variants<decltype(kk)::value>(gate, unit); });
 }
 
 float median(std::vector<float> v) {
@@ -410,16 +385,9 @@ double host_gemm_row(const uint8_t * row, int npieces, const float * xr) {
 }
 
 double host_gemm(int k, const uint8_t * row, int npieces, const float * xr) {
-    switch (k) {
-        case Q4_0: return host_gemm_row<Q4_0>(row, npieces, xr);
-        case Q8_0: return host_gemm_row<Q8_0>(row, npieces, xr);
-        case Q4_K: return host_gemm_row<Q4_K>(row, npieces, xr);
-        case Q4_1: return host_gemm_row<Q4_1>(row, npieces, xr);
-        case Q5_1: return host_gemm_row<Q5_1>(row, npieces, xr);
-        case Q5_K: return host_gemm_row<Q5_K>(row, npieces, xr);
-        case IQ4_XS: return host_gemm_row<IQ4_XS>(row, npieces, xr);
-        default: return host_gemm_row<Q6_K>(row, npieces, xr);
-    }
+    return with_kind(k, [&](auto kk) {
+        return host_gemm_row<decltype(kk)::value>(row, npieces, xr);
+    });
 }
 
 template <int K, int NT, int P, int ST, int W, int MINB = 16 / W, int MOST = 16>
@@ -473,16 +441,7 @@ template <int K> std::vector<GemmVariant> gemm_variants(int ncols) {
 }
 
 std::vector<GemmVariant> gemm_variants_of(int k, int ncols) {
-    switch (k) {
-        case Q4_0: return gemm_variants<Q4_0>(ncols);
-        case Q8_0: return gemm_variants<Q8_0>(ncols);
-        case Q4_K: return gemm_variants<Q4_K>(ncols);
-        case Q4_1: return gemm_variants<Q4_1>(ncols);
-        case Q5_1: return gemm_variants<Q5_1>(ncols);
-        case Q5_K: return gemm_variants<Q5_K>(ncols);
-        case IQ4_XS: return gemm_variants<IQ4_XS>(ncols);
-        default: return gemm_variants<Q6_K>(ncols);
-    }
+    return with_kind(k, [&](auto kk) { return gemm_variants<decltype(kk)::value>(ncols); });
 }
 
 // One product (a gate fused or not: a verify's rows take up and gate apart) times 1 column

@@ -393,32 +393,26 @@ bool fits(int kind, int64_t npieces, int device) {
     if (npieces > INT32_MAX / 128) {
         return false;
     }
-    int smem = 0;
-    switch (kind) {
-        case Q4_0: smem = most_smem<Q4_0>(npieces); break;
-        case Q8_0: smem = most_smem<Q8_0>(npieces); break;
-        case Q4_K: smem = most_smem<Q4_K>(npieces); break;
-        case Q4_1: smem = most_smem<Q4_1>(npieces); break;
-        case Q5_1: smem = most_smem<Q5_1>(npieces); break;
-        case Q5_K: smem = most_smem<Q5_K>(npieces); break;
-        case IQ4_XS: smem = most_smem<IQ4_XS>(npieces); break;
-        default: smem = most_smem<Q6_K>(npieces); break;
-    }
+    const int smem =
+        with_kind(kind, [&](auto k) { return most_smem<decltype(k)::value>(npieces); });
     return size_t(smem) <= ggml_cuda_info().devices[device].smpbo;
 }
 
+// the kind of a ggml type, and the bytes of gemv's chunk of a row; false for a type not ours
 bool kind_of(ggml_type type, int & kind, int & chunk) {
     switch (type) {
-        case GGML_TYPE_Q4_0: kind = Q4_0; chunk = Gv<Q4_0, false, 1, 16>::bytes; return true;
-        case GGML_TYPE_Q8_0: kind = Q8_0; chunk = Gv<Q8_0, false, 1, 16>::bytes; return true;
-        case GGML_TYPE_Q4_K: kind = Q4_K; chunk = Gv<Q4_K, false, 1, 16>::bytes; return true;
-        case GGML_TYPE_Q6_K: kind = Q6_K; chunk = Gv<Q6_K, false, 1, 16>::bytes; return true;
-        case GGML_TYPE_Q4_1: kind = Q4_1; chunk = Gv<Q4_1, false, 1, 16>::bytes; return true;
-        case GGML_TYPE_Q5_1: kind = Q5_1; chunk = Gv<Q5_1, false, 1, 16>::bytes; return true;
-        case GGML_TYPE_Q5_K: kind = Q5_K; chunk = Gv<Q5_K, false, 1, 16>::bytes; return true;
-        case GGML_TYPE_IQ4_XS: kind = IQ4_XS; chunk = Gv<IQ4_XS, false, 1, 16>::bytes; return true;
+        case GGML_TYPE_Q4_0: kind = Q4_0; break;
+        case GGML_TYPE_Q8_0: kind = Q8_0; break;
+        case GGML_TYPE_Q4_K: kind = Q4_K; break;
+        case GGML_TYPE_Q6_K: kind = Q6_K; break;
+        case GGML_TYPE_Q4_1: kind = Q4_1; break;
+        case GGML_TYPE_Q5_1: kind = Q5_1; break;
+        case GGML_TYPE_Q5_K: kind = Q5_K; break;
+        case GGML_TYPE_IQ4_XS: kind = IQ4_XS; break;
         default: return false;
     }
+    chunk = with_kind(kind, [](auto k) { return Gv<decltype(k)::value, false, 1, 16>::bytes; });
+    return true;
 }
 
 // the widest copy (16, 8 or 4 bytes) that every row start, chunk start and row end allows, or 0
@@ -514,7 +508,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     }
     const int64_t ncols = src1->ne[1];
     const int64_t pieces_per_block =
-        (kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == IQ4_XS) ? 8 : 1;
+        with_kind(kind, [](auto k) { return Layout<decltype(k)::value>::pieces; });
     const bool shapes = ncols >= 1 && ncols <= MAX_COLS && src1->ne[0] == src0->ne[0] &&
                         src0->ne[0] % (32 * pieces_per_block) == 0 && src0->ne[1] < INT32_MAX &&
                         src0->ne[0] / 32 < INT32_MAX && dst->ne[0] == src0->ne[1] &&
@@ -563,8 +557,9 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         return buf;
     };
 
-    if (ncols >= MIN_GEMM_COLS) {  // gemm: rows at 2-byte alignment (4 for 4-byte loads' kinds)
-        const size_t align = kind == Q4_K || kind == Q5_K || kind == Q4_1 || kind == Q5_1 ? 4 : 2;
+    if (ncols >= MIN_GEMM_COLS) {  // gemm: rows at the alignment the kind's loads need
+        const size_t align =
+            with_kind(kind, [](auto k) { return Layout<decltype(k)::value>::align; });
         if (src0->nb[1] % align != 0 || uintptr_t(src0->data) % align != 0) {
             return false;
         }
@@ -577,16 +572,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         g.ncols = int(ncols);
         g.dst = static_cast<float *>(dst->data);
         g.dst_stride = dst->nb[1] / int64_t(sizeof(float));
-        switch (kind) {
-            case Q4_0: run_gemm<Q4_0>(ctx, g); break;
-            case Q8_0: run_gemm<Q8_0>(ctx, g); break;
-            case Q4_K: run_gemm<Q4_K>(ctx, g); break;
-            case Q4_1: run_gemm<Q4_1>(ctx, g); break;
-            case Q5_1: run_gemm<Q5_1>(ctx, g); break;
-            case Q5_K: run_gemm<Q5_K>(ctx, g); break;
-            case IQ4_XS: run_gemm<IQ4_XS>(ctx, g); break;
-            default: run_gemm<Q6_K>(ctx, g); break;
-        }
+        with_kind(kind, [&](auto k) { run_gemm<decltype(k)::value>(ctx, g); });
         g_calls.fetch_add(1, std::memory_order_relaxed);
         return true;
     }
@@ -613,17 +599,8 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     a.nrows = int(src0->ne[1]);
     a.npieces = int(npieces);
 
-    Launch run = nullptr;
-    switch (kind) {
-        case Q4_0: run = pick<Q4_0>(gate != nullptr, unit); break;
-        case Q8_0: run = pick<Q8_0>(gate != nullptr, unit); break;
-        case Q4_K: run = pick<Q4_K>(gate != nullptr, unit); break;
-        case Q4_1: run = pick<Q4_1>(gate != nullptr, unit); break;
-        case Q5_1: run = pick<Q5_1>(gate != nullptr, unit); break;
-        case Q5_K: run = pick<Q5_K>(gate != nullptr, unit); break;
-        case IQ4_XS: run = pick<IQ4_XS>(gate != nullptr, unit); break;
-        default: run = pick<Q6_K>(gate != nullptr, unit); break;
-    }
+    const Launch run =
+        with_kind(kind, [&](auto k) { return pick<decltype(k)::value>(gate != nullptr, unit); });
     run(a, stream, ctx.device);
     g_calls.fetch_add(1, std::memory_order_relaxed);
     return true;

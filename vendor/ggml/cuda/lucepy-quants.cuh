@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
@@ -26,16 +27,32 @@ enum Kind : int {
     Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q6_K = 3, Q4_1 = 4, Q5_1 = 5, Q5_K = 6, IQ4_XS = 7
 };
 
-// bytes of one quant block, and pieces (32 values) per block
+// bytes of one quant block, pieces (32 values) per block, and the alignment its `ints` loads
+// need (4 where they read whole ints, 2 for load_a2)
 template <int K> struct Layout;
-template <> struct Layout<Q4_0> { static constexpr int bytes = 18, pieces = 1; };
-template <> struct Layout<Q8_0> { static constexpr int bytes = 34, pieces = 1; };
-template <> struct Layout<Q4_K> { static constexpr int bytes = 144, pieces = 8; };
-template <> struct Layout<Q6_K> { static constexpr int bytes = 210, pieces = 8; };
-template <> struct Layout<Q4_1> { static constexpr int bytes = 20, pieces = 1; };
-template <> struct Layout<Q5_1> { static constexpr int bytes = 24, pieces = 1; };
-template <> struct Layout<Q5_K> { static constexpr int bytes = 176, pieces = 8; };
-template <> struct Layout<IQ4_XS> { static constexpr int bytes = 136, pieces = 8; };
+template <> struct Layout<Q4_0> { static constexpr int bytes = 18, pieces = 1, align = 2; };
+template <> struct Layout<Q8_0> { static constexpr int bytes = 34, pieces = 1, align = 2; };
+template <> struct Layout<Q4_K> { static constexpr int bytes = 144, pieces = 8, align = 4; };
+template <> struct Layout<Q6_K> { static constexpr int bytes = 210, pieces = 8, align = 2; };
+template <> struct Layout<Q4_1> { static constexpr int bytes = 20, pieces = 1, align = 4; };
+template <> struct Layout<Q5_1> { static constexpr int bytes = 24, pieces = 1, align = 4; };
+template <> struct Layout<Q5_K> { static constexpr int bytes = 176, pieces = 8, align = 4; };
+template <> struct Layout<IQ4_XS> { static constexpr int bytes = 136, pieces = 8, align = 2; };
+
+// f(std::integral_constant<int, K>) for the kind K that the number `kind` names, and what f
+// returns: the one switch from a kind number to the templates of its kind (host code).
+template <typename F> auto with_kind(int kind, F && f) {
+    switch (kind) {
+        case Q4_0: return f(std::integral_constant<int, Q4_0>{});
+        case Q8_0: return f(std::integral_constant<int, Q8_0>{});
+        case Q4_K: return f(std::integral_constant<int, Q4_K>{});
+        case Q6_K: return f(std::integral_constant<int, Q6_K>{});
+        case Q4_1: return f(std::integral_constant<int, Q4_1>{});
+        case Q5_1: return f(std::integral_constant<int, Q5_1>{});
+        case Q5_K: return f(std::integral_constant<int, Q5_K>{});
+        default: return f(std::integral_constant<int, IQ4_XS>{});
+    }
+}
 
 // whether a kind's values carry a bias (a min: Q4_K's, Q5_K's, Q4_1's and Q5_1's)
 template <int K> LUCEPY_HD constexpr bool biased() {
