@@ -106,7 +106,7 @@ def test_a_context_too_small_to_time_lengths_keeps_the_block(tmp_path, monkeypat
 def test_measured_costs_are_kept_per_ggml_build(tmp_path, monkeypatch):
     """The cached costs belong to the ggml build that measured them: another build in the same
     directory (a rebuild with other kernels: its files' sizes and times change) or lucepy's CUDA
-    kernels forced on or off measure anew; the same build reads the cache."""
+    or CPU kernels forced on or off measure anew; the same build reads the cache."""
     from lucepy.ggml import load
     from lucepy.ggml.lib import build_identity
 
@@ -124,12 +124,14 @@ def test_measured_costs_are_kept_per_ggml_build(tmp_path, monkeypatch):
     assert measure_once() == 1  # the same build: read back
     monkeypatch.setenv("LUCEPY_CUDA_KERNELS", "0")
     assert measure_once() == 2
+    monkeypatch.setenv("LUCEPY_CPU_KERNELS", "0")
+    assert measure_once() == 3
     lib = load()
     before = build_identity(lib)
     monkeypatch.setattr(
-        "lucepy.engine.build_identity", lambda lib: [*before[:-1], ["rebuilt"], before[-1]]
+        "lucepy.engine.build_identity", lambda lib: [*before[:-2], ["rebuilt"], *before[-2:]]
     )
-    assert measure_once() == 3
+    assert measure_once() == 4
 
 
 def test_a_rebuild_in_place_is_another_build(tmp_path, monkeypatch):
@@ -138,12 +140,16 @@ def test_a_rebuild_in_place_is_another_build(tmp_path, monkeypatch):
     from lucepy.ggml.lib import build_identity
 
     monkeypatch.delenv("LUCEPY_CUDA_KERNELS", raising=False)
+    monkeypatch.delenv("LUCEPY_CPU_KERNELS", raising=False)
     lib = tmp_path / "libggml-cuda.so"
     lib.write_bytes(b"one build")
     (tmp_path / "libllama.so").write_bytes(b"not ggml's")
     built = SimpleNamespace(directory=tmp_path)
     first = build_identity(built)
-    assert first == [["libggml-cuda.so", 9, lib.stat().st_mtime_ns], None]
+    assert first[0] == ["libggml-cuda.so", 9, lib.stat().st_mtime_ns]
+    assert first[-2:] == [None, None]
+    # lucepy's CPU kernel module is the other file (tests/test_cpu_kernel.py: pip built it)
+    assert [f[0].startswith("_cpu.") for f in first[1:-2]] == [True]
     lib.write_bytes(b"another build")
     assert build_identity(built) != first
 

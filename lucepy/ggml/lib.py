@@ -52,10 +52,14 @@ class Lib:
 def build_identity(lib: Lib) -> list:
     """What tells one ggml build from another for a cached measurement: each ggml library file's
     name, size and modification time (a rebuild in place, e.g. with other kernels, changes
-    them), and ``LUCEPY_CUDA_KERNELS`` (lucepy's CUDA kernels forced on or off)."""
-    stats = [(f.name, f.stat()) for f in sorted(lib.directory.glob("libggml*.so*"))]
-    files = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
-    return [*files, os.environ.get("LUCEPY_CUDA_KERNELS")]
+    them), lucepy's CPU kernel module's alike (ggml/cpu.py), and ``LUCEPY_CUDA_KERNELS`` and
+    ``LUCEPY_CPU_KERNELS`` (lucepy's kernels forced on or off)."""
+    paths = sorted(lib.directory.glob("libggml*.so*"))
+    spec = importlib.util.find_spec("lucepy.ggml._cpu")
+    if spec is not None and spec.origin is not None:
+        paths.append(Path(spec.origin))
+    files = [[p.name, st.st_size, st.st_mtime_ns] for p in paths for st in [p.stat()]]
+    return [*files, os.environ.get("LUCEPY_CUDA_KERNELS"), os.environ.get("LUCEPY_CPU_KERNELS")]
 
 
 def default_directory() -> Path:

@@ -29,6 +29,7 @@ from lucepy.ggml import (
     Lib,
     RawBuffer,
     Sched,
+    cpu,
     ffi,
     tensor_set,
 )
@@ -250,10 +251,13 @@ def compile_graph(
     if out is not None:
         lib.ggml_set_output(out)
         lib.ggml_build_forward_expand(b.gf, out)
+    plain = host is None or not (b.offload or b.routes)
+    if plain and backend.is_cpu and (k := cpu.kernel(lib, backend)) is not None:
+        cpu.take_products(lib, ctx.ptr, b.gf, k)  # Q4_1 products: lucepy's kernel, ggml's bits
     _check_support(lib, backend, b.gf, ctx, skip={int(ffi.cast("intptr_t", t)) for t in b.offload})
     # a uid lets ggml-rpc re-run a graph it has already received instead of re-sending it
     b.gf.uid = lib.ggml_graph_next_uid()
-    if host is None or not (b.offload or b.routes):
+    if plain:
         alloc: Allocator | Sched = Allocator(lib, backend)
     else:
         alloc = Sched(lib, [backend, host], 2 * max_nodes + 64)

@@ -1,0 +1,245 @@
+/* lucepy's CPU kernel for Q4_1 weights times Q8_1 activations (docs/architecture.md, decision 12).
+
+ggml-cpu computes mul_mat(Q4_1 weights, activations) one (row, column) pair at a time: each pair
+unpacks the row's nibbles again and runs one chain of fused multiply-adds. Here a tile of 2 rows
+and 4 columns shares each row's unpacked nibbles and each column's loaded block, and keeps 8
+chains in flight. Every pair goes through exactly the arithmetic of ggml's AVX2 dot product
+(integer sums of a 32-value block, times d0*d1 into 8 float lanes; the min times the activation
+sum fused into one running sum; the lanes summed as ggml sums them), so each result is bit for
+bit ggml's, whatever the column count. lucepy checks that on the loaded ggml before it uses the
+kernel (lucepy/ggml/cpu.py).
+
+ggml calls the kernel (mm_q4_1_*) as a GGML_OP_CUSTOM node (dst->src[0]: the Q4_1 weights,
+[K, N]; dst->src[1]: the activations already quantized to Q8_1 by ggml's own CPY, [K, M]; dst:
+f32 [N, M]) on each of its threads with (ith, nth). The file is a Python extension only so that
+pip builds it; Python reads the kernel's address and the tensor layout it was compiled for. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* The pinned ggml.h's struct ggml_tensor (GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC
+   10, GGML_MAX_NAME 64); lucepy/ggml/cpu.py compares these offsets with its own declaration. */
+struct tensor {
+    int type;
+    void *buffer;
+    int64_t ne[4];
+    size_t nb[4];
+    int op;
+    int32_t op_params[16];
+    int32_t flags;
+    struct tensor *src[10];
+    struct tensor *view_src;
+    size_t view_offs;
+    void *data;
+    char name[64];
+    void *extra;
+    char padding[8];
+};
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+typedef struct {
+    uint16_t d, m; /* halves: the scale and the min */
+    uint8_t qs[16]; /* value j in the low nibble of byte j, value j + 16 in its high nibble */
+} block_q4_1;
+
+typedef struct {
+    uint16_t d, s; /* halves: the scale and d times the sum of the 32 values */
+    int8_t qs[32];
+} block_q8_1;
+
+#define BASE "avx2,fma,f16c"
+
+#define ALWAYS static inline __attribute__((always_inline))
+
+enum { ROW_BLOCK = 16 }; /* rows a thread sweeps over every group of columns before moving on */
+
+/* One tile: rows x0 and x1 times the 4 columns y[0..4). ds holds each block's 4 column scales
+   then its 4 column sums as floats (ds[8 i + c], ds[8 i + 4 + c]). For each pair, in ggml's
+   order: summs = fma(m0, s1, summs) (here the tile's 8 pairs in the 8 lanes of one vector, each
+   lane the same fma as ggml's scalar one); acc = fma(d0 * d1, float(the block's integer sum),
+   acc); result = hsum(acc) + summs. DOT is the block's integer sum: AVX-VNNI's dpbusd, or
+   maddubs then madd (the same sums: 2 x 15 x 128 fits an int16). Where the tile has fewer
+   rows or columns, x1 = x0 or the missing columns repeat y[0], and their results are not
+   written. */
+#define DEFINE_TILE(NAME, TARGET, DOT)                                                            \
+    __attribute__((target(TARGET))) ALWAYS void NAME(                                           \
+        int nb, const block_q4_1 *x0, const block_q4_1 *x1, const block_q8_1 *const y[4],     \
+        const float *ds, float *dst, int64_t ldd, int rows, int cols) {                         \
+        __m256 acc[8];                                                                          \
+        for (int j = 0; j < 8; j++) {                                                           \
+            acc[j] = _mm256_setzero_ps();                                                       \
+        }                                                                                       \
+        __m256 summs = _mm256_setzero_ps();                                                     \
+        const __m256i low = _mm256_set1_epi8(0xF);                                              \
+        for (int i = 0; i < nb; i++) {                                                          \
+            const float *dsi = ds + 8 * i;                                                      \
+            const __m128i p0 = _mm_loadu_si128((const __m128i *)x0[i].qs);                      \
+            const __m128i p1 = _mm_loadu_si128((const __m128i *)x1[i].qs);                      \
+            const __m256i qx0 = _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(p0, 4), p0)); \
+            const __m256i qx1 = _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(p1, 4), p1)); \
+            const __m256 m = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(x1[i].m)),                   \
+                                             _mm_set1_ps(_cvtsh_ss(x0[i].m)));                  \
+            summs = _mm256_fmadd_ps(m, _mm256_broadcast_ps((const __m128 *)(dsi + 4)), summs); \
+            const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(x0[i].d));                               \
+            const __m256 d1 = _mm256_set1_ps(_cvtsh_ss(x1[i].d));                               \
+            for (int c = 0; c < 4; c++) {                                                       \
+                const __m256i qy = _mm256_loadu_si256((const __m256i *)y[c][i].qs);             \
+                const __m256 dy = _mm256_broadcast_ss(dsi + c);                                 \
+                acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dy),                                 \
+                                         _mm256_cvtepi32_ps(DOT(qx0, qy)), acc[c]);             \
+                acc[4 + c] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dy),                             \
+                                             _mm256_cvtepi32_ps(DOT(qx1, qy)), acc[4 + c]);     \
+            }                                                                                   \
+        }                                                                                       \
+        float sm[8];                                                                            \
+        _mm256_storeu_ps(sm, summs);                                                            \
+        for (int r = 0; r < rows; r++) {                                                        \
+            for (int c = 0; c < cols; c++) {                                                    \
+                const __m256 a = acc[4 * r + c];                                                \
+                __m128 h = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));  \
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                         \
+                h = _mm_add_ss(h, _mm_movehdup_ps(h));                                          \
+                dst[c * ldd + r] = _mm_cvtss_f32(h) + sm[4 * r + c];                            \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+#define DOT_VNNI(a, b) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (a), (b))
+#define DOT_AVX2(a, b) _mm256_madd_epi16(_mm256_maddubs_epi16((a), (b)), _mm256_set1_epi16(1))
+
+DEFINE_TILE(tile_vnni, BASE ",avxvnni", DOT_VNNI)
+DEFINE_TILE(tile_avx2, BASE, DOT_AVX2)
+
+/* This thread's share of the rows: whole pairs, the odd last row to the last thread. First
+   the columns' scales and sums as floats (each thread its own copy, a small fraction of the
+   work), then within each block of 16 rows every group of 4 columns, 2 rows at a time. */
+#define DEFINE_MM(NAME, TARGET, TILE)                                                            \
+    __attribute__((target(TARGET))) static void NAME(struct tensor *dst, int ith, int nth,     \
+                                                     void *userdata) {                          \
+        (void)userdata;                                                                         \
+        const struct tensor *w = dst->src[0], *a = dst->src[1];                                 \
+        const int nb = (int)(w->ne[0] / 32);                                                    \
+        const int64_t n = w->ne[1], m = a->ne[1], groups = (m + 3) / 4;                         \
+        const int64_t ldx = (int64_t)(w->nb[1] / sizeof(block_q4_1));                           \
+        const int64_t ldy = (int64_t)(a->nb[1] / sizeof(block_q8_1));                           \
+        const int64_t ldd = (int64_t)(dst->nb[1] / sizeof(float));                              \
+        const int64_t pairs = n / 2;                                                            \
+        const int64_t r0 = 2 * (pairs * ith / nth);                                             \
+        const int64_t r1 = ith == nth - 1 ? n : 2 * (pairs * (ith + 1) / nth);                  \
+        const block_q4_1 *xs = (const block_q4_1 *)w->data;                                     \
+        const block_q8_1 *ys = (const block_q8_1 *)a->data;                                     \
+        float *out = (float *)dst->data;                                                        \
+        if (r0 >= r1) {                                                                         \
+            return;                                                                             \
+        }                                                                                       \
+        float *ds = malloc(sizeof(float) * 8 * nb * groups);                                    \
+        if (ds == NULL) {                                                                       \
+            abort(); /* as ggml does when it runs out of memory */                             \
+        }                                                                                       \
+        for (int64_t g = 0; g < groups; g++) {                                                  \
+            for (int c = 0; c < 4; c++) {                                                       \
+                const int64_t col = 4 * g + c < m ? 4 * g + c : 4 * g;                          \
+                const block_q8_1 *y = ys + col * ldy;                                           \
+                for (int i = 0; i < nb; i++) {                                                  \
+                    ds[(g * nb + i) * 8 + c] = _cvtsh_ss(y[i].d);                               \
+                    ds[(g * nb + i) * 8 + 4 + c] = _cvtsh_ss(y[i].s);                           \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int64_t b0 = r0; b0 < r1; b0 += ROW_BLOCK) {                                       \
+            const int64_t b1 = b0 + ROW_BLOCK < r1 ? b0 + ROW_BLOCK : r1;                       \
+            for (int64_t g = 0; g < groups; g++) {                                              \
+                const int cols = m - 4 * g < 4 ? (int)(m - 4 * g) : 4;                          \
+                const block_q8_1 *y[4];                                                         \
+                for (int c = 0; c < 4; c++) {                                                   \
+                    y[c] = ys + (c < cols ? 4 * g + c : 4 * g) * ldy;                           \
+                }                                                                               \
+                for (int64_t r = b0; r < b1; r += 2) {                                          \
+                    const int rows = b1 - r < 2 ? 1 : 2;                                        \
+                    const block_q4_1 *x0 = xs + r * ldx;                                        \
+                    TILE(nb, x0, rows == 2 ? x0 + ldx : x0, y, ds + g * nb * 8,                 \
+                         out + 4 * g * ldd + r, ldd, rows, cols);                               \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        free(ds);                                                                               \
+    }
+
+DEFINE_MM(mm_q4_1_vnni, BASE ",avxvnni", tile_vnni)
+DEFINE_MM(mm_q4_1_avx2, BASE, tile_avx2)
+#endif
+
+/* The Q4_1 kernels this CPU runs, the preferred first: AVX-VNNI's where it has it, then plain
+   AVX2's (the same sums); none without AVX2, FMA and F16C. */
+static int runnable(void *found[2], const char *names[2]) {
+    int n = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+        return 0;
+    }
+    unsigned eax, ebx, ecx, edx;
+    __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
+    if (!(ecx & (1u << 29))) { /* F16C */
+        return 0;
+    }
+    __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(1));
+    if (eax & (1u << 4)) { /* AVX-VNNI */
+        found[n] = (void *)mm_q4_1_vnni;
+        names[n++] = "avx2+avxvnni";
+    }
+    found[n] = (void *)mm_q4_1_avx2;
+    names[n++] = "avx2";
+#else
+    (void)found;
+    (void)names;
+#endif
+    return n;
+}
+
+static PyObject *kernels(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    void *found[2];
+    const char *names[2];
+    const int n = runnable(found, names);
+    PyObject *variants = PyList_New(n);
+    if (variants == NULL) {
+        return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        PyObject *entry = Py_BuildValue("(Ns)", PyLong_FromVoidPtr(found[i]), names[i]);
+        if (entry == NULL) {
+            Py_DECREF(variants);
+            return NULL;
+        }
+        PyList_SET_ITEM(variants, i, entry);
+    }
+    return Py_BuildValue("{s:N}", "q4_1", variants);
+}
+
+static PyObject *layout(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return Py_BuildValue(
+        "{s:n,s:n,s:n,s:n,s:n,s:n}", "type", (Py_ssize_t)offsetof(struct tensor, type), "ne",
+        (Py_ssize_t)offsetof(struct tensor, ne), "nb", (Py_ssize_t)offsetof(struct tensor, nb),
+        "src", (Py_ssize_t)offsetof(struct tensor, src), "data",
+        (Py_ssize_t)offsetof(struct tensor, data), "size", (Py_ssize_t)sizeof(struct tensor));
+}
+
+static PyMethodDef methods[] = {
+    {"kernels", kernels, METH_NOARGS,
+     "{kind: [(address, variant), ...]}: the kernels this CPU runs, the preferred first."},
+    {"layout", layout, METH_NOARGS, "Offsets of the ggml_tensor fields the kernels read."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu(void) { return PyModule_Create(&module); }
