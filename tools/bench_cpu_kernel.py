@@ -1,10 +1,10 @@
-"""lucepy's Q4_1 CPU kernel (vendor/ggml/cpu/lucepy-cpu.c) against ggml's mul_mat, one product
-alone on the CPU backend: random Q4_1 blocks of SmolLM2-135M's product shapes times 1-256 f32
-columns, each side a graph of that one product (ours with its Q8_1 copy, as a model's graph has
+"""lucepy's Q4_1 and Q5_1 CPU kernels (vendor/ggml/cpu/lucepy-cpu.c) against ggml's mul_mat,
+one product alone on the CPU backend: random blocks of SmolLM2-135M's product shapes times 1-256
+f32 columns, each side a graph of that one product (ours with its Q8_1 copy, as a model's graph has
 it), --repeats computes after a warm-up, the two sides taking turns twice; the median of
 each side's timed computes.
 
-    python tools/bench_cpu_kernel.py --threads 2 --cols 1,2,3,4,8,32,256
+    python tools/bench_cpu_kernel.py --threads 2 --cols 1,2,3,4,8,32,256 [--type q5_1]
 """
 
 from __future__ import annotations
@@ -25,24 +25,20 @@ SHAPES = {  # SmolLM2-135M: name -> (rows, row length)
 }
 
 
-def timed_us(lib, backend, kernel, rows: int, K: int, cols: int, ours: bool, repeats: int):
+def timed_us(lib, backend, kinds, gtype, rows: int, K: int, cols: int, ours: bool, repeats: int):
     """``repeats`` computes of the product after one warm-up, in us."""
     rng = np.random.default_rng(0)
     ctx = Context(lib, 8, graph_nodes=16)
     try:
-        w = lib.ggml_new_tensor_2d(ctx.ptr, cpu.Q4_1, K, rows)
+        w = lib.ggml_new_tensor_2d(ctx.ptr, gtype, K, rows)
         x = lib.ggml_new_tensor_2d(ctx.ptr, cpu.F32, K, cols)
         with Buffer(lib, ctx, backend, "benchmark"):
-            blocks = np.zeros((rows * K // cpu.QK, 10), np.uint16)
-            blocks[:, 0] = np.float16(0.01).view(np.uint16)
-            blocks[:, 1] = np.float16(-0.1).view(np.uint16)
-            blocks[:, 2:] = rng.integers(0, 1 << 16, (len(blocks), 8), dtype=np.uint16)
-            tensor_set(lib, w, blocks)
+            tensor_set(lib, w, cpu.random_blocks(gtype, rows * K // cpu.QK, rng))
             tensor_set(lib, x, rng.standard_normal((cols, K), dtype=np.float32))
             y = lib.ggml_mul_mat(ctx.ptr, w, x)
             gf = lib.ggml_new_graph_custom(ctx.ptr, 16, False)
             lib.ggml_build_forward_expand(gf, y)
-            if ours and cpu.take_products(lib, ctx.ptr, gf, kernel) != 1:
+            if ours and cpu.take_products(lib, ctx.ptr, gf, kinds) != 1:
                 raise SystemExit(f"{cols} columns: the kernel does not take this product")
             with Allocator(lib, backend) as alloc:
                 alloc.alloc(gf)
@@ -61,15 +57,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cols", default="3,4,8,32,256")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--type", default="q4_1", choices=[name for name, _ in cpu.KINDS.values()])
     args = ap.parse_args()
+    gtype = next(t for t, (name, _) in cpu.KINDS.items() if name == args.type)
     lib = load()
     backend = open_backend(lib, "cpu", args.threads)
-    kernel = cpu.kernel(lib, backend)
-    if kernel is None:
-        raise SystemExit(f"no kernel: {cpu.why_not()}")
+    kinds = cpu.kernels(lib, backend)
+    if gtype not in kinds:
+        raise SystemExit(f"no {args.type} kernel: {cpu.why_not()}")
     saved = cpu.MIN_COLS
     cpu.MIN_COLS = 1  # measure the column counts the models leave to ggml too
-    print(f"{kernel.variant}, {args.threads} threads; us a product (median), ggml / ours")
+    print(f"{args.type}, {kinds[gtype].variant}, {args.threads} threads; us a product (median)")
     print("| product | columns | ggml us | ours us | ggml / ours |\n|---|---|---|---|---|")
     try:
         for name, (rows, K) in SHAPES.items():
@@ -78,7 +76,7 @@ def main() -> None:
                 for _ in range(2):
                     for side in (False, True):
                         pooled[side] += timed_us(
-                            lib, backend, kernel, rows, K, cols, side, args.repeats
+                            lib, backend, kinds, gtype, rows, K, cols, side, args.repeats
                         )
                 theirs, ours = (float(np.median(pooled[side])) for side in (False, True))
                 print(f"| {name} | {cols} | {theirs:.0f} | {ours:.0f} | {theirs / ours:.2f}x |")

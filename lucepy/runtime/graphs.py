@@ -252,8 +252,8 @@ def compile_graph(
         lib.ggml_set_output(out)
         lib.ggml_build_forward_expand(b.gf, out)
     plain = host is None or not (b.offload or b.routes)
-    if plain and backend.is_cpu and (k := cpu.kernel(lib, backend)) is not None:
-        cpu.take_products(lib, ctx.ptr, b.gf, k)  # Q4_1 products: lucepy's kernel, ggml's bits
+    if plain and backend.is_cpu and (kinds := cpu.kernels(lib, backend)):
+        cpu.take_products(lib, ctx.ptr, b.gf, kinds)  # Q4_1, Q5_1: lucepy's kernels, ggml's bits
     _check_support(lib, backend, b.gf, ctx, skip={int(ffi.cast("intptr_t", t)) for t in b.offload})
     # a uid lets ggml-rpc re-run a graph it has already received instead of re-sending it
     b.gf.uid = lib.ggml_graph_next_uid()
