@@ -302,7 +302,16 @@ wait_model() { # the generator is this script's child: poll it, then look for it
     test -f "$MODEL"
 }
 
-export -f build_cuda build_llama_server wait_model
+# lucepy's CPU kernels (vendor/ggml/cpu, which pip compiles where lucepy is installed; here it
+# runs from the source tree): built in place, then whether they match this build's ggml-cpu bits
+build_cpu_kernels() {
+    python3 setup.py -q build_ext --inplace
+    python3 -c "from lucepy.ggml import cpu, load; from lucepy.runtime.devices import open_backend
+lib = load(); found = cpu.kernels(lib, open_backend(lib, 'cpu'))
+print('cpu kernels:', {cpu.KINDS[t][0]: k.variant for t, k in found.items()}, cpu.why_not())"
+}
+
+export -f build_cuda build_llama_server wait_model build_cpu_kernels
 
 # --- the run ---
 say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
@@ -321,6 +330,7 @@ fi
 built=0
 step build 480 "$OUTDIR/build.log" build_cuda && built=1
 step devices 30 "$SETUP" python3 -m lucepy devices --json || true
+step cpu-kernels 60 "$SETUP" build_cpu_kernels || true
 if ((built)); then
     tests=${GPU_RUN_TESTS:-$(grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')}
     on=${GPU_RUN_TEST_KERNELS:-}
