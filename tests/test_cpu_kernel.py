@@ -16,7 +16,7 @@ from lucepy.catalog import smollm2_draft_file, smollm2_file
 from lucepy.decode.ar import generate
 from lucepy.engine import Engine
 from lucepy.ggml import cpu, load
-from lucepy.ggml.owners import Context
+from lucepy.ggml.owners import Buffer, Context
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.devices import open_backend
 
@@ -73,8 +73,6 @@ def test_few_columns_and_other_types_stay_ggml(backend):
     assert kinds, cpu.why_not()
     ctx = Context(lib, 16, graph_nodes=32)
     try:
-        from lucepy.ggml.owners import Buffer
-
         q41 = lib.ggml_new_tensor_2d(ctx.ptr, cpu.Q4_1, 64, 8)
         q41b = lib.ggml_new_tensor_2d(ctx.ptr, cpu.Q4_1, 64, 8)
         q80 = lib.ggml_new_tensor_2d(ctx.ptr, lib.GGML_TYPE_Q8_0, 64, 8)
