@@ -57,7 +57,10 @@ class Engine(RuntimeEngine):
         name = hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
         path = cache_root() / "step-costs" / f"{name}.json"
         if path.is_file():
-            return StepCosts.from_dict(json.loads(path.read_text()))
+            try:
+                return StepCosts.from_dict(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError) as e:  # cut short or edited: measure anew
+                log.warning("measured step costs in %s unreadable (%s): measuring again", path, e)
         log.info("measuring the cost of verify lengths 1..%d (once)", self.draft.block)
         costs = measure(self)
         path.parent.mkdir(parents=True, exist_ok=True)

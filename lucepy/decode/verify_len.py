@@ -37,12 +37,12 @@ DECODE_RUN = 8
 class StepCosts:
     """Seconds per step of length k = 1..block: the draft's pass over k tokens, and the target's
     k-token verify with what a step does after it (the commit of the kept tokens, the draft's
-    copy of their features); and ``decode``, a plain decode step, what drafting competes with
-    (None: as a 1-token verify, for costs given without it). Index 0 is unused."""
+    copy of their features); and ``decode``, a plain decode step, what drafting competes with.
+    Index 0 is unused."""
 
     draft: tuple[float, ...]
     verify: tuple[float, ...]
-    decode: float | None = None
+    decode: float
 
     @property
     def block(self) -> int:
@@ -53,18 +53,17 @@ class StepCosts:
 
     def plain(self) -> float:
         """A token decoded without the draft."""
-        return self.decode if self.decode is not None else self.verify[1]
+        return self.decode
 
     def to_dict(self) -> dict:
         return {"draft": list(self.draft), "verify": list(self.verify), "decode": self.decode}
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCosts:
-        decode = d.get("decode")
         return cls(
             tuple(float(x) for x in d["draft"]),
             tuple(float(x) for x in d["verify"]),
-            None if decode is None else float(decode),
+            float(d["decode"]),
         )
 
 
