@@ -80,30 +80,6 @@ class Target:
         self.hd = self.embd.shape[1] // self.n_head
         self._cast: dict[torch.dtype, dict[str, torch.Tensor]] = {}
 
-    def _layer(self, i: int, x, pos, mask, cache, t0: int):
-        w, S, T = self.w, x.shape[0], x.shape[1]
-        b = f"blk.{i}."
-        h = rms(x, w[b + "attn_norm.weight"], self.eps)
-        q = (h @ w[b + "attn_q.weight"].T).view(S, T, self.n_head, self.hd)
-        k = (h @ w[b + "attn_k.weight"].T).view(S, T, self.n_kv, self.hd)
-        v = (h @ w[b + "attn_v.weight"].T).view(S, T, self.n_kv, self.hd)
-        q, k = rope(q, pos, self.theta, False), rope(k, pos, self.theta, False)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if cache is not None:
-            cache[i][0][:, :, t0 : t0 + T] = k
-            cache[i][1][:, :, t0 : t0 + T] = v
-            k, v = cache[i][0][:, :, : t0 + T], cache[i][1][:, :, : t0 + T]
-        # the query heads of one K/V head side by side as rows: no copy of the cache per head
-        r, hd = self.n_head // self.n_kv, self.hd
-        q = q.reshape(S, self.n_kv, r * T, hd)  # rows j*T + t: head kv*r + j, token t
-        mask = mask.repeat(*([1] * (mask.dim() - 2)), r, 1)
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        att = att.view(S, self.n_kv, r, T, hd).permute(0, 3, 1, 2, 4).reshape(S, T, -1)
-        x = x + att @ w[b + "attn_output.weight"].T
-        h = rms(x, w[b + "ffn_norm.weight"], self.eps)
-        ffn = F.silu(h @ w[b + "ffn_gate.weight"].T) * (h @ w[b + "ffn_up.weight"].T)
-        return x + ffn @ w[b + "ffn_down.weight"].T
-
     def pad(self, seqs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens [S, L] padded at the end, prompt lengths [S], lengths [S])."""
         L = max(len(s) for s, _ in seqs)
@@ -118,16 +94,23 @@ class Target:
     @torch.no_grad()
     def features(self, tokens: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
         """[S, L, len(layers) * n_embd]: the residual entering each of ``layers`` (n_layer: the
-        last layer's output), layer-major, as lucepy's ``feat.L`` outputs are concatenated."""
+        last layer's output), layer-major, as lucepy's ``feat.L`` outputs are concatenated. The
+        layers are generation's (``_gen_layer``, f32), over a causal mask, one K/V buffer for
+        all of them (nothing reads a layer's cache after it)."""
         S, L = tokens.shape
-        pos = torch.arange(L, device=tokens.device).expand(S, L)
-        mask = torch.ones(L, L, dtype=torch.bool, device=tokens.device).tril()
+        dev = tokens.device
+        pos = torch.arange(L, device=dev).expand(S, L)
+        cos, sin = rope_angles(pos, self.theta, self.hd)
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        bias = torch.zeros(L, L, device=dev).masked_fill_(~causal, -math.inf)
+        kv = [torch.zeros(S, self.n_kv, L, self.hd, device=dev) for _ in "kv"]
+        m = self._stacked(torch.float32)
         x, out = self.embd[tokens], {}
         for i in range(max(layers) + 1):
             if i in layers:
                 out[i] = x
             if i < self.n_layer:
-                x = self._layer(i, x, pos, mask, None, 0)
+                x = self._gen_layer(i, x, cos, sin, {i: kv}, 0, bias, m)
         return torch.cat([out[i] for i in layers], -1)
 
     def _stacked(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
