@@ -5,7 +5,8 @@ ggml-cpu computes mul_mat(Q4_1 or Q5_1 weights, activations) one (row, column) p
 each pair unpacks the row's values again and runs one chain of fused multiply-adds. Here a tile
 of 2 rows and 4 columns shares each row's unpacked values and each column's loaded block, and
 keeps 8 chains in flight. Every pair goes through exactly the arithmetic of ggml's AVX2 dot
-product (integer sums of a 32-value block, times d0*d1 into 8 float lanes; the min times the
+product (ggml_vec_dot_q4_1_q8_1 and _q5_1_q8_1 in ggml/src/ggml-cpu/arch/x86/quants.c at the
+pinned commit: integer sums of a 32-value block, times d0*d1 into 8 float lanes; the min times the
 activation sum fused into one running sum; the lanes summed as ggml sums them), so each result
 is bit for bit ggml's, whatever the column count. lucepy checks that on the loaded ggml before
 it uses a kernel (lucepy/ggml/cpu.py).
