@@ -86,12 +86,20 @@ def why_not() -> str | None:
     return _state.get("why")
 
 
-def _layout_mismatch() -> str | None:
+def _module() -> Any:
+    """The compiled kernels (``lucepy.ggml._cpu``), or None where pip did not build them."""
     try:
         from lucepy.ggml import _cpu
     except ImportError:
+        return None
+    return _cpu
+
+
+def _layout_mismatch() -> str | None:
+    module = _module()
+    if module is None:
         return "lucepy.ggml._cpu is not built (install lucepy with pip)"
-    layout = _cpu.layout()
+    layout = module.layout()
     ours = {f: ffi.offsetof("struct ggml_tensor", f) for f in ("type", "ne", "nb", "src", "data")}
     ours["size"] = ffi.sizeof("struct ggml_tensor")
     if layout != ours:
@@ -101,11 +109,8 @@ def _layout_mismatch() -> str | None:
 
 def variants(gtype: int) -> list[Kernel]:
     """Every variant of the type's kernel this CPU runs, the preferred first (none unbuilt)."""
-    try:
-        from lucepy.ggml import _cpu
-    except ImportError:
-        return []
-    return [Kernel(*v) for v in _cpu.kernels()[KINDS[gtype][0]]]
+    module = _module()
+    return [] if module is None else [Kernel(*v) for v in module.kernels()[KINDS[gtype][0]]]
 
 
 def check(
@@ -202,15 +207,16 @@ def take_products(
         return 0
     if len(nodes) + len(sources) > lib.ggml_graph_size(gf):
         return 0
+    params = {gtype: k.params() for gtype, k in kinds.items()}
     quantized: dict[int, Any] = {}
     for n in taken:
         x = n.src[1]
         key = _address(x)
         if key not in quantized:
             quantized[key] = lib.ggml_cast(ctx, x, Q8_1)
-        params = kinds[n.src[0].type].params()
+        p = params[n.src[0].type]
         n.op, n.src[1] = CUSTOM, quantized[key]
-        ffi.memmove(n.op_params, params, len(params))
+        ffi.memmove(n.op_params, p, len(p))
     lib.ggml_graph_clear(gf)
     for n in nodes:
         lib.ggml_build_forward_expand(gf, n)
