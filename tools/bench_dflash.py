@@ -53,6 +53,7 @@ def summary(runs: list[dict], plain: list[list[int]] | None) -> dict:
         out["tau"] = round(float((hist * np.arange(hist.size)).sum() + steps) / steps, 3)
         out["histogram"] = hist.tolist()
         out["mean_k"] = round(1 + sum(r["drafted"] for r in runs) / steps, 2)
+    if runs[0].get("step_ms") is not None:  # lucepy's: llama.cpp's runs do not split a step
         # where a step's time goes: the draft's pass; verify, commit and injection; the rest
         draft, verify, wall = np.sum([r["step_ms"] for r in runs], axis=0)
         out["ms_a_step"] = {
