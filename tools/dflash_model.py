@@ -326,6 +326,21 @@ class Draft(nn.Module):
         state = self.state_dict()
         return {g: state[n].detach() for n, g in self._gguf_names().items()}
 
-    def load_gguf_weights(self, weights: dict) -> None:
-        state = {n: torch.as_tensor(weights[g]).float() for n, g in self._gguf_names().items()}
-        self.load_state_dict(state)
+    def load_gguf_weights(self, weights: dict) -> int:
+        """Loads a draft's weights. A draft deeper than they are keeps its last layers as new
+        ones, each starting as the identity (its attention's and its FFN's output projections
+        zero), so that it begins as the draft it grows from. Returns how many layers it grew."""
+        names = self._gguf_names()
+        extra = set(weights) - set(names.values())
+        if extra:
+            raise ValueError(f"weights this draft has no place for: {sorted(extra)[:4]}")
+        state = {n: torch.as_tensor(weights[g]).float() for n, g in names.items() if g in weights}
+        n_old = len({n.split(".")[1] for n in state if n.startswith("layers.")})
+        grown = [n for n in names if n not in state]
+        if any(not n.startswith("layers.") or int(n.split(".")[1]) < n_old for n in grown):
+            raise ValueError(f"weights missing: {grown[:4]}")
+        self.load_state_dict(state, strict=False)
+        for layer in self.layers[n_old:]:
+            nn.init.zeros_(layer.attn_output.weight)
+            nn.init.zeros_(layer.ffn_down.weight)
+        return len(self.layers) - n_old

@@ -22,6 +22,7 @@ OUT/train.json (the config, the loss curve, the evaluation):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dflash_gguf import DraftConfig, config_json, load_npz, write  # noqa: E402
-from dflash_model import Draft, Target, block_batch  # noqa: E402
+from dflash_model import Draft, Target, block_batch, rms  # noqa: E402
 
 LOSS_DECAY = 7.0  # DFlash's gamma for a block of 16
 
@@ -113,17 +114,32 @@ class Corpus:
         return Corpus(tokens, self.plen[idx], self.lens[idx], feats, self.target, self.layers)
 
 
-def loss_of(draft: Draft, embd: torch.Tensor, c: Corpus, anchors: int, gen) -> torch.Tensor:
+def loss_of(
+    draft: Draft, embd: torch.Tensor, c: Corpus, anchors: int, gen, soft: Target | None = None
+) -> torch.Tensor:
+    """The weighted cross-entropy of ``anchors`` random blocks a sequence. With ``soft`` (the
+    target), the corpus's last feature slice is the target's output residual, and each row
+    learns the target's whole distribution at its position (a soft cross-entropy: the KL
+    divergence up to a constant) instead of its token alone."""
     lo, hi = c.plen, c.lens - 2  # the last anchor predicts at least one token
     u = torch.rand(len(lo), anchors, generator=gen, device=lo.device)
     anchor = (lo[:, None] + (u * (hi - lo + 1)[:, None].clamp(min=1)).long()).clamp(max=hi[:, None])
     b = block_batch(c.tokens, c.lens, anchor, draft.cfg.block_size, draft.cfg.mask_token)
+    feats, e = c.feats, draft.cfg.n_embd
+    if soft is not None:
+        feats, last = feats[..., :-e], feats[..., -e:]
     with torch.autocast("cuda" if lo.is_cuda else "cpu", dtype=torch.bfloat16):
-        hidden = draft(c.feats, b)  # [S, M*B, n_embd]
+        hidden = draft(feats, b)  # [S, M*B, n_embd]
         logits = hidden @ embd.T.to(hidden.dtype)
-    ce = F.cross_entropy(
-        logits.float().flatten(0, 1), b.labels.flatten(), ignore_index=-100, reduction="none"
-    )
+        if soft is not None:  # row k's token follows position anchor + k - 1
+            at = (b.pos - 1).clamp(max=last.shape[1] - 1)[..., None].expand(-1, -1, e)
+            h = rms(last.gather(1, at).float(), soft.w["output_norm.weight"], soft.eps)
+            want = torch.softmax((h @ embd.T.to(h.dtype)).float().flatten(0, 1), -1)
+    flat = logits.float().flatten(0, 1)
+    if soft is None:
+        ce = F.cross_entropy(flat, b.labels.flatten(), ignore_index=-100, reduction="none")
+    else:
+        ce = F.cross_entropy(flat, want, reduction="none")
     weight = row_weights(b.labels, draft.cfg.block_size).flatten()
     return (ce * weight).sum() / weight.sum()
 
@@ -135,7 +151,9 @@ def row_weights(labels: torch.Tensor, B: int) -> torch.Tensor:
     return torch.exp(-(k - 1).clamp(min=0) / LOSS_DECAY) * (labels >= 0)
 
 
-def train(draft: Draft, embd: torch.Tensor, corpus: Corpus, args) -> list[dict]:
+def train(
+    draft: Draft, embd: torch.Tensor, corpus: Corpus, args, soft: Target | None
+) -> list[dict]:
     """AdamW; the learning rate warms up over 100 steps, then follows a cosine over the time
     budget (to a tenth)."""
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -154,7 +172,7 @@ def train(draft: Draft, embd: torch.Tensor, corpus: Corpus, args) -> list[dict]:
         for group in opt.param_groups:
             group["lr"] = args.lr * scale
         idx = torch.randperm(n, generator=gen, device=embd.device)[: args.batch]
-        loss = loss_of(draft, embd, corpus.batch(idx), args.anchors, gen)
+        loss = loss_of(draft, embd, corpus.batch(idx), args.anchors, gen, soft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -253,9 +271,19 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--data", type=Path, help="sequences made before (JSON), extended and saved")
-    ap.add_argument("--layers", type=int, default=DraftConfig.n_layer)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        help=f"of the draft (default {DraftConfig.n_layer}, or --init's); more than --init's "
+        "adds layers after its own, each starting as the identity",
+    )
     ap.add_argument("--features-gib", type=float, default=40.0, help="past this, per batch")
     ap.add_argument("--init", type=Path, nargs="+", help="weights.N.npz to go on training from")
+    ap.add_argument(
+        "--soft",
+        action="store_true",
+        help="each row learns the target's whole distribution, not only its token",
+    )
     ap.add_argument("--eval-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -266,33 +294,39 @@ def main() -> None:
     prompts = json.loads(args.prompts.read_text())
     target = Target(args.target, device)
     log(f"target on {device}: {target.n_layer} layers")
-    cfg = DraftConfig(n_layer=args.layers)
+    cfg = DraftConfig()
     if args.init:
         weights, cfg = load_npz(args.init)
+    if args.layers:
+        if args.layers < cfg.n_layer:
+            raise SystemExit(f"--layers {args.layers}: the draft to go on from has {cfg.n_layer}")
+        cfg = dataclasses.replace(cfg, n_layer=args.layers)
     draft = Draft(cfg, target.embd, target.w["output_norm.weight"]).to(device)
     if args.init:
-        draft.load_gguf_weights(weights)
-        log(f"draft from {[str(p) for p in args.init]}")
+        grown = draft.load_gguf_weights(weights)
+        log(f"draft from {[str(p) for p in args.init]}, {grown} layers added")
     report = {
         "config": json.loads(config_json(cfg)),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     report["before"] = evaluate(draft, target, prompts, args.eval_tokens)
     held = prompts["heldout"]  # one step's work before the long part, so that errors come early
-    probe = Corpus.of(target, [(held[0] + held[1], len(held[0]))], cfg.target_layers)
-    loss_of(draft, target.embd, probe, 4, None).backward()
+    soft = target if args.soft else None
+    layers = cfg.target_layers + ((target.n_layer,) if soft else ())  # + the output residual
+    probe = Corpus.of(target, [(held[0] + held[1], len(held[0]))], layers)
+    loss_of(draft, target.embd, probe, 4, None, soft).backward()
     draft.zero_grad(set_to_none=True)
     data = load_data(args.data)
     data += make_data(target, prompts, args, len(data))
     if args.data:
         args.data.write_text(json.dumps(data))
     report["data"] = {"sequences": len(data), "tokens": sum(len(s) for s, _ in data)}
-    corpus = Corpus.of(target, data, cfg.target_layers, gpu_gib=args.features_gib)
+    corpus = Corpus.of(target, data, layers, gpu_gib=args.features_gib)
     if corpus.feats is None:
         log(f"features of {len(data)} sequences: computed for each batch")
     else:
         log(f"features of {len(data)} sequences: {corpus.feats.nbytes / 2**30:.1f} GiB")
-    report["curve"] = train(draft, target.embd, corpus, args)
+    report["curve"] = train(draft, target.embd, corpus, args, soft)
     report["heldout"] = evaluate(draft, target, prompts, args.eval_tokens)
     log(f"held-out: {report['heldout']}")
     save(draft, args.out, args.target)
