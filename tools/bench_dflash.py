@@ -79,11 +79,13 @@ class Side:
     sampling: SamplingParams | None = None
 
 
-def lucepy_runs(args, prompts, sides: list[Side]) -> dict[str, list[dict]]:
+def lucepy_runs(args, prompts, sides: list[Side]) -> tuple[dict[str, list[dict]], dict | None]:
     """Every side's runs, the sides loaded side by side and taking turns on each prompt, so
     that a machine's drift over the run (the H200's host ran the same decode 15 % slower for
-    seconds at a time) reaches them alike."""
+    seconds at a time) reaches them alike; and auto's measured step costs and the rates it
+    reached (None without an auto side)."""
     runs: dict[str, list[dict]] = {side.name: [] for side in sides}
+    measured = None
     with contextlib.ExitStack() as stack:
         engines = []
         for side in sides:
@@ -102,9 +104,9 @@ def lucepy_runs(args, prompts, sides: list[Side]) -> dict[str, list[dict]]:
                 runs[side.name].append(_run(engine, p, args.tokens, side.sampling))
         for engine in engines:
             lengths = engine.verify_lengths()
-            if lengths is not None:  # the measured step costs and the rates reached
-                args.lengths = {"costs": lengths.costs.to_dict(), **lengths.to_dict()}
-    return runs
+            if lengths is not None:
+                measured = {"costs": lengths.costs.to_dict(), **lengths.to_dict()}
+    return runs, measured
 
 
 def _run(engine, prompt, tokens: int, sampling) -> dict:
@@ -200,8 +202,7 @@ def main() -> None:
     if args.temperature > 0:
         sampling = SamplingParams(temperature=args.temperature, seed=0)
         sides.append(Side(f"lucepy DFlash 16 T={args.temperature}", draft=True, sampling=sampling))
-    args.lengths = None
-    runs = lucepy_runs(args, prompts, sides)
+    runs, measured = lucepy_runs(args, prompts, sides)
     base = [r["tokens"] for r in runs["lucepy plain"]]
     exact = runs.get("lucepy plain, batch-invariant")
     for side in sides:
@@ -212,7 +213,7 @@ def main() -> None:
         else:
             against = base
         record(side.name, runs[side.name], against)
-    res["verify_lengths"] = args.lengths
+    res["verify_lengths"] = measured
     if args.llama_dflash:
         record("llama.cpp plain", llama_runs(args, prompts, "ar"), base)
         record("llama.cpp DFlash", llama_runs(args, prompts, "dflash"), base)

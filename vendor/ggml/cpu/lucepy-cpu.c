@@ -145,6 +145,12 @@ DEFINE_TILE(tile_q4_1_avx2, BASE, DOT_AVX2, block_q4_1, UNPACK_Q4_1)
 DEFINE_TILE(tile_q5_1_vnni, BASE ",avxvnni", DOT_VNNI, block_q5_1, UNPACK_Q5_1)
 DEFINE_TILE(tile_q5_1_avx2, BASE, DOT_AVX2, block_q5_1, UNPACK_Q5_1)
 
+/* Column c of the group of 4 columns g, or the group's first where the columns run out (a
+   tile computes it again and does not write it). */
+static inline int64_t group_col(int64_t g, int c, int64_t m) {
+    return 4 * g + c < m ? 4 * g + c : 4 * g;
+}
+
 /* This thread's share of the rows: whole pairs, the odd last row to the last thread. First
    the columns' scales and sums as floats (each thread its own copy, a small fraction of the
    work), then within each block of 16 rows every group of 4 columns, 2 rows at a time. */
@@ -173,8 +179,7 @@ DEFINE_TILE(tile_q5_1_avx2, BASE, DOT_AVX2, block_q5_1, UNPACK_Q5_1)
         }                                                                                       \
         for (int64_t g = 0; g < groups; g++) {                                                  \
             for (int c = 0; c < 4; c++) {                                                       \
-                const int64_t col = 4 * g + c < m ? 4 * g + c : 4 * g;                          \
-                const block_q8_1 *y = ys + col * ldy;                                           \
+                const block_q8_1 *y = ys + group_col(g, c, m) * ldy;                            \
                 for (int i = 0; i < nb; i++) {                                                  \
                     ds[(g * nb + i) * 8 + c] = _cvtsh_ss(y[i].d);                               \
                     ds[(g * nb + i) * 8 + 4 + c] = _cvtsh_ss(y[i].s);                           \
@@ -187,7 +192,7 @@ DEFINE_TILE(tile_q5_1_avx2, BASE, DOT_AVX2, block_q5_1, UNPACK_Q5_1)
                 const int cols = m - 4 * g < 4 ? (int)(m - 4 * g) : 4;                          \
                 const block_q8_1 *y[4];                                                         \
                 for (int c = 0; c < 4; c++) {                                                   \
-                    y[c] = ys + (c < cols ? 4 * g + c : 4 * g) * ldy;                           \
+                    y[c] = ys + group_col(g, c, m) * ldy;                                       \
                 }                                                                               \
                 for (int64_t r = b0; r < b1; r += 2) {                                          \
                     const int rows = b1 - r < 2 ? 1 : 2;                                        \

@@ -25,6 +25,7 @@
 
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace lucepy {
@@ -546,20 +547,23 @@ __global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, 
     dst[col * dst_stride + row] = v;
 }
 
+// The most parts a product of `npieces` pieces splits into: at most `most`, every part keeping
+// at least 2 chunks of P pieces.
+inline int gemm_max_parts(int64_t npieces, int P, int most = 16) {
+    const int64_t nchunks = (npieces + P - 1) / P;
+    return int(std::max<int64_t>(1, std::min<int64_t>(most, nchunks / 2)));
+}
+
 // The parts a product of `nrows` rows and `npieces` pieces splits its pieces into, on a GPU with
 // room for `slots` CTAs of gemm (of `cta_rows` rows) at once: the fewest whose last wave of CTAs
-// is fullest (a larger count only where it fills 5 % more of it), every part keeping at least 2
-// chunks of P pieces.
+// is fullest (a larger count only where it fills 5 % more of it), up to gemm_max_parts.
 inline int gemm_parts(int nrows, int npieces, int cta_rows, int P, int64_t slots,
                       int most = 16) {
     const int64_t tiles = (nrows + cta_rows - 1) / cta_rows;
-    const int nchunks = (npieces + P - 1) / P;
+    const int top = gemm_max_parts(npieces, P, most);
     int best = 1;
     double fill = 0.0;
-    for (int parts = 1; parts <= most; parts++) {
-        if (parts > 1 && nchunks < 2 * parts) {
-            break;
-        }
+    for (int parts = 1; parts <= top; parts++) {
         const int64_t units = tiles * parts;
         const int64_t waves = (units + slots - 1) / slots;
         const double f = double(units) / double(waves * slots);

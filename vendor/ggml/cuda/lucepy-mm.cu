@@ -39,8 +39,7 @@ constexpr int GGML_VECTOR_COLS = 8;
 
 bool gemm_fills(int64_t nrows, int64_t npieces, int device) {
     const int64_t tiles = (nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
-    const int64_t chunks = (npieces + gemm_chunk<Q4_0>() - 1) / gemm_chunk<Q4_0>();
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(16, chunks / 2));
+    const int64_t parts = gemm_max_parts(npieces, gemm_chunk<Q4_0>());
     return tiles * parts >= ggml_cuda_info().devices[device].nsm;
 }
 
