@@ -7,10 +7,11 @@
 #   here:      tools/gpu_train.sh split [MODEL.gguf]     -> .smol1/ .smol2/ .smol3/ (git-ignored)
 #   calls 1-3: tools/gpu_train.sh stage .smolN           (carry .smolN), one call each
 #   call 4:    tools/gpu_train.sh train OUTDIR [ARGS...] (carry .whl-gguf; ARGS go to train_dflash)
-# The shipped draft came from rounds of fresh data on one warm machine (docs/BENCHMARKS.md,
-# session 21): round 1 `train /tmp/o1 --sequences 300000 --data-s 170 --train-s 290
-# --features-gib 0`, then each next round `train /tmp/oR --init /tmp/oP/weights.*.npz --seed R-1
-# --lr 6e-4 ...` from the previous round's weights, still in /tmp, on sequences it makes anew.
+# The shipped draft came from rounds of fresh data on warm machines (docs/BENCHMARKS.md,
+# sessions 21 and 24, the later rounds from weights staged out of .dflash/): round 1 `train
+# /tmp/o1 --sequences 300000 --data-s 170 --train-s 290 --features-gib 0`, then each next round
+# `train /tmp/oR --init /tmp/oP/weights.*.npz --seed R-1 --lr 6e-4 ...` from the previous round's
+# weights, still in /tmp, on sequences it makes anew.
 # Sequences made before (data.json.xz: use --data /tmp/lucepy-smol/data.json; train_dflash makes
 # more until there are --sequences, so pass at most what is there to train at once) and weights to go
 # on from on another machine (weights.N.npz: --init /tmp/lucepy-smol/weights.N.npz) travel in a

@@ -11,6 +11,10 @@
    target's features of every position before its anchor (``fc``, then each layer's K/V of it:
    the KV injection of ``src/models/dflash.cpp``) and the whole block. The loss is cross-entropy
    on rows 1..15, row k weighted exp(-(k-1)/7); the target's embedding and head are frozen.
+   Two variants, each measured no better than a plain round on the same data and time
+   (docs/BENCHMARKS.md, session 24): ``--layers`` past ``--init``'s grows the draft (new layers
+   after its own, starting as the identity), ``--soft`` trains each row on the target's whole
+   distribution at its position instead of its token.
 3. Evaluation on the held-out prompts: the target's greedy answer of 256 tokens, and the greedy
    speculative walk over it (tau, the histogram of accepted drafts).
 
