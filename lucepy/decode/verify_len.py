@@ -51,10 +51,6 @@ class StepCosts:
     def step(self, k: int) -> float:
         return self.verify[k] + (self.draft[k] if k > 1 else 0.0)
 
-    def plain(self) -> float:
-        """A token decoded without the draft."""
-        return self.decode
-
     def to_dict(self) -> dict:
         return {"draft": list(self.draft), "verify": list(self.verify), "decode": self.decode}
 
@@ -100,7 +96,7 @@ class VerifyLength:
             return False
         running = self.expected() / self._step
         prior = self.expected(self.prior_accepted, self.prior_offered) / self._step
-        return max(running[1:].max(), prior[1:].max()) * self.costs.plain() > 1.0
+        return max(running[1:].max(), prior[1:].max()) * self.costs.decode > 1.0
 
     def record(self, k: int, accepted: int) -> None:
         """A step of length k accepted ``accepted`` drafts: drafts 1..accepted were taken and,

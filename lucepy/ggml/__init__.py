@@ -1,6 +1,6 @@
 """The cffi binding to libggml: loading, the pin check, and owner classes for its handles."""
 
-from lucepy.ggml.lib import Lib, ffi, load
+from lucepy.ggml.lib import Lib, address, ffi, load
 from lucepy.ggml.owners import (
     Allocator,
     Backend,
@@ -33,6 +33,7 @@ __all__ = [
     "Context",
     "RawBuffer",
     "Lib",
+    "address",
     "ffi",
     "load",
     "GGML_TYPE_F16",

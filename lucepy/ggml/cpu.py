@@ -22,7 +22,7 @@ from typing import Any
 import cffi
 import numpy as np
 
-from lucepy.ggml.lib import Lib, ffi
+from lucepy.ggml.lib import Lib, address, ffi
 from lucepy.ggml.owners import Allocator, Backend, Buffer, Context, tensor_set
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def check(
             gf = lib.ggml_new_graph_custom(ctx.ptr, 16, False)
             lib.ggml_build_forward_expand(gf, theirs)
             lib.ggml_build_forward_expand(gf, ours)
-            if not take_products(lib, ctx.ptr, gf, {gtype: k}, only={_address(ours)}):
+            if not take_products(lib, ctx.ptr, gf, {gtype: k}, only={address(ours)}):
                 return "its check graph could not be rewritten"
             with Allocator(lib, backend) as alloc:
                 alloc.alloc(gf)
@@ -165,10 +165,6 @@ def random_blocks(gtype: int, n: int, rng: np.random.Generator) -> np.ndarray:
     halves[:, 0] = rng.uniform(1e-3, 2e-2, n).astype(np.float16).view(np.uint16)
     halves[:, 1] = rng.uniform(-0.2, 0.0, n).astype(np.float16).view(np.uint16)
     return blocks
-
-
-def _address(t: Any) -> int:
-    return int(ffi.cast("intptr_t", t))
 
 
 def _takes(lib: Lib, node: Any, kinds: dict[int, Kernel]) -> bool:
@@ -200,8 +196,8 @@ def take_products(
     the first product reading it. Leaves the graph as it was where ``ctx`` or the graph has no
     room for the copies."""
     nodes = [lib.ggml_graph_node(gf, i) for i in range(lib.ggml_graph_n_nodes(gf))]
-    taken = [n for n in nodes if _takes(lib, n, kinds) and (only is None or _address(n) in only)]
-    sources = {_address(n.src[1]) for n in taken}
+    taken = [n for n in nodes if _takes(lib, n, kinds) and (only is None or address(n) in only)]
+    sources = {address(n.src[1]) for n in taken}
     room = lib.ggml_get_mem_size(ctx) - lib.ggml_used_mem(ctx)
     if not taken or room < len(sources) * (lib.ggml_tensor_overhead() + 64):
         return 0
@@ -211,7 +207,7 @@ def take_products(
     quantized: dict[int, Any] = {}
     for n in taken:
         x = n.src[1]
-        key = _address(x)
+        key = address(x)
         if key not in quantized:
             quantized[key] = lib.ggml_cast(ctx, x, Q8_1)
         p = params[n.src[0].type]

@@ -28,6 +28,11 @@ ffi = cffi.FFI()
 ffi.cdef(_decls.CDEF)
 
 
+def address(handle) -> int:
+    """A ggml pointer's address: a key for sets and dicts of tensors and nodes."""
+    return int(ffi.cast("intptr_t", handle))
+
+
 class Lib:
     """All loaded ggml libraries behind one namespace: ``lib.ggml_add(...)``.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lucepy.ggml import GGML_TYPE_I32, VIEW_OPS, ffi
+from lucepy.ggml import GGML_TYPE_I32, VIEW_OPS, address, ffi
 from lucepy.models.base import Builder, Tensor
 
 WEIGHT_FLOOR = 6.103515625e-5  # build_moe_ffn's floor under the sum of the chosen weights
@@ -117,12 +117,12 @@ def _own_cold_expert(g: Builder, ids: Tensor, hot: Tensor) -> Tensor:
 def _ops_between(g: Builder, out: Tensor, inputs: tuple) -> list[Tensor]:
     """The op nodes ``out`` depends on, down to ``inputs`` and leaves (weights), ``out`` too;
     not views, which read their source's memory where it is: the scheduler places those."""
-    stop = {int(ffi.cast("intptr_t", t)) for t in inputs}
+    stop = {address(t) for t in inputs}
     seen: set[int] = set()
     found, todo = [], [out]
     while todo:
         t = todo.pop()
-        key = int(ffi.cast("intptr_t", t))
+        key = address(t)
         if key in seen or key in stop or t.op == 0:  # GGML_OP_NONE: a leaf
             continue
         seen.add(key)

@@ -29,6 +29,7 @@ from lucepy.ggml import (
     Lib,
     RawBuffer,
     Sched,
+    address,
     cpu,
     ffi,
     tensor_set,
@@ -254,7 +255,8 @@ def compile_graph(
     plain = host is None or not (b.offload or b.routes)
     if plain and backend.is_cpu and (kinds := cpu.kernels(lib, backend)):
         cpu.take_products(lib, ctx.ptr, b.gf, kinds)  # Q4_1, Q5_1: lucepy's kernels, ggml's bits
-    _check_support(lib, backend, b.gf, ctx, skip={int(ffi.cast("intptr_t", t)) for t in b.offload})
+    offload = {address(t) for t in b.offload}
+    _check_support(lib, backend, b.gf, ctx, skip=offload)
     # a uid lets ggml-rpc re-run a graph it has already received instead of re-sending it
     b.gf.uid = lib.ggml_graph_next_uid()
     if plain:
@@ -263,10 +265,9 @@ def compile_graph(
         alloc = Sched(lib, [backend, host], 2 * max_nodes + 64)
         # every op placed here, none left to the scheduler's guesses: the offloaded ones on the
         # host, the rest on the device; views stay with their source, wherever that is
-        offload = {int(ffi.cast("intptr_t", t)) for t in b.offload}
         for i in range(lib.ggml_graph_n_nodes(b.gf)):
             node = lib.ggml_graph_node(b.gf, i)
-            if int(ffi.cast("intptr_t", node)) in offload:
+            if address(node) in offload:
                 alloc.assign(node, host)
             elif node.op not in VIEW_OPS:
                 alloc.assign(node, backend)
@@ -293,7 +294,7 @@ def _check_support(lib: Lib, backend: Backend, gf: Any, ctx: Context, skip: set[
     """Refuse a graph with an op the backend cannot run, before ggml aborts on it mid-compute."""
     for i in range(lib.ggml_graph_n_nodes(gf)):
         node = lib.ggml_graph_node(gf, i)
-        if int(ffi.cast("intptr_t", node)) in skip:
+        if address(node) in skip:
             continue
         if not lib.ggml_backend_supports_op(backend.ptr, node):
             op = ffi.string(lib.ggml_op_desc(node)).decode()
