@@ -9,6 +9,7 @@
 //     ./bench-kernels [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16]
 //     (KIND: q4_0, q4_K, q8_0, q6_K by default; also q5_K, iq4_xs, q4_1, q5_1 when named)
 //     BENCH_ONCE=1 ncu --kernel-name regex:gemv ./bench-kernels --quick --shape ffn_down
+//     (BENCH_FEW=1: of gemm's launches only lucepy-mm.cu's, beside the repacked Q4_0's)
 //
 // The weights are random bytes with finite scales, several copies of each matrix in turn so that
 // no call finds its weights in the L2 cache. Times: a CUDA graph of 20 calls, replayed 10 times,
@@ -444,6 +445,55 @@ std::vector<GemmVariant> gemm_variants_of(int k, int ncols) {
     return with_kind(k, [&](auto kk) { return gemm_variants<decltype(kk)::value>(ncols); });
 }
 
+template <int NT, int W, int MINB = 16 / W>
+void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
+    auto kernel = gemm_r<NT, W, MINB>;
+    const int smem = gemm_r_smem<NT>();
+    raise_smem(kernel, smem);
+    int per_sm = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, smem));
+    const GemmPlan plan = gemm_plan(a.nrows, a.npieces, W * 16, 8, int64_t(per_sm) * g_sms);
+    a.per_part = plan.per_part;
+    a.parts = parts_buf;
+    kernel<<<plan.grid, W * 32, smem, s>>>(a);
+    if (plan.grid.y > 1) {
+        const int64_t n = int64_t(a.nrows) * a.ncols;
+        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.parts, int(plan.grid.y), a.nrows,
+                                                           a.ncols, a.dst, a.dst_stride);
+    }
+}
+
+template <int NT> std::vector<GemmVariant> gemm_r_variants() {
+    return {{"repacked", launch_gemm_r<NT, 4>}, {"rp 8 warps", launch_gemm_r<NT, 8>}};
+}
+
+template <int SPLIT, int U> void launch_gemv_r(const Args & a, cudaStream_t s) {
+    constexpr int WARPS = gemv_r_warps<SPLIT>();
+    const int64_t warps = int64_t(a.nrows / RP_ROWS) * SPLIT;
+    gemv_r<SPLIT, U><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
+}
+
+// Q4_0 rows rearranged as gemm_r and gemv_r read them (lucepy-gemm.cuh: the repacked layout)
+std::vector<uint8_t> repack_q4_0(const uint8_t * src, int64_t row_stride, int nrows,
+                                 int npieces) {
+    const int ngroups = npieces / RP_GROUP;
+    std::vector<uint8_t> out(size_t(nrows) * npieces * 18);
+    for (int tile = 0; tile < nrows / RP_ROWS; tile++) {
+        for (int grp = 0; grp < ngroups; grp++) {
+            uint8_t * o = out.data() + repacked_at(tile, grp, ngroups);
+            for (int r = 0; r < RP_ROWS; r++) {
+                const uint8_t * row = src + int64_t(RP_ROWS * tile + r) * row_stride;
+                for (int j = 0; j < RP_GROUP; j++) {
+                    const uint8_t * b = row + int64_t(RP_GROUP * grp + j) * 18;
+                    std::memcpy(o + 64 * r + 16 * j, b + 2, 16);
+                    std::memcpy(o + 1024 + 4 * (4 * (r % 8) + j) + 2 * (r / 8), b, 2);
+                }
+            }
+        }
+    }
+    return out;
+}
+
 // One product (a gate fused or not: a verify's rows take up and gate apart) times 1 column
 // (gemv, the split lucepy-mm.cu chooses) and times each count of `cols`, against one column.
 void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStream_t s,
@@ -461,6 +511,15 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
     for (int c = 0; c < copies; c++) {
         CHECK(cudaMemcpy(w + mat_bytes * c, host.data(), size_t(mat_bytes),
                          cudaMemcpyHostToDevice));
+    }
+    uint8_t * wr = nullptr;  // Q4_0: the same copies repacked, for gemm_r
+    if (k == Q4_0 && repackable(sh.rows, npieces)) {
+        const std::vector<uint8_t> rp = repack_q4_0(host.data(), row_bytes, sh.rows, npieces);
+        CHECK(cudaMalloc(&wr, size_t(mat_bytes) * copies));
+        for (int c = 0; c < copies; c++) {
+            CHECK(cudaMemcpy(wr + mat_bytes * c, rp.data(), size_t(mat_bytes),
+                             cudaMemcpyHostToDevice));
+        }
     }
     const int most = *std::max_element(cols.begin(), cols.end());
     std::vector<float> x(size_t(most) * sh.k);
@@ -503,6 +562,44 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
     });
     std::printf("%-5s %-10s k=%-6d rows=%-7d %7.1f MB  1 column (gemv): %7.2f us\n", kind_name(k),
                 sh.what, sh.k, sh.rows, mat_bytes / 1e6, t1);
+    if (wr) {  // one column on the repacked copies: against the host's math on the same int8
+        std::vector<int8_t> hq(size_t(npieces) * 32);
+        std::vector<float2> hds(npieces);
+        CHECK(cudaMemcpy(hq.data(), xq, hq.size(), cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hds.data(), xds, hds.size() * sizeof(float2), cudaMemcpyDeviceToHost));
+        const std::pair<const char *, void (*)(const Args &, cudaStream_t)> gemv_rs[] = {
+            {"split 2", launch_gemv_r<2, 1>},   {"split 4", launch_gemv_r<4, 1>},
+            {"split 8", launch_gemv_r<8, 1>},   {"split 16", launch_gemv_r<16, 1>},
+            {"split 32", launch_gemv_r<32, 1>}, {"split 4 U2", launch_gemv_r<4, 2>},
+            {"split 8 U2", launch_gemv_r<8, 2>}, {"split 16 U2", launch_gemv_r<16, 2>}};
+        for (const auto & [name, launch] : gemv_rs) {
+            CHECK(cudaMemset(dst, 0, size_t(sh.rows) * sizeof(float)));
+            Args b = a1;
+            b.w = wr;
+            launch(b, s);
+            CHECK(cudaGetLastError());
+            std::vector<float> got(sh.rows);
+            CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float),
+                             cudaMemcpyDeviceToHost));
+            double err = 0, scale = 0;
+            for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 61)) {
+                const double want =
+                    host_dot(k, host.data() + r * row_bytes, npieces, hq.data(), hds.data());
+                err = std::max(err, std::fabs(got[r] - want));
+                scale = std::max(scale, std::fabs(want));
+            }
+            const double rel = err / std::max(scale, 1e-30);
+            const bool ok = rel < 1e-4;
+            failures += !ok;
+            const float t = time_calls(s, [&](int i) {
+                Args c = a1;
+                c.w = wr + mat_bytes * (i % copies);
+                launch(c, s);
+            });
+            std::printf("      gemv_r %-10s %7.2f us  %.2fx gemv   err %.1e%s\n", name, t, t / t1,
+                        rel, ok ? "" : "  WRONG");
+        }
+    }
 
     std::vector<int> check_rows;
     for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 37)) {
@@ -543,10 +640,23 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         g.npieces = npieces;
         g.ncols = ncols;
         std::printf("      %2d columns: to_halves %.2f us\n", ncols, t_conv);
-        for (const GemmVariant & v : gemm_variants_of(k, ncols)) {
+        std::vector<GemmVariant> vs = gemm_variants_of(k, ncols);
+        if (std::getenv("BENCH_FEW")) {
+            vs.resize(1);  // lucepy-mm.cu's launch only (and the repacked ones)
+        }
+        const size_t n_plain = vs.size();
+        if (wr) {
+            for (const GemmVariant & v : ncols <= GM_COL_TILE ? gemm_r_variants<1>()
+                                                              : gemm_r_variants<2>()) {
+                vs.push_back(v);
+            }
+        }
+        for (size_t vi = 0; vi < vs.size(); vi++) {
+            const GemmVariant & v = vs[vi];
+            uint8_t * const base = vi < n_plain ? w : wr;
             auto run = [&](int i) {
                 GemmArgs b = g;
-                b.w = w + mat_bytes * (i % copies);
+                b.w = base + mat_bytes * (i % copies);
                 v.run(b, parts, s);
             };
             CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));
@@ -574,6 +684,9 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         }
     }
     CHECK(cudaFree(w));
+    if (wr) {
+        CHECK(cudaFree(wr));
+    }
     CHECK(cudaFree(dx));
     CHECK(cudaFree(act));
     CHECK(cudaFree(dst));
@@ -597,8 +710,8 @@ int main(int argc, char ** argv) {
         } else if (std::strcmp(argv[i], "--cols") == 0 && i + 1 < argc) {
             for (char * at = argv[++i]; *at;) {
                 const int n = int(std::strtol(at, &at, 10));
-                if (n < 2 || n > 16) {
-                    std::fprintf(stderr, "--cols: counts of 2 to 16 columns\n");
+                if (n < 1 || n > 16) {
+                    std::fprintf(stderr, "--cols: counts of 1 to 16 columns\n");
                     return 2;
                 }
                 cols.push_back(n);
