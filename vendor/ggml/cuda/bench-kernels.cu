@@ -1,4 +1,5 @@
-// lucepy's product kernels (lucepy-kernels.cuh, lucepy-gemm.cuh) alone on a GPU, without ggml:
+// lucepy's product kernels (lucepy-kernels.cuh, lucepy-gemm.cuh; lucepy-repack.cuh's on a
+// repacked Q4_0 copy of the same matrix) alone on a GPU, without ggml:
 // each way to launch them on the decode shapes of the 27B-shaped model, their time per call and
 // the weight bytes read per second, and each result against the same math on the host
 // (lucepy-quants.cuh), on the same rounded weights and activations. One column (gemv: rows per
@@ -6,7 +7,7 @@
 // those counts of columns (stages, warps, parts) against gemv's one column.
 //
 //     nvcc -O3 -std=c++17 -arch=sm_90 -o bench-kernels bench-kernels.cu
-//     ./bench-kernels [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16]
+//     ./bench-kernels [--quick] [--kind KIND] [--shape NAME] [--cols 1,2,4,8,16]
 //     (KIND: q4_0, q4_K, q8_0, q6_K by default; also q5_K, iq4_xs, q4_1, q5_1 when named)
 //     BENCH_ONCE=1 ncu --kernel-name regex:gemv ./bench-kernels --quick --shape ffn_down
 //     (BENCH_FEW=1: of gemm's launches only lucepy-mm.cu's, beside the repacked Q4_0's)
@@ -17,6 +18,7 @@
 
 #include "lucepy-kernels.cuh"
 #include "lucepy-gemm.cuh"
+#include "lucepy-repack.cuh"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -467,6 +469,34 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     return {{"repacked", launch_gemm_r<NT, 4>}, {"rp 8 warps", launch_gemm_r<NT, 8>}};
 }
 
+// Past 16 columns (a prefill's): gemm_r over slices of NT tiles of 8 columns, in turn
+template <int NT, int MINB>
+void launch_gemm_r_slices(GemmArgs a, float * parts_buf, cudaStream_t s) {
+    const int nsegs = segments(a.npieces);
+    for (int c0 = 0; c0 < a.ncols; c0 += NT * GM_COL_TILE) {
+        GemmArgs b = a;
+        b.x.xh += int64_t(c0) * a.npieces * 4;
+        b.x.xinv += int64_t(c0) * nsegs;
+        b.dst += int64_t(c0) * a.dst_stride;
+        b.ncols = std::min(NT * GM_COL_TILE, a.ncols - c0);
+        launch_gemm_r<NT, 4, MINB>(b, parts_buf, s);
+    }
+}
+
+std::vector<GemmVariant> gemm_r_variants_of(int ncols) {
+    if (ncols <= 8) {
+        return gemm_r_variants<1>();
+    }
+    if (ncols <= 16) {
+        return gemm_r_variants<2>();
+    }
+    std::vector<GemmVariant> out = {{"rp 32 a pass", launch_gemm_r_slices<4, 3>}};
+    if (ncols % 64 == 0) {
+        out.push_back({"rp 64 a pass", launch_gemm_r_slices<8, 2>});
+    }
+    return out;
+}
+
 template <int SPLIT, int U> void launch_gemv_r(const Args & a, cudaStream_t s) {
     constexpr int WARPS = gemv_r_warps<SPLIT>();
     const int64_t warps = int64_t(a.nrows / RP_ROWS) * SPLIT;
@@ -493,6 +523,8 @@ std::vector<uint8_t> repack_q4_0(const uint8_t * src, int64_t row_stride, int nr
     }
     return out;
 }
+
+constexpr int MAX_GEMM_COLS = 16;  // gemm's; past them only gemm_r's slices
 
 // One product (a gate fused or not: a verify's rows take up and gate apart) times 1 column
 // (gemv, the split lucepy-mm.cu chooses) and times each count of `cols`, against one column.
@@ -572,7 +604,9 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
             {"split 8", launch_gemv_r<8, 1>},   {"split 16", launch_gemv_r<16, 1>},
             {"split 32", launch_gemv_r<32, 1>}, {"split 4 U2", launch_gemv_r<4, 2>},
             {"split 8 U2", launch_gemv_r<8, 2>}, {"split 16 U2", launch_gemv_r<16, 2>}};
-        for (const auto & [name, launch] : gemv_rs) {
+        for (const auto & variant : gemv_rs) {
+            const char * name = variant.first;
+            void (*const launch)(const Args &, cudaStream_t) = variant.second;
             CHECK(cudaMemset(dst, 0, size_t(sh.rows) * sizeof(float)));
             Args b = a1;
             b.w = wr;
@@ -640,14 +674,16 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         g.npieces = npieces;
         g.ncols = ncols;
         std::printf("      %2d columns: to_halves %.2f us\n", ncols, t_conv);
-        std::vector<GemmVariant> vs = gemm_variants_of(k, ncols);
-        if (std::getenv("BENCH_FEW")) {
-            vs.resize(1);  // lucepy-mm.cu's launch only (and the repacked ones)
+        std::vector<GemmVariant> vs;  // gemm's launches to 16 columns, then the repacked ones
+        if (ncols <= MAX_GEMM_COLS) {
+            vs = gemm_variants_of(k, ncols);
+            if (std::getenv("BENCH_FEW")) {
+                vs.resize(1);  // lucepy-mm.cu's launch only
+            }
         }
         const size_t n_plain = vs.size();
         if (wr) {
-            for (const GemmVariant & v : ncols <= GM_COL_TILE ? gemm_r_variants<1>()
-                                                              : gemm_r_variants<2>()) {
+            for (const GemmVariant & v : gemm_r_variants_of(ncols)) {
                 vs.push_back(v);
             }
         }
@@ -710,8 +746,9 @@ int main(int argc, char ** argv) {
         } else if (std::strcmp(argv[i], "--cols") == 0 && i + 1 < argc) {
             for (char * at = argv[++i]; *at;) {
                 const int n = int(std::strtol(at, &at, 10));
-                if (n < 1 || n > 16) {
-                    std::fprintf(stderr, "--cols: counts of 1 to 16 columns\n");
+                if (n < 1 || (n > MAX_GEMM_COLS && n % 32 != 0) || n > 1024) {
+                    std::fprintf(stderr, "--cols: counts of 1 to 16 columns, or multiples of 32 "
+                                         "to 1024 (the repacked Q4_0 only)\n");
                     return 2;
                 }
                 cols.push_back(n);

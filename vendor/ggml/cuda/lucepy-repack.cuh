@@ -1,0 +1,342 @@
+// Q4_0 repacked for lucepy's CUDA kernels: an experiment (issue 19), timed and checked alone by
+// bench-kernels.cu; lucepy-mm.cu does not use it yet (docs/architecture.md, decision 12: a
+// prefill on this layout is the missing part, as ggml's kernels cannot read it).
+#pragma once
+
+#include "lucepy-gemm.cuh"  // gemm's activations (to_halves), mma, GemmArgs; Args
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace lucepy {
+
+// --- Q4_0 repacked -----------------------------------------------------------------------------
+//
+// `gemm` copies each row's 18-byte blocks into shared memory and reads a piece's nibbles and
+// scale back as 2-byte halves: about 70 instructions a warp's piece of 16 rows, of which the
+// unpacking and the mmas are about 40 (docs/BENCHMARKS.md, session 20). Rearranged once, a
+// matrix's bytes load in whole 16-byte pieces: tiles of 16 rows, each a run of groups of 4
+// pieces, a group 1,152 bytes (its 64 blocks' bytes):
+//   - bytes 0..1023: row r's 4 pieces' nibbles (16 bytes each) at 64 r;
+//   - bytes 1024..1151: at 4 (4 g + t), the scales of piece t of rows g and g + 8 (g < 8).
+// Lane (g, t) of a warp (g = lane / 4, t = lane % 4) loads piece t of rows g and g + 8 as two
+// 16-byte loads at 16 lane and 512 + 16 lane, and their scales as one word at 1024 + 4 lane.
+// A matrix of a multiple of 16 rows and of 8 pieces a row.
+constexpr int RP_ROWS = 16;
+constexpr int RP_GROUP = 4;                                // pieces
+constexpr int RP_BYTES = RP_ROWS * RP_GROUP * 18;          // a group's
+constexpr int RP_U4 = RP_BYTES / 16;                       // its 16-byte loads
+
+__host__ __device__ constexpr bool repackable(int64_t nrows, int64_t npieces) {
+    return nrows % RP_ROWS == 0 && npieces % 8 == 0;
+}
+
+__host__ __device__ inline int64_t repacked_at(int64_t tile, int64_t group, int64_t ngroups) {
+    return (tile * ngroups + group) * RP_BYTES;
+}
+
+// word k of a 16-byte load
+__device__ __forceinline__ uint32_t word(const uint4 & v, int k) {
+    return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
+
+// lop3 (a & b) | c
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t h;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(a), "r"(b), "r"(c));
+    return h;
+}
+
+// A lane's piece of a row and its scale (d, d): word w (values 4w..4w+3 low, 16+4w.. high) as
+// piece_halves<Q4_0> would give lane w of a quad (lo = (v[4w], v[4w+2]), (v[4w+1], v[4w+3]); hi
+// 16 on), the high nibbles taken in place (1024 + 16 n, times 1/16 less 72: n - 8, exact).
+__device__ __forceinline__ void word_halves(uint32_t q, __half2 d, __half2 (&lo)[2],
+                                            __half2 (&hi)[2]) {
+    const __half2 off = __float2half2_rn(1032.0f);
+    const __half2 sixteenth = __float2half2_rn(0.0625f);
+    const __half2 less = __float2half2_rn(-72.0f);
+    auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
+    const uint32_t q8 = q >> 8;
+    lo[0] = __hmul2(__hsub2(h2(and_or(q, 0x000F000Fu, 0x64006400u)), off), d);
+    lo[1] = __hmul2(__hsub2(h2(and_or(q8, 0x000F000Fu, 0x64006400u)), off), d);
+    hi[0] = __hmul2(__hfma2(h2(and_or(q, 0x00F000F0u, 0x64006400u)), sixteenth, less), d);
+    hi[1] = __hmul2(__hfma2(h2(and_or(q8, 0x00F000F0u, 0x64006400u)), sixteenth, less), d);
+}
+
+__device__ __forceinline__ uint4 load_stream(const uint4 * p) {
+    uint4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// A lane's part of a group: piece t of rows g and g + 8, and their scales.
+struct RpGroup {
+    uint4 a, b;
+    uint32_t d;
+};
+
+__device__ __forceinline__ RpGroup load_group(const uint8_t * group, int lane) {
+    const uint4 * q = reinterpret_cast<const uint4 *>(group);
+    return {load_stream(q + lane), load_stream(q + 32 + lane),
+            __ldg(reinterpret_cast<const uint32_t *>(group + 1024) + lane)};
+}
+
+// gemm on a repacked Q4_0 matrix (a.w; a.row_stride unused). Each warp loads its tile's groups
+// straight into registers, a chunk (8 pieces) ahead; the CTA shares the activations' chunks in
+// shared memory as gemm does. The mma's k order: in each of a group's 8 k-steps (word w, low
+// or high nibbles), lane t of a quad holds 4 values of its own piece t, as piece_halves gives
+// lane w of a quad; the activations' halves (to_halves' order) are read to match: group w of
+// piece t. Stored in a column's chunk with group w of piece i at 16 (w ^ (i / 2 % 2)) and a
+// column pitch of 34 16-byte units, so that the 8 lanes of each quarter of a warp's 16-byte
+// loads read 8 different bank groups.
+template <int NT, int W = GM_WARPS, int MINB = 16 / W>
+__global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
+    constexpr int P = 8;   // pieces a chunk: two groups
+    constexpr int ST = 2;  // the activations' stages
+    constexpr int XP = P * 64 + 32;
+    constexpr int X_STAGE = NT * GM_COL_TILE * XP;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * W * 16;
+    const int rows = min(W * 16, a.nrows - row0);
+    const int nchunks_all = a.npieces / P;
+    const int chunk0 = blockIdx.y * a.per_part;
+    const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
+    const bool mine = warp * 16 < rows;
+
+    constexpr int THREADS = W * 32;
+    constexpr int XN = P * 4;  // 16-byte groups of a column's chunk
+    constexpr int XC = (NT * GM_COL_TILE * XN + THREADS - 1) / THREADS;
+    const uint4 * x_src[XC];
+    int x_dst[XC];
+    bool x_on[XC];
+#pragma unroll
+    for (int k = 0; k < XC; k++) {
+        const int i = threadIdx.x + k * THREADS;
+        const int c = min(i / XN, NT * GM_COL_TILE - 1);
+        const int u = i % XN;
+        const int piece = u / 4;
+        x_src[k] = a.x.xh + (int64_t(c) * a.npieces + int64_t(chunk0) * P) * 4 + u;
+        x_dst[k] = c * XP + 64 * piece + 16 * ((u % 4) ^ (piece / 2 % 2));
+        x_on[k] = i < NT * GM_COL_TILE * XN;
+    }
+    auto issue_x = [&](int ch) {
+        if (ch < nchunks) {
+            uint8_t * stage = smem + (ch % ST) * X_STAGE;
+#pragma unroll
+            for (int k = 0; k < XC; k++) {
+                if (x_on[k]) {
+                    copy_async<16, true>(stage + x_dst[k], reinterpret_cast<const uint8_t *>(
+                                                               x_src[k] + int64_t(ch) * XN));
+                }
+            }
+        }
+        copy_commit();
+    };
+
+    const int ngroups = a.npieces / RP_GROUP;
+    const uint8_t * wp =
+        a.w + repacked_at((row0 + warp * 16) / RP_ROWS, int64_t(chunk0) * 2, ngroups);
+    auto load = [&](RpGroup (&buf)[2], int ch) {
+        if (mine && ch < nchunks) {
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                buf[j] = load_group(wp + (int64_t(ch) * 2 + j) * RP_BYTES, lane);
+            }
+        }
+    };
+
+    float acc[NT][4] = {};    // this segment's
+    float total[NT][4] = {};  // and the sums of those before, scaled back
+    const int nsegs = segments(a.npieces);
+    const int swz = t / 2 % 2;
+
+    auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch) {
+        load(nxt, ch + 1);
+        copy_wait<ST - 2>();
+        __syncthreads();  // chunk ch's activations have landed; chunk ch - 1's are read by all
+        issue_x(ch + ST - 1);
+        if (!mine) {
+            return;
+        }
+        const int first = (chunk0 + ch) * P;
+        const int seg = first / GM_SEG;
+        const bool flush = ch + 1 == nchunks || (first + P) / GM_SEG != seg;
+        float inv[NT][2];
+        if (flush) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                inv[nt][0] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t) * nsegs + seg);
+                inv[nt][1] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t + 1) * nsegs + seg);
+            }
+        }
+        const uint8_t * xs = smem + (ch % ST) * X_STAGE;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const uint32_t da = __byte_perm(cur[j].d, 0, 0x1010);
+            const uint32_t db = __byte_perm(cur[j].d, 0, 0x3232);
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                __half2 alo[2], ahi[2], blo[2], bhi[2];
+                word_halves(word(cur[j].a, w), *reinterpret_cast<const __half2 *>(&da), alo,
+                            ahi);
+                word_halves(word(cur[j].b, w), *reinterpret_cast<const __half2 *>(&db), blo,
+                            bhi);
+                const uint32_t a_lo[4] = {as_u32(alo[0]), as_u32(blo[0]), as_u32(alo[1]),
+                                          as_u32(blo[1])};
+                const uint32_t a_hi[4] = {as_u32(ahi[0]), as_u32(bhi[0]), as_u32(ahi[1]),
+                                          as_u32(bhi[1])};
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 x = *reinterpret_cast<const uint4 *>(
+                        xs + (nt * GM_COL_TILE + g) * XP + (4 * j + t) * 64 + 16 * (w ^ swz));
+                    mma_16816(acc[nt], a_lo, x.x, x.y);
+                    mma_16816(acc[nt], a_hi, x.z, x.w);
+                }
+            }
+        }
+        if (flush) {  // the segment's sums, unscaled
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    total[nt][j] += acc[nt][j] * inv[nt][j % 2];
+                    acc[nt][j] = 0.0f;
+                }
+            }
+        }
+    };
+
+    RpGroup wa[2], wb[2];
+    load(wa, 0);  // weights: no kernel before this one writes them
+    LUCEPY_PDL_SYNC();
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) {
+        issue_x(s);
+    }
+    for (int ch = 0; ch < nchunks; ch += 2) {
+        step(wa, wb, ch);
+        if (ch + 1 < nchunks) {
+            step(wb, wa, ch + 1);
+        }
+    }
+    copy_wait<0>();
+
+    LUCEPY_PDL_LAUNCH();
+
+    const bool split = gridDim.y > 1;
+    float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
+    const int64_t stride = split ? a.nrows : a.dst_stride;
+    if (mine) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int row = row0 + warp * 16 + g + 8 * (j / 2);
+                const int col = nt * GM_COL_TILE + 2 * t + j % 2;
+                if (col < a.ncols) {
+                    out[col * stride + row] = total[nt][j];
+                }
+            }
+        }
+    }
+}
+
+template <int NT> __host__ __device__ constexpr int gemm_r_smem() {
+    return 2 * NT * GM_COL_TILE * (8 * 64 + 32);
+}
+
+// One column on a repacked Q4_0 matrix (a.w), the activations as `quantize` writes them (one
+// plane). SPLIT warps share a tile of 16 rows, each a range of its groups, a CTA of
+// max(4, SPLIT) warps; lane (g, t) takes piece t of rows g and g + 8 of each group (8 dp4a a
+// row), U groups loaded ahead of the ones it multiplies.
+template <int SPLIT> __host__ __device__ constexpr int gemv_r_warps() {
+    return SPLIT > 4 ? SPLIT : 4;
+}
+
+template <int SPLIT, int U = 1>
+__global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args a) {
+    constexpr int WARPS = gemv_r_warps<SPLIT>();
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int t = lane % 4;
+    const int tile = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
+    const int part = warp % SPLIT;
+    const int ngroups = a.npieces / RP_GROUP;
+    const int per = (ngroups + SPLIT - 1) / SPLIT;
+    const int g0 = min(ngroups, part * per);
+    const int g1 = tile < a.nrows / RP_ROWS ? min(ngroups, g0 + per) : g0;
+    const uint8_t * base = a.w + repacked_at(tile, 0, ngroups);
+    RpGroup cur[U], nxt[U];
+    auto load = [&](RpGroup (&buf)[U], int first) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (first + u < g1) {
+                buf[u] = load_group(base + int64_t(first + u) * RP_BYTES, lane);
+            }
+        }
+    };
+    load(cur, g0);  // weights: no kernel before this one writes them
+    LUCEPY_PDL_SYNC();
+    float acc_a = 0.0f, acc_b = 0.0f;
+    for (int grp = g0; grp < g1; grp += U) {
+        load(nxt, grp + U);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (grp + u < g1) {
+                const int piece = 4 * (grp + u) + t;
+                const int4 * xp = reinterpret_cast<const int4 *>(a.xq) + 2 * piece;
+                const int4 xlo = __ldg(xp);
+                const int4 xhi = __ldg(xp + 1);
+                const float2 ds = __ldg(a.xds + piece);
+                int sa = 0, sb = 0;
+                const int xl[4] = {xlo.x, xlo.y, xlo.z, xlo.w};
+                const int xh[4] = {xhi.x, xhi.y, xhi.z, xhi.w};
+#pragma unroll
+                for (int w = 0; w < 4; w++) {
+                    const uint32_t qa = word(cur[u].a, w);
+                    const uint32_t qb = word(cur[u].b, w);
+                    sa = dp4a(int(qa & 0x0F0F0F0Fu), xl[w], sa);
+                    sa = dp4a(int((qa >> 4) & 0x0F0F0F0Fu), xh[w], sa);
+                    sb = dp4a(int(qb & 0x0F0F0F0Fu), xl[w], sb);
+                    sb = dp4a(int((qb >> 4) & 0x0F0F0F0Fu), xh[w], sb);
+                }
+                const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&cur[u].d));
+                acc_a += d.x * (ds.x * float(sa) - 8.0f * ds.y);
+                acc_b += d.y * (ds.x * float(sb) - 8.0f * ds.y);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            cur[u] = nxt[u];
+        }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {  // the quad's 4 pieces
+        acc_a += __shfl_xor_sync(0xFFFFFFFFu, acc_a, off);
+        acc_b += __shfl_xor_sync(0xFFFFFFFFu, acc_b, off);
+    }
+    LUCEPY_PDL_LAUNCH();
+    __shared__ float sums[WARPS][16];
+    if (t == 0) {
+        sums[warp][lane / 4] = acc_a;
+        sums[warp][lane / 4 + 8] = acc_b;
+    }
+    __syncthreads();
+    if (part == 0 && lane < 16 && tile < a.nrows / RP_ROWS) {
+        float v = 0.0f;
+#pragma unroll
+        for (int p = 0; p < SPLIT; p++) {
+            v += sums[warp + p][lane];
+        }
+        a.dst[tile * RP_ROWS + lane] = v;
+    }
+}
+
+}  // namespace lucepy
