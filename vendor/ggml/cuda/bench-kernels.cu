@@ -483,6 +483,13 @@ void launch_gemm_r_slices(GemmArgs a, float * parts_buf, cudaStream_t s) {
     }
 }
 
+// Columns in multiples of 128 (a prefill's): gemm_rp, every weight unpacked once for 128
+template <int MINB> void launch_gemm_rp(GemmArgs a, float *, cudaStream_t s) {
+    raise_smem(gemm_rp<MINB>, RPP_SMEM);
+    const dim3 grid(unsigned(a.nrows / RPP_ROWS), unsigned(a.ncols / RPP_COLS));
+    gemm_rp<MINB><<<grid, 256, RPP_SMEM, s>>>(a);
+}
+
 std::vector<GemmVariant> gemm_r_variants_of(int ncols) {
     if (ncols <= 8) {
         return gemm_r_variants<1>();
@@ -493,6 +500,10 @@ std::vector<GemmVariant> gemm_r_variants_of(int ncols) {
     std::vector<GemmVariant> out = {{"rp 32 a pass", launch_gemm_r_slices<4, 3>}};
     if (ncols % 64 == 0) {
         out.push_back({"rp 64 a pass", launch_gemm_r_slices<8, 2>});
+    }
+    if (ncols % RPP_COLS == 0) {
+        out.push_back({"rp prefill", launch_gemm_rp<2>});
+        out.push_back({"rp prefill 1", launch_gemm_rp<1>});
     }
     return out;
 }

@@ -248,6 +248,161 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     }
 }
 
+// A prefill's columns (multiples of 128) on a repacked Q4_0 matrix (rows a multiple of 64): a
+// CTA of 8 warps owns 64 rows by 128 columns and walks the pieces a group (4 pieces) at a time;
+// each thread unpacks one row's piece of a group into halves in shared memory, in the mma's
+// fragment order (what lane (g, t) of gemm_r holds), so that every weight is unpacked once for
+// 128 columns; warp (r, c) multiplies rows 32 r.. by columns 32 c.. (2 x 4 mma tiles), the
+// activations' halves copied a group ahead with cp.async. The same halves, mmas and order as
+// gemm_r: the same results.
+constexpr int RPP_ROWS = 64;
+constexpr int RPP_COLS = 128;
+constexpr int RPP_XP = 4 * 64 + 32;                 // a column's group of halves, padded
+constexpr int RPP_A = 4 * 4 * 32 * 32;              // a group's halves: [m-tile][word][lane]
+constexpr int RPP_X = RPP_COLS * RPP_XP;
+constexpr int RPP_STAGE = RPP_A + RPP_X;
+constexpr int RPP_SMEM = 2 * RPP_STAGE;
+
+template <int MINB = 2>
+__global__ void __launch_bounds__(256, MINB) gemm_rp(const GemmArgs a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int tid = threadIdx.x;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * RPP_ROWS;
+    const int col0 = blockIdx.y * RPP_COLS;
+    const int ngroups = a.npieces / RP_GROUP;
+    const int nsegs = segments(a.npieces);
+
+    // this thread's unpacking: m-tile um, lane ul's row g + 8 uh
+    const int um = tid / 64;
+    const int ul = tid / 2 % 32;
+    const int uh = tid % 2;
+    const uint8_t * wsrc = a.w + repacked_at(row0 / RP_ROWS + um, 0, ngroups);
+    auto load_w = [&](int grp, uint4 & q, uint32_t & d) {
+        if (grp < ngroups) {
+            const uint8_t * at = wsrc + int64_t(grp) * RP_BYTES;
+            q = load_stream(reinterpret_cast<const uint4 *>(at + 512 * uh) + ul);
+            d = __ldg(reinterpret_cast<const uint32_t *>(at + 1024) + ul);
+        }
+    };
+    auto unpack = [&](int stage, const uint4 & q, uint32_t d) {
+        const uint32_t dd = __byte_perm(d, 0, uh ? 0x3232u : 0x1010u);
+        uint32_t * out = reinterpret_cast<uint32_t *>(smem + stage * RPP_STAGE) + um * 4 * 32 * 8;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            __half2 lo[2], hi[2];
+            word_halves(word(q, w), *reinterpret_cast<const __half2 *>(&dd), lo, hi);
+            uint32_t * o = out + (w * 32 + ul) * 8;
+            o[uh] = as_u32(lo[0]);
+            o[2 + uh] = as_u32(lo[1]);
+            o[4 + uh] = as_u32(hi[0]);
+            o[6 + uh] = as_u32(hi[1]);
+        }
+    };
+    // the activations of a group: 128 columns x 4 pieces x 4 16-byte units, 8 copies a thread
+    auto issue_x = [&](int grp) {
+        if (grp < ngroups) {
+            uint8_t * stage = smem + (grp % 2) * RPP_STAGE + RPP_A;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int i = tid + 256 * k;
+                const int c = i / 16;
+                const int p = i / 4 % 4;
+                const int u = i % 4;
+                const uint4 * src = a.x.xh + (int64_t(col0 + c) * a.npieces + 4 * grp + p) * 4 + u;
+                copy_async<16, true>(stage + c * RPP_XP + 64 * p + 16 * (u ^ (p / 2 % 2)),
+                                     reinterpret_cast<const uint8_t *>(src));
+            }
+        }
+        copy_commit();
+    };
+
+    const int wr = warp / 4;  // m-tiles 2 wr, 2 wr + 1
+    const int wc = warp % 4;  // n-tiles 4 wc .. 4 wc + 3
+    const int swz = t / 2 % 2;
+    float acc[2][4][4] = {};
+    float total[2][4][4] = {};
+
+    uint4 q = {};
+    uint32_t d = 0;
+    load_w(0, q, d);
+    LUCEPY_PDL_SYNC();
+    issue_x(0);
+    unpack(0, q, d);
+    load_w(1, q, d);
+    copy_wait<0>();
+    __syncthreads();
+    for (int grp = 0; grp < ngroups; grp++) {
+        issue_x(grp + 1);
+        const uint8_t * st = smem + (grp % 2) * RPP_STAGE;
+        const uint4 * A = reinterpret_cast<const uint4 *>(st);
+        const uint8_t * X = st + RPP_A;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            uint4 alo[2], ahi[2];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const uint4 * at = A + ((2 * wr + m) * 4 * 32 + w * 32 + lane) * 2;
+                alo[m] = at[0];
+                ahi[m] = at[1];
+            }
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                const uint4 x = *reinterpret_cast<const uint4 *>(
+                    X + ((4 * wc + n) * GM_COL_TILE + g) * RPP_XP + 64 * t + 16 * (w ^ swz));
+#pragma unroll
+                for (int m = 0; m < 2; m++) {
+                    const uint32_t lo[4] = {alo[m].x, alo[m].y, alo[m].z, alo[m].w};
+                    const uint32_t hi[4] = {ahi[m].x, ahi[m].y, ahi[m].z, ahi[m].w};
+                    mma_16816(acc[m][n], lo, x.x, x.y);
+                    mma_16816(acc[m][n], hi, x.z, x.w);
+                }
+            }
+        }
+        const int seg = 4 * grp / GM_SEG;
+        if (grp + 1 == ngroups || 4 * (grp + 1) / GM_SEG != seg) {  // the segment's sums
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                const int c = col0 + (4 * wc + n) * GM_COL_TILE + 2 * t;
+                const float inv0 = __ldg(a.x.xinv + int64_t(c) * nsegs + seg);
+                const float inv1 = __ldg(a.x.xinv + int64_t(c + 1) * nsegs + seg);
+#pragma unroll
+                for (int m = 0; m < 2; m++) {
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        total[m][n][j] += acc[m][n][j] * (j % 2 ? inv1 : inv0);
+                        acc[m][n][j] = 0.0f;
+                    }
+                }
+            }
+        }
+        if (grp + 1 < ngroups) {
+            unpack((grp + 1) % 2, q, d);
+            load_w(grp + 2, q, d);
+        }
+        copy_wait<0>();
+        __syncthreads();
+    }
+    LUCEPY_PDL_LAUNCH();
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int row = row0 + (2 * wr + m) * 16 + g + 8 * (j / 2);
+                const int col = col0 + (4 * wc + n) * GM_COL_TILE + 2 * t + j % 2;
+                if (col < a.ncols) {
+                    a.dst[col * a.dst_stride + row] = total[m][n][j];
+                }
+            }
+        }
+    }
+}
+
 template <int NT> __host__ __device__ constexpr int gemm_r_smem() {
     return 2 * NT * GM_COL_TILE * (8 * 64 + 32);
 }
