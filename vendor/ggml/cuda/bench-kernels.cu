@@ -469,7 +469,9 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     return {{"repacked", launch_gemm_r<NT, 4>}, {"rp 8 warps", launch_gemm_r<NT, 8>}};
 }
 
-// Past 16 columns (a prefill's): gemm_r over slices of NT tiles of 8 columns, in turn
+// Past 16 columns (a prefill's): gemm_r over slices of NT tiles of 8 columns, in turn. (A CTA
+// of 64 rows by 128 columns unpacking each weight once into shared memory, gemm_rp at 2b70e3d,
+// took 1.16-1.45x ggml's mmq's time at 512 columns: removed; docs/BENCHMARKS.md, session 25.)
 template <int NT, int MINB>
 void launch_gemm_r_slices(GemmArgs a, float * parts_buf, cudaStream_t s) {
     const int nsegs = segments(a.npieces);
@@ -483,13 +485,6 @@ void launch_gemm_r_slices(GemmArgs a, float * parts_buf, cudaStream_t s) {
     }
 }
 
-// Columns in multiples of 128 (a prefill's): gemm_rp, every weight unpacked once for 128
-template <int MINB> void launch_gemm_rp(GemmArgs a, float *, cudaStream_t s) {
-    raise_smem(gemm_rp<MINB>, RPP_SMEM);
-    const dim3 grid(unsigned(a.nrows / RPP_ROWS), unsigned(a.ncols / RPP_COLS));
-    gemm_rp<MINB><<<grid, 256, RPP_SMEM, s>>>(a);
-}
-
 std::vector<GemmVariant> gemm_r_variants_of(int ncols) {
     if (ncols <= 8) {
         return gemm_r_variants<1>();
@@ -500,10 +495,6 @@ std::vector<GemmVariant> gemm_r_variants_of(int ncols) {
     std::vector<GemmVariant> out = {{"rp 32 a pass", launch_gemm_r_slices<4, 3>}};
     if (ncols % 64 == 0) {
         out.push_back({"rp 64 a pass", launch_gemm_r_slices<8, 2>});
-    }
-    if (ncols % RPP_COLS == 0) {
-        out.push_back({"rp prefill", launch_gemm_rp<2>});
-        out.push_back({"rp prefill 1", launch_gemm_rp<1>});
     }
     return out;
 }
