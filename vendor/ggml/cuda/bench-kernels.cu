@@ -526,6 +526,86 @@ std::vector<uint8_t> repack_q4_0(const uint8_t * src, int64_t row_stride, int nr
     return out;
 }
 
+template <int MT> void launch_gemm_rq(const GemmArgs & a, cudaStream_t s) {
+    raise_smem(gemm_rq<MT>, gemm_rq_smem<MT>());
+    const dim3 grid(unsigned(a.nrows / (64 * MT)), unsigned(a.ncols / RQ_COLS));
+    gemm_rq<MT><<<grid, 128, gemm_rq_smem<MT>(), s>>>(a);
+}
+
+// A prefill's columns on the repacked copies: to_halves_col's activations (one scale a
+// column, rounded the same way on the host) and gemm_rq, against the host's exact math.
+void bench_prefill(int k, const Shape & sh, const std::vector<uint8_t> & host, int64_t row_bytes,
+                   uint8_t * wr, int64_t mat_bytes, int copies, const float * dx,
+                   const std::vector<float> & x, int ncols, float * dst, float t1,
+                   cudaStream_t s) {
+    const int npieces = sh.k / 32;
+    std::vector<float> xr(size_t(ncols) * sh.k);
+    for (int c = 0; c < ncols; c++) {
+        float amax = 0;
+        for (int i = 0; i < sh.k; i++) {
+            amax = std::max(amax, std::fabs(x[size_t(c) * sh.k + i]));
+        }
+        const float scale = segment_scale(amax);
+        for (int i = 0; i < sh.k; i++) {
+            const float v = x[size_t(c) * sh.k + i];
+            xr[size_t(c) * sh.k + i] = __half2float(__float2half(v * scale)) / scale;
+        }
+    }
+    uint8_t * buf;
+    CHECK(cudaMalloc(&buf, size_t(halves_bytes(npieces, ncols))));
+    const Halves hc = halves_at(buf, npieces, ncols);
+    auto convert = [&]() { to_halves_col<<<ncols, 256, 0, s>>>(dx, sh.k, npieces, hc); };
+    const float t_conv = time_calls(s, [&](int) { convert(); });
+    convert();
+    std::printf("      %d columns: to_halves_col %.2f us\n", ncols, t_conv);
+    GemmArgs g = {};
+    g.x = hc;
+    g.dst = dst;
+    g.dst_stride = sh.rows;
+    g.nrows = sh.rows;
+    g.npieces = npieces;
+    g.ncols = ncols;
+    const std::pair<const char *, void (*)(const GemmArgs &, cudaStream_t)> kernels[] = {
+        {"rq 64 rows", launch_gemm_rq<1>}, {"rq 128 rows", launch_gemm_rq<2>}};
+    std::vector<int> check_rows;
+    for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 37)) {
+        check_rows.push_back(r);
+    }
+    for (const auto & kernel : kernels) {
+        if (sh.rows % (kernel.second == launch_gemm_rq<1> ? 64 : 128) != 0) {
+            continue;
+        }
+        CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));
+        GemmArgs b = g;
+        b.w = wr;
+        kernel.second(b, s);
+        CHECK(cudaGetLastError());
+        std::vector<float> got(size_t(ncols) * sh.rows);
+        CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        double worst = 0;
+        for (int c = 0; c < ncols; c += std::max(1, ncols / 24)) {
+            double err = 0, scale = 0;
+            for (int r : check_rows) {
+                const double want = host_gemm(k, host.data() + r * row_bytes, npieces,
+                                              xr.data() + size_t(c) * sh.k);
+                err = std::max(err, std::fabs(got[size_t(c) * sh.rows + r] - want));
+                scale = std::max(scale, std::fabs(want));
+            }
+            worst = std::max(worst, err / std::max(scale, 1e-30));
+        }
+        const bool ok = worst < 2e-3;
+        failures += !ok;
+        const float t = time_calls(s, [&](int i) {
+            GemmArgs c = g;
+            c.w = wr + mat_bytes * (i % copies);
+            kernel.second(c, s);
+        });
+        std::printf("         %-12s %8.2f us  %.2fx one column   err %.1e%s\n", kernel.first, t,
+                    t / t1, worst, ok ? "" : "  WRONG");
+    }
+    CHECK(cudaFree(buf));
+}
+
 constexpr int MAX_GEMM_COLS = 16;  // gemm's; past them only gemm_r's slices
 
 // One product (a gate fused or not: a verify's rows take up and gate apart) times 1 column
@@ -719,6 +799,10 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
             std::printf("         %-12s %8.2f us  %.2fx one column   %6.0f GB/s   err %.1e%s\n",
                         v.name.c_str(), t, t / t1, mat_bytes / t / 1e3, worst,
                         ok ? "" : "  WRONG");
+        }
+        if (wr && ncols % RQ_COLS == 0) {
+            bench_prefill(k, sh, host, row_bytes, wr, mat_bytes, copies,
+                          dx, x, ncols, dst, t1, s);
         }
     }
     CHECK(cudaFree(w));

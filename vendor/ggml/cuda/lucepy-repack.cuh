@@ -1,6 +1,7 @@
-// Q4_0 repacked for lucepy's CUDA kernels: an experiment (issue 19), timed and checked alone by
-// bench-kernels.cu; lucepy-mm.cu does not use it yet (docs/architecture.md, decision 12: a
-// prefill on this layout is the missing part, as ggml's kernels cannot read it).
+// Q4_0 repacked for lucepy's CUDA kernels, and kernels for every column count on it: one
+// (gemv_r), 2-16 (gemm_r), a prefill's (to_halves_col, gemm_rq). Timed and checked alone by
+// bench-kernels.cu; lucepy-mm.cu does not use them yet (docs/architecture.md, decision 12: the
+// hooks, the repacking at load and the tests are what is missing).
 #pragma once
 
 #include "lucepy-gemm.cuh"  // gemm's activations (to_halves), mma, GemmArgs; Args
@@ -336,6 +337,171 @@ __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args 
             v += sums[warp + p][lane];
         }
         a.dst[tile * RP_ROWS + lane] = v;
+    }
+}
+
+// --- a prefill's columns: one activation scale a column ---------------------------------------
+//
+// to_halves' layout with one power-of-two scale for the whole column (its largest to [2^14,
+// 2^15)), so that a product's sums need no rescaling along the row: 1 / scale at xinv[column].
+__global__ void __launch_bounds__(256) to_halves_col(const float * x, int64_t col_stride,
+                                                     int npieces, Halves out) {
+    const int c = blockIdx.x;
+    x += c * col_stride;
+    const int n = npieces * 32;
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < n; i += 256) {
+        amax = fmaxf(amax, fabsf(x[i]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    }
+    __shared__ float red[8];
+    if (threadIdx.x % 32 == 0) {
+        red[threadIdx.x / 32] = amax;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < 8; w++) {
+        amax = fmaxf(amax, red[w]);
+    }
+    const float scale = segment_scale(amax);
+    if (threadIdx.x == 0) {
+        out.xinv[c] = 1.0f / scale;
+    }
+    for (int i = threadIdx.x; i < npieces * 4; i += 256) {
+        const float * at = x + (i / 4) * 32 + 4 * (i % 4);
+        const float v[8] = {at[0], at[1], at[2], at[3], at[16], at[17], at[18], at[19]};
+        out.xh[int64_t(c) * npieces * 4 + i] = group_halves(v, scale);
+    }
+}
+
+// A prefill's columns (multiples of 64) on a repacked Q4_0 matrix, activations from
+// to_halves_col: a CTA of 4 warps owns 64 MT rows by 64 columns and walks the row a group (4
+// pieces) at a time, its weights and activations copied into two shared stages (cp.async);
+// each warp unpacks its own MT tiles of 16 rows (as gemm_r's lanes do) and multiplies them with
+// the 64 columns' halves, so each weight is unpacked once for 64 columns and each 16-byte load
+// of activations serves MT tiles.
+constexpr int RQ_COLS = 64;
+constexpr int RQ_XP = 4 * 64 + 32;  // a column's group of halves, padded (bank groups)
+
+template <int MT> __host__ __device__ constexpr int rq_stage() {
+    return 4 * MT * RP_BYTES + RQ_COLS * RQ_XP;
+}
+
+template <int MT> __host__ __device__ constexpr int gemm_rq_smem() {
+    return 2 * rq_stage<MT>();
+}
+
+template <int MT>
+__global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a) {
+    constexpr int STAGE = rq_stage<MT>();
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int tid = threadIdx.x;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * 64 * MT;
+    const int col0 = blockIdx.y * RQ_COLS;
+    const int ngroups = a.npieces / RP_GROUP;
+    const uint8_t * wsrc = a.w + repacked_at(row0 / RP_ROWS + warp * MT, 0, ngroups);
+    const int64_t tile_bytes = int64_t(ngroups) * RP_BYTES;
+
+    auto issue = [&](int grp) {
+        if (grp < ngroups) {
+            uint8_t * st = smem + (grp % 2) * STAGE;
+            uint8_t * ws = st + warp * MT * RP_BYTES;
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                const uint8_t * src = wsrc + m * tile_bytes + int64_t(grp) * RP_BYTES;
+#pragma unroll
+                for (int k = 0; k < 3; k++) {
+                    const int i = lane + 32 * k;
+                    if (i < RP_U4) {
+                        copy_async<16>(ws + m * RP_BYTES + 16 * i, src + 16 * i);
+                    }
+                }
+            }
+            uint8_t * xs = st + 4 * MT * RP_BYTES;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int i = tid + 128 * k;
+                const int c = i / 16;
+                const int p = i / 4 % 4;
+                const int u = i % 4;
+                const uint4 * src = a.x.xh + (int64_t(col0 + c) * a.npieces + 4 * grp + p) * 4 + u;
+                copy_async<16, true>(xs + c * RQ_XP + 64 * p + 16 * (u ^ (p / 2 % 2)),
+                                     reinterpret_cast<const uint8_t *>(src));
+            }
+        }
+        copy_commit();
+    };
+
+    float acc[MT][8][4] = {};
+    const int swz = t / 2 % 2;
+    LUCEPY_PDL_SYNC();  // the activations: the kernel before has finished
+    issue(0);
+    for (int grp = 0; grp < ngroups; grp++) {
+        issue(grp + 1);
+        copy_wait<1>();
+        __syncthreads();  // group grp has landed for every warp
+        const uint8_t * st = smem + (grp % 2) * STAGE;
+        const uint8_t * ws = st + warp * MT * RP_BYTES;
+        const uint8_t * xs = st + 4 * MT * RP_BYTES;
+        uint4 qa[MT], qb[MT];
+        uint32_t da[MT], db[MT];
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            qa[m] = reinterpret_cast<const uint4 *>(ws + m * RP_BYTES)[lane];
+            qb[m] = reinterpret_cast<const uint4 *>(ws + m * RP_BYTES + 512)[lane];
+            const uint32_t d = reinterpret_cast<const uint32_t *>(ws + m * RP_BYTES + 1024)[lane];
+            da[m] = __byte_perm(d, 0, 0x1010);
+            db[m] = __byte_perm(d, 0, 0x3232);
+        }
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            uint32_t lo[MT][4], hi[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                __half2 alo[2], ahi[2], blo[2], bhi[2];
+                word_halves(word(qa[m], w), *reinterpret_cast<const __half2 *>(&da[m]), alo, ahi);
+                word_halves(word(qb[m], w), *reinterpret_cast<const __half2 *>(&db[m]), blo, bhi);
+                lo[m][0] = as_u32(alo[0]), lo[m][1] = as_u32(blo[0]);
+                lo[m][2] = as_u32(alo[1]), lo[m][3] = as_u32(blo[1]);
+                hi[m][0] = as_u32(ahi[0]), hi[m][1] = as_u32(bhi[0]);
+                hi[m][2] = as_u32(ahi[1]), hi[m][3] = as_u32(bhi[1]);
+            }
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const uint4 x = *reinterpret_cast<const uint4 *>(
+                    xs + (8 * n + g) * RQ_XP + 64 * t + 16 * (w ^ swz));
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+                    mma_16816(acc[m][n], lo[m], x.x, x.y);
+                    mma_16816(acc[m][n], hi[m], x.z, x.w);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before it is refilled
+    }
+    copy_wait<0>();
+    LUCEPY_PDL_LAUNCH();
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const int c = col0 + 8 * n + 2 * t;
+        const float inv[2] = {a.x.xinv[c], a.x.xinv[c + 1]};
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int row = row0 + (warp * MT + m) * 16 + g + 8 * (j / 2);
+                if (c + j % 2 < a.ncols) {
+                    a.dst[(c + j % 2) * a.dst_stride + row] = acc[m][n][j] * inv[j % 2];
+                }
+            }
+        }
     }
 }
 
