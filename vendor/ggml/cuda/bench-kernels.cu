@@ -499,10 +499,10 @@ std::vector<GemmVariant> gemm_r_variants_of(int ncols) {
     return out;
 }
 
-template <int SPLIT, int U> void launch_gemv_r(const Args & a, cudaStream_t s) {
+template <int SPLIT, int U, bool GATE = false> void launch_gemv_r(const Args & a, cudaStream_t s) {
     constexpr int WARPS = gemv_r_warps<SPLIT>();
     const int64_t warps = int64_t(a.nrows / RP_ROWS) * SPLIT;
-    gemv_r<SPLIT, U><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
+    gemv_r<SPLIT, U, GATE><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
 }
 
 // Q4_0 rows rearranged as gemm_r and gemv_r read them (lucepy-gemm.cuh: the repacked layout)
@@ -530,6 +530,51 @@ template <int MT> void launch_gemm_rq(const GemmArgs & a, cudaStream_t s) {
     raise_smem(gemm_rq<MT>, gemm_rq_smem<MT>());
     const dim3 grid(unsigned(a.nrows / (64 * MT)), unsigned(a.ncols / RQ_COLS));
     gemm_rq<MT><<<grid, 128, gemm_rq_smem<MT>(), s>>>(a);
+}
+
+// One column with ggml's fused gate (SwiGLU), the gate another copy of the same matrix: gemv as
+// lucepy-mm.cu launches it on the original layout, and gemv_r's splits on the repacked one.
+void bench_fused_gate(int k, const Shape & sh, const std::vector<uint8_t> & host,
+                      int64_t row_bytes, uint8_t * w, uint8_t * wr, int64_t mat_bytes,
+                      int copies, const Args & a1, const std::vector<int8_t> & hq,
+                      const std::vector<float2> & hds, int unit, float * dst, cudaStream_t s) {
+    const int npieces = sh.k / 32;
+    const std::pair<const char *, void (*)(const Args &, cudaStream_t)> fused[] = {
+        {"split 2", launch_gemv_r<2, 1, true>}, {"split 4", launch_gemv_r<4, 1, true>},
+        {"split 8", launch_gemv_r<8, 1, true>}};
+    const Variant gemv_gate = variants_of(k, true, unit)[0];
+    for (int side = 0; side < 1 + int(std::size(fused)); side++) {
+        uint8_t * const base = side == 0 ? w : wr;
+        auto run = [&](int i) {
+            Args b = a1;
+            b.w = base + mat_bytes * (i % copies);
+            b.gate = base + mat_bytes * ((i + 1) % copies);
+            b.glu_op = GLU_SWIGLU;
+            if (side == 0) {
+                gemv_gate.run(b, s);
+            } else {
+                fused[side - 1].second(b, s);
+            }
+        };
+        CHECK(cudaMemset(dst, 0, size_t(sh.rows) * sizeof(float)));
+        run(0);
+        CHECK(cudaGetLastError());
+        std::vector<float> got(sh.rows);
+        CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        double err = 0, scale = 0;
+        for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 61)) {
+            const float v = host_dot(k, host.data() + r * row_bytes, npieces, hq.data(), hds.data());
+            const double want = host_glu(GLU_SWIGLU, v, v);
+            err = std::max(err, std::fabs(got[r] - want));
+            scale = std::max(scale, std::fabs(want));
+        }
+        const double rel = err / std::max(scale, 1e-30);
+        const bool ok = rel < 1e-4;
+        failures += !ok;
+        const float t = time_calls(s, run);
+        std::printf("      fused gate: %-12s %7.2f us   err %.1e%s\n",
+                    side == 0 ? "gemv" : fused[side - 1].first, t, rel, ok ? "" : "  WRONG");
+    }
 }
 
 // A prefill's columns on the repacked copies: to_halves_col's activations (one scale a
@@ -714,6 +759,10 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
             });
             std::printf("      gemv_r %-10s %7.2f us  %.2fx gemv   err %.1e%s\n", name, t, t / t1,
                         rel, ok ? "" : "  WRONG");
+        }
+        if (sh.gate) {  // ggml's fused gate: the gate another copy of the same matrix
+            bench_fused_gate(k, sh, host, row_bytes, w, wr, mat_bytes, copies, a1, hq, hds, unit,
+                             dst, s);
         }
     }
 

@@ -254,16 +254,37 @@ template <int NT> __host__ __device__ constexpr int gemm_r_smem() {
 }
 
 // One column on a repacked Q4_0 matrix (a.w), the activations as `quantize` writes them (one
-// plane). SPLIT warps share a tile of 16 rows, each a range of its groups, a CTA of
+// plane), and with GATE ggml's fused gate: a.gate repacked alike, dst = glu(W x + bias, G x +
+// gate bias). SPLIT warps share a tile of 16 rows, each a range of its groups, a CTA of
 // max(4, SPLIT) warps; lane (g, t) takes piece t of rows g and g + 8 of each group (8 dp4a a
 // row), U groups loaded ahead of the ones it multiplies.
 template <int SPLIT> __host__ __device__ constexpr int gemv_r_warps() {
     return SPLIT > 4 ? SPLIT : 4;
 }
 
-template <int SPLIT, int U = 1>
+// a lane's sums of piece t of rows g and g + 8 (the nibbles 0-15; the 8 comes off in ds.y)
+__device__ __forceinline__ void dot_group(const RpGroup & q, const int (&xl)[4],
+                                          const int (&xh)[4], float2 ds, float & acc_a,
+                                          float & acc_b) {
+    int sa = 0, sb = 0;
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        const uint32_t qa = word(q.a, w);
+        const uint32_t qb = word(q.b, w);
+        sa = dp4a(int(qa & 0x0F0F0F0Fu), xl[w], sa);
+        sa = dp4a(int((qa >> 4) & 0x0F0F0F0Fu), xh[w], sa);
+        sb = dp4a(int(qb & 0x0F0F0F0Fu), xl[w], sb);
+        sb = dp4a(int((qb >> 4) & 0x0F0F0F0Fu), xh[w], sb);
+    }
+    const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&q.d));
+    acc_a += d.x * (ds.x * float(sa) - 8.0f * ds.y);
+    acc_b += d.y * (ds.x * float(sb) - 8.0f * ds.y);
+}
+
+template <int SPLIT, int U = 1, bool GATE = false>
 __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args a) {
     constexpr int WARPS = gemv_r_warps<SPLIT>();
+    constexpr int M = GATE ? 2 : 1;  // matrices: the product's, the gate's
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const int t = lane % 4;
@@ -273,19 +294,26 @@ __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args 
     const int per = (ngroups + SPLIT - 1) / SPLIT;
     const int g0 = min(ngroups, part * per);
     const int g1 = tile < a.nrows / RP_ROWS ? min(ngroups, g0 + per) : g0;
-    const uint8_t * base = a.w + repacked_at(tile, 0, ngroups);
-    RpGroup cur[U], nxt[U];
-    auto load = [&](RpGroup (&buf)[U], int first) {
+    const uint8_t * base[M];
+    base[0] = a.w + repacked_at(tile, 0, ngroups);
+    if constexpr (GATE) {
+        base[1] = a.gate + repacked_at(tile, 0, ngroups);
+    }
+    RpGroup cur[M][U], nxt[M][U];
+    auto load = [&](RpGroup (&buf)[M][U], int first) {
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            if (first + u < g1) {
-                buf[u] = load_group(base + int64_t(first + u) * RP_BYTES, lane);
+        for (int m = 0; m < M; m++) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (first + u < g1) {
+                    buf[m][u] = load_group(base[m] + int64_t(first + u) * RP_BYTES, lane);
+                }
             }
         }
     };
     load(cur, g0);  // weights: no kernel before this one writes them
     LUCEPY_PDL_SYNC();
-    float acc_a = 0.0f, acc_b = 0.0f;
+    float acc[M][2] = {};
     for (int grp = g0; grp < g1; grp += U) {
         load(nxt, grp + U);
 #pragma unroll
@@ -296,47 +324,55 @@ __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args 
                 const int4 xlo = __ldg(xp);
                 const int4 xhi = __ldg(xp + 1);
                 const float2 ds = __ldg(a.xds + piece);
-                int sa = 0, sb = 0;
                 const int xl[4] = {xlo.x, xlo.y, xlo.z, xlo.w};
                 const int xh[4] = {xhi.x, xhi.y, xhi.z, xhi.w};
 #pragma unroll
-                for (int w = 0; w < 4; w++) {
-                    const uint32_t qa = word(cur[u].a, w);
-                    const uint32_t qb = word(cur[u].b, w);
-                    sa = dp4a(int(qa & 0x0F0F0F0Fu), xl[w], sa);
-                    sa = dp4a(int((qa >> 4) & 0x0F0F0F0Fu), xh[w], sa);
-                    sb = dp4a(int(qb & 0x0F0F0F0Fu), xl[w], sb);
-                    sb = dp4a(int((qb >> 4) & 0x0F0F0F0Fu), xh[w], sb);
+                for (int m = 0; m < M; m++) {
+                    dot_group(cur[m][u], xl, xh, ds, acc[m][0], acc[m][1]);
                 }
-                const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&cur[u].d));
-                acc_a += d.x * (ds.x * float(sa) - 8.0f * ds.y);
-                acc_b += d.y * (ds.x * float(sb) - 8.0f * ds.y);
             }
         }
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            cur[u] = nxt[u];
+        for (int m = 0; m < M; m++) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                cur[m][u] = nxt[m][u];
+            }
         }
     }
 #pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {  // the quad's 4 pieces
-        acc_a += __shfl_xor_sync(0xFFFFFFFFu, acc_a, off);
-        acc_b += __shfl_xor_sync(0xFFFFFFFFu, acc_b, off);
+    for (int m = 0; m < M; m++) {
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {  // the quad's 4 pieces
+            acc[m][0] += __shfl_xor_sync(0xFFFFFFFFu, acc[m][0], off);
+            acc[m][1] += __shfl_xor_sync(0xFFFFFFFFu, acc[m][1], off);
+        }
     }
     LUCEPY_PDL_LAUNCH();
-    __shared__ float sums[WARPS][16];
+    __shared__ float sums[M][WARPS][16];
     if (t == 0) {
-        sums[warp][lane / 4] = acc_a;
-        sums[warp][lane / 4 + 8] = acc_b;
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            sums[m][warp][lane / 4] = acc[m][0];
+            sums[m][warp][lane / 4 + 8] = acc[m][1];
+        }
     }
     __syncthreads();
     if (part == 0 && lane < 16 && tile < a.nrows / RP_ROWS) {
-        float v = 0.0f;
+        const int row = tile * RP_ROWS + lane;
+        float v[M] = {};
 #pragma unroll
-        for (int p = 0; p < SPLIT; p++) {
-            v += sums[warp + p][lane];
+        for (int m = 0; m < M; m++) {
+#pragma unroll
+            for (int p = 0; p < SPLIT; p++) {
+                v[m] += sums[m][warp + p][lane];
+            }
         }
-        a.dst[tile * RP_ROWS + lane] = v;
+        float out = v[0] + (a.x_bias ? a.x_bias[row] : 0.0f);
+        if constexpr (GATE) {
+            out = glu(a.glu_op, out, v[1] + (a.gate_bias ? a.gate_bias[row] : 0.0f));
+        }
+        a.dst[row] = out;
     }
 }
 
