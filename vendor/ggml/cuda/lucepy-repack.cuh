@@ -418,7 +418,8 @@ __global__ void __launch_bounds__(256) to_halves_col(const float * x, int64_t co
 // pieces) at a time, its weights and activations copied into two shared stages (cp.async);
 // each warp unpacks its own MT tiles of 16 rows (as gemm_r's lanes do) and multiplies them with
 // the 64 columns' halves, so each weight is unpacked once for 64 columns and each 16-byte load
-// of activations serves MT tiles.
+// of activations serves MT tiles. Rows a multiple of 64 MT; no tail of columns yet (the grid
+// covers whole tiles of 64, and to_halves_col writes only real columns).
 constexpr int RQ_COLS = 64;
 constexpr int RQ_XP = 4 * 64 + 32;  // a column's group of halves, padded (bank groups)
 
