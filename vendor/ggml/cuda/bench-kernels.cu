@@ -505,8 +505,8 @@ template <int SPLIT, int U, bool GATE = false> void launch_gemv_r(const Args & a
     gemv_r<SPLIT, U, GATE><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
 }
 
-// Q4_0 rows rearranged as gemm_r and gemv_r read them (lucepy-gemm.cuh: the repacked layout)
-std::vector<uint8_t> repack_q4_0(const uint8_t * src, int64_t row_stride, int nrows,
+// Q4_0 rows rearranged as gemm_r and gemv_r read them (lucepy-repack.cuh: the layout), on the host
+std::vector<uint8_t> host_repack(const uint8_t * src, int64_t row_stride, int nrows,
                                  int npieces) {
     const int ngroups = npieces / RP_GROUP;
     std::vector<uint8_t> out(size_t(nrows) * npieces * 18);
@@ -673,12 +673,22 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
     }
     uint8_t * wr = nullptr;  // Q4_0: the same copies repacked, for gemm_r
     if (k == Q4_0 && repackable(sh.rows, npieces)) {
-        const std::vector<uint8_t> rp = repack_q4_0(host.data(), row_bytes, sh.rows, npieces);
+        const std::vector<uint8_t> rp = host_repack(host.data(), row_bytes, sh.rows, npieces);
         CHECK(cudaMalloc(&wr, size_t(mat_bytes) * copies));
         for (int c = 0; c < copies; c++) {
             CHECK(cudaMemcpy(wr + mat_bytes * c, rp.data(), size_t(mat_bytes),
                              cudaMemcpyHostToDevice));
         }
+        // the device's repacking of the same rows: the host's bytes
+        const dim3 grid(unsigned(npieces / RP_GROUP), unsigned(sh.rows / RP_ROWS));
+        repack_q4_0<<<grid, 64, 0, s>>>(w, row_bytes, npieces / RP_GROUP, wr + mat_bytes);
+        CHECK(cudaGetLastError());
+        std::vector<uint8_t> got(mat_bytes);
+        CHECK(cudaMemcpy(got.data(), wr + mat_bytes, size_t(mat_bytes), cudaMemcpyDeviceToHost));
+        const bool same = got == rp;
+        failures += !same;
+        std::printf("%-5s %-10s repack_q4_0 on the device: %s\n", kind_name(k), sh.what,
+                    same ? "the host's bytes" : "WRONG");
     }
     const int most = *std::max_element(cols.begin(), cols.end());
     std::vector<float> x(size_t(most) * sh.k);

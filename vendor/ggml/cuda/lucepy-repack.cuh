@@ -1,5 +1,5 @@
-// Q4_0 repacked for lucepy's CUDA kernels, and kernels for every column count on it: one
-// (gemv_r), 2-16 (gemm_r), a prefill's (to_halves_col, gemm_rq). Timed and checked alone by
+// Q4_0 repacked for lucepy's CUDA kernels (repack_q4_0), and kernels for every column count on
+// it: one (gemv_r), 2-16 (gemm_r), a prefill's (to_halves_col, gemm_rq). Timed and checked alone by
 // bench-kernels.cu; lucepy-mm.cu does not use them yet (docs/architecture.md, decision 12: the
 // hooks, the repacking at load and the tests are what is missing).
 #pragma once
@@ -35,6 +35,27 @@ __host__ __device__ constexpr bool repackable(int64_t nrows, int64_t npieces) {
 
 __host__ __device__ inline int64_t repacked_at(int64_t tile, int64_t group, int64_t ngroups) {
     return (tile * ngroups + group) * RP_BYTES;
+}
+
+// Q4_0 rows (row_stride bytes apart) into the layout above at `out` (another buffer): a CTA a
+// tile's group, a thread a row's piece (its 16 nibble bytes read as halves: the blocks are
+// 2-byte aligned) and its scale. Grid (groups, tiles), 64 threads.
+__global__ void __launch_bounds__(64) repack_q4_0(const uint8_t * w, int64_t row_stride,
+                                                  int ngroups, uint8_t * out) {
+    const int grp = blockIdx.x;
+    const int tile = blockIdx.y;
+    const int r = threadIdx.x / 4;
+    const int j = threadIdx.x % 4;
+    const uint16_t * b = reinterpret_cast<const uint16_t *>(
+        w + int64_t(RP_ROWS * tile + r) * row_stride + int64_t(RP_GROUP * grp + j) * 18);
+    uint32_t q[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        q[k] = uint32_t(b[1 + 2 * k]) | (uint32_t(b[2 + 2 * k]) << 16);
+    }
+    uint8_t * o = out + repacked_at(tile, grp, ngroups);
+    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * j) = make_uint4(q[0], q[1], q[2], q[3]);
+    *reinterpret_cast<uint16_t *>(o + 1024 + 4 * (4 * (r % 8) + j) + 2 * (r / 8)) = b[0];
 }
 
 // word k of a 16-byte load
