@@ -11,7 +11,7 @@ from typing import Any
 
 import cffi
 
-from lucepy.ggml.lib import Lib, _soname_file
+from lucepy.ggml.lib import Lib, _soname_file, address
 
 _ffi = cffi.FFI()
 _ffi.cdef(
@@ -22,6 +22,7 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_quantized(void);
     int64_t lucepy_cuda_kernels_fused(void);
     int64_t lucepy_cuda_kernels_ops(void);
+    int lucepy_cuda_repack(void * tensor);
     """
 )
 
@@ -63,6 +64,14 @@ class CudaKernels:
         decay and beta's sigmoid: one kernel, not three), DeltaNet recurrences (with the copy
         of the new state) and argmaxes of long rows, counted alike."""
         return int(self.handle.lucepy_cuda_kernels_ops())
+
+    def repack(self, tensor: Any) -> bool:
+        """Rewrite a Q4_0 weight in a CUDA device's memory in place into lucepy's layout
+        (vendor/ggml/cuda/lucepy-repack.cuh), after which lucepy's kernels take every product of
+        it and nothing else may read it; False, having done nothing, for a tensor they do not
+        take (another type, rows not a multiple of 64 or of 256 values, not on a device where
+        they are on)."""
+        return bool(self.handle.lucepy_cuda_repack(_ffi.cast("void *", address(tensor))))
 
 
 def cuda_kernels(lib: Lib) -> CudaKernels | None:

@@ -52,6 +52,10 @@ void lucepy_cuda_graph_begin(ggml_backend_cuda_context & ctx, const ggml_cgraph 
 // The context is being destroyed: free what the kernels kept for it.
 void lucepy_cuda_context_free(ggml_backend_cuda_context & ctx);
 
+// Bytes [ptr, ptr + size) of a CUDA buffer are freed or written anew: no repacked matrix
+// (lucepy_cuda_repack) lies there any more.
+void lucepy_cuda_bytes_gone(const void * ptr, size_t size);
+
 // For lucepy's Python side (exported from libggml-cuda): set forces the kernels on (1) or off
 // (0) on every device, or back to the default (-1: on for compute capability 9.0 and newer); the
 // start value comes from LUCEPY_CUDA_KERNELS (0 or 1 forces, unset is the default). get tells
@@ -68,4 +72,10 @@ GGML_BACKEND_API int64_t lucepy_cuda_kernels_calls(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_quantized(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_fused(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_ops(void);
+// Rewrites a Q4_0 weight (2D, contiguous, rows a multiple of 64, row length of 256, in a CUDA
+// device's memory, lucepy's kernels on there) in place into lucepy-repack.cuh's layout and
+// returns 1; from then on lucepy's kernels take every product of it (a product's read that is
+// not whole tiles of 64 rows aborts), and nothing else may read it. Returns 0, having done
+// nothing, for any other tensor.
+GGML_BACKEND_API int lucepy_cuda_repack(struct ggml_tensor * t);
 }
