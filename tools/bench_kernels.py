@@ -27,7 +27,8 @@ from bench_gpu import CHUNK, DECODE_TOKENS, Bench, llama_rows
 
 from lucepy.decode.verify_len import median_s
 
-CHOICES = ("lucepy", "ggml")
+# lucepy's kernels, the same with its Q4_0 weights repacked (LUCEPY_CUDA_REPACK=1), ggml's
+CHOICES = ("lucepy", "repacked", "ggml")
 MAX_K = 16
 
 
@@ -62,7 +63,7 @@ def one(args: argparse.Namespace) -> int:
         kernels = cuda_kernels(load())
         cuda = args.device.startswith("cuda")
         on = bool(kernels and cuda and kernels.on(int(args.device.partition(":")[2] or 0)))
-        if args.kernels == "lucepy" and cuda and not on:
+        if args.kernels != "ggml" and cuda and not on:
             raise SystemExit(
                 "bench_kernels: the loaded ggml (LUCEPY_GGML_LIB) has no lucepy kernels: "
                 "build it with `lucepy backends build cuda`"
@@ -83,7 +84,11 @@ def measure(args: argparse.Namespace) -> int:
     failed = 0
     for choice in CHOICES:
         part = out.with_suffix(f".{choice}.json")
-        env = dict(os.environ, LUCEPY_CUDA_KERNELS="1" if choice == "lucepy" else "0")
+        env = dict(
+            os.environ,
+            LUCEPY_CUDA_KERNELS="0" if choice == "ggml" else "1",
+            LUCEPY_CUDA_REPACK="1" if choice == "repacked" else "0",
+        )
         cmd = [
             sys.executable,
             __file__,
@@ -112,7 +117,7 @@ def _cell(x: float | None, fmt: str = "{:,.1f}") -> str:
 def report(args: argparse.Namespace) -> int:
     got = json.loads(Path(args.results).read_text())
     ref, missing = llama_rows([p for p in args.llama_bench if Path(p).exists()])
-    ours, theirs = got.get("lucepy", {}), got.get("ggml", {})
+    ours, theirs, rp = got.get("lucepy", {}), got.get("ggml", {}), got.get("repacked", {})
 
     def rate(side: dict, key: str) -> float | None:
         return side.get(key, {}).get("tok_s")
@@ -125,18 +130,20 @@ def report(args: argparse.Namespace) -> int:
         f"# lucepy's CUDA kernels: {got.get('model', '?')} on {got.get('device', '?')}",
         "",
         f"| test | llama.cpp ({args.llama_build}) | lucepy, ggml's kernels | lucepy, own kernels "
-        "| own / llama.cpp | own / ggml's |",
-        "|---|---|---|---|---|---|",
+        "| own, Q4_0 repacked | own / llama.cpp | repacked / llama.cpp | own / ggml's |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, key, llama_key in rows:
-        a, b = rate(theirs, key), rate(ours, key)
+        a, b, r = rate(theirs, key), rate(ours, key), rate(rp, key)
         c = ref[llama_key].tok_s if llama_key in ref else None
         lines.append(
-            f"| {name} (tok/s) | {_cell(c)} | {_cell(a)} | {_cell(b)} "
+            f"| {name} (tok/s) | {_cell(c)} | {_cell(a)} | {_cell(b)} | {_cell(r)} "
             f"| {_cell(b / c if b and c else None, '{:.2f}×')} "
+            f"| {_cell(r / c if r and c else None, '{:.2f}×')} "
             f"| {_cell(b / a if b and a else None, '{:.2f}×')} |"
         )
-    curves = [s.get("verify_curve", {}).get("cost_in_decodes", {}) for s in (theirs, ours)]
+    sides = (theirs, ours, rp)
+    curves = [s.get("verify_curve", {}).get("cost_in_decodes", {}) for s in sides]
     lines += [
         "",
         "Verify cost: a k-token forward, in decode steps at the same position (medians).",
@@ -144,13 +151,20 @@ def report(args: argparse.Namespace) -> int:
         "| k | " + " | ".join(str(k) for k in range(1, MAX_K + 1)) + " |",
         "|---|" + "---|" * MAX_K,
     ]
-    for label, curve in zip(("ggml's kernels", "own kernels"), curves, strict=True):
+    labels = ("ggml's kernels", "own kernels", "own, repacked")
+    for label, curve in zip(labels, curves, strict=True):
         cells = [_cell(curve.get(str(k)), "{:.2f}") for k in range(1, MAX_K + 1)]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    calls = [s.get("lucepy_kernel_calls", {}).get("calls") for s in (theirs, ours)]
+    decode_ms = [s.get("verify_curve", {}).get("decode_ms") for s in sides]
+    lines.append(
+        "\nDecode step (ms): "
+        + ", ".join(f"{lab} {_cell(d, '{:.2f}')}" for lab, d in zip(labels, decode_ms, strict=True))
+    )
+    calls = [s.get("lucepy_kernel_calls", {}).get("calls") for s in sides]
     lines += [
         "",
-        f"Products computed by lucepy's kernels: {calls[1]} with them on, {calls[0]} off.",
+        f"Products computed by lucepy's kernels: {calls[1]} with them on, {calls[2]} repacked, "
+        f"{calls[0]} off.",
         *(f"- llama.cpp {m}: no samples, left out" for m in missing),
     ]
     text = "\n".join(lines) + "\n"

@@ -379,7 +379,7 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
         step "llama-$2" 120 "$BENCHLOG" sh -c "exec env $LLAMA_OFF '$LLAMA_BIN/llama-bench' \
             -m '$1' -ngl 99 -fa 1 -p 512 -n 128 -r 5 -o json >'$OUTDIR/llama-bench-$2.json'" ||
             true
-        step "kernels-$2" 300 "$BENCHLOG" python3 tools/bench_kernels.py measure "$1" \
+        step "kernels-$2" 500 "$BENCHLOG" python3 tools/bench_kernels.py measure "$1" \
             --device "$DEVICE" --json "$OUTDIR/kernels-$2.json" || true
         if [[ -f $OUTDIR/kernels-$2.json ]]; then
             python3 tools/bench_kernels.py report "$OUTDIR/kernels-$2.json" \

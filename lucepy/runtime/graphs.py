@@ -8,6 +8,8 @@ within a memory budget.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -35,8 +37,11 @@ from lucepy.ggml import (
     tensor_set,
 )
 from lucepy.ggml.bufts import matmul_placement
+from lucepy.ggml.kernels import cuda_kernels
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import Builder
+
+log = logging.getLogger(__name__)
 
 _NUMPY = {
     GGML_TYPE_F32: np.float32,
@@ -351,6 +356,18 @@ def _spec(f: GGUFFile, source: str | tuple[str, ...]) -> tuple[int, tuple[int, .
     return int(first.type), (first.shape[0], rows)
 
 
+def _repack(lib: Lib, backend: Backend, weights: list, what: str) -> None:
+    """LUCEPY_CUDA_REPACK=1 (an experiment, off by default): the Q4_0 ``weights`` (read by
+    products alone) rewritten in place into the layout of lucepy's CUDA kernels
+    (vendor/ggml/cuda/lucepy-repack.cuh, decision 12), those the kernels take."""
+    if os.environ.get("LUCEPY_CUDA_REPACK") != "1" or not backend.is_local_gpu:
+        return
+    kernels = cuda_kernels(lib)
+    if kernels is not None:
+        n = sum(kernels.repack(t) for t in weights)
+        log.info("%s: %d of %d product weights repacked", what, n, len(weights))
+
+
 class Tensors:
     """Named tensors in backend buffers: a model's weights, or persistent state. One buffer per
     buffer type: the backend's own, and for CPU weights the repacked types that take them."""
@@ -417,6 +434,8 @@ class Tensors:
             tensor_set(lib, t, data)
         for k, src in shared.items():
             out.t[k] = out.t[src]
+        tied = set(shared.values())
+        _repack(lib, backend, [out.t[k] for k in matmul if k in out.t and k not in tied], what)
         return out
 
     @property
