@@ -1,7 +1,7 @@
 """Issue 19's benchmark: lucepy with its own CUDA kernels against lucepy with ggml's, on the same
-patched build (LUCEPY_CUDA_KERNELS=1 or =0 forces ours on or off, whatever the default), and
-against llama-bench of the unpatched build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same
-model and GPU, in one run.
+patched build (LUCEPY_CUDA_KERNELS=1 or =0 forces ours on or off, whatever the default), and with
+its own on Q4_0 weights repacked at load (LUCEPY_CUDA_REPACK=1), against llama-bench of the
+unpatched build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same model and GPU, in one run.
 
     python tools/bench_kernels.py measure MODEL --device cuda:0 --json kernels.json
     python tools/bench_kernels.py report kernels.json --llama-bench llama.json --md kernels.md

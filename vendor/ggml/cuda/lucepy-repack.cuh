@@ -1,7 +1,7 @@
 // Q4_0 repacked for lucepy's CUDA kernels (repack_q4_0), and kernels for every column count on
-// it: one (gemv_r), 2-16 (gemm_r), a prefill's (to_halves_col, gemm_rq). Timed and checked alone by
-// bench-kernels.cu; lucepy-mm.cu does not use them yet (docs/architecture.md, decision 12: the
-// hooks, the repacking at load and the tests are what is missing).
+// it: one (gemv_r), 2-16 (gemm_r), a prefill's (to_halves_col, gemm_rq). lucepy-mm.cu takes the
+// products of matrices that lucepy_cuda_repack rewrote (LUCEPY_CUDA_REPACK=1: docs/architecture.md,
+// decision 12); bench-kernels.cu times and checks them alone.
 #pragma once
 
 #include "lucepy-gemm.cuh"  // gemm's activations (to_halves), mma, GemmArgs; Args
