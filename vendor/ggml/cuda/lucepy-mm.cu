@@ -345,18 +345,13 @@ template <int K> Launch pick(bool gate, int unit) {
 }
 
 // 3 to 16 columns: gemm on to_halves' activations, in parts where its rows are few
-template <int K, int NT>
-void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
-    constexpr int P = gemm_chunk<K>();
-    auto kernel = gemm<K, NT, P>;
-    using G = Gm<K, NT, P>;
-    constexpr int smem = G::smem;
-    static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};  // CTAs at once (one size: asked once)
-    if (slots[ctx.device] == 0) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        slots[ctx.device] = cta_slots(kernel, GM_WARPS * 32, smem, ctx.device);
-    }
-    const GemmPlan plan = gemm_plan(base.nrows, base.npieces, G::rows, P, slots[ctx.device]);
+// A tensor-core product of 4-warp CTAs of `cta_rows` rows and `smem` bytes (gemm, gemm_r), split
+// into parts where its rows are few (gemm_plan, `slots` CTAs at once) and the parts added in
+// order by gemm_sum
+template <typename F>
+void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, int cta_rows, int P,
+                     int64_t slots, const GemmArgs & base) {
+    const GemmPlan plan = gemm_plan(base.nrows, base.npieces, cta_rows, P, slots);
     const int parts = int(plan.grid.y);
     GemmArgs a = base;
     a.per_part = plan.per_part;
@@ -375,6 +370,27 @@ void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
                                 static_cast<const float *>(a.parts), parts, a.nrows, a.ncols, a.dst,
                                 a.dst_stride);
     }
+}
+
+// CTAs of `kernel` (4 warps, `smem` bytes) at once on a device, asked once a device (`slots`:
+// the kernel's own table)
+template <typename F>
+int64_t slots_of(F kernel, int smem, int device, int64_t (&slots)[GGML_CUDA_MAX_DEVICES]) {
+    if (slots[device] == 0) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        slots[device] = cta_slots(kernel, GM_WARPS * 32, smem, device);
+    }
+    return slots[device];
+}
+
+template <int K, int NT>
+void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
+    constexpr int P = gemm_chunk<K>();
+    using G = Gm<K, NT, P>;
+    static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
+    auto kernel = gemm<K, NT, P>;
+    launch_in_parts(ctx, kernel, G::smem, G::rows, P, slots_of(kernel, G::smem, ctx.device, slots),
+                    base);
 }
 
 template <int K> void run_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
@@ -579,33 +595,11 @@ template <bool GATE> void launch_gemv_r(const Args & a, cudaStream_t stream) {
 
 // 2-16 columns: gemm_r, in parts where its rows are few (as launch_gemm)
 template <int NT> void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
+    static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
     auto kernel = gemm_r<NT>;
     constexpr int smem = gemm_r_smem<NT>();
-    static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
-    if (slots[ctx.device] == 0) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        slots[ctx.device] = cta_slots(kernel, GM_WARPS * 32, smem, ctx.device);
-    }
-    const GemmPlan plan =
-        gemm_plan(base.nrows, base.npieces, GM_WARPS * 16, 8, slots[ctx.device]);
-    const int parts = int(plan.grid.y);
-    GemmArgs a = base;
-    a.per_part = plan.per_part;
-    cudaStream_t stream = ctx.stream();
-    ggml_cuda_pool_alloc<float> sums(ctx.pool());
-    if (parts > 1) {
-        a.parts = sums.alloc(size_t(parts) * a.ncols * a.nrows);
-    }
-    ggml_cuda_kernel_launch(kernel,
-                            ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, smem, stream),
-                            a);
-    if (parts > 1) {
-        const int64_t n = int64_t(a.nrows) * a.ncols;
-        const dim3 sum_grid(unsigned((n + 255) / 256));
-        ggml_cuda_kernel_launch(gemm_sum, ggml_cuda_kernel_launch_params(sum_grid, 256, 0, stream),
-                                static_cast<const float *>(a.parts), parts, a.nrows, a.ncols, a.dst,
-                                a.dst_stride);
-    }
+    launch_in_parts(ctx, kernel, smem, GM_WARPS * 16, 8, slots_of(kernel, smem, ctx.device, slots),
+                    base);
 }
 
 // a prefill's columns: to_halves_col into scratch (whole tiles of 64 columns), then gemm_rq
