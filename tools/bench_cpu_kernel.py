@@ -25,21 +25,24 @@ SHAPES = {  # SmolLM2-135M: name -> (rows, row length)
 }
 
 
-def timed_us(lib, backend, kinds, gtype, rows: int, K: int, cols: int, ours: bool, repeats: int):
-    """``repeats`` computes of the product after one warm-up, in us."""
-    rng = np.random.default_rng(0)
+def product_us(
+    lib, backend, gtype, blocks, rows: int, K: int, cols: int, rng, repeats: int, rewrite=None
+) -> list[float]:
+    """``repeats`` computes of one product after one warm-up, in us: ``blocks`` (the bytes of
+    ``rows`` x ``K`` weights of ``gtype``) times ``cols`` f32 columns drawn from ``rng``, a graph
+    of that one MUL_MAT; ``rewrite(ctx, graph)`` before the graph is allocated."""
     ctx = Context(lib, 8, graph_nodes=16)
     try:
         w = lib.ggml_new_tensor_2d(ctx.ptr, gtype, K, rows)
         x = lib.ggml_new_tensor_2d(ctx.ptr, cpu.F32, K, cols)
         with Buffer(lib, ctx, backend, "benchmark"):
-            tensor_set(lib, w, cpu.random_blocks(gtype, rows * K // cpu.QK, rng))
+            tensor_set(lib, w, blocks)
             tensor_set(lib, x, rng.standard_normal((cols, K), dtype=np.float32))
             y = lib.ggml_mul_mat(ctx.ptr, w, x)
             gf = lib.ggml_new_graph_custom(ctx.ptr, 16, False)
             lib.ggml_build_forward_expand(gf, y)
-            if ours and cpu.take_products(lib, ctx.ptr, gf, kinds) != 1:
-                raise SystemExit(f"{cols} columns: the kernel does not take this product")
+            if rewrite is not None:
+                rewrite(ctx.ptr, gf)
             with Allocator(lib, backend) as alloc:
                 alloc.alloc(gf)
                 times = []
@@ -50,6 +53,19 @@ def timed_us(lib, backend, kinds, gtype, rows: int, K: int, cols: int, ours: boo
     finally:
         ctx.close()
     return [t * 1e6 for t in times[1:]]
+
+
+def timed_us(lib, backend, kinds, gtype, rows: int, K: int, cols: int, ours: bool, repeats: int):
+    """``repeats`` computes of the product after one warm-up, in us."""
+    rng = np.random.default_rng(0)
+    blocks = cpu.random_blocks(gtype, rows * K // cpu.QK, rng)
+
+    def take(ctx, gf):
+        if cpu.take_products(lib, ctx, gf, kinds) != 1:
+            raise SystemExit(f"{cols} columns: the kernel does not take this product")
+
+    rewrite = take if ours else None
+    return product_us(lib, backend, gtype, blocks, rows, K, cols, rng, repeats, rewrite)
 
 
 def main() -> None:

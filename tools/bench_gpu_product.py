@@ -10,12 +10,11 @@ vendor/ggml/cuda/bench-kernels.cu's times of lucepy's kernels on the same shapes
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from bench_cpu_kernel import product_us
 
-from lucepy.ggml import GGML_TYPE_F32, load
-from lucepy.ggml.owners import Allocator, Buffer, Context, tensor_set
+from lucepy.ggml import load
 from lucepy.runtime.devices import open_backend
 
 GGML_TYPE_Q4_0 = 2
@@ -35,27 +34,12 @@ def q4_0_blocks(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def timed_us(lib, backend, rows: int, K: int, cols: int, repeats: int) -> float:
+    """The median of ``repeats`` computes of the product, in us."""
     rng = np.random.default_rng(0)
-    ctx = Context(lib, 8, graph_nodes=16)
-    try:
-        w = lib.ggml_new_tensor_2d(ctx.ptr, GGML_TYPE_Q4_0, K, rows)
-        x = lib.ggml_new_tensor_2d(ctx.ptr, GGML_TYPE_F32, K, cols)
-        with Buffer(lib, ctx, backend, "benchmark"):
-            tensor_set(lib, w, q4_0_blocks(rows * K // 32, rng))
-            tensor_set(lib, x, rng.standard_normal((cols, K), dtype=np.float32))
-            y = lib.ggml_mul_mat(ctx.ptr, w, x)
-            gf = lib.ggml_new_graph_custom(ctx.ptr, 16, False)
-            lib.ggml_build_forward_expand(gf, y)
-            with Allocator(lib, backend) as alloc:
-                alloc.alloc(gf)
-                times = []
-                for _ in range(repeats + 1):
-                    t = time.perf_counter()
-                    lib.ggml_backend_graph_compute(backend.ptr, gf)
-                    times.append(time.perf_counter() - t)
-    finally:
-        ctx.close()
-    return float(np.median(times[1:])) * 1e6
+    blocks = q4_0_blocks(rows * K // 32, rng)
+    return float(
+        np.median(product_us(lib, backend, GGML_TYPE_Q4_0, blocks, rows, K, cols, rng, repeats))
+    )
 
 
 def main() -> None:
