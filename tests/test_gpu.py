@@ -27,6 +27,8 @@ from test_split import run as run_split
 
 from lucepy.decode.batch import Batcher
 from lucepy.engine import open_engine
+from lucepy.ggml import load
+from lucepy.ggml.kernels import cuda_kernels
 from lucepy.gguf import GGUFFile
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
@@ -102,41 +104,78 @@ def gpu_forward(engine, tokens: list[int], forced) -> tuple[np.ndarray, np.ndarr
     return ours, np.array(steps)
 
 
-@pytest.mark.parametrize("wtype", ["f32", "q8_0"])
-@pytest.mark.parametrize("name", ["base", "odd"])
-def test_gpu_logits_match_llama_cpp(name, wtype, gpu_engine, tiny_model, tmp_path):
-    """Every prompt position, then every decode step fed llama.cpp's greedy tokens.
+# the tiny models compared with llama.cpp (tools/make_gpu_ref.py makes their references)
+PARITY = [(name, wtype) for name in ("base", "odd") for wtype in ("f32", "q8_0")]
+REPACKED = ("wide", "q4_0")  # a model whose Q4_0 rows lucepy's CUDA layout takes
 
-    f32: within TF32 of llama.cpp. q8_0: the GPU quantizes activations to q8_1 where the CPU uses
-    q8_0, and these tiny random models amplify each rounding, so both are measured against the
+
+def assert_like_llama_cpp(engine, path, wtype, tmp_path, chunks=(CHUNK,)) -> None:
+    """Every prompt position (prefilled in each of ``chunks``' sizes, from the start), then every
+    decode step fed llama.cpp's greedy tokens.
+
+    f32: within TF32 of llama.cpp. Quantized: the GPU quantizes activations otherwise than the
+    CPU, and these tiny random models amplify each rounding, so both are measured against the
     exact math of the same rounded weights (llama.cpp on a dequantized f32 twin, made by
     tools/make_gpu_ref.py): lucepy on the GPU may be no further from it than twice llama.cpp."""
-    engine = gpu_engine(name, wtype)
-    assert engine.shard.backend.name == GPU
     tokens = prompt(engine.params.n_vocab)
-    ref = llama_cpp_reference(tiny_model(name, wtype), tokens, tmp_path)
+    ref = llama_cpp_reference(path, tokens, tmp_path)
     assert ref["prompt"].std(axis=-1).min() > 0.1  # the model is not degenerate
     assert len(set(ref["tokens"].tolist())) > 1, "greedy output does not vary"
     ours, steps = gpu_forward(engine, tokens, ref["tokens"])
+    prompts = [(f"prompt (chunks of {CHUNK})", ours)]
+    for chunk in chunks[1:]:
+        engine.reset()
+        prompts.append(
+            (f"prompt (chunks of {chunk})", engine.prefill(tokens, chunk=chunk, all_logits=True))
+        )
     if wtype == "f32":
-        pairs = [
-            ("prompt", ours, ref["prompt"], TF32_TOLERANCE),
-            ("decode", steps, ref["steps"], TF32_TOLERANCE),
-        ]
+        want = {"prompt": ref["prompt"], "steps": ref["steps"]}
+        bound = {"prompt": TF32_TOLERANCE, "steps": TF32_TOLERANCE}
     else:
         assert "prompt_exact" in ref, "run tools/make_gpu_ref.py and carry it (LUCEPY_GPU_REF)"
-        pairs = [
-            (
-                what,
-                mine,
-                ref[f"{what}_exact"],
-                2 * float(rel_err(ref[what], ref[f"{what}_exact"]).max()),
-            )
-            for what, mine in (("prompt", ours), ("steps", steps))
-        ]
-    for what, mine, want, bound in pairs:
-        err = rel_err(mine, want)
-        assert err.max() <= bound, f"{what} row {err.argmax()}: {err.max():.2e} > {bound:.2e}"
+        want = {k: ref[f"{k}_exact"] for k in ("prompt", "steps")}
+        bound = {k: 2 * float(rel_err(ref[k], want[k]).max()) for k in want}
+    pairs = [(what, mine, "prompt") for what, mine in prompts] + [("decode", steps, "steps")]
+    for what, mine, key in pairs:
+        err = rel_err(mine, want[key])
+        assert err.max() <= bound[key], (
+            f"{what} row {err.argmax()}: {err.max():.2e} > {bound[key]:.2e}"
+        )
+
+
+@pytest.mark.parametrize(("name", "wtype"), PARITY)
+def test_gpu_logits_match_llama_cpp(name, wtype, gpu_engine, tiny_model, tmp_path):
+    engine = gpu_engine(name, wtype)
+    assert engine.shard.backend.name == GPU
+    assert_like_llama_cpp(engine, tiny_model(name, wtype), wtype, tmp_path)
+
+
+def test_gpu_repacked_q4_0_matches_llama_cpp(gpu_engine, tiny_model, tmp_path):
+    """A Q4_0 model whose rows lucepy's CUDA layout takes is repacked at load by default and
+    computed by the repacked kernels: its prompt in chunks of 24 (64 columns' tiles, gemm_rq, and
+    a tail of 8, gemm_r) and of 16 (gemm_r's two column tiles), its decode steps (gemv_r), within
+    twice llama.cpp's error against the exact math, as any quantized model here."""
+    kernels = cuda_kernels(load())
+    assert kernels is not None, "a CUDA build with lucepy's kernels (lucepy backends build cuda)"
+    kernels.set(True)  # whatever this GPU's default
+    try:
+        engine = gpu_engine(*REPACKED)
+    finally:
+        kernels.set(None)
+    repacked = set(engine.shard.weights.repacked)
+    with GGUFFile(tiny_model(*REPACKED)) as f:
+        alone = {  # weights no stack takes in (qwen35's stacks: their keys end in .stacked)
+            name
+            for name in f.tensors
+            if name == "output.weight"
+            or name.endswith(("ffn_down.weight", "ssm_out.weight", "attn_output.weight"))
+        }
+    assert len(alone) == 1 + engine.params.n_layer * 2
+    assert alone <= repacked, f"not repacked: {sorted(alone - repacked)}"
+    assert any(name.endswith(".stacked") for name in repacked), repacked
+    calls = kernels.calls
+    assert_like_llama_cpp(engine, tiny_model(*REPACKED), REPACKED[1], tmp_path, (CHUNK, 16))
+    assert kernels.calls > calls
 
 
 def test_gpu_gemma4_matches_llama_cpp(tmp_path):

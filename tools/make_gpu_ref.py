@@ -28,14 +28,13 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import numpy as np  # noqa: E402
 from conftest import HPARAMS  # noqa: E402
-from test_gpu import GEMMA4, GEMMA4_CTX, gemma4_prompt  # noqa: E402
+from test_gpu import GEMMA4, GEMMA4_CTX, PARITY, REPACKED, gemma4_prompt  # noqa: E402
 from test_reference import CHUNK, N_GEN, prompt  # noqa: E402
 
 from lucepy.gguf import GGUFFile  # noqa: E402
 from lucepy.testing.tiny import write_dequantized_twin, write_qwen35  # noqa: E402
 
 MANIFEST = "manifest.json"
-WEIGHT_TYPES = ("f32", "q8_0")  # tests/test_gpu.py's parametrization
 FIX = (
     "on the CPU machine, run tools/prepare_gpu_carry.sh (or just python tools/make_gpu_ref.py "
     '.gpuref), then carry [".whl", ".sdist", ".gpuref"]'
@@ -54,18 +53,18 @@ class Model(NamedTuple):
 def tiny_models(tmp: Path) -> Iterator[Model]:
     """Each model the GPU tests compare with llama.cpp: the tiny qwen35 models they write
     (conftest.py), and the converter-made gemma4 fixture."""
-    for name, hp in HPARAMS.items():
-        for wtype in WEIGHT_TYPES:
-            path = write_qwen35(tmp / f"{name}-{wtype}.gguf", weight_type=wtype, **hp)
-            with GGUFFile(path) as f:
-                tokens = prompt(len(f.get("tokenizer.ggml.tokens")))
-            twin = None
-            if wtype != "f32":
+    for name, wtype in [*PARITY, REPACKED]:
+        hp = HPARAMS[name]
+        path = write_qwen35(tmp / f"{name}-{wtype}.gguf", weight_type=wtype, **hp)
+        with GGUFFile(path) as f:
+            tokens = prompt(len(f.get("tokenizer.ggml.tokens")))
+        twin = None
+        if wtype != "f32":
 
-                def twin(dst: Path, wtype=wtype, hp=hp) -> Path:
-                    return write_dequantized_twin(dst, weight_type=wtype, **hp)
+            def twin(dst: Path, wtype=wtype, hp=hp) -> Path:
+                return write_dequantized_twin(dst, weight_type=wtype, **hp)
 
-            yield Model(f"{name}-{wtype}", path, tokens, 256, True, twin)
+        yield Model(f"{name}-{wtype}", path, tokens, 256, True, twin)
     with GGUFFile(GEMMA4) as f:
         tokens = gemma4_prompt(len(f.get("tokenizer.ggml.tokens")))
     yield Model("gemma4-f32", GEMMA4, tokens, GEMMA4_CTX, False, None)
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if found:
         print(f"to make it again: {FIX}", file=sys.stderr)
         return 1
-    print(f"{args.out}: current for all {len(HPARAMS) * len(WEIGHT_TYPES) + 1} tiny models")
+    print(f"{args.out}: current for all {len(PARITY) + 2} tiny models")
     return 0
 
 

@@ -356,16 +356,20 @@ def _spec(f: GGUFFile, source: str | tuple[str, ...]) -> tuple[int, tuple[int, .
     return int(first.type), (first.shape[0], rows)
 
 
-def _repack(lib: Lib, backend: Backend, weights: list, what: str) -> None:
-    """LUCEPY_CUDA_REPACK=1 (an experiment, off by default): the Q4_0 ``weights`` (read by
-    products alone) rewritten in place into the layout of lucepy's CUDA kernels
-    (vendor/ggml/cuda/lucepy-repack.cuh, decision 12), those the kernels take."""
-    if os.environ.get("LUCEPY_CUDA_REPACK") != "1" or not backend.is_local_gpu:
-        return
+def _repack(lib: Lib, backend: Backend, weights: dict[str, Any], what: str) -> list[str]:
+    """The Q4_0 ``weights`` (read by products alone) rewritten in place into the layout of
+    lucepy's CUDA kernels (vendor/ggml/cuda/lucepy-repack.cuh, decision 12), those the kernels
+    take, on a local GPU where they are on; LUCEPY_CUDA_REPACK=0 leaves them as blocks. Their
+    names."""
+    if os.environ.get("LUCEPY_CUDA_REPACK", "1") == "0" or not backend.is_local_gpu:
+        return []
     kernels = cuda_kernels(lib)
-    if kernels is not None:
-        n = sum(kernels.repack(t) for t in weights)
-        log.info("%s: %d of %d product weights repacked", what, n, len(weights))
+    if kernels is None:
+        return []
+    done = [name for name, t in weights.items() if kernels.repack(t)]
+    if done:
+        log.info("%s: %d of %d product weights repacked", what, len(done), len(weights))
+    return done
 
 
 class Tensors:
@@ -382,6 +386,7 @@ class Tensors:
     ):
         self.lib = lib
         self.t: dict[str, Any] = {}
+        self.repacked: list[str] = []  # weights in lucepy's CUDA layout (from_gguf)
         groups: dict[Any, list[str]] = {}
         for name in specs:
             groups.setdefault((placement or {}).get(name), []).append(name)
@@ -435,7 +440,8 @@ class Tensors:
         for k, src in shared.items():
             out.t[k] = out.t[src]
         tied = set(shared.values())
-        _repack(lib, backend, [out.t[k] for k in matmul if k in out.t and k not in tied], what)
+        kept = {k: out.t[k] for k in matmul if k in out.t and k not in tied}
+        out.repacked = _repack(lib, backend, kept, what)
         return out
 
     @property
