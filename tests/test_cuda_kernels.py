@@ -24,25 +24,46 @@ HERE = Path(__file__).parent
 KERNELS = backends.VENDOR / "cuda"
 
 
-@pytest.fixture(scope="module")
-def host_check(tmp_path_factory) -> Path:
-    """tests/cuda/quants_host.cpp built with the host's C++ compiler."""
+def host_build(tmp: Path, name: str) -> Path:
+    """tests/cuda/NAME.cpp built with the host's C++ compiler."""
     compiler = shutil.which("c++") or shutil.which("g++")
     assert compiler, "a C++ compiler is needed (the CPU build of ggml needs one too)"
-    exe = tmp_path_factory.mktemp("quants") / "quants_host"
-    subprocess.run(
-        [
-            compiler,
-            "-std=c++17",
-            "-O1",
-            f"-I{KERNELS}",
-            str(HERE / "cuda" / "quants_host.cpp"),
-            "-o",
-            str(exe),
-        ],
-        check=True,
-    )
+    exe = tmp / name
+    cmd = [compiler, "-std=c++17", "-O1", f"-I{KERNELS}", str(HERE / "cuda" / f"{name}.cpp")]
+    subprocess.run([*cmd, "-o", str(exe)], check=True)
     return exe
+
+
+@pytest.fixture(scope="module")
+def host_check(tmp_path_factory) -> Path:
+    return host_build(tmp_path_factory.mktemp("quants"), "quants_host")
+
+
+def test_a_product_splits_into_parts_as_its_rows_allow(tmp_path):
+    """gemm_parts (lucepy-plan.h): a product of few row tiles takes the most parts that still run
+    in one wave of CTAs (qwen35's 96-row DeltaNet alpha and beta once took one, and 26 us a
+    16-column product); one of many rows the fewest whose last wave is fullest; never more than
+    gemm_max_parts (each part at least 2 chunks, at most 16 parts)."""
+    exe = host_build(tmp_path, "plan_host")
+    slots = 528  # the H200's: 4 CTAs of 64 rows a multiprocessor, 132 of them
+    shapes = [  # (rows, pieces): the 27B-shaped model's products, tiny ones, odd ones
+        (96, 160), (128, 160), (64, 16), (64, 2), (1024, 160), (5120, 544), (5120, 192),
+        (10240, 160), (17408, 160), (34816, 160), (1000, 37), (248320, 160),
+    ]  # fmt: skip
+    lines = "".join(f"{r} {p} 64 8 {slots}\n" for r, p in shapes)
+    out = subprocess.run([exe], input=lines, capture_output=True, text=True, check=True).stdout
+    got = [tuple(map(int, line.split())) for line in out.splitlines()]
+    assert len(got) == len(shapes)
+    for (rows, pieces), (parts, most) in zip(shapes, got, strict=True):
+        tiles = -(-rows // 64)
+        assert most == max(1, min(16, -(-pieces // 8) // 2)), (rows, pieces)
+        assert 1 <= parts <= most, (rows, pieces, parts)
+        one_wave = [p for p in range(1, most + 1) if tiles * p <= slots]
+        if one_wave and one_wave[-1] == most:
+            assert parts == most, (rows, pieces, parts)  # all in one wave: the most
+        elif one_wave:
+            assert parts >= one_wave[-1], (rows, pieces, parts)  # never fewer than one wave's
+    assert got[0] == (10, 10)  # the alpha and beta: 20 chunks, 10 parts of 2
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

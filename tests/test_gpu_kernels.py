@@ -363,20 +363,20 @@ def test_gpu_shared_activations_follow_each_compute(k, cuda):
             np.testing.assert_array_equal(together[j][i], alone)
 
 
-def gated_norm_products(lib, device, weights, norm, xs, zs, op):
+def gated_norm_products(lib, device, weights, norm, xs, zs, op, cols=1):
     """Each matrix of ``weights`` times gate(z) * (rms_norm(x) * norm) (qwen35's gated norm: x
-    and z [rows, n], each row normed alone, the result read as one column of rows * n), for each
-    pair of ``xs`` and ``zs``; then the gated result and the norm times its weight
+    and z [rows, n], each row normed alone, the result read as ``cols`` columns of whole rows), for
+    each pair of ``xs`` and ``zs``; then the gated result and the norm times its weight
     (``computed``)."""
     rows, n = xs[0].shape
-    consts = [(gtype, rows * n, raw.shape[0], raw) for gtype, raw in weights]
+    consts = [(gtype, rows * n // cols, raw.shape[0], raw) for gtype, raw in weights]
     consts.append((GGML_TYPE_F32, n, 1, np.ascontiguousarray(norm, dtype=np.float32)))
 
     def build(c, ts, ins):
         x, z = ins
         normed = lib.ggml_mul(c, lib.ggml_rms_norm(c, x, EPS), ts[-1])
         act = lib.ggml_silu(c, z) if op == "silu" else lib.ggml_sigmoid(c, z)
-        gated = lib.ggml_reshape_2d(c, lib.ggml_mul(c, normed, act), rows * n, 1)
+        gated = lib.ggml_reshape_2d(c, lib.ggml_mul(c, normed, act), rows * n // cols, cols)
         lib.ggml_set_output(normed)  # (read back: its memory not reused)
         return [lib.ggml_mul_mat(c, t, gated) for t in ts[:-1]] + [gated, normed]
 
@@ -384,10 +384,20 @@ def gated_norm_products(lib, device, weights, norm, xs, zs, op):
     return computed(lib, device, consts, [(n, rows), (n, rows)], build, feeds)
 
 
-@pytest.mark.parametrize(("kind", "op", "n"), [("q4_0", "silu", 128), ("q8_0", "sigmoid", 64)])
-def test_gpu_gated_norm_quantizes_for_its_products(kind, op, n, cuda):
-    """A gated norm of short rows (qwen35's DeltaNet output: 48 heads of 128) whose result two
-    products read as one column is one kernel of ours that also quantizes it: one preparation
+@pytest.mark.parametrize(
+    ("kind", "op", "n", "cols"),
+    [
+        ("q4_0", "silu", 128, 1),
+        ("q8_0", "sigmoid", 64, 1),
+        ("q4_0", "silu", 128, 16),
+        ("q4_k", "sigmoid", 256, 3),
+        ("q8_0", "silu", 64, 9),
+    ],
+)
+def test_gpu_gated_norm_quantizes_for_its_products(kind, op, n, cols, cuda):
+    """A gated norm of short rows (qwen35's DeltaNet output: 48 heads of 128 a token) whose result
+    two products read as one column (a decode) or as 3-16 columns of whole rows (a verify) is one
+    kernel of ours that also prepares it for them (int8 planes, or halves): one preparation
     (counted as fused), the norm and the gated result ggml's within float rounding, the products
     within twice ggml's error of the exact math, new products for new inputs (the CUDA graph
     replayed)."""
@@ -395,26 +405,65 @@ def test_gpu_gated_norm_quantizes_for_its_products(kind, op, n, cuda):
     mats = [weights_of(lib, kind, 50 + i) for i in range(2)]
     weights = [(t, raw) for t, raw, _ in mats]
     rng = np.random.default_rng(51)
-    rows = N // n
+    rows = N // n * cols
     wn = rng.uniform(0.5, 1.5, size=n).astype(np.float32)
     xs = [3.0 * rng.normal(size=(rows, n)).astype(np.float32) for _ in range(3)]
     zs = [2.0 * rng.normal(size=(rows, n)).astype(np.float32) for _ in range(3)]
     first = counted(
-        kernels, lambda: gated_norm_products(lib, device, weights, wn, xs[:1], zs[:1], op)
+        kernels, lambda: gated_norm_products(lib, device, weights, wn, xs[:1], zs[:1], op, cols)
     )
     assert first == (2, 1, 1)
     ours, theirs = ours_and_theirs(
-        kernels, lambda: gated_norm_products(lib, device, weights, wn, xs, zs, op)
+        kernels, lambda: gated_norm_products(lib, device, weights, wn, xs, zs, op, cols)
     )
     for j, (x, z) in enumerate(zip(xs, zs, strict=True)):
         x64, z64 = x.astype(np.float64), z.astype(np.float64)
         normed = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + EPS) * wn
         act = z64 / (1 + np.exp(-z64)) if op == "silu" else 1 / (1 + np.exp(-z64))
-        gated = (normed * act).reshape(1, N)
+        gated = (normed * act).reshape(cols, N)
         np.testing.assert_allclose(ours[j][-1], theirs[j][-1], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(ours[j][-2], theirs[j][-2], rtol=1e-5, atol=1e-6)
         assert rel_err(ours[j][-2], gated).max() < 1e-5
         assert_products_near(mats, ours[j], theirs[j], gated, f"{kind} input {j}")
+
+
+def glu_products(lib, device, weights, gates, ups):
+    """Each matrix of ``weights`` times silu(gate) * up (an FFN's SWIGLU, ggml's GLU op of two
+    tensors: ``gates`` and ``ups`` [k, n]), for each pair; then the GLU's result
+    (``computed``)."""
+    k, n = gates[0].shape
+    consts = [(gtype, n, raw.shape[0], raw) for gtype, raw in weights]
+
+    def build(c, ts, ins):
+        h = lib.ggml_swiglu_split(c, ins[0], ins[1])
+        lib.ggml_set_output(h)  # (read back: its memory not reused)
+        return [lib.ggml_mul_mat(c, t, h) for t in ts] + [h]
+
+    feeds = list(zip(gates, ups, strict=True))
+    return computed(lib, device, consts, [(n, k), (n, k)], build, feeds)
+
+
+@pytest.mark.parametrize(("kind", "k"), [("q4_0", 16), ("q6_k", 3)])
+def test_gpu_glu_prepares_halves_for_its_products(kind, k, cuda):
+    """A SWIGLU whose result two products read as 3-16 columns (a verify's FFN down) is one
+    kernel of ours that also writes the products' halves: one preparation (counted as fused),
+    the result ggml's within float rounding, the products within twice ggml's error of the
+    exact math, new products for new inputs (the CUDA graph replayed)."""
+    lib, device, kernels = cuda
+    mats = [weights_of(lib, kind, 70 + i) for i in range(2)]
+    weights = [(t, raw) for t, raw, _ in mats]
+    rng = np.random.default_rng(71)
+    gates = [2.0 * rng.normal(size=(k, N)).astype(np.float32) for _ in range(3)]
+    ups = [rng.normal(size=(k, N)).astype(np.float32) for _ in range(3)]
+    first = counted(kernels, lambda: glu_products(lib, device, weights, gates[:1], ups[:1]))
+    assert first == (2, 1, 1)
+    ours, theirs = ours_and_theirs(kernels, lambda: glu_products(lib, device, weights, gates, ups))
+    for j, (g, u) in enumerate(zip(gates, ups, strict=True)):
+        g64 = g.astype(np.float64)
+        h = g64 / (1 + np.exp(-g64)) * u
+        np.testing.assert_allclose(ours[j][-1], theirs[j][-1], rtol=1e-6, atol=1e-7)
+        assert rel_err(ours[j][-1], h).max() < 1e-6
+        assert_products_near(mats, ours[j], theirs[j], h, f"{kind} input {j}")
 
 
 HEADS = 4  # heads of 128 channels that the conv tests l2-norm, as qwen35 norms q and k

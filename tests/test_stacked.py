@@ -15,7 +15,7 @@ from conftest import THREADS
 
 import lucepy.runtime.engine as engine_module
 from lucepy.catalog import smollm2_file
-from lucepy.ggml import load
+from lucepy.ggml import ffi, load
 from lucepy.gguf import GGUFFile
 from lucepy.runtime import graphs
 from lucepy.runtime.config import RuntimeConfig
@@ -94,3 +94,37 @@ def test_products_stack_by_default_where_a_device_is_not_a_cpu(monkeypatch):
     assert not stacked("cuda:0")
     monkeypatch.setenv("LUCEPY_STACK_MATMULS", "1")
     assert stacked("cpu")
+
+
+def test_a_gated_norm_stays_back_to_back_when_its_gate_is_a_stacks_part(monkeypatch):
+    """qwen35's DeltaNet output norm and gate (RMS_NORM, MUL by its weight, SiLU of z, MUL) stay
+    consecutive graph nodes (views apart) in a step of several tokens, where z is a copy out of
+    the stacked product: lucepy's CUDA kernels compute the four as one kernel only so."""
+    plain = engine_module.model_options
+    monkeypatch.setattr(
+        engine_module,
+        "model_options",
+        lambda cfg: dataclasses.replace(plain(cfg), stack_matmuls=True),
+    )
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256, chunk=16)
+    with Engine(FIXTURES / "qwen35-f32.gguf", cfg, tokenizer=False) as engine:
+        assert any(k.endswith("ssm_qkvz.stacked") for k in engine.shard.w)
+        engine.prefill(PROMPT[:16])
+        lib = engine.lib
+        views = {lib.GGML_OP_VIEW, lib.GGML_OP_RESHAPE, lib.GGML_OP_PERMUTE,
+                 lib.GGML_OP_TRANSPOSE, lib.GGML_OP_NONE}  # fmt: skip
+        found = 0
+        for g in engine.shard.graphs.values():
+            nodes = [lib.ggml_graph_node(g.gf, i) for i in range(lib.ggml_graph_n_nodes(g.gf))]
+            ops = [n for n in nodes if n.op not in views]
+            for i, n in enumerate(ops[:-3]):
+                w = n.src[1] if n.op == lib.GGML_OP_MUL else None
+                name = ffi.string(lib.ggml_get_name(w)).decode() if w else ""
+                if name.endswith("ssm_norm.weight") and n.src[0].op == lib.GGML_OP_RMS_NORM:
+                    found += 1
+                    assert ops[i - 1] == n.src[0], name  # the norm just before
+                    assert [ops[i + 1].op, ops[i + 2].op] == [
+                        lib.GGML_OP_UNARY,
+                        lib.GGML_OP_MUL,
+                    ], name
+        assert found >= 3  # the fixture's DeltaNet layers, in the 16-token graph

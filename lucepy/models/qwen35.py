@@ -329,6 +329,12 @@ class Qwen35(Architecture):
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, new_state, mine))
 
         z4 = L.ggml_reshape_4d(c, z, S, Hv, t, N)
+        # z's copy out of the stacked product (T > 1) computed here, not between the output's
+        # norm and its gate, so that the gated norm's nodes stay back to back (lucepy's CUDA
+        # kernels compute them, and the product's halves, as one kernel). (Computed right after
+        # the product instead, the conv step was ggml's kernels in 44 of the 27B-shaped model's
+        # 48 verify layers: the allocator placed its tensors otherwise, most likely.)
+        L.ggml_build_forward_expand(g.gf, z4)
         out = L.ggml_mul(
             c, g.rms_norm(out, w[b + "ssm_norm.weight"], p.rms_eps), L.ggml_silu(c, z4)
         )

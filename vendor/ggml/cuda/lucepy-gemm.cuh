@@ -22,6 +22,7 @@
 #pragma once
 
 #include "lucepy-kernels.cuh"  // copy_async, the PDL hooks
+#include "lucepy-plan.h"     // gemm_parts
 
 #include <cuda_fp16.h>
 
@@ -200,6 +201,97 @@ __global__ void __launch_bounds__(NORM_THREADS)
     }
 }
 
+// A segment of a column as to_halves writes it, from a CTA of GM_SEG warps that holds it: warp w
+// piece seg GM_SEG + w of column c (`here`: a piece of the column, c perhaps a padding one with
+// v 0), lane j its value j
+__device__ __forceinline__ void segment_halves(float v, bool here, const Halves & out, int c,
+                                               int npieces, int seg) {
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    float amax = fabsf(v);  // (fmaxf drops a NaN: the product carries it)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    }
+    __shared__ float red[GM_SEG];
+    if (lane == 0) {
+        red[warp] = amax;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < GM_SEG; w++) {
+        amax = fmaxf(amax, red[w]);
+    }
+    const float s = segment_scale(amax);
+    if (threadIdx.x == 0) {
+        out.xinv[c * segments(npieces) + seg] = 1.0f / s;
+    }
+    const int t = lane % 4;  // group t: values 4t..4t+3 and 16+4t..16+4t+3
+    float g[8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        g[j] = __shfl_sync(0xFFFFFFFFu, v, 4 * t + j);
+        g[4 + j] = __shfl_sync(0xFFFFFFFFu, v, 16 + 4 * t + j);
+    }
+    if (here && lane < 4) {
+        out.xh[(int64_t(c) * npieces + seg * GM_SEG + warp) * 4 + t] = group_halves(g, s);
+    }
+}
+
+// norm_gate_quantize's twin for 2-16 columns (a verify's gated norm): grid (segments of a column,
+// padded columns), a CTA of GM_SEG warps a segment, a warp a piece; a column `npieces` pieces of
+// whole rows (of n = 32 PIECES values: GM_SEG % PIECES == 0, so a CTA holds whole rows). Writes
+// the three results as ggml does and the gated one's halves as to_halves writes them (padding
+// columns zeros).
+template <int PIECES>
+__global__ void __launch_bounds__(GM_SEG * 32) norm_gate_halves(
+    const float * x, int64_t x_stride, const float * w, const float * z, float * normed,
+    float * gate, float * dst, int npieces, int ncols, float eps, int op, Halves out) {
+    static_assert(GM_SEG % PIECES == 0, "a CTA holds whole rows");
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // x and z: the kernels before have finished
+    const int seg = blockIdx.x;
+    const int c = blockIdx.y;
+    const int lane = threadIdx.x % 32;
+    const int p = seg * GM_SEG + threadIdx.x / 32;  // the column's piece
+    const bool piece_here = p < npieces;
+    const bool here = c < ncols && piece_here;
+    const int64_t piece = int64_t(c) * npieces + p;  // of the results
+    const int mine = int(piece % PIECES);
+    const float2 ys = gated_norm_read<PIECES>(x, x_stride, piece / PIECES, mine, here);
+    __syncthreads();  // the CTA's rows read: results may overwrite them
+    float v = 0.0f;
+    if (here) {
+        const int64_t i = piece * 32 + lane;
+        v = gated_norm_write(ys, 32 * PIECES, eps, w[32 * mine + lane], z[i], op, normed, gate,
+                             dst, i);
+    }
+    segment_halves(v, piece_here, out, c, npieces, seg);
+}
+
+// SWIGLU (silu(a) times b, ggml's formula) of dense tensors for 2-16 columns (a verify's FFN):
+// grid (segments of a column, padded columns), a CTA of GM_SEG warps a segment, a warp a piece;
+// writes the result, and its halves as to_halves writes them (padding columns zeros). Each
+// element read and written by one lane (the result may be written over a or b).
+__global__ void __launch_bounds__(GM_SEG * 32) glu_halves(const float * a, const float * b,
+                                                         float * dst, int npieces, int ncols,
+                                                         Halves out) {
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // a and b: the kernels before have finished
+    const int seg = blockIdx.x;
+    const int c = blockIdx.y;
+    const int p = seg * GM_SEG + threadIdx.x / 32;  // the column's piece
+    const bool piece_here = p < npieces;
+    float v = 0.0f;
+    if (c < ncols && piece_here) {
+        const int64_t i = (int64_t(c) * npieces + p) * 32 + threadIdx.x % 32;
+        const float x = a[i];
+        v = x / (1.0f + expf(-x)) * b[i];
+        dst[i] = v;
+    }
+    segment_halves(v, piece_here, out, c, npieces, seg);
+}
+
 // --- the product ------------------------------------------------------------------------------
 
 struct GemmArgs {
@@ -318,6 +410,53 @@ __device__ __forceinline__ void piece_halves(const uint8_t * b, int at, int t, _
     } else {
         lo[0] = __hmul2(lo[0], s0), lo[1] = __hmul2(lo[1], s0);
         hi[0] = __hmul2(hi[0], s1), hi[1] = __hmul2(hi[1], s1);
+    }
+}
+
+// The 1 / scale of segment `seg` of this lane's columns (lane t of a quad: columns 2t, 2t + 1 of
+// each tile of 8), fetched ahead of the segment's last chunk
+template <int NT>
+__device__ __forceinline__ void segment_inv(const GemmArgs & a, int t, int seg, int nsegs,
+                                            float (&inv)[NT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        inv[nt][0] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t) * nsegs + seg);
+        inv[nt][1] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t + 1) * nsegs + seg);
+    }
+}
+
+// A segment's sums, scaled back, into the total; the segment's accumulators cleared
+template <int NT>
+__device__ __forceinline__ void flush_segment(float (&acc)[NT][4], float (&total)[NT][4],
+                                              const float (&inv)[NT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            total[nt][j] += acc[nt][j] * inv[nt][j % 2];
+            acc[nt][j] = 0.0f;
+        }
+    }
+}
+
+// A warp's tile of 16 rows from `row` (lane (g, t): rows row + g and row + g + 8, columns 2t and
+// 2t + 1 of each tile of 8) into dst, or into the CTA's part of the sums when split in parts
+template <int NT>
+__device__ __forceinline__ void store_tile(const GemmArgs & a, const float (&total)[NT][4],
+                                           int row, int g, int t) {
+    const bool split = gridDim.y > 1;
+    float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
+    const int64_t stride = split ? a.nrows : a.dst_stride;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int r = row + g + 8 * (j / 2);
+            const int col = nt * GM_COL_TILE + 2 * t + j % 2;
+            if (r < a.nrows && col < a.ncols) {
+                out[col * stride + r] = total[nt][j];
+            }
+        }
     }
 }
 
@@ -462,11 +601,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
         const bool flush = ch + 1 == nchunks || (first + P) / GM_SEG != seg;
         float inv[NT][2];  // the segment's 1 / scale of this lane's columns, fetched early
         if (flush) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                inv[nt][0] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t) * nsegs + seg);
-                inv[nt][1] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t + 1) * nsegs + seg);
-            }
+            segment_inv<NT>(a, t, seg, nsegs, inv);
         }
         auto piece = [&](int i) {
             const int blk = (i / L::pieces) * L::bytes;
@@ -497,35 +632,15 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
             }
         }
         if (flush) {  // the segment's sums, unscaled
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    total[nt][j] += acc[nt][j] * inv[nt][j % 2];
-                    acc[nt][j] = 0.0f;
-                }
-            }
+            flush_segment<NT>(acc, total, inv);
         }
     }
     copy_wait<0>();  // no copy outlives the CTA (the empty groups past the end)
 
     LUCEPY_PDL_LAUNCH();  // the next kernel may start (and fetch its own weights)
 
-    const bool split = gridDim.y > 1;
-    float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
-    const int64_t stride = split ? a.nrows : a.dst_stride;
     if (warp * 16 < rows) {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int row = row0 + r0 + 8 * (j / 2);
-                const int col = nt * GM_COL_TILE + 2 * t + j % 2;
-                if (row < a.nrows && col < a.ncols) {
-                    out[col * stride + row] = total[nt][j];
-                }
-            }
-        }
+        store_tile<NT>(a, total, row0 + warp * 16, g, t);
     }
 }
 
@@ -545,34 +660,6 @@ __global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, 
     }
     LUCEPY_PDL_LAUNCH();
     dst[col * dst_stride + row] = v;
-}
-
-// The most parts a product of `npieces` pieces splits into: at most `most`, every part keeping
-// at least 2 chunks of P pieces.
-inline int gemm_max_parts(int64_t npieces, int P, int most = 16) {
-    const int64_t nchunks = (npieces + P - 1) / P;
-    return int(std::max<int64_t>(1, std::min<int64_t>(most, nchunks / 2)));
-}
-
-// The parts a product of `nrows` rows and `npieces` pieces splits its pieces into, on a GPU with
-// room for `slots` CTAs of gemm (of `cta_rows` rows) at once: the fewest whose last wave of CTAs
-// is fullest (a larger count only where it fills 5 % more of it), up to gemm_max_parts.
-inline int gemm_parts(int nrows, int npieces, int cta_rows, int P, int64_t slots,
-                      int most = 16) {
-    const int64_t tiles = (nrows + cta_rows - 1) / cta_rows;
-    const int top = gemm_max_parts(npieces, P, most);
-    int best = 1;
-    double fill = 0.0;
-    for (int parts = 1; parts <= top; parts++) {
-        const int64_t units = tiles * parts;
-        const int64_t waves = (units + slots - 1) / slots;
-        const double f = double(units) / double(waves * slots);
-        if (f > fill + 0.05) {
-            best = parts;
-            fill = f;
-        }
-    }
-    return best;
 }
 
 // --- launching gemm (host side, shared by lucepy-mm.cu and bench-kernels.cu) -------------------

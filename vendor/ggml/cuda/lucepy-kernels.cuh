@@ -594,6 +594,43 @@ __global__ void gate_quantize(const float * z, const float * x, float * dst, int
 // quantizing its pieces in turn, was no faster than the two.)
 constexpr int NORM_GATE_WARPS = 8;
 
+// A gated norm's reads (norm_gate_quantize, norm_gate_halves): this lane's value of piece `mine`
+// of row `row` (rows of n = 32 PIECES values) and the row's sum of squares, summed over the warp
+// (each lane PIECES of them). The whole warp calls it.
+template <int PIECES>
+__device__ __forceinline__ float2 gated_norm_read(const float * x, int64_t x_stride, int64_t row,
+                                                  int mine, bool here) {
+    const int lane = threadIdx.x % 32;
+    float y = 0.0f;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PIECES; j++) {
+        const float v = here ? x[row * x_stride + 32 * j + lane] : 0.0f;
+        sum += v * v;
+        y = j == mine ? v : y;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    }
+    return make_float2(y, sum);
+}
+
+// ... then its writes, at i of the three dense results as ggml writes them (the norm times its
+// weight `wv`, the gate of `g`, their product), after every read of the CTA's rows (a result may
+// be written over x); the gated value
+__device__ __forceinline__ float gated_norm_write(float2 ys, int n, float eps, float wv, float g,
+                                                  int op, float * normed, float * gate,
+                                                  float * dst, int64_t i) {
+    const float scale = rsqrtf(ys.y / float(n) + eps);
+    const float y = scale * ys.x * wv;
+    const float act = op == GATE_SILU ? g / (1.0f + expf(-g)) : 1.0f / (1.0f + expf(-g));
+    normed[i] = y;
+    gate[i] = act;
+    dst[i] = y * act;
+    return y * act;
+}
+
 template <int PIECES>
 __global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
     const float * x, int64_t x_stride, const float * w, const float * z, float * normed,
@@ -607,32 +644,15 @@ __global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
     const int mine = piece % PIECES;
     const int lane = threadIdx.x % 32;
     const bool here = row < nrows;
-    constexpr int n = 32 * PIECES;
-    float y = 0.0f;
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < PIECES; j++) {
-        const float v = here ? x[row * x_stride + 32 * j + lane] : 0.0f;
-        sum += v * v;
-        y = j == mine ? v : y;
-    }
+    const float2 ys = gated_norm_read<PIECES>(x, x_stride, row, mine, here);
     __syncthreads();  // the CTA's rows read: results may overwrite them
     if (!here) {
         return;
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
-    }
-    const float scale = rsqrtf(sum / float(n) + eps);
     const int64_t i = int64_t(piece) * 32 + lane;
-    y = scale * y * w[32 * mine + lane];
-    const float g = z[i];
-    const float act = op == GATE_SILU ? g / (1.0f + expf(-g)) : 1.0f / (1.0f + expf(-g));
-    normed[i] = y;
-    gate[i] = act;
-    dst[i] = y * act;
-    quantize_piece(y * act, planes, int64_t(piece) * planes, xq, xds);
+    const float v = gated_norm_write(ys, 32 * PIECES, eps, w[32 * mine + lane], z[i], op, normed,
+                                     gate, dst, i);
+    quantize_piece(v, planes, int64_t(piece) * planes, xq, xds);
 }
 
 // A causal depthwise convolution of K taps over a recurrent state's K - 1 saved columns and t new

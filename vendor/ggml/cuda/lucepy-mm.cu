@@ -303,6 +303,14 @@ template <typename F> int64_t warp_slots(F kernel, int smem, int device) {
     return cta_slots(kernel, GV_WARPS * 32, smem, device) * GV_WARPS;
 }
 
+// `raise` run once a device (the shared-memory limits a kernel is launched with: set per device)
+template <typename F> void once_a_device(bool (&done)[GGML_CUDA_MAX_DEVICES], int device, F raise) {
+    if (!done[device]) {
+        raise();
+        done[device] = true;
+    }
+}
+
 template <int K, bool GATE, int R, int U, int SPLIT>
 void launch_split(const Args & a, cudaStream_t stream) {
     const int64_t warps = int64_t((a.nrows + R - 1) / R) * SPLIT;
@@ -316,15 +324,14 @@ void launch_split(const Args & a, cudaStream_t stream) {
 template <int K, bool GATE, int R, int U>
 void launch(const Args & a, cudaStream_t stream, int device) {
     static bool raised[GGML_CUDA_MAX_DEVICES] = {};
-    if (!raised[device]) {  // every size that fits (lucepy_cuda_mul_mat checks the largest)
+    once_a_device(raised, device, [device] {  // every size that fits (lucepy_cuda_mul_mat checks)
         const int most = int(ggml_cuda_info().devices[device].smpbo);
         for (auto kernel :
              {gemv<K, GATE, R, U, 1>, gemv<K, GATE, R, U, 2>, gemv<K, GATE, R, U, 4>}) {
             CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             most));
         }
-        raised[device] = true;
-    }
+    });
     auto slots = [device](auto kernel, int smem) { return warp_slots(kernel, smem, device); };
     switch (gemv_pick<K, GATE, R, U>(a.nrows, a.npieces, slots)) {
         case 1: launch_split<K, GATE, R, U, 1>(a, stream); break;
@@ -574,6 +581,65 @@ bool repacked_of(const ggml_tensor * t) {
     return true;
 }
 
+// The arguments of a one-column product (gemv, gemv_r) of src0 (and the fused gate) into dst,
+// on activations quantized into `quantized`
+Args gemv_args(const ggml_tensor * src0, const ggml_tensor * dst,
+               const ggml_cuda_mm_fusion_args_host * fusion, const Planes & quantized) {
+    const ggml_tensor * gate = fusion ? fusion->gate : nullptr;
+    auto data = [](const ggml_tensor * t) {
+        return t ? static_cast<const float *>(t->data) : nullptr;
+    };
+    Args a = {};
+    a.w = static_cast<const uint8_t *>(src0->data);
+    a.gate = gate ? static_cast<const uint8_t *>(gate->data) : nullptr;
+    a.row_stride = src0->nb[1];
+    a.xq = reinterpret_cast<const int *>(quantized.xq);
+    a.xds = quantized.xds;
+    a.dst = static_cast<float *>(dst->data);
+    a.x_bias = data(fusion ? fusion->x_bias : nullptr);
+    a.gate_bias = data(fusion ? fusion->gate_bias : nullptr);
+    a.glu_op = fusion && fusion->glu_op == GGML_GLU_OP_GEGLU ? GLU_GEGLU : GLU_SWIGLU;
+    a.nrows = int(src0->ne[1]);
+    a.npieces = int(src0->ne[0] / 32);
+    return a;
+}
+
+// The arguments of a product of 2 or more columns (gemm, gemm_r, gemm_rq) of src0 into dst, on
+// the columns' halves `x`
+GemmArgs gemm_args(const ggml_tensor * src0, const ggml_tensor * dst, const Halves & x) {
+    GemmArgs g = {};
+    g.w = static_cast<const uint8_t *>(src0->data);
+    g.row_stride = src0->nb[1];
+    g.x = x;
+    g.nrows = int(src0->ne[1]);
+    g.npieces = int(src0->ne[0] / 32);
+    g.ncols = int(dst->ne[1]);
+    g.dst = static_cast<float *>(dst->data);
+    g.dst_stride = dst->nb[1] / int64_t(sizeof(float));
+    return g;
+}
+
+// Whether ggml's fusion around a product of src0 (`ncols` columns) is one the kernels take: no
+// scales, a SwiGLU or GeGLU gate of src0's type, shape and layout (repacked when src0 is),
+// contiguous biases, and any of it on one column only
+bool fusion_taken(const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * src0,
+                  int64_t ncols) {
+    if (!fusion) {
+        return true;
+    }
+    const ggml_tensor * gate = fusion->gate;
+    const bool plain_glu = !gate || fusion->glu_op == GGML_GLU_OP_SWIGLU ||
+                           fusion->glu_op == GGML_GLU_OP_GEGLU;
+    const bool same = !gate || (gate->type == src0->type && ggml_are_same_stride(gate, src0) &&
+                                ggml_are_same_shape(gate, src0) &&
+                                repacked_of(gate) == repacked_of(src0));
+    const bool biases = (!fusion->x_bias || ggml_is_contiguous(fusion->x_bias)) &&
+                        (!fusion->gate_bias || (gate && ggml_is_contiguous(fusion->gate_bias)));
+    const bool any = gate || fusion->x_bias || fusion->gate_bias;
+    return !fusion->x_scale && !fusion->gate_scale && plain_glu && same && biases &&
+           (!any || ncols == 1);
+}
+
 // SPLIT warps a tile of gemv_r (bench-kernels.cu on the 27B-shaped model's products, H200: 4 at
 // 1,088 tiles, 8 at 320-640, 32 at 64; with the fused gate 8 at 1,088)
 template <bool GATE> void launch_gemv_r(const Args & a, cudaStream_t stream) {
@@ -605,11 +671,10 @@ template <int NT> void launch_gemm_r(ggml_backend_cuda_context & ctx, const Gemm
 // a prefill's columns: to_halves_col into scratch (whole tiles of 64 columns), then gemm_rq
 template <int MT> void launch_gemm_rq(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
     static bool raised[GGML_CUDA_MAX_DEVICES] = {};
-    if (!raised[ctx.device]) {
+    once_a_device(raised, ctx.device, [] {
         CUDA_CHECK(cudaFuncSetAttribute(gemm_rq<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         gemm_rq_smem<MT>()));
-        raised[ctx.device] = true;
-    }
+    });
     const dim3 grid(unsigned(a.nrows / (64 * MT)), unsigned((a.ncols + RQ_COLS - 1) / RQ_COLS));
     ggml_cuda_kernel_launch(
         gemm_rq<MT>, ggml_cuda_kernel_launch_params(grid, 128, gemm_rq_smem<MT>(), ctx.stream()),
@@ -627,15 +692,7 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                        src1->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) &&
                        src1->nb[1] % sizeof(float) == 0 && dst->nb[1] % sizeof(float) == 0 &&
                        ncols >= 1 && ncols < INT32_MAX;
-    const ggml_tensor * gate = fusion ? fusion->gate : nullptr;
-    const bool fused_ok =
-        !fusion || (!fusion->x_scale && !fusion->gate_scale && ncols == 1 &&
-                    (!gate || (repacked_of(gate) && ggml_are_same_shape(gate, src0) &&
-                               (fusion->glu_op == GGML_GLU_OP_SWIGLU ||
-                                fusion->glu_op == GGML_GLU_OP_GEGLU))) &&
-                    (!fusion->x_bias || ggml_is_contiguous(fusion->x_bias)) &&
-                    (!fusion->gate_bias || ggml_is_contiguous(fusion->gate_bias)));
-    if (!plain || !fused_ok) {
+    if (!plain || !fusion_taken(fusion, src0, ncols)) {
         GGML_ABORT("lucepy: a product of a repacked Q4_0 matrix (%s) that its kernels do not take",
                    src0->name);
     }
@@ -643,39 +700,21 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
     ContextState & st = state_of(ctx);
     ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
     if (ncols == 1) {
-        const Planes quantized = planes_at(
-            product_activations(ctx, st, src1, npieces, 1, scratch), npieces, 1, 1);
-        Args a = {};
-        a.w = static_cast<const uint8_t *>(src0->data);
-        a.gate = gate ? static_cast<const uint8_t *>(gate->data) : nullptr;
-        a.xq = reinterpret_cast<const int *>(quantized.xq);
-        a.xds = quantized.xds;
-        a.dst = static_cast<float *>(dst->data);
-        a.x_bias = fusion && fusion->x_bias ? static_cast<const float *>(fusion->x_bias->data)
-                                            : nullptr;
-        a.gate_bias = fusion && fusion->gate_bias
-                          ? static_cast<const float *>(fusion->gate_bias->data)
-                          : nullptr;
-        a.glu_op = fusion && fusion->glu_op == GGML_GLU_OP_GEGLU ? GLU_GEGLU : GLU_SWIGLU;
-        a.nrows = int(src0->ne[1]);
-        a.npieces = int(npieces);
-        if (gate) {
+        const Args a = gemv_args(
+            src0, dst, fusion,
+            planes_at(product_activations(ctx, st, src1, npieces, 1, scratch), npieces, 1, 1));
+        if (a.gate) {
             launch_gemv_r<true>(a, stream);
         } else {
             launch_gemv_r<false>(a, stream);
         }
         return;
     }
-    GemmArgs g = {};
-    g.w = static_cast<const uint8_t *>(src0->data);
-    g.nrows = int(src0->ne[1]);
-    g.npieces = int(npieces);
-    g.ncols = int(ncols);
-    g.dst = static_cast<float *>(dst->data);
-    g.dst_stride = dst->nb[1] / int64_t(sizeof(float));
     if (ncols <= MAX_COLS) {
-        g.x = halves_at(product_activations(ctx, st, src1, npieces, 0, scratch), npieces,
-                        int(ncols));
+        const GemmArgs g = gemm_args(
+            src0, dst,
+            halves_at(product_activations(ctx, st, src1, npieces, 0, scratch), npieces,
+                      int(ncols)));
         if (ncols <= GM_COL_TILE) {
             launch_gemm_r<1>(ctx, g);
         } else {
@@ -685,7 +724,7 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
     }
     const int padded = int((ncols + RQ_COLS - 1) / RQ_COLS * RQ_COLS);
     uint8_t * buf = scratch.alloc(size_t(halves_bytes(npieces, padded)));
-    g.x = halves_at(buf, npieces, padded);
+    const GemmArgs g = gemm_args(src0, dst, halves_at(buf, npieces, padded));
     ggml_cuda_kernel_launch(to_halves_col,
                             ggml_cuda_kernel_launch_params(dim3(unsigned(ncols)), 256, 0, stream),
                             static_cast<const float *>(src1->data),
@@ -743,20 +782,10 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     if (!takes_cols(src0, ncols, ctx.device)) {
         return false;
     }
-    const ggml_tensor * gate = fusion ? fusion->gate : nullptr;
-    if (fusion) {
-        const bool plain_glu = !gate || fusion->glu_op == GGML_GLU_OP_SWIGLU ||
-                               fusion->glu_op == GGML_GLU_OP_GEGLU;
-        const bool same = !gate || (gate->type == src0->type && ggml_are_same_stride(gate, src0) &&
-                                    ggml_are_same_shape(gate, src0));
-        const bool biases = (!fusion->x_bias || ggml_is_contiguous(fusion->x_bias)) &&
-                            (!fusion->gate_bias || (gate && ggml_is_contiguous(fusion->gate_bias)));
-        const bool any = gate || fusion->x_bias || fusion->gate_bias;
-        if (fusion->x_scale || fusion->gate_scale || !plain_glu || !same || !biases ||
-            (any && ncols != 1)) {
-            return false;
-        }
+    if (!fusion_taken(fusion, src0, ncols)) {
+        return false;
     }
+    const ggml_tensor * gate = fusion ? fusion->gate : nullptr;
     const int64_t npieces = src0->ne[0] / 32;
     cudaStream_t stream = ctx.stream();
     ContextState & st = state_of(ctx);
@@ -771,15 +800,7 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         if (src0->nb[1] % align != 0 || uintptr_t(src0->data) % align != 0) {
             return false;
         }
-        GemmArgs g = {};
-        g.w = static_cast<const uint8_t *>(src0->data);
-        g.row_stride = src0->nb[1];
-        g.x = halves_at(activations(0), npieces, int(ncols));
-        g.nrows = int(src0->ne[1]);
-        g.npieces = int(npieces);
-        g.ncols = int(ncols);
-        g.dst = static_cast<float *>(dst->data);
-        g.dst_stride = dst->nb[1] / int64_t(sizeof(float));
+        const GemmArgs g = gemm_args(src0, dst, halves_at(activations(0), npieces, int(ncols)));
         with_kind(kind, [&](auto k) { run_gemm<decltype(k)::value>(ctx, g); });
         g_calls.fetch_add(1, std::memory_order_relaxed);
         return true;
@@ -790,22 +811,8 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         return false;
     }
     const int planes = planes_of(kind);
-    const Planes quantized = planes_at(activations(planes), npieces, ncols, planes);
-
-    Args a;
-    a.w = static_cast<const uint8_t *>(src0->data);
-    a.gate = gate ? static_cast<const uint8_t *>(gate->data) : nullptr;
-    a.row_stride = src0->nb[1];
-    a.xq = reinterpret_cast<const int *>(quantized.xq);
-    a.xds = quantized.xds;
-    a.dst = static_cast<float *>(dst->data);
-    a.x_bias =
-        fusion && fusion->x_bias ? static_cast<const float *>(fusion->x_bias->data) : nullptr;
-    a.gate_bias = fusion && fusion->gate_bias ? static_cast<const float *>(fusion->gate_bias->data)
-                                              : nullptr;
-    a.glu_op = fusion && fusion->glu_op == GGML_GLU_OP_GEGLU ? GLU_GEGLU : GLU_SWIGLU;
-    a.nrows = int(src0->ne[1]);
-    a.npieces = int(npieces);
+    const Args a =
+        gemv_args(src0, dst, fusion, planes_at(activations(planes), npieces, ncols, planes));
 
     const Launch run =
         with_kind(kind, [&](auto k) { return pick<decltype(k)::value>(gate != nullptr, unit); });
@@ -1148,8 +1155,9 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     }
     ContextState & st = state_of(ctx);
     const Wanted * want = wanted(st, out);
-    if (want == nullptr || want->planes == 0 || ggml_nelements(want->src1) != ggml_nelements(out)) {
-        return 0;  // one column only (a decode)
+    if (want == nullptr || ggml_nelements(want->src1) != ggml_nelements(out) ||
+        (want->planes == 0 && want->src1->ne[0] % n != 0)) {
+        return 0;  // (halves: a column of whole rows)
     }
     // each result apart from the weight, and from x, z and the other results or at the same
     // address (the same element: read before it is written, by the same lane or, for x's rows,
@@ -1165,12 +1173,36 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     if (!clear(mul, act) || !clear(mul, out) || !clear(act, out)) {
         return 0;
     }
-    const int64_t npieces = ggml_nelements(out) / 32;
-    const Planes quant =
-        planes_at(prepared(st, want->src1, npieces, want->planes), npieces, 1, want->planes);
     float eps = 0.0f;
     std::memcpy(&eps, norm->op_params, sizeof(float));
     const int gate = ggml_get_unary_op(act) == GGML_UNARY_OP_SILU ? GATE_SILU : GATE_SIGMOID;
+    if (want->planes == 0) {  // 2-16 columns (a verify)
+        const int64_t cols = want->src1->ne[1];
+        const int64_t per_col = want->src1->ne[0] / 32;
+        const Halves halves =
+            halves_at(prepared(st, want->src1, per_col, 0), per_col, int(cols));
+        const dim3 grid{unsigned(segments(int(per_col))), unsigned(padded_cols(int(cols)))};
+        const auto params = ggml_cuda_kernel_launch_params(grid, GM_SEG * 32, 0, ctx.stream());
+        auto launch = [&](auto kernel) {
+            ggml_cuda_kernel_launch(kernel, params, static_cast<const float *>(x->data),
+                                    int64_t(x->nb[1] / sizeof(float)),
+                                    static_cast<const float *>(w->data),
+                                    static_cast<const float *>(z->data),
+                                    static_cast<float *>(mul->data),
+                                    static_cast<float *>(act->data),
+                                    static_cast<float *>(out->data), int(per_col), int(cols), eps,
+                                    gate, halves);
+        };
+        switch (n) {
+            case 64: launch(norm_gate_halves<2>); break;
+            case 128: launch(norm_gate_halves<4>); break;
+            default: launch(norm_gate_halves<8>); break;
+        }
+        return i_out - i;
+    }
+    const int64_t npieces = ggml_nelements(out) / 32;
+    const Planes quant =
+        planes_at(prepared(st, want->src1, npieces, want->planes), npieces, 1, want->planes);
     const dim3 grid{unsigned((npieces + NORM_GATE_WARPS - 1) / NORM_GATE_WARPS)};
     const auto params =
         ggml_cuda_kernel_launch_params(grid, NORM_GATE_WARPS * 32, 0, ctx.stream());
@@ -1420,6 +1452,36 @@ bool lucepy_cuda_argmax(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     return true;
 }
 
+bool lucepy_cuda_glu(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    using namespace lucepy;
+    if (!enabled(ctx.device) || ctx.curr_stream_no != 0 ||
+        ggml_get_glu_op(dst) != GGML_GLU_OP_SWIGLU) {
+        return false;
+    }
+    const ggml_tensor * a = dst->src[0];
+    const ggml_tensor * b = dst->src[1];
+    const int64_t n = ggml_nelements(dst);
+    if (b == nullptr || !dense_like(a, dst) || !dense_like(b, dst) || !dense_like(dst, dst) ||
+        !apart_or_same(dst, a) || !apart_or_same(dst, b) || n % 32 != 0) {
+        return false;
+    }
+    ContextState & st = state_of(ctx);
+    const Wanted * want = wanted(st, dst);
+    if (want == nullptr || want->planes != 0 || ggml_nelements(want->src1) != n) {
+        return false;  // 2-16 columns only (a verify; a decode's GLU is its product's)
+    }
+    const int64_t cols = want->src1->ne[1];
+    const int64_t per_col = want->src1->ne[0] / 32;
+    const Halves halves = halves_at(prepared(st, want->src1, per_col, 0), per_col, int(cols));
+    const dim3 grid{unsigned(segments(int(per_col))), unsigned(padded_cols(int(cols)))};
+    ggml_cuda_kernel_launch(glu_halves,
+                            ggml_cuda_kernel_launch_params(grid, GM_SEG * 32, 0, ctx.stream()),
+                            static_cast<const float *>(a->data),
+                            static_cast<const float *>(b->data), static_cast<float *>(dst->data),
+                            int(per_col), int(cols), halves);
+    return true;
+}
+
 int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     using namespace lucepy;
     if (!enabled(ctx.device) || ctx.curr_stream_no != 0) {
@@ -1491,6 +1553,10 @@ bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context &, const ggml_cgraph *, 
 }
 
 bool lucepy_cuda_unary_mul(ggml_backend_cuda_context &, const ggml_cgraph *, int) {
+    return false;
+}
+
+bool lucepy_cuda_glu(ggml_backend_cuda_context &, ggml_tensor *) {
     return false;
 }
 

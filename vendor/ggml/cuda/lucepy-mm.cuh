@@ -25,6 +25,11 @@ bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph
 // done nothing.
 bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
+// Computes dst, a SWIGLU of two tensors of its shape (ggml's GLU op, split), where a product of
+// ours reads it as 2-16 columns (a verify's FFN): the result and the product's halves in one
+// kernel, and returns true; or returns false, having done nothing.
+bool lucepy_cuda_glu(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
 // Computes graph node i and nodes after it that one kernel of ours computes at once, and returns
 // how many nodes after i it computed; or returns 0, having done nothing. Views between them are
 // allowed. The groups:
@@ -32,9 +37,9 @@ bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * 
 //     columns and the new ones, the copy of the new tail into the state, the conv (SSM_CONV, K =
 //     4) and its SiLU, and the l2 norm of its first heads of 128 channels (q's and k's: RMS_NORM
 //     of a view, SCALE) where the graph has it next;
-//   - a gated norm of rows of 64, 128 or 256 values read by a product of ours as one column (a
-//     decode): RMS_NORM, MUL by its weight, SiLU or sigmoid of a gate, MUL; its activations
-//     prepared for the product;
+//   - a gated norm of rows of 64, 128 or 256 values read by a product of ours (one column, a
+//     decode, or 2-16 of whole rows, a verify): RMS_NORM, MUL by its weight, SiLU or sigmoid of a
+//     gate, MUL; its activations prepared for the product;
 //   - qwen35's DeltaNet gates: ADD of a row repeated (the dt bias), SOFTPLUS, MUL by a row
 //     repeated (A), and a SIGMOID (beta's) where it comes next;
 //   - qwen35's DeltaNet recurrence: GATED_DELTA_NET (a scalar gate, state rows of 128, no

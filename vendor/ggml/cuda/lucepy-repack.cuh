@@ -192,11 +192,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         const bool flush = ch + 1 == nchunks || (first + P) / GM_SEG != seg;
         float inv[NT][2];
         if (flush) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                inv[nt][0] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t) * nsegs + seg);
-                inv[nt][1] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t + 1) * nsegs + seg);
-            }
+            segment_inv<NT>(a, t, seg, nsegs, inv);
         }
         const uint8_t * xs = smem + (ch % ST) * X_STAGE;
 #pragma unroll
@@ -224,14 +220,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
             }
         }
         if (flush) {  // the segment's sums, unscaled
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    total[nt][j] += acc[nt][j] * inv[nt][j % 2];
-                    acc[nt][j] = 0.0f;
-                }
-            }
+            flush_segment<NT>(acc, total, inv);
         }
     };
 
@@ -252,21 +241,8 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
 
     LUCEPY_PDL_LAUNCH();
 
-    const bool split = gridDim.y > 1;
-    float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
-    const int64_t stride = split ? a.nrows : a.dst_stride;
     if (mine) {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int row = row0 + warp * 16 + g + 8 * (j / 2);
-                const int col = nt * GM_COL_TILE + 2 * t + j % 2;
-                if (col < a.ncols) {
-                    out[col * stride + row] = total[nt][j];
-                }
-            }
-        }
+        store_tile<NT>(a, total, row0 + warp * 16, g, t);
     }
 }
 
