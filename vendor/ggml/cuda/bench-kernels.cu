@@ -447,14 +447,15 @@ std::vector<GemmVariant> gemm_variants_of(int k, int ncols) {
     return with_kind(k, [&](auto kk) { return gemm_variants<decltype(kk)::value>(ncols); });
 }
 
-template <int NT, int W, int MINB = 16 / W>
+template <int NT, int W, int MINB = 16 / W, int MOST = 16>
 void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
     auto kernel = gemm_r<NT, W, MINB>;
     const int smem = gemm_r_smem<NT>();
     raise_smem(kernel, smem);
     int per_sm = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, smem));
-    const GemmPlan plan = gemm_plan(a.nrows, a.npieces, W * 16, 8, int64_t(per_sm) * g_sms);
+    const GemmPlan plan =
+        gemm_plan(a.nrows, a.npieces, W * 16, 8, int64_t(per_sm) * g_sms, MOST);
     a.per_part = plan.per_part;
     a.parts = parts_buf;
     kernel<<<plan.grid, W * 32, smem, s>>>(a);
@@ -466,7 +467,11 @@ void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
 }
 
 template <int NT> std::vector<GemmVariant> gemm_r_variants() {
-    return {{"repacked", launch_gemm_r<NT, 4>}, {"rp 8 warps", launch_gemm_r<NT, 8>}};
+    // (capped parts, session 26: at 16 columns only the FFN up gained, 3 %; docs/BENCHMARKS.md)
+    return {{"repacked", launch_gemm_r<NT, 4>},
+            {"rp 8 warps", launch_gemm_r<NT, 8>},
+            {"rp <= 4 parts", launch_gemm_r<NT, 4, 4, 4>},
+            {"rp <= 2 parts", launch_gemm_r<NT, 4, 4, 2>}};
 }
 
 // Past 16 columns (a prefill's): gemm_r over slices of NT tiles of 8 columns, in turn. (A CTA
