@@ -466,6 +466,65 @@ def test_gpu_glu_prepares_halves_for_its_products(kind, k, cuda):
         assert_products_near(mats, ours[j], theirs[j], h, f"{kind} input {j}")
 
 
+def residual_products(lib, device, weights, xs, rs, keep, repack=None):
+    """A matrix of ``weights`` ([(ggml type, raw rows)], one) times each of ``xs`` ([k, n]) plus
+    the residual of ``rs`` ([k, rows]) (a layer's output product and its ADD); with ``keep``
+    the product is an output too (so nothing may skip writing it). Returns, per pair, [the sum]
+    (and the product) (``computed``)."""
+    (gtype, raw), (k, n) = weights[0], xs[0].shape
+    rows = raw.shape[0]
+
+    def build(c, ts, ins):
+        product = lib.ggml_mul_mat(c, ts[0], ins[0])
+        total = lib.ggml_add(c, product, ins[1])
+        if keep:
+            lib.ggml_set_output(product)
+            return [total, product]
+        return [total]
+
+    def repacked(ts):
+        assert repack.repack(ts[0]), "lucepy_cuda_repack refused the matrix"
+
+    feeds = list(zip(xs, rs, strict=True))
+    after_set = repacked if repack is not None else None
+    consts = [(gtype, n, rows, raw)]
+    return computed(lib, device, consts, [(n, k), (rows, k)], build, feeds, after_set)
+
+
+@pytest.mark.parametrize(
+    ("kind", "k", "repacked"),
+    [("q4_0", 16, False), ("q4_k", 3, False), ("q4_0", 9, True), ("q4_0", 16, True)],
+)
+def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
+    """A product of 3-16 columns and the ADD of a residual after it (a verify layer's output
+    and its skip connection) is one product of ours that writes the sum (counted as an op),
+    bit for bit what the product and ggml's ADD give apart (the product kept as an output
+    too), on blocks and on repacked weights, for new inputs too (the CUDA graph replayed)."""
+    lib, device, kernels = cuda
+    rows, n = (320, 2048) if repacked else (ROWS, N)
+    mats = [weights_of(lib, kind, 80, rows, n)]
+    weights = [(t, raw) for t, raw, _ in mats]
+    rng = np.random.default_rng(81)
+    xs = [rng.normal(size=(k, n)).astype(np.float32) for _ in range(3)]
+    rs = [rng.normal(size=(k, rows)).astype(np.float32) for _ in range(3)]
+    repack = kernels if repacked else None
+
+    def run(keep, feeds=3):
+        ops = kernels.ops
+        out = residual_products(lib, device, weights, xs[:feeds], rs[:feeds], keep, repack)
+        return out, kernels.ops - ops
+
+    assert run(False, 1)[1] == 1
+    assert run(True, 1)[1] == 0
+    joined, _ = run(False)
+    apart, _ = run(True)
+    for j in range(3):
+        np.testing.assert_array_equal(joined[j][0], apart[j][0])
+        assert not np.array_equal(joined[j][0], joined[(j + 1) % 3][0])  # new inputs, new sums
+    exact = xs[0].astype(np.float64) @ mats[0][2].T + rs[0]
+    assert rel_err(joined[0][0], exact).max() < 2e-2
+
+
 HEADS = 4  # heads of 128 channels that the conv tests l2-norm, as qwen35 norms q and k
 L2_EPS = 1e-6 / 128
 

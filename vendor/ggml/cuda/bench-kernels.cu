@@ -407,8 +407,8 @@ void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
     kernel<<<plan.grid, W * 32, G::smem, s>>>(a);
     if (plan.grid.y > 1) {
         const int64_t n = int64_t(a.nrows) * a.ncols;
-        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.parts, int(plan.grid.y), a.nrows,
-                                                           a.ncols, a.dst, a.dst_stride);
+        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(
+            a.parts, int(plan.grid.y), a.nrows, a.ncols, a.dst, a.dst_stride, nullptr, 0);
     }
 }
 
@@ -461,8 +461,8 @@ void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
     kernel<<<plan.grid, W * 32, smem, s>>>(a);
     if (plan.grid.y > 1) {
         const int64_t n = int64_t(a.nrows) * a.ncols;
-        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.parts, int(plan.grid.y), a.nrows,
-                                                           a.ncols, a.dst, a.dst_stride);
+        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(
+            a.parts, int(plan.grid.y), a.nrows, a.ncols, a.dst, a.dst_stride, nullptr, 0);
     }
 }
 

@@ -301,6 +301,8 @@ struct GemmArgs {
     float * dst;         // [col][dst_stride] f32
     int64_t dst_stride;
     float * parts;       // split: the parts' sums [part][col][nrows], for gemm_sum
+    const float * residual;  // or null: dst = the product + residual ([col][res_stride])
+    int64_t res_stride;
     int nrows;
     int npieces;
     int ncols;           // columns to write (the halves hold padded_cols of them)
@@ -440,13 +442,15 @@ __device__ __forceinline__ void flush_segment(float (&acc)[NT][4], float (&total
 }
 
 // A warp's tile of 16 rows from `row` (lane (g, t): rows row + g and row + g + 8, columns 2t and
-// 2t + 1 of each tile of 8) into dst, or into the CTA's part of the sums when split in parts
+// 2t + 1 of each tile of 8) into dst (plus the residual), or into the CTA's part of the sums when
+// split in parts
 template <int NT>
 __device__ __forceinline__ void store_tile(const GemmArgs & a, const float (&total)[NT][4],
                                            int row, int g, int t) {
     const bool split = gridDim.y > 1;
     float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
     const int64_t stride = split ? a.nrows : a.dst_stride;
+    const float * residual = split ? nullptr : a.residual;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
@@ -454,7 +458,8 @@ __device__ __forceinline__ void store_tile(const GemmArgs & a, const float (&tot
             const int r = row + g + 8 * (j / 2);
             const int col = nt * GM_COL_TILE + 2 * t + j % 2;
             if (r < a.nrows && col < a.ncols) {
-                out[col * stride + r] = total[nt][j];
+                const float v = total[nt][j];
+                out[col * stride + r] = residual ? v + residual[col * a.res_stride + r] : v;
             }
         }
     }
@@ -644,9 +649,9 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
     }
 }
 
-// dst[col][row] = the parts' sums, in part order (gemm split into parts)
+// dst[col][row] = the parts' sums, in part order (gemm split into parts), plus the residual
 __global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, float * dst,
-                         int64_t dst_stride) {
+                         int64_t dst_stride, const float * residual, int64_t res_stride) {
     LUCEPY_PDL_SYNC();
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (i >= int64_t(nrows) * ncols) {
@@ -659,7 +664,7 @@ __global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, 
         v += parts[(int64_t(p) * ncols + col) * nrows + row];
     }
     LUCEPY_PDL_LAUNCH();
-    dst[col * dst_stride + row] = v;
+    dst[col * dst_stride + row] = residual ? v + residual[col * res_stride + row] : v;
 }
 
 // --- launching gemm (host side, shared by lucepy-mm.cu and bench-kernels.cu) -------------------

@@ -375,7 +375,7 @@ void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, int ct
         const dim3 sum_grid(unsigned((n + 255) / 256));
         ggml_cuda_kernel_launch(gemm_sum, ggml_cuda_kernel_launch_params(sum_grid, 256, 0, stream),
                                 static_cast<const float *>(a.parts), parts, a.nrows, a.ncols, a.dst,
-                                a.dst_stride);
+                                a.dst_stride, a.residual, a.res_stride);
     }
 }
 
@@ -605,9 +605,14 @@ Args gemv_args(const ggml_tensor * src0, const ggml_tensor * dst,
 }
 
 // The arguments of a product of 2 or more columns (gemm, gemm_r, gemm_rq) of src0 into dst, on
-// the columns' halves `x`
-GemmArgs gemm_args(const ggml_tensor * src0, const ggml_tensor * dst, const Halves & x) {
+// the columns' halves `x`, plus `residual` (a tensor of dst's shape) or not
+GemmArgs gemm_args(const ggml_tensor * src0, const ggml_tensor * dst, const Halves & x,
+                   const ggml_tensor * residual) {
     GemmArgs g = {};
+    if (residual) {
+        g.residual = static_cast<const float *>(residual->data);
+        g.res_stride = residual->nb[1] / int64_t(sizeof(float));
+    }
     g.w = static_cast<const uint8_t *>(src0->data);
     g.row_stride = src0->nb[1];
     g.x = x;
@@ -683,7 +688,7 @@ template <int MT> void launch_gemm_rq(ggml_backend_cuda_context & ctx, const Gem
 
 void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                       const ggml_tensor * src1, ggml_tensor * dst,
-                      const ggml_cuda_mm_fusion_args_host * fusion) {
+                      const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual) {
     const int64_t ncols = src1->ne[1];
     const int64_t npieces = src0->ne[0] / 32;
     const bool plain = src1->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 &&
@@ -714,7 +719,8 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
         const GemmArgs g = gemm_args(
             src0, dst,
             halves_at(product_activations(ctx, st, src1, npieces, 0, scratch), npieces,
-                      int(ncols)));
+                      int(ncols)),
+            residual);
         if (ncols <= GM_COL_TILE) {
             launch_gemm_r<1>(ctx, g);
         } else {
@@ -724,7 +730,7 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
     }
     const int padded = int((ncols + RQ_COLS - 1) / RQ_COLS * RQ_COLS);
     uint8_t * buf = scratch.alloc(size_t(halves_bytes(npieces, padded)));
-    const GemmArgs g = gemm_args(src0, dst, halves_at(buf, npieces, padded));
+    const GemmArgs g = gemm_args(src0, dst, halves_at(buf, npieces, padded), nullptr);
     ggml_cuda_kernel_launch(to_halves_col,
                             ggml_cuda_kernel_launch_params(dim3(unsigned(ncols)), 256, 0, stream),
                             static_cast<const float *>(src1->data),
@@ -745,14 +751,17 @@ const Wanted * wanted(ContextState & st, const ggml_tensor * t) {
     return found == st.wants.end() ? nullptr : &found->second;
 }
 
-}  // namespace lucepy
-
-bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
-                         const ggml_tensor * src1, ggml_tensor * dst,
-                         const ggml_cuda_mm_fusion_args_host * fusion) {
-    using namespace lucepy;
+// dst = src0 x src1 (with ggml's fusion, or plus `residual`, a tensor of dst's shape, for 2-16
+// columns) by our kernels, true; or false, having done nothing
+bool mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+             ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion,
+             const ggml_tensor * residual) {
+    const int64_t ncols = src1->ne[1];
+    if (residual && (fusion || ncols < 2 || ncols > MAX_COLS)) {
+        return false;
+    }
     if (repacked_of(src0)) {  // ours whatever the switch: ggml's kernels cannot read it
-        repacked_mul_mat(ctx, src0, src1, dst, fusion);
+        repacked_mul_mat(ctx, src0, src1, dst, fusion, residual);
         g_calls.fetch_add(1, std::memory_order_relaxed);
         return true;
     }
@@ -760,7 +769,6 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     if (!enabled(ctx.device) || !kind_of(src0->type, kind, chunk)) {
         return false;
     }
-    const int64_t ncols = src1->ne[1];
     const int64_t pieces_per_block =
         with_kind(kind, [](auto k) { return Layout<decltype(k)::value>::pieces; });
     const bool shapes = ncols >= 1 && ncols <= MAX_COLS && src1->ne[0] == src0->ne[0] &&
@@ -800,10 +808,14 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         if (src0->nb[1] % align != 0 || uintptr_t(src0->data) % align != 0) {
             return false;
         }
-        const GemmArgs g = gemm_args(src0, dst, halves_at(activations(0), npieces, int(ncols)));
+        const GemmArgs g =
+            gemm_args(src0, dst, halves_at(activations(0), npieces, int(ncols)), residual);
         with_kind(kind, [&](auto k) { run_gemm<decltype(k)::value>(ctx, g); });
         g_calls.fetch_add(1, std::memory_order_relaxed);
         return true;
+    }
+    if (residual) {
+        return false;
     }
 
     const int unit = copy_unit(src0, gate, chunk);
@@ -819,6 +831,14 @@ bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
     run(a, stream, ctx.device);
     g_calls.fetch_add(1, std::memory_order_relaxed);
     return true;
+}
+
+}  // namespace lucepy
+
+bool lucepy_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
+                         const ggml_tensor * src1, ggml_tensor * dst,
+                         const ggml_cuda_mm_fusion_args_host * fusion) {
+    return lucepy::mul_mat(ctx, src0, src1, dst, fusion, nullptr);
 }
 
 bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
@@ -1223,6 +1243,45 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     return i_out - i;
 }
 
+// A product of 2-16 columns from node i, a MUL_MAT, and the residual ADD after it (a verify's
+// attention, DeltaNet or FFN output plus the layer's input; ggml fuses such an ADD into the
+// product for one column only), where nothing else reads the product: our product writes the
+// sum into the ADD's result (`gemm_sum` or the tile's store adds the residual, the product's
+// f32 sum first, as the ADD would). The nodes after i computed, or 0.
+int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const ggml_tensor * mm = cgraph->nodes[i];
+    const int i_add = next_op(cgraph, i);
+    if (i_add >= cgraph->n_nodes) {
+        return 0;
+    }
+    ggml_tensor * add = cgraph->nodes[i_add];
+    if (add->op != GGML_OP_ADD || (add->src[0] != mm && add->src[1] != mm)) {
+        return 0;
+    }
+    const ggml_tensor * r = add->src[0] == mm ? add->src[1] : add->src[0];
+    const int64_t ncols = mm->ne[1];
+    const bool shapes = r != mm && ncols >= 2 && ncols <= MAX_COLS && mm->type == GGML_TYPE_F32 &&
+                        dense_like(add, mm) && r->type == GGML_TYPE_F32 &&
+                        ggml_are_same_shape(r, mm) && r->nb[0] == sizeof(float) &&
+                        r->nb[1] % sizeof(float) == 0 && r->ne[2] == 1 && r->ne[3] == 1;
+    if (!shapes || (mm->flags & GGML_TENSOR_FLAG_OUTPUT) != 0) {
+        return 0;
+    }
+    ContextState & st = state_of(ctx);
+    // the product's result read by the ADD alone; the sum written apart from what the product
+    // reads, over the residual only element for element (each read by the thread that writes it)
+    const ggml_tensor * src1 = mm->src[1];
+    if (st.readers(mm) != 1 || !apart(span_of(add), span_of(src1)) ||
+        !apart(span_of(add), span_of(mm->src[0])) || !apart_or_same(add, r)) {
+        return 0;
+    }
+    if (!mul_mat(ctx, mm->src[0], src1, add, nullptr, r)) {
+        return 0;
+    }
+    g_ops.fetch_add(1, std::memory_order_relaxed);
+    return i_add - i;
+}
+
 // qwen35's DeltaNet gates from node i, an ADD (lucepy_cuda_fuse): the nodes after i computed,
 // or 0
 int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
@@ -1492,6 +1551,7 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
         case GGML_OP_RMS_NORM: return norm_gate_nodes(ctx, cgraph, i);
         case GGML_OP_ADD: return delta_gate_nodes(ctx, cgraph, i);
         case GGML_OP_GATED_DELTA_NET: return delta_net_nodes(ctx, cgraph, i);
+        case GGML_OP_MUL_MAT: return mul_mat_add_nodes(ctx, cgraph, i);
         default: return 0;
     }
 }

@@ -43,7 +43,9 @@ bool lucepy_cuda_glu(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 //   - qwen35's DeltaNet gates: ADD of a row repeated (the dt bias), SOFTPLUS, MUL by a row
 //     repeated (A), and a SIGMOID (beta's) where it comes next;
 //   - qwen35's DeltaNet recurrence: GATED_DELTA_NET (a scalar gate, state rows of 128, no
-//     per-token snapshots, any number of tokens) and the CPY of its new state that follows.
+//     per-token snapshots, any number of tokens) and the CPY of its new state that follows;
+//   - a product of ours of 2-16 columns (MUL_MAT) and the ADD of a residual to it, when nothing
+//     else reads the product.
 int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
 // Computes dst = ARGMAX of rows of at least 16,384 values (a greedy step's logits) in two kernels
