@@ -25,20 +25,26 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 PROMPT = list(range(40, 75))
 
 
-def run(path, stack: bool, monkeypatch) -> tuple[list[str], np.ndarray, list[np.ndarray]]:
-    """The stacked keys, prompt logits (in chunks of 16) and 4 decode steps' logits."""
-    plain = engine_module.model_options
+PLAIN_OPTIONS = engine_module.model_options
+
+
+def engine_stacking(path, stack: bool, monkeypatch) -> Engine:
+    """An engine (chunks of 16) whose products are stacked, or not, whatever its device."""
     monkeypatch.setattr(
         engine_module,
         "model_options",
-        lambda cfg: dataclasses.replace(plain(cfg), stack_matmuls=stack),
+        lambda cfg: dataclasses.replace(PLAIN_OPTIONS(cfg), stack_matmuls=stack),
     )
     cfg = RuntimeConfig(threads=THREADS, max_ctx=256, chunk=16)
-    with Engine(path, cfg, tokenizer=False) as engine:
+    return Engine(path, cfg, tokenizer=False)
+
+
+def run(path, stack: bool, monkeypatch) -> tuple[list[str], np.ndarray, list[np.ndarray]]:
+    """The stacked keys, prompt logits (in chunks of 16) and 4 decode steps' logits."""
+    with engine_stacking(path, stack, monkeypatch) as engine:
         keys = [k for k in engine.shards[0].w if k.endswith(".stacked")]
         prompt = engine.prefill(PROMPT, all_logits=True).copy()
         steps = [engine.decode(7 + i).copy() for i in range(4)]
-    monkeypatch.setattr(engine_module, "model_options", plain)
     return keys, prompt, steps
 
 
@@ -100,14 +106,7 @@ def test_a_gated_norm_stays_back_to_back_when_its_gate_is_a_stacks_part(monkeypa
     """qwen35's DeltaNet output norm and gate (RMS_NORM, MUL by its weight, SiLU of z, MUL) stay
     consecutive graph nodes (views apart) in a step of several tokens, where z is a copy out of
     the stacked product: lucepy's CUDA kernels compute the four as one kernel only so."""
-    plain = engine_module.model_options
-    monkeypatch.setattr(
-        engine_module,
-        "model_options",
-        lambda cfg: dataclasses.replace(plain(cfg), stack_matmuls=True),
-    )
-    cfg = RuntimeConfig(threads=THREADS, max_ctx=256, chunk=16)
-    with Engine(FIXTURES / "qwen35-f32.gguf", cfg, tokenizer=False) as engine:
+    with engine_stacking(FIXTURES / "qwen35-f32.gguf", True, monkeypatch) as engine:
         assert any(k.endswith("ssm_qkvz.stacked") for k in engine.shard.w)
         engine.prefill(PROMPT[:16])
         lib = engine.lib
