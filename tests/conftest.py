@@ -16,9 +16,15 @@ from lucepy.testing.tiny import write_qwen35
 HPARAMS = {
     "base": {},
     "odd": {"n_layer": 5, "n_embd": 96, "full_attention_interval": 3, "n_ff": 160, "seed": 7},
-    # rows of 256 values and multiples of 64 rows (but the DeltaNet's 4-row alpha and beta):
-    # what lucepy's CUDA layout for Q4_0 takes (tests/test_gpu.py)
-    "wide": {"n_embd": 256, "n_ff": 512, "ssm_state_size": 64, "seed": 11},
+    # rows of 256 values and multiples of 16 rows (the DeltaNet's four input products stacked:
+    # 768 + 512 + 2 x 8 rows): what lucepy's CUDA layout for Q4_0 takes (tests/test_gpu.py)
+    "wide": {
+        "n_embd": 256,
+        "n_ff": 512,
+        "ssm_state_size": 64,
+        "ssm_time_step_rank": 8,
+        "seed": 11,
+    },
 }
 THREADS = 2
 

@@ -214,13 +214,15 @@ def test_gpu_kernels_match_the_exact_math_for_1_to_16_columns(kind, cuda):
         assert np.isfinite(ours).all() and err.max() <= bound, f"{kind} x {k}: {worst}"
 
 
-def test_gpu_repacked_q4_0_matches_the_exact_math_at_every_column_count(cuda):
+@pytest.mark.parametrize("rows", [320, 336])
+def test_gpu_repacked_q4_0_matches_the_exact_math_at_every_column_count(rows, cuda):
     """A Q4_0 matrix repacked in place (lucepy_cuda_repack, lucepy-repack.cuh's layout) is read by
     lucepy's kernels alone at every count of columns: one (gemv_r), 2-16 (gemm_r), more (gemm_rq,
     here also past whole tiles of 64), and ggml's fused gate; each no further from the exact math
-    than twice ggml's kernels on the blocks. 320 rows (tiles of 64, not of 128), 2,048 values."""
+    than twice ggml's kernels on the blocks. 320 rows (tiles of 64, not of 128) or 336 (a last
+    CTA of 16 rows, as qwen35's stacked DeltaNet inputs have), 2,048 values."""
     lib, device, kernels = cuda
-    rows, n = 320, 2048
+    n = 2048
     gtype, raw, exact_w = weights_of(lib, "q4_0", 21, rows=rows, n=n)
     _, gate_raw, gate_w = weights_of(lib, "q4_0", 23, rows=rows, n=n)
     rng = np.random.default_rng(22)
@@ -615,44 +617,49 @@ def test_gpu_conv_step_is_one_kernel(t, C, keep_x, cuda):
                 np.testing.assert_array_equal(x[0], theirs[j][3])
 
 
-def delta_gates(lib, device, bias, a, alphas, betas):
+def delta_gates(lib, device, bias, a, alphas, betas, heads):
     """qwen35's DeltaNet gates as its graph writes them (models/qwen35.py ``_delta_net``):
-    softplus(alpha + bias) * a and sigmoid(beta), alpha and beta [T, heads], bias and a [heads];
-    per pair of ``alphas`` and ``betas``, [the decay, the sigmoid] (``computed``)."""
-    T, heads = alphas[0].shape
+    softplus(alpha + bias) * a and sigmoid(beta), alpha [T, heads + more] (its first ``heads``
+    columns read: a view, as of a stacked product's part, where it has more), beta [T, heads],
+    bias and a [heads]; per pair of ``alphas`` and ``betas``, [the decay, the sigmoid]
+    (``computed``)."""
+    T, wide = alphas[0].shape
     consts = [
         (GGML_TYPE_F32, heads, 1, np.ascontiguousarray(v, dtype=np.float32)) for v in (bias, a)
     ]
 
     def build(c, ts, ins):
         alpha, beta = ins
+        alpha = lib.ggml_view_2d(c, alpha, heads, T, alpha.nb[1], 0)
         decay = lib.ggml_mul(c, lib.ggml_softplus(c, lib.ggml_add(c, alpha, ts[0])), ts[1])
         return [decay, lib.ggml_sigmoid(c, beta)]
 
     feeds = list(zip(alphas, betas, strict=True))
-    return computed(lib, device, consts, [(heads, T), (heads, T)], build, feeds)
+    return computed(lib, device, consts, [(wide, T), (heads, T)], build, feeds)
 
 
-@pytest.mark.parametrize("T", [1, 16])
-def test_gpu_delta_gates_are_one_kernel(T, cuda):
-    """qwen35's DeltaNet gates of a decode (1 token) or a verify (16): the decay (ADD of the dt
+@pytest.mark.parametrize(("T", "more"), [(1, 0), (16, 0), (16, 56)])
+def test_gpu_delta_gates_are_one_kernel(T, more, cuda):
+    """qwen35's DeltaNet gates of a decode (1 token) or a verify (16; alpha a strided view of a
+    wider product too, as a part of the stacked DeltaNet inputs): the decay (ADD of the dt
     bias, SOFTPLUS, MUL by A) and beta's SIGMOID are one kernel of ours (counted once per
     compute; the CUDA graph then replays it), each result no further from the exact math than
     twice ggml's own error, past softplus' linear branch (inputs above 20)."""
     lib, device, kernels = cuda
     heads = 48
-    rng = np.random.default_rng(70 + T)
+    rng = np.random.default_rng(70 + T + more)
     bias, a = rng.normal(size=heads), -np.exp(rng.normal(size=heads))
-    alphas = [8.0 * rng.normal(size=(T, heads)).astype(np.float32) for _ in range(3)]
+    alphas = [8.0 * rng.normal(size=(T, heads + more)).astype(np.float32) for _ in range(3)]
     alphas[1][0, :4] = 30.0
     betas = [3.0 * rng.normal(size=(T, heads)).astype(np.float32) for _ in range(3)]
     ops = kernels.ops
-    delta_gates(lib, device, bias, a, alphas[:1], betas[:1])
+    delta_gates(lib, device, bias, a, alphas[:1], betas[:1], heads)
     assert kernels.ops - ops == 1
     ours, theirs = ours_and_theirs(
-        kernels, lambda: delta_gates(lib, device, bias, a, alphas, betas)
+        kernels, lambda: delta_gates(lib, device, bias, a, alphas, betas, heads)
     )
     for j, (alpha, beta) in enumerate(zip(alphas, betas, strict=True)):
+        alpha = alpha[:, :heads]
         s = alpha.astype(np.float64) + bias.astype(np.float32)
         soft = np.where(s > 20, s, np.log1p(np.exp(np.minimum(s, 20))))
         exact = [soft * a.astype(np.float32), 1 / (1 + np.exp(-beta.astype(np.float64)))]

@@ -1,8 +1,8 @@
 """Stacked products (Architecture.stacked): weights of products of one input loaded as one matrix
-(llama's Q, K and V; qwen35's delta-net input pairs and attention's Q, K and V; laguna's Q, K, V
-and output gate), one product, each
-part a view of its rows. On the CPU the results are the separate products' to the bit, and a
-stack whose parts a CPU would repack otherwise than the whole is kept apart."""
+(llama's Q, K and V; qwen35's four delta-net input products and attention's Q, K and V;
+laguna's Q, K, V and output gate), one product, each part a view of its rows. On the CPU the
+results are the separate products' to the bit, and a stack whose parts a CPU would repack
+otherwise than the whole is kept apart."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_a_gated_norm_stays_back_to_back_when_its_gate_is_a_stacks_part(monkeypa
     consecutive graph nodes (views apart) in a step of several tokens, where z is a copy out of
     the stacked product: lucepy's CUDA kernels compute the four as one kernel only so."""
     with engine_stacking(FIXTURES / "qwen35-f32.gguf", True, monkeypatch) as engine:
-        assert any(k.endswith("ssm_qkvz.stacked") for k in engine.shard.w)
+        assert any(k.endswith("ssm_in.stacked") for k in engine.shard.w)
         engine.prefill(PROMPT[:16])
         lib = engine.lib
         views = {lib.GGML_OP_VIEW, lib.GGML_OP_RESHAPE, lib.GGML_OP_PERMUTE,

@@ -216,18 +216,20 @@ class Builder:
         rows: dict[str, int],
         stacks: dict[str, tuple[str, ...]],
         copy: bool = True,
+        views: tuple[str, ...] = (),
     ) -> dict[str, Tensor]:
         """``x`` times layer ``b``'s weights ``rows`` (name -> its rows; the weight is
         ``b + name + ".weight"``), by name, one product per stack of them that the loader made
         (``stacks``: key -> the names stacked in row order; the stack is ``w[b + key]``,
         ``Architecture.stack_all``). Without ``copy`` a stack's parts are views of its product
-        (rows ``nb[1]`` apart: ``heads`` takes them)."""
+        (rows ``nb[1]`` apart: ``heads`` takes them), and so are those named in ``views``
+        (their readers take such strides)."""
         out = {}
         for key, parts in stacks.items():
             if b + key in w and set(parts) <= set(rows) and not set(parts) & set(out):
                 y, first = self.lib.ggml_mul_mat(self.ctx, w[b + key], x), 0
                 for name in parts:
-                    out[name] = self.part(y, first, rows[name], copy)
+                    out[name] = self.part(y, first, rows[name], copy and name not in views)
                     first += rows[name]
         for name in rows:
             if name not in out:

@@ -34,10 +34,14 @@ GGML_ROPE_TYPE_IMROPE = 40
 _MATMUL_SUFFIXES = ("_qkv.weight", "_gate.weight", "_q.weight", "_k.weight", "_v.weight")
 _MATMUL_SUFFIXES += ("_output.weight", "_beta.weight", "_alpha.weight", "ssm_out.weight")
 _MATMUL_SUFFIXES += ("ffn_up.weight", "ffn_down.weight", "_shexp.weight", "_exps.weight")
-# products of one input that the loader stacks into one (Architecture.stacked): a delta-net
-# layer's four input projections as two pairs (the small pair may be repacked otherwise than
-# the large one on a CPU: the loader then keeps it apart), attention's Q, K and V
+# products of one input that the loader stacks into one (Architecture.stacked), the first that
+# can be of those sharing a weight: a delta-net layer's four input projections as one (beta's
+# and alpha's 2 x 48 rows of the 27B-shaped model ride along in the large product: a decode
+# launches 48 mat-vecs fewer, a verify 48 products and their sums, docs/BENCHMARKS.md), else as
+# two pairs where the four cannot be one (types); attention's Q, K and V. (A CPU may repack the
+# small pair otherwise than the rest: the loader then keeps that stack apart.)
 _STACKS = {
+    "ssm_in.stacked": ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
     "ssm_qkvz.stacked": ("attn_qkv", "attn_gate"),
     "ssm_ba.stacked": ("ssm_beta", "ssm_alpha"),
     "attn_qkv.stacked": ("attn_q", "attn_k", "attn_v"),
@@ -253,7 +257,10 @@ class Qwen35(Architecture):
         p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
         hd, nh, nkv = p.head_dim, p.n_head, p.n_head_kv
         rows = {"attn_q": 2 * hd * nh, "attn_k": hd * nkv, "attn_v": hd * nkv}
-        y = g.products(w, x, b, rows, _STACKS)
+        # qkv and alpha stay views of a stack's product for any T (the conv and the ADD read
+        # strided columns); z and beta are copied out for T > 1 (the gated norm's kernel and
+        # ggml-cuda's sigmoid take rows back to back)
+        y = g.products(w, x, b, rows, _STACKS, views=("attn_qkv", "ssm_alpha"))
         qg = y["attn_q"]  # [2*hd*nh, T]: per head, query then gate
         es = L.ggml_element_size(qg)
         q = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, es * hd * 2 * nh, 0)  # [hd, nh, T]
@@ -293,7 +300,10 @@ class Qwen35(Architecture):
         N, _, F = g.streams if g.streams[0] else (1, 0, 0)
         t = T // N
         rows = {"attn_qkv": p.conv_dim, "attn_gate": p.value_dim, "ssm_beta": Hv, "ssm_alpha": Hv}
-        y = g.products(w, x, b, rows, _STACKS)
+        # qkv and alpha stay views of a stack's product for any T (the conv and the ADD read
+        # strided columns); z and beta are copied out for T > 1 (the gated norm's kernel and
+        # ggml-cuda's sigmoid take rows back to back)
+        y = g.products(w, x, b, rows, _STACKS, views=("attn_qkv", "ssm_alpha"))
         qkv = y["attn_qkv"]  # [conv_dim, T]
         z = y["attn_gate"]  # [value_dim, T]
         beta = L.ggml_sigmoid(c, y["ssm_beta"])  # [Hv, T]
@@ -351,7 +361,8 @@ class Qwen35(Architecture):
         state = st[f"conv.{il}"]  # [K1, C] or [K1, C, n_seq]
         plane = state.nb[1] * C
         mine = L.ggml_view_3d(c, state, K1, C, N, state.nb[1], plane, plane * F)
-        steps = L.ggml_permute(c, L.ggml_reshape_3d(c, qkv, C, t, N), 1, 0, 2, 3)  # [t, C, N]
+        steps = L.ggml_view_3d(c, qkv, C, t, N, qkv.nb[1], qkv.nb[1] * t, 0)  # (a view: strided)
+        steps = L.ggml_permute(c, steps, 1, 0, 2, 3)  # [t, C, N]
         x = L.ggml_concat(c, mine, steps, 0)  # [K1 + t, C, N]
         if verify:
             g.output(f"conv.{il}", x)  # the state after token t is columns t+1 .. t+K1

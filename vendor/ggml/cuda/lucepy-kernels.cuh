@@ -763,7 +763,8 @@ template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const
 // where ggml-cuda runs three, a thread an element. Each writes every node's result as ggml's
 // kernels do (their formulas).
 struct DeltaGates {
-    const float * alpha;  // [n]
+    const float * alpha;  // [n / period] columns of period, alpha_stride apart
+    int64_t alpha_stride;
     const float * bias;   // [period], repeated
     const float * a;      // [period], repeated
     float * sum, * soft, * decay;
@@ -778,7 +779,8 @@ __global__ void delta_gates(const DeltaGates g) {
     LUCEPY_PDL_SYNC();  // alpha and beta: the product before has finished
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e < g.n) {
-        const float s = g.alpha[e] + g.bias[e % g.period];
+        const float s = g.alpha[int64_t(e / g.period) * g.alpha_stride + e % g.period] +
+                        g.bias[e % g.period];
         const float p = s > 20.0f ? s : logf(1.0f + expf(s));
         g.sum[e] = s;
         g.soft[e] = p;

@@ -571,10 +571,10 @@ bool repacked_of(const ggml_tensor * t) {
     }
     const bool whole_tiles = t->ne[0] == r.ne0 && t->nb[1] == r.row_bytes &&
                              (at - begin) % uintptr_t(RP_ROWS * r.row_bytes) == 0 &&
-                             t->ne[1] % RQ_COLS == 0 && t->ne[2] == 1 && t->ne[3] == 1 &&
+                             t->ne[1] % RP_ROWS == 0 && t->ne[2] == 1 && t->ne[3] == 1 &&
                              at + ggml_nbytes(t) <= r.end;
     if (!whole_tiles) {
-        GGML_ABORT("lucepy: a read of a repacked Q4_0 matrix that is not whole tiles of 64 of its "
+        GGML_ABORT("lucepy: a read of a repacked Q4_0 matrix that is not whole tiles of 16 of its "
                    "rows (%s); repack only matrices that products alone read",
                    t->name);
     }
@@ -680,7 +680,8 @@ template <int MT> void launch_gemm_rq(ggml_backend_cuda_context & ctx, const Gem
         CUDA_CHECK(cudaFuncSetAttribute(gemm_rq<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         gemm_rq_smem<MT>()));
     });
-    const dim3 grid(unsigned(a.nrows / (64 * MT)), unsigned((a.ncols + RQ_COLS - 1) / RQ_COLS));
+    const dim3 grid(unsigned((a.nrows + 64 * MT - 1) / (64 * MT)),
+                    unsigned((a.ncols + RQ_COLS - 1) / RQ_COLS));
     ggml_cuda_kernel_launch(
         gemm_rq<MT>, ggml_cuda_kernel_launch_params(grid, 128, gemm_rq_smem<MT>(), ctx.stream()),
         a);
@@ -1307,16 +1308,22 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
         return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->ne[0] == period &&
                ggml_nelements(t) == period;
     };
-    if (!dense(add) || !dense(alpha) || !dense(soft) || !dense(mul) || !row(bias) || !row(a) ||
-        n >= INT32_MAX) {
+    // alpha dense, or columns of add's rows apart (a view of a stacked product's part)
+    const bool alpha_dense = dense(alpha);
+    const bool alpha_columns = alpha->type == GGML_TYPE_F32 && ggml_are_same_shape(alpha, add) &&
+                               alpha->nb[0] == sizeof(float) && alpha->nb[1] % sizeof(float) == 0 &&
+                               add->ne[2] == 1 && add->ne[3] == 1;
+    if (!dense(add) || !(alpha_dense || alpha_columns) || !dense(soft) || !dense(mul) ||
+        !row(bias) || !row(a) || n >= INT32_MAX) {
         return 0;
     }
-    // each result apart from the rows (read by every thread), and from alpha and the others or
-    // at the same address (the same element: read first by the thread that writes it)
+    // each result apart from the rows (read by every thread), and from the others or at the same
+    // address (the same element: read first by the thread that writes it); from alpha so too
+    // where it is dense, else apart
     const auto clear = apart_or_same;
     for (const ggml_tensor * o : {add, soft, mul}) {
         if (!apart(span_of(o), span_of(bias)) || !apart(span_of(o), span_of(a)) ||
-            !clear(o, alpha)) {
+            !(alpha_dense ? clear(o, alpha) : apart(span_of(o), span_of(alpha)))) {
             return 0;
         }
     }
@@ -1325,6 +1332,7 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     }
     DeltaGates g = {};
     g.alpha = static_cast<const float *>(alpha->data);
+    g.alpha_stride = int64_t(alpha->nb[1] / sizeof(float));
     g.bias = static_cast<const float *>(bias->data);
     g.a = static_cast<const float *>(a->data);
     g.sum = static_cast<float *>(add->data);
@@ -1682,7 +1690,7 @@ int lucepy_cuda_repack(struct ggml_tensor * t) {
     using namespace lucepy;
     const bool shape = t->type == GGML_TYPE_Q4_0 && t->view_src == nullptr && t->data &&
                        ggml_is_contiguous(t) && t->ne[2] == 1 && t->ne[3] == 1 &&
-                       t->ne[1] % RQ_COLS == 0 && t->ne[0] % (32 * 8) == 0 &&
+                       t->ne[1] % RP_ROWS == 0 && t->ne[0] % (32 * 8) == 0 &&
                        t->ne[0] / 32 < INT32_MAX && t->ne[1] < INT32_MAX;
     if (!shape || repacked_of(t)) {
         return 0;

@@ -79,10 +79,10 @@ GGML_BACKEND_API int64_t lucepy_cuda_kernels_calls(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_quantized(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_fused(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_ops(void);
-// Rewrites a Q4_0 weight (2D, contiguous, rows a multiple of 64, row length of 256, in a CUDA
+// Rewrites a Q4_0 weight (2D, contiguous, rows a multiple of 16, row length of 256, in a CUDA
 // device's memory, lucepy's kernels on there) in place into lucepy-repack.cuh's layout and
 // returns 1; from then on lucepy's kernels take every product of it (a product's read that is
-// not whole tiles of 64 rows aborts), and nothing else may read it. Returns 0, having done
+// not whole tiles of 16 rows aborts), and nothing else may read it. Returns 0, having done
 // nothing, for any other tensor.
 GGML_BACKEND_API int lucepy_cuda_repack(struct ggml_tensor * t);
 }

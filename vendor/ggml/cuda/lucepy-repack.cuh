@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>  // integral_constant
 
 namespace lucepy {
 
@@ -75,10 +76,10 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
 // 16 on), the high nibbles taken in place (1024 + 16 n, times 1/16 less 72: n - 8, exact).
 __device__ __forceinline__ void word_halves(uint32_t q, __half2 d, __half2 (&lo)[2],
                                             __half2 (&hi)[2]) {
-    const __half2 off = __float2half2_rn(1032.0f);
-    const __half2 sixteenth = __float2half2_rn(0.0625f);
-    const __half2 less = __float2half2_rn(-72.0f);
     auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
+    const __half2 off = h2(0x64086408u);        // 1032
+    const __half2 sixteenth = h2(0x2C002C00u);  // 1/16
+    const __half2 less = h2(0xD480D480u);       // -72
     const uint32_t q8 = q >> 8;
     lo[0] = __hmul2(__hsub2(h2(and_or(q, 0x000F000Fu, 0x64006400u)), off), d);
     lo[1] = __hmul2(__hsub2(h2(and_or(q8, 0x000F000Fu, 0x64006400u)), off), d);
@@ -92,6 +93,28 @@ __device__ __forceinline__ uint4 load_stream(const uint4 * p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
+}
+
+// a shared-memory address, and the 16 bytes there
+__device__ __forceinline__ uint32_t shared_at(const void * p) {
+    return uint32_t(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint4 load_shared(uint32_t at) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(at)
+                 : "memory");
+    return v;
+}
+
+// v, kept in a register of its own: the compiler cannot take it apart and work it out again
+// where it is used (as it did with gemm_r's activation addresses: three instructions a load)
+__device__ __forceinline__ uint32_t opaque(uint32_t v) {
+    uint32_t r;
+    asm("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
+    return r;
 }
 
 // A lane's part of a group: piece t of rows g and g + 8, and their scales.
@@ -117,7 +140,7 @@ __device__ __forceinline__ RpGroup load_group(const uint8_t * group, int lane) {
 template <int NT, int W = GM_WARPS, int MINB = 16 / W>
 __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     constexpr int P = 8;   // pieces a chunk: two groups
-    constexpr int ST = 2;  // the activations' stages
+    constexpr int ST = 2;  // the activations' stages (step's S: chunk ch's is ch % 2)
     constexpr int XP = P * 64 + 32;
     constexpr int X_STAGE = NT * GM_COL_TILE * XP;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -178,8 +201,15 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     float total[NT][4] = {};  // and the sums of those before, scaled back
     const int nsegs = segments(a.npieces);
     const int swz = t / 2 % 2;
+    uint32_t x_lane[4];  // word w of this lane's piece of column g in stage 0
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        x_lane[w] = opaque(shared_at(smem) + g * XP + t * 64 + 16 * (w ^ swz));
+    }
 
-    auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch) {
+    // chunk ch (its activations in stage S: ch % ST == S)
+    auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch, auto stage) {
+        constexpr int S = decltype(stage)::value;
         load(nxt, ch + 1);
         copy_wait<ST - 2>();
         __syncthreads();  // chunk ch's activations have landed; chunk ch - 1's are read by all
@@ -194,7 +224,6 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         if (flush) {
             segment_inv<NT>(a, t, seg, nsegs, inv);
         }
-        const uint8_t * xs = smem + (ch % ST) * X_STAGE;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const uint32_t da = __byte_perm(cur[j].d, 0, 0x1010);
@@ -212,8 +241,8 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
                                           as_u32(bhi[1])};
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const uint4 x = *reinterpret_cast<const uint4 *>(
-                        xs + (nt * GM_COL_TILE + g) * XP + (4 * j + t) * 64 + 16 * (w ^ swz));
+                    const uint4 x =
+                        load_shared(x_lane[w] + S * X_STAGE + nt * GM_COL_TILE * XP + 4 * j * 64);
                     mma_16816(acc[nt], a_lo, x.x, x.y);
                     mma_16816(acc[nt], a_hi, x.z, x.w);
                 }
@@ -232,9 +261,9 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         issue_x(s);
     }
     for (int ch = 0; ch < nchunks; ch += 2) {
-        step(wa, wb, ch);
+        step(wa, wb, ch, std::integral_constant<int, 0>());
         if (ch + 1 < nchunks) {
-            step(wb, wa, ch + 1);
+            step(wb, wa, ch + 1, std::integral_constant<int, 1>());
         }
     }
     copy_wait<0>();
@@ -417,8 +446,9 @@ __global__ void __launch_bounds__(256) to_halves_col(const float * x, int64_t co
 // pieces) at a time, its weights and activations copied into two shared stages (cp.async);
 // each warp unpacks its own MT tiles of 16 rows (as gemm_r's lanes do) and multiplies them with
 // the 64 columns' halves, so each weight is unpacked once for 64 columns and each 16-byte load
-// of activations serves MT tiles. Rows a multiple of 64 MT; no tail of columns yet (the grid
-// covers whole tiles of 64, and to_halves_col writes only real columns).
+// of activations serves MT tiles. MT = 2 takes rows a multiple of 128; MT = 1 any multiple of
+// 16 (the last CTA's warps past them only share the copies and barriers). No tail of columns
+// yet (the grid covers whole tiles of 64, and to_halves_col writes only real columns).
 constexpr int RQ_COLS = 64;
 constexpr int RQ_XP = 4 * 64 + 32;  // a column's group of halves, padded (bank groups)
 
@@ -444,13 +474,14 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
     const int ngroups = a.npieces / RP_GROUP;
     const uint8_t * wsrc = a.w + repacked_at(row0 / RP_ROWS + warp * MT, 0, ngroups);
     const int64_t tile_bytes = int64_t(ngroups) * RP_BYTES;
+    const bool mine = row0 + warp * MT * 16 < a.nrows;  // this warp's tiles are rows
 
     auto issue = [&](int grp) {
         if (grp < ngroups) {
             uint8_t * st = smem + (grp % 2) * STAGE;
             uint8_t * ws = st + warp * MT * RP_BYTES;
 #pragma unroll
-            for (int m = 0; m < MT; m++) {
+            for (int m = 0; m < MT && mine; m++) {
                 const uint8_t * src = wsrc + m * tile_bytes + int64_t(grp) * RP_BYTES;
 #pragma unroll
                 for (int k = 0; k < 3; k++) {
@@ -483,6 +514,10 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
         issue(grp + 1);
         copy_wait<1>();
         __syncthreads();  // group grp has landed for every warp
+        if (!mine) {
+            __syncthreads();  // (the stage's refill waits for every warp)
+            continue;
+        }
         const uint8_t * st = smem + (grp % 2) * STAGE;
         const uint8_t * ws = st + warp * MT * RP_BYTES;
         const uint8_t * xs = st + 4 * MT * RP_BYTES;
@@ -524,6 +559,9 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
     }
     copy_wait<0>();
     LUCEPY_PDL_LAUNCH();
+    if (!mine) {
+        return;
+    }
 #pragma unroll
     for (int n = 0; n < 8; n++) {
         const int c = col0 + 8 * n + 2 * t;
