@@ -866,17 +866,23 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // --- qwen35's gated delta net -----------------------------------------------------------------
 //
 // ggml's GATED_DELTA_NET with a scalar gate, state rows of 128 and no per-token snapshots, for
-// any number of tokens: the same arithmetic token by token as ggml-cuda's kernel (a warp a
-// column of the state, each lane four of its rows, the same sums in the same order), but the
-// CTA copies the q, k, v, gate and beta of DN_TILE tokens at a time into shared memory ahead of
-// the recurrence (cp.async, the next tile in flight during this one), where ggml's loads them
+// any number of tokens: the same arithmetic token by token as ggml-cuda's kernel (a column of
+// the state summed by a warp, each lane four of its rows, the same sums in the same order), but
+// the CTA copies the q, k, v, gate and beta of DN_TILE tokens at a time into shared memory ahead
+// of the recurrence (cp.async, the next tile in flight during this one), where ggml's loads them
 // token by token inside it and waits on each load: 18 us a layer for a 16-token verify on the
-// H200. The state after the last token goes where the copy after the op puts it (the sequence's
-// own state, read first by the same warp) and, where anything else reads it, into the op's
-// result too.
+// H200. Each warp keeps DN_COLS columns, whose warp-wide sums go side by side (warp_sums): a
+// token waits on its sums across the warp, so two columns a warp take about the time of one,
+// and the 27B-shaped model's 48 heads of 128 columns fit one wave of CTAs (768 of 4 warps), where
+// a column a warp took 1.45 (1,536 CTAs, 8 an SM): 11 us a 16-token call (the verify's, and the
+// rollback's), 4.5 a decode's, without PDL's overlap (docs/BENCHMARKS.md, session 27). The state
+// after the last token goes where the copy after the op puts it (the sequence's own state, read
+// first by the same warp) and, where anything else reads it, into the op's result too.
 constexpr int DN_S = 128;
-constexpr int DN_WARPS = 4;  // columns of the state a CTA
-constexpr int DN_TILE = 8;  // tokens a tile (64 registers and 16.8 KB: 8 CTAs an SM)
+constexpr int DN_WARPS = 4;  // a CTA's
+constexpr int DN_COLS = 2;   // columns of the state a warp
+constexpr int DN_CTA_COLS = DN_WARPS * DN_COLS;
+constexpr int DN_TILE = 8;  // tokens a tile
 
 struct DeltaNetArgs {
     const float * q, * k;  // [S, hk, T, N / rq3], rows contiguous; strides in floats
@@ -901,11 +907,27 @@ __device__ __forceinline__ float warp_sum(float x) {  // ggml's warp_reduce_sum,
     return x;
 }
 
-// grid (H, N, DN_S / DN_WARPS), DN_WARPS * 32 threads
-__global__ void __launch_bounds__(DN_WARPS * 32, 8) delta_net(const DeltaNetArgs a) {
+// warp_sum of each of x, side by side (each the same sums in the same order)
+template <int N> __device__ __forceinline__ void warp_sums(float (&x)[N]) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        float other[N];
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            other[i] = __shfl_xor_sync(0xFFFFFFFFu, x[i], off, 32);
+        }
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            x[i] += other[i];
+        }
+    }
+}
+
+// grid (H, N, DN_S / DN_CTA_COLS), DN_WARPS * 32 threads
+__global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const DeltaNetArgs a) {
     __shared__ __align__(16) float qs[2][DN_TILE][DN_S];
     __shared__ __align__(16) float ks[2][DN_TILE][DN_S];
-    __shared__ __align__(16) float vs[2][DN_TILE][DN_WARPS];
+    __shared__ __align__(16) float vs[2][DN_TILE][DN_CTA_COLS];
     __shared__ float gs[2][DN_TILE];
     __shared__ float bs[2][DN_TILE];
     LUCEPY_PDL_LAUNCH();
@@ -913,14 +935,14 @@ __global__ void __launch_bounds__(DN_WARPS * 32, 8) delta_net(const DeltaNetArgs
     const int n = blockIdx.y;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int col0 = blockIdx.z * DN_WARPS;
-    const int col = col0 + warp;
+    const int col0 = blockIdx.z * DN_CTA_COLS;
     const int64_t qk_at = (n / a.rq3) * a.sq3 + (h % a.hk) * a.sq1;
     const float * q = a.q + qk_at;
     const float * k = a.k + qk_at;
     const float * v = a.v + n * a.sv3 + h * a.sv1 + col0;
     const int64_t gb_at = n * a.sb3 + h * a.sb1;
     const int ntiles = (a.T + DN_TILE - 1) / DN_TILE;
+    constexpr int VU = DN_CTA_COLS / 4;  // 16-byte copies of a token's v
     auto issue = [&](int tile) {  // tile's inputs into buffer tile % 2 (past the end: empty)
         if (tile < ntiles) {
             const int t0 = tile * DN_TILE;
@@ -935,10 +957,14 @@ __global__ void __launch_bounds__(DN_WARPS * 32, 8) delta_net(const DeltaNetArgs
                 copy_async<16, true>(reinterpret_cast<uint8_t *>(&ks[b][t][u]),
                                      reinterpret_cast<const uint8_t *>(k + at));
             }
+            if (threadIdx.x < nt * VU) {
+                const int t = threadIdx.x / VU;
+                const int u = 4 * (threadIdx.x % VU);
+                copy_async<16, true>(reinterpret_cast<uint8_t *>(&vs[b][t][u]),
+                                     reinterpret_cast<const uint8_t *>(v + (t0 + t) * a.sv2 + u));
+            }
             if (threadIdx.x < nt) {
                 const int t = threadIdx.x;
-                copy_async<16, true>(reinterpret_cast<uint8_t *>(&vs[b][t][0]),
-                                     reinterpret_cast<const uint8_t *>(v + (t0 + t) * a.sv2));
                 const int64_t at = gb_at + (t0 + t) * a.sb2;
                 copy_async<4, true>(reinterpret_cast<uint8_t *>(&gs[b][t]),
                                     reinterpret_cast<const uint8_t *>(a.g + at));
@@ -949,15 +975,20 @@ __global__ void __launch_bounds__(DN_WARPS * 32, 8) delta_net(const DeltaNetArgs
         copy_commit();
     };
     constexpr int R = DN_S / 32;  // rows a lane
+    constexpr int C = DN_COLS;
     LUCEPY_PDL_SYNC();  // every input: the kernels before have finished
     issue(0);
-    const int64_t head = (int64_t(n) * a.H + h) * DN_S * DN_S + int64_t(col) * DN_S;
-    float s[R];
+    // column col0 + warp C + c of this head and sequence
+    const int64_t head = (int64_t(n) * a.H + h) * DN_S * DN_S + int64_t(col0 + warp * C) * DN_S;
+    float s[C][R];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        s[r] = a.s0[head + r * 32 + lane];
+    for (int c = 0; c < C; c++) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            s[c][r] = a.s0[head + c * DN_S + r * 32 + lane];
+        }
     }
-    float * attn = a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col;
+    float * attn = a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col0 + warp * C;
     const int64_t token_stride = int64_t(DN_S) * a.H;
     for (int tile = 0; tile < ntiles; tile++) {
         issue(tile + 1);
@@ -975,31 +1006,45 @@ __global__ void __launch_bounds__(DN_WARPS * 32, 8) delta_net(const DeltaNetArgs
             }
             const float beta = bs[b][t];
             const float g = expf(gs[b][t]);
-            float kv = 0.0f;  // (S^T k)[col]
+            float kv[C];  // (S^T k)[col]
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                kv += s[r] * kr[r];
-            }
-            kv = warp_sum(kv);
-            const float delta = (vs[b][t][warp] - g * kv) * beta;
-            float out = 0.0f;  // (S^T q)[col] of the updated state
+            for (int c = 0; c < C; c++) {
+                kv[c] = 0.0f;
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                s[r] = g * s[r] + kr[r] * delta;
-                out += s[r] * qr[r];
+                for (int r = 0; r < R; r++) {
+                    kv[c] += s[c][r] * kr[r];
+                }
             }
-            out = warp_sum(out);
-            if (lane == 0) {
-                attn[(t0 + t) * token_stride] = out * a.scale;
+            warp_sums(kv);
+            float out[C];  // (S^T q)[col] of the updated state
+#pragma unroll
+            for (int c = 0; c < C; c++) {
+                const float delta = (vs[b][t][warp * C + c] - g * kv[c]) * beta;
+                out[c] = 0.0f;
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    s[c][r] = g * s[c][r] + kr[r] * delta;
+                    out[c] += s[c][r] * qr[r];
+                }
+            }
+            warp_sums(out);
+#pragma unroll
+            for (int c = 0; c < C; c++) {
+                if (lane == c) {
+                    attn[(t0 + t) * token_stride + c] = out[c] * a.scale;
+                }
             }
         }
         __syncthreads();  // every warp is done with buffer b: tile + 2 may land there
     }
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        a.state[head + r * 32 + lane] = s[r];
-        if (a.state2) {
-            a.state2[head + r * 32 + lane] = s[r];
+    for (int c = 0; c < C; c++) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            a.state[head + c * DN_S + r * 32 + lane] = s[c][r];
+            if (a.state2) {
+                a.state2[head + c * DN_S + r * 32 + lane] = s[c][r];
+            }
         }
     }
 }

@@ -1478,7 +1478,7 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     a.hk = int(q->ne[1]);
     a.rq3 = int(N / q->ne[3]);
     a.scale = 1.0f / sqrtf(float(S));
-    const dim3 grid{unsigned(H), unsigned(N), unsigned(DN_S / DN_WARPS)};
+    const dim3 grid{unsigned(H), unsigned(N), unsigned(DN_S / DN_CTA_COLS)};
     ggml_cuda_kernel_launch(delta_net,
                             ggml_cuda_kernel_launch_params(grid, DN_WARPS * 32, 0, ctx.stream()),
                             a);
