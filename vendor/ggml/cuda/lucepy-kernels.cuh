@@ -658,16 +658,20 @@ __global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
 // A causal depthwise convolution of K taps over a recurrent state's K - 1 saved columns and t new
 // ones (qwen35's DeltaNet conv: ggml's CONCAT, the copy of the new tail into the state, SSM_CONV
 // and its SiLU), one kernel where ggml-cuda runs three: grid (channels / CONV_THREADS rounded up,
-// sequences), a thread a channel. Each writes the joined columns `x` ([K - 1 + t, C, N], as the
-// concat does, where anything reads them), the conv and its SiLU ([C, t, N]) and the new tail
-// ([K - 1, C, N], dense) over the saved columns. The CTA reads every saved column of its
-// channels before any is written; the host checks that what is written aliases nothing read, or
-// only what the same thread has read already (the new columns as the conv or its SiLU, the conv
-// as its SiLU) or, for the tail, the same CTA (the saved columns). With `heads`, the first heads
+// sequences, groups of per_group tokens), a thread a channel's tokens of its group. Each writes
+// the joined columns `x` ([K - 1 + t, C, N], as the concat does, where anything reads them), the
+// conv and its SiLU ([C, t, N]) and the new tail ([K - 1, C, N], dense) over the saved columns.
+// Only the first group reads the saved columns (a group is at least K - 1 tokens), and its
+// thread writes its channel's tail after them; the host checks that what is written aliases
+// nothing read, or only what the same thread has read already (with one group: the new columns
+// as the conv or its SiLU; the conv as its SiLU) or, for the tail, the saved columns. (A
+// 16-token verify in groups of 4 tokens: 320 CTAs where a group of 16 made 80, each token's
+// head norm a barrier; docs/BENCHMARKS.md, session 27.) With `heads`, the first heads
 // x CONV_THREADS channels of the SiLU are also RMS-normed a head of CONV_THREADS channels at a
 // time (qwen35's l2 norm of q and k: ggml's RMS_NORM then SCALE), a CTA a head.
 constexpr int CONV_THREADS = 128;
 constexpr int CONV_MAX_T = 16;
+constexpr int CONV_GROUP = 4;  // tokens a CTA where groups may be (at least K - 1)
 
 struct ConvArgs {
     const float * saved;  // [K - 1, C, N]: column j of channel c, sequence n at j + c s_c + n s_n
@@ -681,15 +685,21 @@ struct ConvArgs {
     float * normed, * scaled;   // [CONV_THREADS, heads, t, N], dense
     float eps, scale;           // the norm's epsilon, the scale after it
     int C, t;
+    int per_group;              // tokens a CTA (grid z: groups of them; at least K - 1 a group)
 };
 
 template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a) {
     constexpr int K1 = K - 1;
-    __shared__ float joined[CONV_THREADS * (K1 + CONV_MAX_T)];  // [channel of the CTA][column]
+    constexpr int JW = K1 + CONV_MAX_T;  // a channel's joined columns in shared memory, at most
+    __shared__ float joined[CONV_THREADS * JW];  // [channel of the CTA][column - lo]
     __shared__ float head_sums[2][CONV_THREADS / 32];  // a token's squares, a warp's sum each
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // the new columns: the kernel before has finished
     const int W = K1 + a.t;
+    const int i0 = blockIdx.z * a.per_group;  // this CTA's tokens i0 .. i1
+    const int i1 = min(a.t, i0 + a.per_group);
+    const int lo = i0 == 0 ? 0 : K1 + i0;  // and joined columns lo .. K1 + i1 (the first: saved)
+    const int width = K1 + i1 - lo;
     const int c0 = blockIdx.x * CONV_THREADS;
     const int n = blockIdx.y;
     const int mine = threadIdx.x;
@@ -702,20 +712,25 @@ template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const
             tap[k] = a.w[k + int64_t(K) * c];
         }
         const float * saved = a.saved + c * a.s_c + n * a.s_n;
+        const float * steps = a.steps + c * a.x_c + n * a.x_n;
+        auto column = [&](int j) {  // joined column j of the channel (only the first CTA: saved)
+            return j < K1 ? saved[j] : steps[int64_t(j - K1) * a.x_t];
+        };
 #pragma unroll
         for (int j = 0; j < K1; j++) {
-            win[j + 1] = saved[j];
-            joined[mine * W + j] = win[j + 1];
+            win[j + 1] = column(i0 + j);
+            if (i0 == 0) {
+                joined[mine * JW + j] = win[j + 1];
+            }
         }
-        const float * steps = a.steps + c * a.x_c + n * a.x_n;
         const int64_t out = c + int64_t(a.C) * a.t * n;
-        for (int i = 0; i < a.t; i++) {
+        for (int i = i0; i < i1; i++) {
 #pragma unroll
             for (int k = 0; k < K1; k++) {
                 win[k] = win[k + 1];
             }
             win[K1] = steps[i * a.x_t];
-            joined[mine * W + K1 + i] = win[K1];
+            joined[mine * JW + K1 + i - lo] = win[K1];
             float sum = 0.0f;
 #pragma unroll
             for (int k = 0; k < K; k++) {
@@ -747,14 +762,18 @@ template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const
                 a.scaled[o] = (r * y) * a.scale;
             }
         }
+        if (i0 == 0) {  // the tail, after this thread's reads of its channel's saved columns
+            float * tail = a.tail + (int64_t(n) * a.C + c) * K1;
+#pragma unroll
+            for (int j = 0; j < K1; j++) {
+                tail[j] = column(a.t + j);
+            }
+        }
     }
-    __syncthreads();  // every saved column of the CTA's channels read: the tail may overwrite them
+    __syncthreads();  // the CTA's joined columns are in shared memory
     const int64_t first = int64_t(n) * a.C + c0;
-    for (int e = threadIdx.x; a.x && e < nc * W; e += CONV_THREADS) {
-        a.x[first * W + e] = joined[e];
-    }
-    for (int e = threadIdx.x; e < nc * K1; e += CONV_THREADS) {
-        a.tail[first * K1 + e] = joined[(e / K1) * W + a.t + e % K1];
+    for (int e = threadIdx.x; a.x && e < nc * width; e += CONV_THREADS) {
+        a.x[(first + e / width) * W + lo + e % width] = joined[(e / width) * JW + e % width];
     }
 }
 

@@ -1129,8 +1129,13 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     a.act = act ? static_cast<float *>(act->data) : nullptr;
     a.C = int(C);
     a.t = int(t);
+    // groups of CONV_GROUP tokens where no result lies over the new columns (a later group's
+    // CTA reads those of the group before it); else one
+    const bool apart_steps = apart(s_conv, s_steps) && (!act || apart(span_of(act), s_steps));
+    a.per_group = apart_steps ? CONV_GROUP : int(t);
     g_ops.fetch_add(1, std::memory_order_relaxed);
-    const dim3 grid{unsigned((C + CONV_THREADS - 1) / CONV_THREADS), unsigned(N)};
+    const dim3 grid{unsigned((C + CONV_THREADS - 1) / CONV_THREADS), unsigned(N),
+                    unsigned((t + a.per_group - 1) / a.per_group)};
     ggml_cuda_kernel_launch(conv_step<4>,
                             ggml_cuda_kernel_launch_params(grid, CONV_THREADS, 0, ctx.stream()), a);
     return i_last - i;
