@@ -257,10 +257,7 @@ class Qwen35(Architecture):
         p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
         hd, nh, nkv = p.head_dim, p.n_head, p.n_head_kv
         rows = {"attn_q": 2 * hd * nh, "attn_k": hd * nkv, "attn_v": hd * nkv}
-        # qkv and alpha stay views of a stack's product for any T (the conv and the ADD read
-        # strided columns); z and beta are copied out for T > 1 (the gated norm's kernel and
-        # ggml-cuda's sigmoid take rows back to back)
-        y = g.products(w, x, b, rows, _STACKS, views=("attn_qkv", "ssm_alpha"))
+        y = g.products(w, x, b, rows, _STACKS)
         qg = y["attn_q"]  # [2*hd*nh, T]: per head, query then gate
         es = L.ggml_element_size(qg)
         q = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, es * hd * 2 * nh, 0)  # [hd, nh, T]
