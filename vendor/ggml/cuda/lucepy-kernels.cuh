@@ -918,15 +918,7 @@ struct DeltaNetArgs {
     float scale;
 };
 
-__device__ __forceinline__ float warp_sum(float x) {  // ggml's warp_reduce_sum, its order
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        x += __shfl_xor_sync(0xFFFFFFFFu, x, off, 32);
-    }
-    return x;
-}
-
-// warp_sum of each of x, side by side (each the same sums in the same order)
+// the warp-wide sum of each of x, side by side, each in ggml's warp_reduce_sum's order
 template <int N> __device__ __forceinline__ void warp_sums(float (&x)[N]) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
