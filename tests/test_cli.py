@@ -126,8 +126,11 @@ def test_generate_with_no_model_answers_with_smollm2(tmp_path):
     prompt = "The capital of France is"
     args = ["generate", "--prompt", prompt, "--max-tokens", "6", "--threads", "2", "--json"]
     out = json.loads(lucepy(*args, home=tmp_path).stdout)
-    # the shipped draft is loaded, but a CPU's measured step costs leave it out (verify_len.py)
-    assert out["text"].startswith(" Paris") and out["accept"] is None
+    assert out["text"].startswith(" Paris")
+    # The shipped draft is loaded; whether it drafts follows this CPU's measured step costs
+    # (verify_len.py), which sit near the line on a 2-core machine: one of a suite's runs drafted
+    # (at one token a step). Either way the tokens are plain decoding's (below).
+    assert out["accept"] is None or set(out["accept"]) >= {"accepted", "drafted"}
     with Engine(catalog.smollm2_file(), RuntimeConfig(threads=2)) as engine:
         assert out["prompt_tokens"] == engine.tokenizer.encode(prompt)  # no chat template
         assert out["tokens"] == generate(engine, out["prompt_tokens"], 6).tokens
