@@ -619,21 +619,28 @@ def test_gpu_conv_step_is_one_kernel(t, C, keep_x, cuda):
 
 def delta_gates(lib, device, bias, a, alphas, betas, heads):
     """qwen35's DeltaNet gates as its graph writes them (models/qwen35.py ``_delta_net``):
-    softplus(alpha + bias) * a and sigmoid(beta), alpha [T, heads + more] (its first ``heads``
-    columns read: a view, as of a stacked product's part, where it has more), beta [T, heads],
-    bias and a [heads]; per pair of ``alphas`` and ``betas``, [the decay, the sigmoid]
-    (``computed``)."""
+    softplus(alpha + bias) * a and sigmoid(beta), bias and a [heads], alpha and beta [T, heads]
+    each; or, where ``betas`` is None, both parts of one wider product [T, more than 2 heads]
+    (the stacked DeltaNet inputs'): alpha its first ``heads`` columns (a view), beta the next
+    ``heads`` (a view copied out, a CONT). Per feed, [the decay, the sigmoid] (``computed``)."""
     T, wide = alphas[0].shape
     consts = [
         (GGML_TYPE_F32, heads, 1, np.ascontiguousarray(v, dtype=np.float32)) for v in (bias, a)
     ]
 
     def build(c, ts, ins):
-        alpha, beta = ins
+        alpha = ins[0]
+        if betas is None:
+            nb1, es = alpha.nb[1], lib.ggml_element_size(alpha)
+            beta = lib.ggml_cont(c, lib.ggml_view_2d(c, alpha, heads, T, nb1, es * heads))
+        else:
+            beta = ins[1]
         alpha = lib.ggml_view_2d(c, alpha, heads, T, alpha.nb[1], 0)
         decay = lib.ggml_mul(c, lib.ggml_softplus(c, lib.ggml_add(c, alpha, ts[0])), ts[1])
         return [decay, lib.ggml_sigmoid(c, beta)]
 
+    if betas is None:
+        return computed(lib, device, consts, [(wide, T)], build, [(x,) for x in alphas])
     feeds = list(zip(alphas, betas, strict=True))
     return computed(lib, device, consts, [(wide, T), (heads, T)], build, feeds)
 
@@ -641,24 +648,28 @@ def delta_gates(lib, device, bias, a, alphas, betas, heads):
 @pytest.mark.parametrize(("T", "more"), [(1, 0), (16, 0), (16, 56)])
 def test_gpu_delta_gates_are_one_kernel(T, more, cuda):
     """qwen35's DeltaNet gates of a decode (1 token) or a verify (16; alpha a strided view of a
-    wider product too, as a part of the stacked DeltaNet inputs): the decay (ADD of the dt
-    bias, SOFTPLUS, MUL by A) and beta's SIGMOID are one kernel of ours (counted once per
-    compute; the CUDA graph then replays it), each result no further from the exact math than
-    twice ggml's own error, past softplus' linear branch (inputs above 20)."""
+    wider product too, beta the next columns' copy, as parts of the stacked DeltaNet inputs):
+    the decay (ADD of the dt bias, SOFTPLUS, MUL by A) and beta's SIGMOID are one kernel of ours
+    (counted once per compute; the CUDA graph then replays it) that reads beta where its copy
+    would have (the CONT not computed: counted as a copy made), each result no further from the
+    exact math than twice ggml's own error, past softplus' linear branch (inputs above 20)."""
     lib, device, kernels = cuda
     heads = 48
     rng = np.random.default_rng(70 + T + more)
     bias, a = rng.normal(size=heads), -np.exp(rng.normal(size=heads))
     alphas = [8.0 * rng.normal(size=(T, heads + more)).astype(np.float32) for _ in range(3)]
     alphas[1][0, :4] = 30.0
-    betas = [3.0 * rng.normal(size=(T, heads)).astype(np.float32) for _ in range(3)]
-    ops = kernels.ops
-    delta_gates(lib, device, bias, a, alphas[:1], betas[:1], heads)
-    assert kernels.ops - ops == 1
+    betas = (
+        None if more else [3.0 * rng.normal(size=(T, heads)).astype(np.float32) for _ in range(3)]
+    )
+    ops, copies = kernels.ops, kernels.copies
+    delta_gates(lib, device, bias, a, alphas[:1], betas and betas[:1], heads)
+    assert (kernels.ops - ops, kernels.copies - copies) == (1, 1 if more else 0)
     ours, theirs = ours_and_theirs(
         kernels, lambda: delta_gates(lib, device, bias, a, alphas, betas, heads)
     )
-    for j, (alpha, beta) in enumerate(zip(alphas, betas, strict=True)):
+    for j, alpha in enumerate(alphas):
+        beta = alpha[:, heads : 2 * heads] if more else betas[j]
         alpha = alpha[:, :heads]
         s = alpha.astype(np.float64) + bias.astype(np.float32)
         soft = np.where(s > 20, s, np.log1p(np.exp(np.minimum(s, 20))))
@@ -677,7 +688,8 @@ def delta_nets(lib, device, shape, feeds, own_state=True, keep=False):
     ``own_state``) or a copy of it (a verify); with ``keep`` the graph keeps the op's own result
     too. ``shape``: (T, N, Hk, H); ``feeds``: (qk [T N, 2 Hk 128], v [T N, H 128], g and beta
     [T N, H], s0 [N, H 128 128]) each. Returns, per feed, [the attention [T N, H 128], the state
-    after [1, N H 128 128], with ``keep`` the op's state [N, H 128 128]] (``computed``)."""
+    after [1, N H 128 128], without ``own_state`` the copy of the state before [N, H 128 128],
+    with ``keep`` the op's state [N, H 128 128]] (``computed``)."""
     T, N, Hk, H = shape
     S = 128
 
@@ -691,13 +703,16 @@ def delta_nets(lib, device, shape, feeds, own_state=True, keep=False):
         g4, beta4 = (lib.ggml_reshape_4d(c, t, 1, H, T, N) for t in (g, beta))
         mine = lib.ggml_view_1d(c, state, S * S * H * N, 0)
         s0 = lib.ggml_reshape_4d(c, mine, S, S, H, N)
+        kept = []
         if not own_state:
             s0 = lib.ggml_dup(c, s0)
+            lib.ggml_set_output(s0)
+            kept.append(lib.ggml_reshape_2d(c, s0, S * S * H, N))
         res = lib.ggml_gated_delta_net(c, q, k, v4, g4, beta4, s0, 1)
         attn = lib.ggml_view_2d(c, res, S * H, T * N, res.nb[1], 0)
         lib.ggml_set_output(attn)
         new = lib.ggml_view_1d(c, res, S * S * H * N, 4 * S * H * T * N)
-        outs = [attn, lib.ggml_cpy(c, new, mine)]
+        outs = [attn, lib.ggml_cpy(c, new, mine), *kept]
         if keep:
             lib.ggml_set_output(res)
             outs.append(lib.ggml_view_2d(c, res, S * S * H, N, 4 * S * S * H, 4 * S * H * T * N))
@@ -759,15 +774,17 @@ def test_gpu_delta_net_is_one_kernel(T, N, own_state, keep, cuda):
     """qwen35's DeltaNet recurrence of a decode (1 token a sequence, 2 sequences), a verify (16
     tokens, its state copied first as a verify keeps it for a rollback) or a prompt chunk (40
     tokens: tiles of 8 and a partial one), with the copy of its new state, is one kernel of ours
-    (counted once per compute; the CUDA graph then replays it): the attention and the state
-    after no further from the exact math than twice ggml's own kernel is, and the op's own
-    state, where the graph keeps it, the same state."""
+    (counted once per compute; the CUDA graph then replays it), which also makes the verify's
+    copy of the state before it (its DUP not computed: counted as a copy made): the attention
+    and the state after no further from the exact math than twice ggml's own kernel is, the copy
+    the state before bit for bit, and the op's own state, where the graph keeps it, the same
+    state."""
     lib, device, kernels = cuda
     shape = (T, N, 2, 4)  # q's and k's 2 heads, v's 4: tiled as qwen35's (head h reads h % 2)
     feeds = delta_net_feeds(shape, 80 + T)
-    ops = kernels.ops
+    ops, copies = kernels.ops, kernels.copies
     delta_nets(lib, device, shape, feeds[:1], own_state, keep)
-    assert kernels.ops - ops == 1
+    assert (kernels.ops - ops, kernels.copies - copies) == (1, 0 if own_state else 1)
     ours, theirs = ours_and_theirs(
         kernels, lambda: delta_nets(lib, device, shape, feeds, own_state, keep)
     )
@@ -776,8 +793,10 @@ def test_gpu_delta_net_is_one_kernel(T, N, own_state, keep, cuda):
         for got, ref, want in zip(ours[j][:2], theirs[j][:2], exact, strict=True):
             bound = 2 * float(rel_err(ref, want).max())
             assert float(rel_err(got, want).max()) <= bound
+        if not own_state:
+            np.testing.assert_array_equal(ours[j][2], feed[4])
         if keep:
-            np.testing.assert_array_equal(ours[j][2].reshape(1, -1), ours[j][1])
+            np.testing.assert_array_equal(ours[j][-1].reshape(1, -1), ours[j][1])
 
 
 def test_gpu_delta_net_keeps_ggmls_arithmetic(cuda):

@@ -46,7 +46,7 @@
 # llama-bench of the unpatched build (with "build-ggml" skipped: lucepy's build, made with
 # llama-bench and llama-quantize, its kernels off), and the CUPTI trace of a decode token with
 # each; adds kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json; GPU_RUN_TRACE_VERIFY=K
-# also traces a K-token verify with each; GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M,
+# also traces a K-token verify with each (its kernels in order: verify-seq*.txt); GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M,
 # in place of Q4_K_M; "llama-q4_0 kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
@@ -395,7 +395,7 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
         if [[ -n ${GPU_RUN_TRACE_VERIFY:-} ]]; then # a K-token verify's kernels too
             step "trace-v$choice" 90 "$OUTDIR/trace.txt" env LUCEPY_CUDA_KERNELS=$choice \
                 python3 tools/trace_gpu.py trace "$MODEL" --device "$DEVICE" \
-                --verify "$GPU_RUN_TRACE_VERIFY" \
+                --verify "$GPU_RUN_TRACE_VERIFY" --sequence "$OUTDIR/verify-seq$choice.txt" \
                 --json "$OUTDIR/trace-verify$choice.json" || true
         fi
     done

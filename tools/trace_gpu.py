@@ -10,6 +10,7 @@ Two ways to look:
   kernels whose count or time differ.
 
     python tools/trace_gpu.py trace MODEL [--device cuda:0] [--tokens 20] [--verify K] --json OUT
+        [--sequence TXT]
     python tools/trace_gpu.py steps MODEL [--device cuda:0] [--tokens 4]
     python tools/trace_gpu.py compare LUCEPY.csv LLAMA.csv      (ncu --csv output)
 
@@ -108,6 +109,30 @@ def summary(tokens: list[list[tuple[str, float, float]]]) -> dict:
     }
 
 
+def sequence(tokens: list[list[tuple[str, float, float]]]) -> str:
+    """The middle call's kernels in order: start (us from its first), duration, the idle gap
+    before it, and the kernel; runs of one kernel back to back folded into one line."""
+    t = [k for k in tokens[2:] if k]
+    t = t[len(t) // 2]
+    t0, rows, prev_end = t[0][1], [], None
+    for name, s, e in t:
+        gap = 0.0 if prev_end is None else max(0.0, s - prev_end)
+        rows.append((s - t0, e - s, gap, short(name)[:90]))
+        prev_end = e
+    out = [f"{len(t)} kernels over {t[-1][2] - t0:.1f} us (start, us, gap before, kernel)"]
+    i = 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1][3] == rows[i][3]:
+            j += 1
+        n, us = j - i + 1, sum(r[1] for r in rows[i : j + 1])
+        gap = sum(r[2] for r in rows[i : j + 1])
+        times = f" x{n}" if n > 1 else ""
+        out.append(f"{rows[i][0]:9.1f} {us:8.1f} {gap:6.1f}  {rows[i][3]}{times}")
+        i = j + 1
+    return "\n".join(out) + "\n"
+
+
 def by_kernel(tokens: list[list[tuple[str, float, float]]], top: int) -> list[dict]:
     """The kernels that take the most time a token: launches and microseconds a token."""
     n, busy, count = len(tokens), collections.Counter(), collections.Counter()
@@ -187,6 +212,7 @@ def main() -> None:
             r.add_argument(
                 "--verify", type=int, default=0, help="trace a K-token verify, not a decode token"
             )
+            r.add_argument("--sequence", help="also write one call's kernels in order here")
     c = sub.add_parser("compare")
     c.add_argument("ours")
     c.add_argument("theirs")
@@ -210,7 +236,10 @@ def main() -> None:
         else:
             engine.decode(5)
 
-    out = summary(trace(step, args.tokens))
+    calls = trace(step, args.tokens)
+    out = summary(calls)
+    if args.sequence:
+        Path(args.sequence).write_text(sequence(calls))
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out))

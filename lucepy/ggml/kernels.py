@@ -22,6 +22,7 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_quantized(void);
     int64_t lucepy_cuda_kernels_fused(void);
     int64_t lucepy_cuda_kernels_ops(void);
+    int64_t lucepy_cuda_kernels_copies(void);
     int lucepy_cuda_repack(void * tensor);
     """
 )
@@ -64,6 +65,13 @@ class CudaKernels:
         decay and beta's sigmoid: one kernel, not three), DeltaNet recurrences (with the copy
         of the new state) and argmaxes of long rows, counted alike."""
         return int(self.handle.lucepy_cuda_kernels_ops())
+
+    @property
+    def copies(self) -> int:
+        """Copies of a verify's graph that those ops made as they ran, where ggml-cuda would run
+        a copy of its own: the DeltaNet state before the step (kept for its rollback) and beta
+        out of the stacked DeltaNet product, counted alike."""
+        return int(self.handle.lucepy_cuda_kernels_copies())
 
     def repack(self, tensor: Any) -> bool:
         """Rewrite a Q4_0 weight in a CUDA device's memory in place into lucepy's layout

@@ -467,7 +467,9 @@ void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
 }
 
 template <int NT> std::vector<GemmVariant> gemm_r_variants() {
-    // (capped parts, session 26: at 16 columns only the FFN up gained, 3 %; docs/BENCHMARKS.md)
+    // (capped parts, session 26: at 16 columns only the FFN up gained, 3 %; session 28: even
+    // shares of the (tile, chunk) steps in one wave, and the last CTA of a tile adding its
+    // parts in place of gemm_sum, both slower; docs/BENCHMARKS.md)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
             {"rp <= 4 parts", launch_gemm_r<NT, 4, 4, 4>},

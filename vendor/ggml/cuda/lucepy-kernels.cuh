@@ -778,8 +778,9 @@ template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const
 }
 
 // qwen35's DeltaNet gates of a step, tiny tensors ([heads, tokens]): ggml's ADD of the dt bias,
-// SOFTPLUS and MUL by A (the decay), and the SIGMOID of beta where it comes next; one kernel
-// where ggml-cuda runs three, a thread an element. Each writes every node's result as ggml's
+// SOFTPLUS and MUL by A (the decay), and the SIGMOID of beta where it comes next (alpha and
+// beta columns of a wider product: a stacked product's parts); one kernel where ggml-cuda runs
+// three or more, a thread an element. Each writes every node's result as ggml's
 // kernels do (their formulas).
 struct DeltaGates {
     const float * alpha;  // [n / period] columns of period, alpha_stride apart
@@ -788,13 +789,16 @@ struct DeltaGates {
     const float * a;      // [period], repeated
     float * sum, * soft, * decay;
     int n, period;
-    const float * beta;  // [nbeta], or nbeta 0
-    float * sig;
-    int nbeta;
+    const float * beta;  // [nbeta / beta_period] columns of beta_period, beta_stride apart
+    int64_t beta_stride;
+    float * sig;         // [nbeta] dense, or nbeta 0
+    int nbeta, beta_period;
 };
 
+// The kernel after it (the recurrence, one wave of CTAs) is not let launch before it ends:
+// launched while the conv step still held SMs, the recurrence's CTAs went unevenly to the SMs and
+// it took 22 us a 16-token verify where it took 14.4 (docs/BENCHMARKS.md, session 28).
 __global__ void delta_gates(const DeltaGates g) {
-    LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // alpha and beta: the product before has finished
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e < g.n) {
@@ -806,7 +810,8 @@ __global__ void delta_gates(const DeltaGates g) {
         g.decay[e] = p * g.a[e % g.period];
     }
     if (e < g.nbeta) {
-        g.sig[e] = 1.0f / (1.0f + expf(-g.beta[e]));
+        const float b = g.beta[int64_t(e / g.beta_period) * g.beta_stride + e % g.beta_period];
+        g.sig[e] = 1.0f / (1.0f + expf(-b));
     }
 }
 
@@ -896,7 +901,8 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // a column a warp took 1.45 (1,536 CTAs, 8 an SM): 11 us a 16-token call (the verify's, and the
 // rollback's), 4.5 a decode's, without PDL's overlap (docs/BENCHMARKS.md, session 27). The state
 // after the last token goes where the copy after the op puts it (the sequence's own state, read
-// first by the same warp) and, where anything else reads it, into the op's result too.
+// first by the same warp) and, where anything else reads it, into the op's result too; a
+// verify's copy of the state before it (a DUP node that the op reads) is written as it loads.
 constexpr int DN_S = 128;
 constexpr int DN_WARPS = 4;  // a CTA's
 constexpr int DN_COLS = 2;   // columns of the state a warp
@@ -911,6 +917,7 @@ struct DeltaNetArgs {
     const float * g, * beta;  // [1, H, T, N]
     int64_t sb1, sb2, sb3;
     const float * s0;  // [S, S, H, N] dense: column c of head h, sequence n at (n H + h) S S + c S
+    float * s0_copy;   // s0 again, as loaded (a verify's copy of the state before it), or null
     float * attn;      // [S, H, T, N] dense
     float * state;     // [S, S, H, N] dense, as s0: the state after the last token
     float * state2;    // the same again, or null
@@ -997,6 +1004,9 @@ __global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const DeltaNetArgs a)
 #pragma unroll
         for (int r = 0; r < R; r++) {
             s[c][r] = a.s0[head + c * DN_S + r * 32 + lane];
+            if (a.s0_copy) {
+                a.s0_copy[head + c * DN_S + r * 32 + lane] = s[c][r];
+            }
         }
     }
     float * attn = a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col0 + warp * C;

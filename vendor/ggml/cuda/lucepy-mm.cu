@@ -67,6 +67,7 @@ std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
 std::atomic<int64_t> g_ops{0};
+std::atomic<int64_t> g_copies{0};  // DUP and CONT nodes that a kernel of ours made as it ran
 
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -992,6 +993,26 @@ int next_op(const ggml_cgraph * cgraph, int i) {
     return i;
 }
 
+// Whether a node of `cgraph` other than `skip` reads bytes [from, to) of `t`'s, directly or
+// through a view, or the graph keeps them (an output); true, to be safe, for a graph that is
+// not the one that began
+bool bytes_read(ContextState & st, const ggml_cgraph * cgraph, const ggml_tensor * t,
+                size_t from, size_t to, const ggml_tensor * skip) {
+    if ((t->flags & GGML_TENSOR_FLAG_OUTPUT) || st.cgraph != cgraph) {
+        return true;
+    }
+    scan(st);
+    const auto found = st.spans.find(t);
+    if (found != st.spans.end()) {
+        for (const ContextState::Read & r : found->second) {
+            if (r.by != skip && r.from < to && from < r.to) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
 // qwen35's conv step from node i, a CONCAT (lucepy_cuda_fuse): the nodes after i computed, or 0
 int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     const ggml_tensor * x = cgraph->nodes[i];
@@ -1346,26 +1367,52 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     g.n = int(n);
     g.period = int(period);
     int i_last = i_mul;
-    // beta's sigmoid where it comes next (its own elements, apart from all of the above)
-    const int i_sig = next_op(cgraph, i_mul);
+    // beta's sigmoid where it comes next (its own elements, apart from all of the above): of a
+    // dense beta, or of a CONT that only the sigmoid reads (a verify's beta, copied out of a
+    // stacked product's part), read from the CONT's source, columns apart, the CONT not computed
+    int i_sig = next_op(cgraph, i_mul);
+    const ggml_tensor * cont = nullptr;
+    if (i_sig < cgraph->n_nodes && cgraph->nodes[i_sig]->op == GGML_OP_CONT) {
+        cont = cgraph->nodes[i_sig];
+        i_sig = next_op(cgraph, i_sig);
+    }
     if (i_sig < cgraph->n_nodes) {
         const ggml_tensor * sig = cgraph->nodes[i_sig];
         const ggml_tensor * beta = sig->op == GGML_OP_UNARY ? sig->src[0] : nullptr;
-        const bool fits = beta && ggml_get_unary_op(sig) == GGML_UNARY_OP_SIGMOID &&
-                          beta->type == GGML_TYPE_F32 && sig->type == GGML_TYPE_F32 &&
-                          ggml_is_contiguous(beta) && ggml_is_contiguous(sig) &&
-                          ggml_are_same_shape(beta, sig) && ggml_nelements(sig) < INT32_MAX &&
-                          clear(sig, beta);
-        bool apart_all = fits;
+        bool fits = beta && ggml_get_unary_op(sig) == GGML_UNARY_OP_SIGMOID &&
+                    beta->type == GGML_TYPE_F32 && sig->type == GGML_TYPE_F32 &&
+                    ggml_is_contiguous(beta) && ggml_is_contiguous(sig) &&
+                    ggml_are_same_shape(beta, sig) && ggml_nelements(sig) < INT32_MAX;
+        int64_t period_b = ggml_nelements(sig), stride_b = period_b;
+        if (fits && cont) {  // the CONT's source: [rows, columns], rows dense, columns apart
+            ContextState & st = state_of(ctx);
+            const ggml_tensor * src = cont->src[0];
+            fits = beta == cont && !bytes_read(st, cgraph, cont, 0, ggml_nbytes(cont), sig) &&
+                   src->type == GGML_TYPE_F32 &&
+                   ggml_are_same_shape(src, sig) && src->nb[0] == sizeof(float) &&
+                   src->nb[1] % sizeof(float) == 0 && src->ne[2] == 1 && src->ne[3] == 1;
+            beta = src;
+            period_b = src->ne[0];
+            stride_b = int64_t(src->nb[1] / sizeof(float));
+        }
+        // (beta may share bytes with alpha, bias or a, all only read: parts of one product)
+        bool apart_all = fits && (cont ? apart(span_of(sig), span_of(beta)) : clear(sig, beta));
         for (const ggml_tensor * t : {alpha, bias, a, add, soft, mul}) {
-            apart_all = apart_all && apart(span_of(sig), span_of(t)) &&
-                        apart(span_of(beta), span_of(t));
+            apart_all = apart_all && apart(span_of(sig), span_of(t));
+        }
+        for (const ggml_tensor * t : {add, soft, mul}) {
+            apart_all = apart_all && apart(span_of(beta), span_of(t));
         }
         if (apart_all) {
             g.beta = static_cast<const float *>(beta->data);
+            g.beta_period = int(period_b);
+            g.beta_stride = stride_b;
             g.sig = static_cast<float *>(sig->data);
             g.nbeta = int(ggml_nelements(sig));
             i_last = i_sig;
+            if (cont) {
+                g_copies.fetch_add(1, std::memory_order_relaxed);
+            }
         }
     }
     constexpr int THREADS = 256;
@@ -1377,37 +1424,19 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     return i_last - i;
 }
 
-
-// Whether a node of `cgraph` other than `skip` reads bytes [from, to) of `t`'s, directly or
-// through a view, or the graph keeps them (an output); true, to be safe, for a graph that is
-// not the one that began
-bool bytes_read(ContextState & st, const ggml_cgraph * cgraph, const ggml_tensor * t,
-                size_t from, size_t to, const ggml_tensor * skip) {
-    if ((t->flags & GGML_TENSOR_FLAG_OUTPUT) || st.cgraph != cgraph) {
-        return true;
-    }
-    scan(st);
-    const auto found = st.spans.find(t);
-    if (found != st.spans.end()) {
-        for (const ContextState::Read & r : found->second) {
-            if (r.by != skip && r.from < to && from < r.to) {
-                return true;
-            }
-        }
-    }
-    return false;
-}
-
 // qwen35's gated delta net from node i, a GATED_DELTA_NET, and the copy of its new state that
-// comes next (lucepy_cuda_fuse): the nodes after i computed, or 0
-int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+// comes next (lucepy_cuda_fuse): the nodes after i computed, or 0. With `dup`, the op's s0 is
+// that copy of the state (a verify keeps the state before it for a rollback), which the kernel
+// writes as it loads the state from the copy's source: the copy is not a node of its own.
+int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
+                    const ggml_tensor * dup = nullptr) {
     const ggml_tensor * dn = cgraph->nodes[i];
     const ggml_tensor * q = dn->src[0];
     const ggml_tensor * k = dn->src[1];
     const ggml_tensor * v = dn->src[2];
     const ggml_tensor * g = dn->src[3];
     const ggml_tensor * beta = dn->src[4];
-    const ggml_tensor * s0 = dn->src[5];
+    const ggml_tensor * s0 = dup ? dup->src[0] : dn->src[5];
     const int64_t S = v->ne[0], H = v->ne[1], T = v->ne[2], N = v->ne[3];
     const int i_cpy = next_op(cgraph, i);
     if (ggml_get_op_params_i32(dn, 0) != 1 || S != DN_S || i_cpy >= cgraph->n_nodes) {
@@ -1438,9 +1467,18 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         q->ne[2] == T && q->ne[3] >= 1 && N % q->ne[3] == 0 && gate(g) && gate(beta) &&
         s0->type == GGML_TYPE_F32 && ggml_is_contiguous(s0) && s0->ne[0] == S &&
         s0->ne[1] == S && s0->ne[2] == H && s0->ne[3] == N && dn->type == GGML_TYPE_F32 &&
-        ggml_is_contiguous(dn) && H <= 65535 && N <= 65535 && T * N < INT32_MAX;
+        ggml_is_contiguous(dn) && H <= 65535 && N <= 65535 && T * N < INT32_MAX &&
+        (!dup || (dn->src[5] == dup && dense_like(dup, s0)));
     if (!shapes) {
         return 0;
+    }
+    if (dup) {  // the copy apart from every other tensor the kernel reads or writes
+        const Span s_dup = span_of(dup);
+        for (const ggml_tensor * t : {q, k, v, g, beta, s0, into, dn}) {
+            if (!apart(s_dup, span_of(t))) {
+                return 0;
+            }
+        }
     }
     // The attention rows apart from every input; the new state apart from them but s0, which it
     // may be (each warp reads its column of s0 before it writes the same column).
@@ -1475,6 +1513,7 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     a.sb2 = int64_t(beta->nb[2] / sizeof(float));
     a.sb3 = int64_t(beta->nb[3] / sizeof(float));
     a.s0 = static_cast<const float *>(s0->data);
+    a.s0_copy = dup ? static_cast<float *>(dup->data) : nullptr;
     a.attn = static_cast<float *>(dn->data);
     a.state = static_cast<float *>(into->data);
     a.state2 = keep ? static_cast<float *>(dn->data) + S * H * T * N : nullptr;
@@ -1489,6 +1528,21 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
                             a);
     g_ops.fetch_add(1, std::memory_order_relaxed);
     return i_cpy - i;
+}
+
+// node i, a DUP: the verify's copy of the DeltaNet state that the GATED_DELTA_NET after it reads
+// (delta_net_nodes with `dup`), or 0
+int dup_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const int i_dn = next_op(cgraph, i);
+    if (i_dn >= cgraph->n_nodes || cgraph->nodes[i_dn]->op != GGML_OP_GATED_DELTA_NET) {
+        return 0;
+    }
+    const int done = delta_net_nodes(ctx, cgraph, i_dn, cgraph->nodes[i]);
+    if (done == 0) {
+        return 0;
+    }
+    g_copies.fetch_add(1, std::memory_order_relaxed);
+    return i_dn - i + done;
 }
 
 }  // namespace lucepy
@@ -1564,6 +1618,7 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
         case GGML_OP_RMS_NORM: return norm_gate_nodes(ctx, cgraph, i);
         case GGML_OP_ADD: return delta_gate_nodes(ctx, cgraph, i);
         case GGML_OP_GATED_DELTA_NET: return delta_net_nodes(ctx, cgraph, i);
+        case GGML_OP_DUP: return dup_nodes(ctx, cgraph, i);
         case GGML_OP_MUL_MAT: return mul_mat_add_nodes(ctx, cgraph, i);
         default: return 0;
     }
@@ -1653,6 +1708,7 @@ std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
 std::atomic<int64_t> g_ops{0};
+std::atomic<int64_t> g_copies{0};  // DUP and CONT nodes that a kernel of ours made as it ran
 }  // namespace lucepy
 
 #endif
@@ -1688,6 +1744,10 @@ int64_t lucepy_cuda_kernels_fused(void) {
 
 int64_t lucepy_cuda_kernels_ops(void) {
     return lucepy::g_ops.load(std::memory_order_relaxed);
+}
+
+int64_t lucepy_cuda_kernels_copies(void) {
+    return lucepy::g_copies.load(std::memory_order_relaxed);
 }
 
 int lucepy_cuda_repack(struct ggml_tensor * t) {

@@ -69,8 +69,9 @@ void lucepy_cuda_bytes_gone(const void * ptr, size_t size);
 // whether they run on one device (1) or ggml's do (0). Then the count of matrix products they
 // computed in this process, of activations they quantized for them, and of those that the kernel
 // before the product prepared as it wrote its result (lucepy_cuda_rms_norm_mul, _unary_mul and
-// _fuse's gated norms), and of other ops they computed (lucepy_cuda_fuse's conv steps,
-// DeltaNet gates and recurrences, lucepy_cuda_argmax's argmaxes).
+// _fuse's gated norms), of other ops they computed (lucepy_cuda_fuse's conv steps, DeltaNet
+// gates and recurrences, lucepy_cuda_argmax's argmaxes), and of the copies (DUP and CONT nodes
+// of a verify) that those ops made part of themselves.
 // Launches that a captured CUDA graph replays are not counted: no host code runs for them.
 extern "C" {
 GGML_BACKEND_API void lucepy_cuda_kernels_set(int mode);
@@ -79,6 +80,7 @@ GGML_BACKEND_API int64_t lucepy_cuda_kernels_calls(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_quantized(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_fused(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_ops(void);
+GGML_BACKEND_API int64_t lucepy_cuda_kernels_copies(void);
 // Rewrites a Q4_0 weight (2D, contiguous, rows a multiple of 16, row length of 256, in a CUDA
 // device's memory, lucepy's kernels on there) in place into lucepy-repack.cuh's layout and
 // returns 1; from then on lucepy's kernels take every product of it (a product's read that is
