@@ -680,7 +680,7 @@ def test_gpu_delta_gates_are_one_kernel(T, more, cuda):
             assert float(np.abs(got - want).max()) <= bound
 
 
-def delta_nets(lib, device, shape, feeds, own_state=True, keep=False):
+def delta_nets(lib, device, shape, feeds, own_state=True, keep=False, tail=False):
     """qwen35's DeltaNet recurrence as its graphs write it (models/qwen35.py ``_delta_net``,
     models/state.py ``rollback``): ``ggml_gated_delta_net`` of T tokens of N sequences (q's and
     k's Hk heads of 128 side by side, v's H, a scalar gate and beta a head and token) from the
@@ -688,13 +688,15 @@ def delta_nets(lib, device, shape, feeds, own_state=True, keep=False):
     ``own_state``) or a copy of it (a verify); with ``keep`` the graph keeps the op's own result
     too. ``shape``: (T, N, Hk, H); ``feeds``: (qk [T N, 2 Hk 128], v [T N, H 128], g and beta
     [T N, H], s0 [N, H 128 128]) each. Returns, per feed, [the attention [T N, H 128], the state
-    after [1, N H 128 128], without ``own_state`` the copy of the state before [N, H 128 128],
-    with ``keep`` the op's state [N, H 128 128]] (``computed``)."""
+    after [1, N H 128 128], with ``tail`` a copy after it (as a rollback's of the conv's tail:
+    values 2..4 of each row of a sixth feed [40, 6], dense [1, 120]), without ``own_state`` the
+    copy of the state before [N, H 128 128], with ``keep`` the op's state [N, H 128 128]]
+    (``computed``)."""
     T, N, Hk, H = shape
     S = 128
 
     def build(c, ts, ins):
-        qk, v, g, beta, state = ins
+        qk, v, g, beta, state = ins[:5]
         qk4 = lib.ggml_reshape_4d(c, qk, S, 2 * Hk, T, N)
         nb = (qk4.nb[1], qk4.nb[2], qk4.nb[3])
         q = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, 0)
@@ -712,14 +714,19 @@ def delta_nets(lib, device, shape, feeds, own_state=True, keep=False):
         attn = lib.ggml_view_2d(c, res, S * H, T * N, res.nb[1], 0)
         lib.ggml_set_output(attn)
         new = lib.ggml_view_1d(c, res, S * S * H * N, 4 * S * H * T * N)
-        outs = [attn, lib.ggml_cpy(c, new, mine), *kept]
+        outs = [attn, lib.ggml_cpy(c, new, mine)]
+        if tail:
+            rows = ins[5]
+            cols = lib.ggml_view_2d(c, rows, 3, 40, rows.nb[1], 2 * rows.nb[0])
+            outs.append(lib.ggml_cpy(c, cols, lib.ggml_new_tensor_1d(c, GGML_TYPE_F32, 120)))
+        outs += kept
         if keep:
             lib.ggml_set_output(res)
             outs.append(lib.ggml_view_2d(c, res, S * S * H, N, 4 * S * S * H, 4 * S * H * T * N))
         return outs
 
     inputs = [(2 * Hk * S, T * N), (H * S, T * N), (H, T * N), (H, T * N), (S * S * H, N)]
-    return computed(lib, device, [], inputs, build, feeds)
+    return computed(lib, device, [], inputs + [(6, 40)] * tail, build, feeds)
 
 
 def delta_net_exact(shape, feed):
@@ -767,34 +774,44 @@ def delta_net_feeds(shape, seed: int, count: int = 3) -> list[tuple]:
 
 
 @pytest.mark.parametrize(
-    ("T", "N", "own_state", "keep"),
-    [(1, 2, True, False), (16, 1, False, False), (16, 1, True, True), (40, 2, True, False)],
+    ("T", "N", "own_state", "keep", "tail"),
+    [
+        (1, 2, True, False, False),
+        (16, 1, False, False, True),
+        (16, 1, True, True, False),
+        (40, 2, True, False, False),
+    ],
 )
-def test_gpu_delta_net_is_one_kernel(T, N, own_state, keep, cuda):
+def test_gpu_delta_net_is_one_kernel(T, N, own_state, keep, tail, cuda):
     """qwen35's DeltaNet recurrence of a decode (1 token a sequence, 2 sequences), a verify (16
     tokens, its state copied first as a verify keeps it for a rollback) or a prompt chunk (40
     tokens: tiles of 8 and a partial one), with the copy of its new state, is one kernel of ours
     (counted once per compute; the CUDA graph then replays it), which also makes the verify's
-    copy of the state before it (its DUP not computed: counted as a copy made): the attention
-    and the state after no further from the exact math than twice ggml's own kernel is, the copy
-    the state before bit for bit, and the op's own state, where the graph keeps it, the same
-    state."""
+    copy of the state before it (its DUP not computed: counted as a copy made) and a copy that
+    comes after the state's (a rollback's of the conv's tail, counted alike): the attention and
+    the state after no further from the exact math than twice ggml's own kernel is, the copies
+    bit for bit, and the op's own state, where the graph keeps it, the same state."""
     lib, device, kernels = cuda
     shape = (T, N, 2, 4)  # q's and k's 2 heads, v's 4: tiled as qwen35's (head h reads h % 2)
     feeds = delta_net_feeds(shape, 80 + T)
+    if tail:
+        rng = np.random.default_rng(85)
+        feeds = [(*f, rng.normal(size=(40, 6)).astype(np.float32)) for f in feeds]
     ops, copies = kernels.ops, kernels.copies
-    delta_nets(lib, device, shape, feeds[:1], own_state, keep)
-    assert (kernels.ops - ops, kernels.copies - copies) == (1, 0 if own_state else 1)
+    delta_nets(lib, device, shape, feeds[:1], own_state, keep, tail)
+    assert (kernels.ops - ops, kernels.copies - copies) == (1, (not own_state) + tail)
     ours, theirs = ours_and_theirs(
-        kernels, lambda: delta_nets(lib, device, shape, feeds, own_state, keep)
+        kernels, lambda: delta_nets(lib, device, shape, feeds, own_state, keep, tail)
     )
     for j, feed in enumerate(feeds):
-        exact = delta_net_exact(shape, feed)
+        exact = delta_net_exact(shape, feed[:5])
         for got, ref, want in zip(ours[j][:2], theirs[j][:2], exact, strict=True):
             bound = 2 * float(rel_err(ref, want).max())
             assert float(rel_err(got, want).max()) <= bound
+        if tail:
+            np.testing.assert_array_equal(ours[j][2], feed[5][:, 2:5].reshape(1, -1))
         if not own_state:
-            np.testing.assert_array_equal(ours[j][2], feed[4])
+            np.testing.assert_array_equal(ours[j][2 + tail], feed[4])
         if keep:
             np.testing.assert_array_equal(ours[j][-1].reshape(1, -1), ours[j][1])
 

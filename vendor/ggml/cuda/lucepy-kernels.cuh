@@ -902,7 +902,8 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // rollback's), 4.5 a decode's, without PDL's overlap (docs/BENCHMARKS.md, session 27). The state
 // after the last token goes where the copy after the op puts it (the sequence's own state, read
 // first by the same warp) and, where anything else reads it, into the op's result too; a
-// verify's copy of the state before it (a DUP node that the op reads) is written as it loads.
+// verify's copy of the state before it (a DUP node that the op reads) is written as it loads,
+// and a rollback's copy of the conv's tail (the CPY after the state's) by its threads.
 constexpr int DN_S = 128;
 constexpr int DN_WARPS = 4;  // a CTA's
 constexpr int DN_COLS = 2;   // columns of the state a warp
@@ -923,6 +924,12 @@ struct DeltaNetArgs {
     float * state2;    // the same again, or null
     int H, T, hk, rq3;
     float scale;
+    // a copy made beside the recurrence (a rollback's of the conv's tail), or tail_n 0: rows of
+    // tail_row values tail_stride floats apart into `tail`, dense
+    const float * tail_from;
+    int64_t tail_stride;
+    float * tail;
+    int tail_row, tail_n;
 };
 
 // the warp-wide sum of each of x, side by side, each in ggml's warp_reduce_sum's order
@@ -996,6 +1003,12 @@ __global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const DeltaNetArgs a)
     constexpr int C = DN_COLS;
     LUCEPY_PDL_SYNC();  // every input: the kernels before have finished
     issue(0);
+    const int64_t threads = int64_t(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;
+    for (int64_t e = ((int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) *
+                         blockDim.x + threadIdx.x;
+         e < a.tail_n; e += threads) {
+        a.tail[e] = a.tail_from[e / a.tail_row * a.tail_stride + e % a.tail_row];
+    }
     // column col0 + warp C + c of this head and sequence
     const int64_t head = (int64_t(n) * a.H + h) * DN_S * DN_S + int64_t(col0 + warp * C) * DN_S;
     float s[C][R];

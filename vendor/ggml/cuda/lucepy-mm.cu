@@ -1425,7 +1425,8 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
 }
 
 // qwen35's gated delta net from node i, a GATED_DELTA_NET, and the copy of its new state that
-// comes next (lucepy_cuda_fuse): the nodes after i computed, or 0. With `dup`, the op's s0 is
+// comes next, and the copy after that where it can (lucepy_cuda_fuse): the nodes after i
+// computed, or 0. With `dup`, the op's s0 is
 // that copy of the state (a verify keeps the state before it for a rollback), which the kernel
 // writes as it loads the state from the copy's source: the copy is not a node of its own.
 int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
@@ -1497,6 +1498,26 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     }
     // the op's own copy of the state: only where anything but the copy reads it
     const bool keep = bytes_read(state_of(ctx), cgraph, dn, attn_bytes, ggml_nbytes(dn), cpy);
+    // A copy that comes next (a rollback's copy of the conv's tail), of f32 rows (ne0 values,
+    // rows nb1 apart) into dense f32, its bytes apart from everything the op reads or writes:
+    // the kernel's threads make it too, one element each.
+    const int i_tail = next_op(cgraph, i_cpy);
+    const ggml_tensor * tail = i_tail < cgraph->n_nodes ? cgraph->nodes[i_tail] : nullptr;
+    if (tail) {
+        const ggml_tensor * from = tail->src[0];
+        bool ok = tail->op == GGML_OP_CPY && tail->type == GGML_TYPE_F32 &&
+                  ggml_is_contiguous(tail) && from->type == GGML_TYPE_F32 &&
+                  from->nb[0] == sizeof(float) && from->nb[1] % sizeof(float) == 0 &&
+                  from->ne[2] == 1 && from->ne[3] == 1 && ggml_nelements(from) < INT32_MAX &&
+                  ggml_nelements(from) == ggml_nelements(tail);
+        const Span s_to = span_of(tail), s_from = span_of(from);
+        for (const ggml_tensor * t : {q, k, v, g, beta, s0, into, dn}) {
+            ok = ok && apart(s_to, span_of(t)) && apart(s_from, span_of(t));
+        }
+        ok = ok && apart(s_to, s_from) && (!dup || (apart(s_to, span_of(dup)) &&
+                                                     apart(s_from, span_of(dup))));
+        tail = ok ? tail : nullptr;
+    }
     DeltaNetArgs a = {};
     a.q = static_cast<const float *>(q->data);
     a.k = static_cast<const float *>(k->data);
@@ -1522,11 +1543,22 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     a.hk = int(q->ne[1]);
     a.rq3 = int(N / q->ne[3]);
     a.scale = 1.0f / sqrtf(float(S));
+    if (tail) {
+        a.tail_from = static_cast<const float *>(tail->src[0]->data);
+        a.tail_row = int(tail->src[0]->ne[0]);
+        a.tail_stride = int64_t(tail->src[0]->nb[1] / sizeof(float));
+        a.tail = static_cast<float *>(tail->data);
+        a.tail_n = int(ggml_nelements(tail));
+    }
     const dim3 grid{unsigned(H), unsigned(N), unsigned(DN_S / DN_CTA_COLS)};
     ggml_cuda_kernel_launch(delta_net,
                             ggml_cuda_kernel_launch_params(grid, DN_WARPS * 32, 0, ctx.stream()),
                             a);
     g_ops.fetch_add(1, std::memory_order_relaxed);
+    if (tail) {
+        g_copies.fetch_add(1, std::memory_order_relaxed);
+        return i_tail - i;
+    }
     return i_cpy - i;
 }
 
