@@ -46,8 +46,9 @@
 # llama-bench of the unpatched build (with "build-ggml" skipped: lucepy's build, made with
 # llama-bench and llama-quantize, its kernels off), and the CUPTI trace of a decode token with
 # each; adds kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json; GPU_RUN_TRACE_VERIFY=K
-# also traces a K-token verify with each (its kernels in order: verify-seq*.txt); GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M,
-# in place of Q4_K_M; "llama-q4_0 kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out).
+# also traces a K-token verify with each (its kernels in order: verify-seq*.txt);
+# GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M, in place of Q4_K_M; "llama-q4_0
+# kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
 # runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with

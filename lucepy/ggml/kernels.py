@@ -68,9 +68,9 @@ class CudaKernels:
 
     @property
     def copies(self) -> int:
-        """Copies of a verify's graph that those ops made as they ran, where ggml-cuda would run
-        a copy of its own: the DeltaNet state before the step (kept for its rollback) and beta
-        out of the stacked DeltaNet product, counted alike."""
+        """Copies that those ops made as they ran, where ggml-cuda would run a copy of its own: a
+        verify's DeltaNet state before the step (kept for its rollback) and beta out of the
+        stacked DeltaNet product, and a rollback's conv tail, counted alike."""
         return int(self.handle.lucepy_cuda_kernels_copies())
 
     def repack(self, tensor: Any) -> bool:

@@ -780,8 +780,8 @@ template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const
 // qwen35's DeltaNet gates of a step, tiny tensors ([heads, tokens]): ggml's ADD of the dt bias,
 // SOFTPLUS and MUL by A (the decay), and the SIGMOID of beta where it comes next (alpha and
 // beta columns of a wider product: a stacked product's parts); one kernel where ggml-cuda runs
-// three or more, a thread an element. Each writes every node's result as ggml's
-// kernels do (their formulas).
+// three or more, a thread an element. Each writes every node's result as ggml's kernels do
+// (their formulas), but for beta's copy out of the product, which only the sigmoid read.
 struct DeltaGates {
     const float * alpha;  // [n / period] columns of period, alpha_stride apart
     int64_t alpha_stride;

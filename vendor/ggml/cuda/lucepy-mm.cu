@@ -67,7 +67,7 @@ std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
 std::atomic<int64_t> g_ops{0};
-std::atomic<int64_t> g_copies{0};  // DUP and CONT nodes that a kernel of ours made as it ran
+std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
 
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -1424,11 +1424,11 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     return i_last - i;
 }
 
-// qwen35's gated delta net from node i, a GATED_DELTA_NET, and the copy of its new state that
-// comes next, and the copy after that where it can (lucepy_cuda_fuse): the nodes after i
-// computed, or 0. With `dup`, the op's s0 is
-// that copy of the state (a verify keeps the state before it for a rollback), which the kernel
-// writes as it loads the state from the copy's source: the copy is not a node of its own.
+// qwen35's gated delta net from node i, a GATED_DELTA_NET, the copy of its new state that comes
+// next, and the copy after that where it can (lucepy_cuda_fuse): the nodes after i computed, or
+// 0. With `dup`, the op's s0 is that copy of the state (a verify keeps the state before it for a
+// rollback), which the kernel writes as it loads the state from the copy's source: the copy is
+// not a node of its own.
 int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
                     const ggml_tensor * dup = nullptr) {
     const ggml_tensor * dn = cgraph->nodes[i];
@@ -1740,7 +1740,7 @@ std::atomic<int64_t> g_calls{0};
 std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
 std::atomic<int64_t> g_ops{0};
-std::atomic<int64_t> g_copies{0};  // DUP and CONT nodes that a kernel of ours made as it ran
+std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
 }  // namespace lucepy
 
 #endif

@@ -70,8 +70,8 @@ void lucepy_cuda_bytes_gone(const void * ptr, size_t size);
 // computed in this process, of activations they quantized for them, and of those that the kernel
 // before the product prepared as it wrote its result (lucepy_cuda_rms_norm_mul, _unary_mul and
 // _fuse's gated norms), of other ops they computed (lucepy_cuda_fuse's conv steps, DeltaNet
-// gates and recurrences, lucepy_cuda_argmax's argmaxes), and of the copies (DUP and CONT nodes
-// of a verify) that those ops made part of themselves.
+// gates and recurrences, lucepy_cuda_argmax's argmaxes), and of the copies (a verify's DUP and
+// CONT nodes, a rollback's CPY) that those ops made part of themselves.
 // Launches that a captured CUDA graph replays are not counted: no host code runs for them.
 extern "C" {
 GGML_BACKEND_API void lucepy_cuda_kernels_set(int mode);
