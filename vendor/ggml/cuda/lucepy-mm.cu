@@ -1518,7 +1518,17 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
                                                      apart(s_from, span_of(dup))));
         tail = ok ? tail : nullptr;
     }
+    // The state read before the kernel waits for the ones before it (PDL), where nothing that
+    // may still run then writes it: the graph is being captured (a graph launch waits for all
+    // work before it) and no node before this one in it writes the state's bytes.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(ctx.stream(), &capture));
+    bool early = capture == cudaStreamCaptureStatusActive;
+    for (int j = 0; early && j < i; j++) {
+        early = no_op(cgraph->nodes[j]) || apart(span_of(cgraph->nodes[j]), span_of(s0));
+    }
     DeltaNetArgs a = {};
+    a.early = early;
     a.q = static_cast<const float *>(q->data);
     a.k = static_cast<const float *>(k->data);
     a.sq1 = int64_t(q->nb[1] / sizeof(float));
