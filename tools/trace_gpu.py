@@ -95,8 +95,13 @@ def timeline(events, n: int) -> None:
             print(f"  {s:9.1f} {e:9.1f} {'GPU' if gpu else 'CPU'} {short(name)[:70]}")
 
 
+def settled(tokens: list[list[tuple[str, float, float]]]) -> list[list[tuple[str, float, float]]]:
+    """The calls after the first two (which may still capture graphs) that ran kernels."""
+    return [t for t in tokens[2:] if t]
+
+
 def summary(tokens: list[list[tuple[str, float, float]]]) -> dict:
-    tokens = [t for t in tokens[2:] if t]  # the first two may still capture graphs
+    tokens = settled(tokens)
     return {
         "tokens": len(tokens),
         "kernels": statistics.median(len(t) for t in tokens),
@@ -112,8 +117,8 @@ def summary(tokens: list[list[tuple[str, float, float]]]) -> dict:
 def sequence(tokens: list[list[tuple[str, float, float]]]) -> str:
     """The middle call's kernels in order: start (us from its first), duration, the idle gap
     before it, and the kernel; runs of one kernel back to back folded into one line."""
-    t = [k for k in tokens[2:] if k]
-    t = t[len(t) // 2]
+    calls = settled(tokens)
+    t = calls[len(calls) // 2]
     t0, rows, prev_end = t[0][1], [], None
     for name, s, e in t:
         gap = 0.0 if prev_end is None else max(0.0, s - prev_end)

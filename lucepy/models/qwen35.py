@@ -299,7 +299,8 @@ class Qwen35(Architecture):
         rows = {"attn_qkv": p.conv_dim, "attn_gate": p.value_dim, "ssm_beta": Hv, "ssm_alpha": Hv}
         # qkv and alpha stay views of a stack's product for any T (the conv and the ADD read
         # strided columns); z and beta are copied out for T > 1 (the gated norm's kernel and
-        # ggml-cuda's sigmoid take rows back to back)
+        # ggml-cuda's sigmoid take rows back to back; lucepy's CUDA gates' kernel reads beta in
+        # place, the copy then not made)
         y = g.products(w, x, b, rows, _STACKS, views=("attn_qkv", "ssm_alpha"))
         qkv = y["attn_qkv"]  # [conv_dim, T]
         z = y["attn_gate"]  # [value_dim, T]

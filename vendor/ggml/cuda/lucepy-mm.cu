@@ -983,6 +983,13 @@ bool dense_as(const ggml_tensor * t, int64_t ne0, int64_t ne1, int64_t ne2) {
            t->ne[0] == ne0 && t->ne[1] == ne1 && t->ne[2] == ne2 && t->ne[3] == 1;
 }
 
+// f32 columns (2D), each dense, the columns any whole number of floats apart (a part of a
+// stacked product's result, its rows of all columns)
+bool columns_apart(const ggml_tensor * t) {
+    return t->type == GGML_TYPE_F32 && t->nb[0] == sizeof(float) &&
+           t->nb[1] % sizeof(float) == 0 && t->ne[2] == 1 && t->ne[3] == 1;
+}
+
 // the next node after i that computes something (not a view or a no-op), or n_nodes
 int next_op(const ggml_cgraph * cgraph, int i) {
     for (i++; i < cgraph->n_nodes; i++) {
@@ -1336,9 +1343,7 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     };
     // alpha dense, or columns of add's rows apart (a view of a stacked product's part)
     const bool alpha_dense = dense(alpha);
-    const bool alpha_columns = alpha->type == GGML_TYPE_F32 && ggml_are_same_shape(alpha, add) &&
-                               alpha->nb[0] == sizeof(float) && alpha->nb[1] % sizeof(float) == 0 &&
-                               add->ne[2] == 1 && add->ne[3] == 1;
+    const bool alpha_columns = columns_apart(alpha) && ggml_are_same_shape(alpha, add);
     if (!dense(add) || !(alpha_dense || alpha_columns) || !dense(soft) || !dense(mul) ||
         !row(bias) || !row(a) || n >= INT32_MAX) {
         return 0;
@@ -1388,9 +1393,7 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
             ContextState & st = state_of(ctx);
             const ggml_tensor * src = cont->src[0];
             fits = beta == cont && !bytes_read(st, cgraph, cont, 0, ggml_nbytes(cont), sig) &&
-                   src->type == GGML_TYPE_F32 &&
-                   ggml_are_same_shape(src, sig) && src->nb[0] == sizeof(float) &&
-                   src->nb[1] % sizeof(float) == 0 && src->ne[2] == 1 && src->ne[3] == 1;
+                   columns_apart(src) && ggml_are_same_shape(src, sig);
             beta = src;
             period_b = src->ne[0];
             stride_b = int64_t(src->nb[1] / sizeof(float));
@@ -1473,13 +1476,17 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     if (!shapes) {
         return 0;
     }
-    if (dup) {  // the copy apart from every other tensor the kernel reads or writes
-        const Span s_dup = span_of(dup);
+    // bytes apart from every tensor the op reads or writes
+    auto apart_from_op = [&](Span s) {
         for (const ggml_tensor * t : {q, k, v, g, beta, s0, into, dn}) {
-            if (!apart(s_dup, span_of(t))) {
-                return 0;
+            if (!apart(s, span_of(t))) {
+                return false;
             }
         }
+        return true;
+    };
+    if (dup && !apart_from_op(span_of(dup))) {  // the copy of the state
+        return 0;
     }
     // The attention rows apart from every input; the new state apart from them but s0, which it
     // may be (each warp reads its column of s0 before it writes the same column).
@@ -1503,20 +1510,17 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     // the kernel's threads make it too, one element each.
     const int i_tail = next_op(cgraph, i_cpy);
     const ggml_tensor * tail = i_tail < cgraph->n_nodes ? cgraph->nodes[i_tail] : nullptr;
-    if (tail) {
+    if (tail && tail->op == GGML_OP_CPY) {
         const ggml_tensor * from = tail->src[0];
-        bool ok = tail->op == GGML_OP_CPY && tail->type == GGML_TYPE_F32 &&
-                  ggml_is_contiguous(tail) && from->type == GGML_TYPE_F32 &&
-                  from->nb[0] == sizeof(float) && from->nb[1] % sizeof(float) == 0 &&
-                  from->ne[2] == 1 && from->ne[3] == 1 && ggml_nelements(from) < INT32_MAX &&
-                  ggml_nelements(from) == ggml_nelements(tail);
         const Span s_to = span_of(tail), s_from = span_of(from);
-        for (const ggml_tensor * t : {q, k, v, g, beta, s0, into, dn}) {
-            ok = ok && apart(s_to, span_of(t)) && apart(s_from, span_of(t));
-        }
-        ok = ok && apart(s_to, s_from) && (!dup || (apart(s_to, span_of(dup)) &&
-                                                     apart(s_from, span_of(dup))));
+        const bool ok = tail->type == GGML_TYPE_F32 && ggml_is_contiguous(tail) &&
+                        columns_apart(from) && ggml_nelements(from) < INT32_MAX &&
+                        ggml_nelements(from) == ggml_nelements(tail) && apart_from_op(s_to) &&
+                        apart_from_op(s_from) && apart(s_to, s_from) &&
+                        (!dup || (apart(s_to, span_of(dup)) && apart(s_from, span_of(dup))));
         tail = ok ? tail : nullptr;
+    } else {
+        tail = nullptr;
     }
     // The state read before the kernel waits for the ones before it (PDL), where nothing that
     // may still run then writes it: the graph is being captured (a graph launch waits for all
