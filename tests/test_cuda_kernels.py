@@ -40,30 +40,41 @@ def host_check(tmp_path_factory) -> Path:
 
 
 def test_a_product_splits_into_parts_as_its_rows_allow(tmp_path):
-    """gemm_parts (lucepy-plan.h): a product of few row tiles takes the most parts that still run
-    in one wave of CTAs (qwen35's 96-row DeltaNet alpha and beta once took one, and 26 us a
-    16-column product); one of many rows the fewest whose last wave is fullest; never more than
-    gemm_max_parts (each part at least 2 chunks, at most 16 parts)."""
+    """gemm_parts (lucepy-plan.h, gemm's): a product of few row tiles takes the most parts that
+    still run in one wave of CTAs (qwen35's 96-row DeltaNet alpha and beta once took one, and 26
+    us a 16-column product); one of many rows the fewest whose last wave is fullest; never more
+    than gemm_max_parts (each part at least 2 chunks, at most 16 parts). gemm_parts_by_cost
+    (gemm_r's) never leaves a part without chunks, takes the most for few row tiles as well, and
+    the counts measured fastest on the H200 at 16 columns (docs/BENCHMARKS.md, session 29)."""
     exe = host_build(tmp_path, "plan_host")
     slots = 528  # the H200's: 4 CTAs of 64 rows a multiprocessor, 132 of them
     shapes = [  # (rows, pieces): the 27B-shaped model's products, tiny ones, odd ones
         (96, 160), (128, 160), (64, 16), (64, 2), (1024, 160), (5120, 544), (5120, 192),
         (10240, 160), (17408, 160), (34816, 160), (1000, 37), (248320, 160),
     ]  # fmt: skip
-    lines = "".join(f"{r} {p} 64 8 {slots}\n" for r, p in shapes)
+    lines = "".join(f"{r} {p} 64 8 {slots} 16\n" for r, p in shapes)
     out = subprocess.run([exe], input=lines, capture_output=True, text=True, check=True).stdout
     got = [tuple(map(int, line.split())) for line in out.splitlines()]
     assert len(got) == len(shapes)
-    for (rows, pieces), (parts, most) in zip(shapes, got, strict=True):
+    for (rows, pieces), (parts, most, by_cost) in zip(shapes, got, strict=True):
         tiles = -(-rows // 64)
-        assert most == max(1, min(16, -(-pieces // 8) // 2)), (rows, pieces)
-        assert 1 <= parts <= most, (rows, pieces, parts)
+        chunks = -(-pieces // 8)
+        assert most == max(1, min(16, chunks // 2)), (rows, pieces)
+        assert 1 <= parts <= most and 1 <= by_cost <= most, (rows, pieces, parts, by_cost)
+        assert -(-chunks // -(-chunks // by_cost)) == by_cost, (rows, pieces, by_cost)  # none empty
         one_wave = [p for p in range(1, most + 1) if tiles * p <= slots]
         if one_wave and one_wave[-1] == most:
             assert parts == most, (rows, pieces, parts)  # all in one wave: the most
         elif one_wave:
             assert parts >= one_wave[-1], (rows, pieces, parts)  # never fewer than one wave's
-    assert got[0] == (10, 10)  # the alpha and beta: 20 chunks, 10 parts of 2
+    by_cost = {shape: row[2] for shape, row in zip(shapes, got, strict=True)}
+    assert got[0][:2] == (10, 10) and by_cost[(96, 160)] == 10  # the alpha and beta: 10 parts of 2
+    assert by_cost[(1024, 160)] == 10
+    # measured (us, 16 columns): the FFN's up and gate as one product 44.8 in 5 parts against
+    # 51.2 in gemm_parts' 10; the up alone 25.3 in 5 against 26.2 in 9; the down 23.9 in 6
+    # against 24.8 in 13
+    assert by_cost[(34816, 160)] == 5 and by_cost[(17408, 160)] == 5
+    assert by_cost[(5120, 544)] == 6
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

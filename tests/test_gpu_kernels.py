@@ -468,6 +468,72 @@ def test_gpu_glu_prepares_halves_for_its_products(kind, k, cuda):
         assert_products_near(mats, ours[j], theirs[j], h, f"{kind} input {j}")
 
 
+def ffn_products(lib, device, weights, xs, keep_gate=False, repack=None):
+    """An FFN as qwen35's graph writes it (models/base.py ``swiglu_ffn``): ``weights`` [(ggml
+    type, row length, raw rows)] of the gate, the up and the down matrix; down (silu(gate x) *
+    up x) for each of ``xs`` [k, n], and the GLU's result; with ``keep_gate`` the gate product
+    is an output too (its result must be written); with ``repack`` (the kernels), every matrix
+    repacked once set. Returns, per input, [the down product, the GLU's result]
+    (``computed``)."""
+    consts = [(gtype, ne0, raw.shape[0], raw) for gtype, ne0, raw in weights]
+
+    def build(c, ts, ins):
+        gate = lib.ggml_mul_mat(c, ts[0], ins[0])
+        h = lib.ggml_swiglu_split(c, gate, lib.ggml_mul_mat(c, ts[1], ins[0]))
+        lib.ggml_set_output(h)  # (read back: its memory not reused)
+        if keep_gate:
+            lib.ggml_set_output(gate)
+        return [lib.ggml_mul_mat(c, ts[2], h), h]
+
+    def repacked(ts):
+        for t in ts:
+            assert repack.repack(t), "lucepy_cuda_repack refused the matrix"
+
+    after_set = repacked if repack is not None else None
+    k, n = xs[0].shape
+    return computed(lib, device, consts, [(n, k)], build, [(x,) for x in xs], after_set)
+
+
+@pytest.mark.parametrize("k", [3, 16])
+def test_gpu_ffn_gate_and_up_are_one_product(k, cuda):
+    """A verify's FFN on repacked Q4_0 (3-16 columns): the gate and up products of one input and
+    their SWIGLU are one product of ours over both matrices and one kernel that adds its parts
+    and applies the gate (counted as two products and an op); the GLU's result and the down
+    product no further from the exact math than twice ggml's kernels on the blocks; new inputs,
+    new results (the CUDA graph replayed). With the gate product kept as an output, each product
+    on its own (no op), the GLU's result the same within float rounding."""
+    lib, device, kernels = cuda
+    n, n_ff = 2048, 512
+    shapes = [(n_ff, n), (n_ff, n), (n, n_ff)]  # (rows, row length): gate, up, down
+    mats = [weights_of(lib, "q4_0", 90 + i, rows=r, n=c) for i, (r, c) in enumerate(shapes)]
+    weights = [(t, c, raw) for (t, raw, _), (_, c) in zip(mats, shapes, strict=True)]
+    rng = np.random.default_rng(93)
+    xs = [rng.normal(size=(k, n)).astype(np.float32) for _ in range(3)]
+
+    def run(feeds, keep_gate=False):
+        calls, ops = kernels.calls, kernels.ops
+        out = ffn_products(lib, device, weights, feeds, keep_gate, repack=kernels)
+        return out, (kernels.calls - calls, kernels.ops - ops)
+
+    assert run(xs[:1])[1] == (3, 1)
+    kept, counts = run(xs[:1], keep_gate=True)
+    assert counts == (3, 0)
+    ours, _ = run(xs)
+    kernels.set(False)
+    try:
+        theirs = ffn_products(lib, device, weights, xs)
+    finally:
+        kernels.set(True)
+    np.testing.assert_allclose(kept[0][1], ours[0][1], rtol=1e-5, atol=1e-6)
+    for j, x in enumerate(xs):
+        g = x.astype(np.float64) @ mats[0][2].T
+        h = g / (1 + np.exp(-g)) * (x.astype(np.float64) @ mats[1][2].T)
+        for i, exact in enumerate((h @ mats[2][2].T, h)):
+            bound = 2 * float(rel_err(theirs[j][i], exact).max())
+            assert rel_err(ours[j][i], exact).max() <= bound, f"input {j}, result {i}"
+        assert not np.array_equal(ours[j][0], ours[(j + 1) % 3][0])  # new inputs, new results
+
+
 def residual_products(lib, device, weights, xs, rs, keep, repack=None):
     """A matrix of ``weights`` ([(ggml type, raw rows)], one) times each of ``xs`` ([k, n]) plus
     the residual of ``rs`` ([k, rows]) (a layer's output product and its ADD); with ``keep``

@@ -1,16 +1,17 @@
 // Host check of vendor/ggml/cuda/lucepy-plan.h (tests/test_cuda_kernels.py): reads lines of
-// "nrows npieces cta_rows P slots" on stdin, writes for each "parts most" (gemm_parts, and
-// gemm_max_parts) on stdout.
+// "nrows npieces cta_rows P slots ncols" on stdin, writes for each "parts most by_cost"
+// (gemm_parts, gemm_max_parts, and gemm_parts_by_cost for `ncols` columns) on stdout.
 #include "lucepy-plan.h"
 
 #include <cstdio>
 
 int main() {
-    int nrows, npieces, cta_rows, P;
+    int nrows, npieces, cta_rows, P, ncols;
     long long slots;
-    while (scanf("%d %d %d %d %lld", &nrows, &npieces, &cta_rows, &P, &slots) == 5) {
-        printf("%d %d\n", lucepy::gemm_parts(nrows, npieces, cta_rows, P, slots),
-               lucepy::gemm_max_parts(npieces, P));
+    while (scanf("%d %d %d %d %lld %d", &nrows, &npieces, &cta_rows, &P, &slots, &ncols) == 6) {
+        printf("%d %d %d\n", lucepy::gemm_parts(nrows, npieces, cta_rows, P, slots),
+               lucepy::gemm_max_parts(npieces, P),
+               lucepy::gemm_parts_by_cost(nrows, npieces, ncols, cta_rows, P, slots));
     }
     return 0;
 }

@@ -454,8 +454,9 @@ void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
     raise_smem(kernel, smem);
     int per_sm = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, smem));
-    const GemmPlan plan =
-        gemm_plan(a.nrows, a.npieces, W * 16, 8, int64_t(per_sm) * g_sms, MOST);
+    const GemmPlan plan = gemm_plan_in(
+        a.nrows, a.npieces, W * 16, 8,
+        gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, W * 16, 8, int64_t(per_sm) * g_sms, MOST));
     a.per_part = plan.per_part;
     a.parts = parts_buf;
     kernel<<<plan.grid, W * 32, smem, s>>>(a);
@@ -469,7 +470,8 @@ void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
 template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // (capped parts, session 26: at 16 columns only the FFN up gained, 3 %; session 28: even
     // shares of the (tile, chunk) steps in one wave, and the last CTA of a tile adding its
-    // parts in place of gemm_sum, both slower; docs/BENCHMARKS.md)
+    // parts in place of gemm_sum, both slower; session 29: gemm_parts' rule against
+    // gemm_parts_by_cost's, which is the same or faster everywhere; docs/BENCHMARKS.md)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
             {"rp <= 4 parts", launch_gemm_r<NT, 4, 4, 4>},
@@ -924,6 +926,7 @@ int main(int argc, char ** argv) {
     // Qwen3.6-27B's decode products (n_embd 5120, n_ff 17408), and its Q6_K output head
     const Shape shapes[] = {
         {"ffn_up+gate", 5120, 17408, true},
+        {"ffn_up|gate", 5120, 2 * 17408, false},  // the two stacked: one verify product
         {"ffn_down", 17408, 5120, false},
         {"qkv", 5120, 10240, false},
         {"attn_out", 6144, 5120, false},

@@ -269,13 +269,35 @@ __global__ void __launch_bounds__(GM_SEG * 32) norm_gate_halves(
     segment_halves(v, piece_here, out, c, npieces, seg);
 }
 
-// SWIGLU (silu(a) times b, ggml's formula) of dense tensors for 2-16 columns (a verify's FFN):
-// grid (segments of a column, padded columns), a CTA of GM_SEG warps a segment, a warp a piece;
-// writes the result, and its halves as to_halves writes them (padding columns zeros). Each
-// element read and written by one lane (the result may be written over a or b).
-__global__ void __launch_bounds__(GM_SEG * 32) glu_halves(const float * a, const float * b,
-                                                         float * dst, int npieces, int ncols,
-                                                         Halves out) {
+// The sum of `nparts` floats `stride` apart, in order (the first plus the second, ...), their
+// loads issued four at a time ahead of the adds (one after another, each waiting on its load,
+// they had cost a load's latency a part)
+__device__ __forceinline__ float parts_sum(const float * p, int nparts, int64_t stride) {
+    float v = p[0];
+    int q = 1;
+    for (; q + 4 <= nparts; q += 4) {
+        const float a = p[q * stride], b = p[(q + 1) * stride];
+        const float c = p[(q + 2) * stride], d = p[(q + 3) * stride];
+        v += a;
+        v += b;
+        v += c;
+        v += d;
+    }
+    for (; q < nparts; q++) {
+        v += p[q * stride];
+    }
+    return v;
+}
+
+// SWIGLU (silu(a) times b, ggml's formula) for 2-16 columns (a verify's FFN) into dense `dst`,
+// a and b each `nparts` parts `part_stride` floats apart whose sums (in part order, as gemm_sum
+// adds them) are the values, a column's `col_stride` apart: grid (segments of a column, padded
+// columns), a CTA of GM_SEG warps a segment, a warp a piece; writes the result, and its halves
+// as to_halves writes them (padding columns zeros). Each element read and written by one lane
+// (with one part, the result may be written over a or b).
+__global__ void __launch_bounds__(GM_SEG * 32)
+    glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
+               int64_t part_stride, float * dst, int npieces, int ncols, Halves out) {
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // a and b: the kernels before have finished
     const int seg = blockIdx.x;
@@ -284,10 +306,11 @@ __global__ void __launch_bounds__(GM_SEG * 32) glu_halves(const float * a, const
     const bool piece_here = p < npieces;
     float v = 0.0f;
     if (c < ncols && piece_here) {
-        const int64_t i = (int64_t(c) * npieces + p) * 32 + threadIdx.x % 32;
-        const float x = a[i];
-        v = x / (1.0f + expf(-x)) * b[i];
-        dst[i] = v;
+        const int64_t e = int64_t(p) * 32 + threadIdx.x % 32;  // of the column
+        const int64_t i = c * col_stride + e;
+        const float x = parts_sum(a + i, nparts, part_stride);
+        v = x / (1.0f + expf(-x)) * parts_sum(b + i, nparts, part_stride);
+        dst[int64_t(c) * npieces * 32 + e] = v;
     }
     segment_halves(v, piece_here, out, c, npieces, seg);
 }
@@ -297,6 +320,8 @@ __global__ void __launch_bounds__(GM_SEG * 32) glu_halves(const float * a, const
 struct GemmArgs {
     const uint8_t * w;   // weights, rows of row_stride bytes
     int64_t row_stride;
+    const uint8_t * w2;  // or null (gemm_r only): rows from `rows2` on are this matrix's, from 0
+    int rows2;           // (a multiple of a CTA's rows: two products of one input, one launch)
     Halves x;            // to_halves' halves and scales
     float * dst;         // [col][dst_stride] f32
     int64_t dst_stride;
@@ -659,10 +684,7 @@ __global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, 
     }
     const int col = int(i / nrows);
     const int row = int(i % nrows);
-    float v = 0.0f;
-    for (int p = 0; p < nparts; p++) {
-        v += parts[(int64_t(p) * ncols + col) * nrows + row];
-    }
+    const float v = parts_sum(parts + int64_t(col) * nrows + row, nparts, int64_t(ncols) * nrows);
     LUCEPY_PDL_LAUNCH();
     dst[col * dst_stride + row] = residual ? v + residual[col * res_stride + row] : v;
 }
@@ -674,13 +696,21 @@ struct GemmPlan {
     int per_part;  // chunks a part
 };
 
+// for a product of `nrows` rows and `npieces` pieces in (at most) `parts` parts: as many as
+// its chunks fill (9 parts of 20 chunks take 3 each: 7 parts, none empty)
+inline GemmPlan gemm_plan_in(int nrows, int npieces, int cta_rows, int P, int parts) {
+    const int nchunks = (npieces + P - 1) / P;
+    const int per_part = (nchunks + parts - 1) / parts;
+    return {dim3(unsigned((nrows + cta_rows - 1) / cta_rows),
+                 unsigned((nchunks + per_part - 1) / per_part)),
+            per_part};
+}
+
 // for a product of `nrows` rows and `npieces` pieces, with room for `slots` CTAs of the kernel
 inline GemmPlan gemm_plan(int nrows, int npieces, int cta_rows, int P, int64_t slots,
                           int most = 16) {
-    const int parts = gemm_parts(nrows, npieces, cta_rows, P, slots, most);
-    const int nchunks = (npieces + P - 1) / P;
-    return {dim3(unsigned((nrows + cta_rows - 1) / cta_rows), unsigned(parts)),
-            (nchunks + parts - 1) / parts};
+    return gemm_plan_in(nrows, npieces, cta_rows, P,
+                        gemm_parts(nrows, npieces, cta_rows, P, slots, most));
 }
 
 }  // namespace lucepy

@@ -353,13 +353,11 @@ template <int K> Launch pick(bool gate, int unit) {
 }
 
 // 3 to 16 columns: gemm on to_halves' activations, in parts where its rows are few
-// A tensor-core product of 4-warp CTAs of `cta_rows` rows and `smem` bytes (gemm, gemm_r), split
-// into parts where its rows are few (gemm_plan, `slots` CTAs at once) and the parts added in
-// order by gemm_sum
+// A tensor-core product of 4-warp CTAs of `smem` bytes (gemm, gemm_r) by `plan`, its parts
+// added in order by gemm_sum
 template <typename F>
-void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, int cta_rows, int P,
-                     int64_t slots, const GemmArgs & base) {
-    const GemmPlan plan = gemm_plan(base.nrows, base.npieces, cta_rows, P, slots);
+void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, const GemmPlan & plan,
+                     const GemmArgs & base) {
     const int parts = int(plan.grid.y);
     GemmArgs a = base;
     a.per_part = plan.per_part;
@@ -397,7 +395,8 @@ void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
     using G = Gm<K, NT, P>;
     static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
     auto kernel = gemm<K, NT, P>;
-    launch_in_parts(ctx, kernel, G::smem, G::rows, P, slots_of(kernel, G::smem, ctx.device, slots),
+    const int64_t room = slots_of(kernel, G::smem, ctx.device, slots);
+    launch_in_parts(ctx, kernel, G::smem, gemm_plan(base.nrows, base.npieces, G::rows, P, room),
                     base);
 }
 
@@ -665,13 +664,18 @@ template <bool GATE> void launch_gemv_r(const Args & a, cudaStream_t stream) {
     }
 }
 
-// 2-16 columns: gemm_r, in parts where its rows are few (as launch_gemm)
-template <int NT> void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
+// gemm_r's plan for `a` (its rows, the second matrix's too): the parts gemm_parts_by_cost picks
+template <int NT> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
     static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
-    auto kernel = gemm_r<NT>;
-    constexpr int smem = gemm_r_smem<NT>();
-    launch_in_parts(ctx, kernel, smem, GM_WARPS * 16, 8, slots_of(kernel, smem, ctx.device, slots),
-                    base);
+    const int64_t room = slots_of(gemm_r<NT>, gemm_r_smem<NT>(), device, slots);
+    constexpr int rows = GM_WARPS * 16;
+    return gemm_plan_in(a.nrows, a.npieces, rows, 8,
+                        gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, rows, 8, room));
+}
+
+// 2-16 columns: gemm_r, in parts where its rows are few
+template <int NT> void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
+    launch_in_parts(ctx, gemm_r<NT>, gemm_r_smem<NT>(), gemm_r_plan<NT>(ctx.device, base), base);
 }
 
 // a prefill's columns: to_halves_col into scratch (whole tiles of 64 columns), then gemm_rq
@@ -1316,6 +1320,97 @@ int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgrap
     return i_add - i;
 }
 
+// An FFN's two products of one input and their SWIGLU from node i, a MUL_MAT (a verify's gate
+// and up, 2-16 columns, both repacked Q4_0 matrices of one shape): one gemm_r over both
+// matrices' rows (the GLU's first source's first), its parts added by glu_halves as it applies
+// the gate and writes the GLU's result and the down product's halves. The products' results are
+// never written (the GLU alone reads them). On the H200 one launch over the two took 44.8 us
+// where two took 25.3 each, 16 columns (bench-kernels.cu's ffn_up|gate). The nodes after i
+// computed, or 0.
+int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const ggml_tensor * m1 = cgraph->nodes[i];
+    const int i2 = next_op(cgraph, i);
+    const int i_glu = i2 < cgraph->n_nodes ? next_op(cgraph, i2) : i2;
+    if (i_glu >= cgraph->n_nodes) {
+        return 0;
+    }
+    const ggml_tensor * m2 = cgraph->nodes[i2];
+    ggml_tensor * glu = cgraph->nodes[i_glu];
+    if (m2->op != GGML_OP_MUL_MAT || glu->op != GGML_OP_GLU ||
+        ggml_get_glu_op(glu) != GGML_GLU_OP_SWIGLU || ggml_get_op_params_i32(glu, 1) != 0) {
+        return 0;
+    }
+    const ggml_tensor * ma = glu->src[0];  // silu's
+    const ggml_tensor * mb = glu->src[1];
+    if (!((ma == m1 && mb == m2) || (ma == m2 && mb == m1))) {
+        return 0;
+    }
+    const ggml_tensor * x = m1->src[1];
+    const ggml_tensor * wa = ma->src[0];
+    const ggml_tensor * wb = mb->src[0];
+    const int64_t ncols = x->ne[1];
+    const int64_t n = wa->ne[1];
+    auto result = [&](const ggml_tensor * t) {  // a product's result or the GLU's: f32 n x ncols
+        return t->type == GGML_TYPE_F32 && t->ne[0] == n && t->ne[1] == ncols && t->ne[2] == 1 &&
+               t->ne[3] == 1;
+    };
+    auto unkept = [](const ggml_tensor * t) {  // a product's: its result is never written
+        return (t->flags & GGML_TENSOR_FLAG_OUTPUT) == 0;
+    };
+    const bool shapes = m2->src[1] == x && ncols >= 2 && ncols <= MAX_COLS &&
+                        x->type == GGML_TYPE_F32 && x->ne[0] == wa->ne[0] && x->ne[2] == 1 &&
+                        x->ne[3] == 1 && x->nb[0] == sizeof(float) &&
+                        x->nb[1] % sizeof(float) == 0 && wb->type == wa->type &&
+                        ggml_are_same_shape(wa, wb) && ggml_are_same_stride(wa, wb) &&
+                        n % (GM_WARPS * 16) == 0 && 2 * n < INT32_MAX && result(ma) &&
+                        result(mb) && result(glu) && ggml_is_contiguous(glu) && unkept(ma) &&
+                        unkept(mb);
+    if (!shapes || !repacked_of(wa) || !repacked_of(wb)) {
+        return 0;
+    }
+    ContextState & st = state_of(ctx);
+    const Wanted * want = wanted(st, glu);
+    if (st.readers(m1) != 1 || st.readers(m2) != 1 || want == nullptr || want->planes != 0 ||
+        want->src1->ne[0] != n || want->src1->ne[1] != ncols) {
+        return 0;  // (the down product's halves: a column of it is a column of the GLU's)
+    }
+    const int64_t npieces = wa->ne[0] / 32;
+    ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
+    GemmArgs g = gemm_args(
+        wa, ma, halves_at(product_activations(ctx, st, x, npieces, 0, scratch), npieces, int(ncols)),
+        nullptr);
+    g.w2 = static_cast<const uint8_t *>(wb->data);
+    g.rows2 = int(n);
+    g.nrows = int(2 * n);
+    const Halves out = halves_at(prepared(st, want->src1, n / 32, 0), n / 32, int(ncols));
+    ggml_cuda_pool_alloc<float> sums(ctx.pool());
+    auto go = [&](auto kernel, const GemmPlan & plan, int smem) {
+        const int parts = int(plan.grid.y);
+        g.per_part = plan.per_part;
+        float * buf = sums.alloc(size_t(parts) * ncols * 2 * n);
+        g.parts = buf;  // split: the parts; one part: the sums straight, in the parts' layout
+        g.dst = buf;
+        g.dst_stride = 2 * n;
+        ggml_cuda_kernel_launch(
+            kernel, ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, smem, ctx.stream()),
+            g);
+        const dim3 grid{unsigned(segments(int(n / 32))), unsigned(padded_cols(int(ncols)))};
+        ggml_cuda_kernel_launch(glu_halves,
+                                ggml_cuda_kernel_launch_params(grid, GM_SEG * 32, 0, ctx.stream()),
+                                static_cast<const float *>(buf), buf + n, 2 * n, parts,
+                                2 * n * ncols, static_cast<float *>(glu->data), int(n / 32),
+                                int(ncols), out);
+    };
+    if (ncols <= GM_COL_TILE) {
+        go(gemm_r<1>, gemm_r_plan<1>(ctx.device, g), gemm_r_smem<1>());
+    } else {
+        go(gemm_r<2>, gemm_r_plan<2>(ctx.device, g), gemm_r_smem<2>());
+    }
+    g_calls.fetch_add(2, std::memory_order_relaxed);
+    g_ops.fetch_add(1, std::memory_order_relaxed);
+    return i_glu - i;
+}
+
 // qwen35's DeltaNet gates from node i, an ADD (lucepy_cuda_fuse): the nodes after i computed,
 // or 0
 int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
@@ -1649,8 +1744,8 @@ bool lucepy_cuda_glu(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     ggml_cuda_kernel_launch(glu_halves,
                             ggml_cuda_kernel_launch_params(grid, GM_SEG * 32, 0, ctx.stream()),
                             static_cast<const float *>(a->data),
-                            static_cast<const float *>(b->data), static_cast<float *>(dst->data),
-                            int(per_col), int(cols), halves);
+                            static_cast<const float *>(b->data), per_col * 32, 1, int64_t(0),
+                            static_cast<float *>(dst->data), int(per_col), int(cols), halves);
     return true;
 }
 
@@ -1665,7 +1760,10 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
         case GGML_OP_ADD: return delta_gate_nodes(ctx, cgraph, i);
         case GGML_OP_GATED_DELTA_NET: return delta_net_nodes(ctx, cgraph, i);
         case GGML_OP_DUP: return dup_nodes(ctx, cgraph, i);
-        case GGML_OP_MUL_MAT: return mul_mat_add_nodes(ctx, cgraph, i);
+        case GGML_OP_MUL_MAT: {
+            const int pair = glu_pair_nodes(ctx, cgraph, i);
+            return pair > 0 ? pair : mul_mat_add_nodes(ctx, cgraph, i);
+        }
         default: return 0;
     }
 }

@@ -39,4 +39,34 @@ inline int gemm_parts(int nrows, int npieces, int cta_rows, int P, int64_t slots
     return best;
 }
 
+// gemm_r's choice (gemm_parts' with what the parts cost): the count whose estimated time is
+// least, a count costing its waves of CTAs (each a CTA's start and store, then its chunks one
+// after another) and, split, the kernel that adds the parts (its launch, and its reads of every
+// part's `ncols` x `nrows` floats). In a chunk's time (about 1.3 us on the H200, a CTA's load of
+// 64 rows' 8 pieces, 9 KB, at memory latency), fitted on the 27B-shaped model's products there
+// (bench-kernels.cu, docs/BENCHMARKS.md session 29): a CTA's start 0.35 of one, the sums' launch
+// 0.75, 3.9 MB of parts read one. gemm_parts' fullest last wave took 9 and 10 parts where 5
+// were up to 13 % faster (the FFN's up, and its up and gate as one product, 16 columns).
+inline int gemm_parts_by_cost(int nrows, int npieces, int ncols, int cta_rows, int P,
+                              int64_t slots, int most = 16) {
+    const int64_t tiles = (nrows + cta_rows - 1) / cta_rows;
+    const int64_t nchunks = (npieces + P - 1) / P;
+    const int top = gemm_max_parts(npieces, P, most);
+    int best = 1;
+    double least = 0.0;
+    for (int parts = 1; parts <= top; parts++) {
+        const int64_t per_part = (nchunks + parts - 1) / parts;
+        const int64_t used = (nchunks + per_part - 1) / per_part;  // none empty
+        const int64_t waves = (tiles * used + slots - 1) / slots;
+        double t = double(waves) * (0.35 + double(per_part));
+        if (used > 1) {
+            t += 0.75 + double(used) * double(nrows) * ncols * sizeof(float) / 3.9e6;
+        }
+        if (parts == 1 || t < least) {
+            best = int(used);
+            least = t;
+        }
+    }
+    return best;
+}
 }  // namespace lucepy

@@ -186,8 +186,10 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     };
 
     const int ngroups = a.npieces / RP_GROUP;
-    const uint8_t * wp =
-        a.w + repacked_at((row0 + warp * 16) / RP_ROWS, int64_t(chunk0) * 2, ngroups);
+    const bool second = a.w2 != nullptr && row0 >= a.rows2;  // the second matrix's rows
+    const uint8_t * wp = (second ? a.w2 : a.w) +
+                         repacked_at((row0 - (second ? a.rows2 : 0) + warp * 16) / RP_ROWS,
+                                     int64_t(chunk0) * 2, ngroups);
     auto load = [&](RpGroup (&buf)[2], int ch) {
         if (mine && ch < nchunks) {
 #pragma unroll
