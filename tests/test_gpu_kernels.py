@@ -40,15 +40,15 @@ def cuda():
     kernels.set(None)
 
 
-def computed(lib, device, consts, inputs, build, feeds, after_set=None):
+def computed(lib, device, consts, inputs, build, feeds, after_set=None, tensors=32):
     """One graph on a backend of its own (ggml-cuda keeps CUDA graphs per backend, and one
     captured by an earlier call with the other kernels switched on could be replayed): tensors
     ``consts`` ([(ggml type, ne0, ne1, raw)], set once) and f32 ``inputs`` ([(ne0, ne1)]),
     ``build(ctx, consts, inputs)`` giving its outputs, computed once per entry of ``feeds`` (one
-    array a input, set anew each time); ``after_set(tensors)`` once the consts are set. Returns,
-    per feed, each output as [ne1, ne0]."""
+    array a input, set anew each time); ``after_set(tensors)`` once the consts are set; room for
+    ``tensors`` tensors. Returns, per feed, each output as [ne1, ne0]."""
     backend = open_backend(lib, device)
-    ctx = Context(lib, 32, graph_nodes=64)
+    ctx = Context(lib, tensors, graph_nodes=64)
     cs = [
         (lib.ggml_new_tensor_2d(ctx.ptr, gtype, ne0, ne1), raw) for gtype, ne0, ne1, raw in consts
     ]
@@ -880,6 +880,64 @@ def test_gpu_delta_net_is_one_kernel(T, N, own_state, keep, tail, cuda):
             np.testing.assert_array_equal(ours[j][2 + tail], feed[4])
         if keep:
             np.testing.assert_array_equal(ours[j][-1].reshape(1, -1), ours[j][1])
+
+
+def two_layers(lib, device, shape, feeds, chained):
+    """Two layers' DeltaNet recurrences in one graph (a rollback's: each from its own state,
+    each new state copied over it), ``feeds`` pairs of ``delta_nets``' five; with ``chained``
+    the second layer's v is the first's attention (a graph whose second recurrence needs the
+    first). Returns, per feed, [attention, state after] of each layer (``computed``)."""
+    T, N, Hk, H = shape
+    S = 128
+
+    def recurrence(c, qk, v, g, beta, state):
+        qk4 = lib.ggml_reshape_4d(c, qk, S, 2 * Hk, T, N)
+        nb = (qk4.nb[1], qk4.nb[2], qk4.nb[3])
+        q = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, 0)
+        k = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, qk4.nb[1] * Hk)
+        v4 = lib.ggml_reshape_4d(c, v, S, H, T, N)
+        g4, beta4 = (lib.ggml_reshape_4d(c, t, 1, H, T, N) for t in (g, beta))
+        mine = lib.ggml_view_1d(c, state, S * S * H * N, 0)
+        s0 = lib.ggml_reshape_4d(c, mine, S, S, H, N)
+        res = lib.ggml_gated_delta_net(c, q, k, v4, g4, beta4, s0, 1)
+        attn = lib.ggml_view_2d(c, res, S * H, T * N, res.nb[1], 0)
+        lib.ggml_set_output(attn)
+        new = lib.ggml_view_1d(c, res, S * S * H * N, 4 * S * H * T * N)
+        return [attn, lib.ggml_cpy(c, new, mine)]
+
+    def build(c, ts, ins):
+        first = recurrence(c, *ins[:5])
+        second = list(ins[5:])
+        if chained:
+            second[1] = first[0]  # (a view of the first's result: only recurrences and copies)
+        return first + recurrence(c, *second)
+
+    one = [(2 * Hk * S, T * N), (H * S, T * N), (H, T * N), (H, T * N), (S * S * H, N)]
+    return computed(lib, device, [], one * 2, build, [a + b for a, b in feeds], tensors=64)
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_gpu_rollback_recurrences_need_not_wait(chained, cuda):
+    """A rollback's graph of DeltaNet recurrences (two layers, 16 tokens) whose kernels read and
+    write apart from each other's bytes: each of ours may start without waiting for the one
+    before (lucepy-mm.cu's recurrences_apart); where the second reads the first's attention, it
+    waits. Either way, over replays of the CUDA graph, each layer's attention and state no
+    further from the exact math than twice ggml's own kernels are."""
+    lib, device, kernels = cuda
+    shape = (16, 1, 2, 4)
+    feeds = list(zip(delta_net_feeds(shape, 96), delta_net_feeds(shape, 97), strict=True))
+    ops = kernels.ops
+    two_layers(lib, device, shape, feeds[:1], chained)
+    assert kernels.ops - ops == 2
+    ours, theirs = ours_and_theirs(kernels, lambda: two_layers(lib, device, shape, feeds, chained))
+    for j, (a, b) in enumerate(feeds):
+        first = delta_net_exact(shape, a)
+        if chained:
+            b = (b[0], first[0], *b[2:])
+        exact = first + delta_net_exact(shape, b)
+        for got, ref, want in zip(ours[j], theirs[j], exact, strict=True):
+            bound = 2 * float(rel_err(ref, want).max())
+            assert float(rel_err(got, want).max()) <= bound, f"input {j}"
 
 
 def test_gpu_delta_net_keeps_ggmls_arithmetic(cuda):

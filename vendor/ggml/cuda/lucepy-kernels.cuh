@@ -905,7 +905,8 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // verify's copy of the state before it (a DUP node that the op reads) is written as it loads,
 // and a rollback's copy of the conv's tail (the CPY after the state's) by its threads. Where the
 // host finds that no kernel that may still run writes the state (`early`), the state is loaded
-// before the wait for the kernels before (a decode's span 5.60 -> 5.46 ms, session 28).
+// before the wait for the kernels before (a decode's span 5.60 -> 5.46 ms, session 28); where
+// no kernel of the graph needs another's results (`alone`: a rollback's), it does not wait.
 constexpr int DN_S = 128;
 constexpr int DN_WARPS = 4;  // a CTA's
 constexpr int DN_COLS = 2;   // columns of the state a warp
@@ -933,6 +934,7 @@ struct DeltaNetArgs {
     float * tail;
     int tail_row, tail_n;
     bool early;  // s0 loaded before the wait for the kernels before (none of them writes it)
+    bool alone;  // and no wait at all (none of them writes what it reads or touches what it writes)
 };
 
 // the warp-wide sum of each of x, side by side, each in ggml's warp_reduce_sum's order
@@ -1019,7 +1021,9 @@ __global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const DeltaNetArgs a)
     if (a.early) {
         load_state();
     }
-    LUCEPY_PDL_SYNC();  // every input: the kernels before have finished
+    if (!a.alone) {
+        LUCEPY_PDL_SYNC();  // every input: the kernels before have finished
+    }
     issue(0);
     if (!a.early) {
         load_state();

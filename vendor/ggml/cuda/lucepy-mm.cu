@@ -133,6 +133,7 @@ struct ContextState {
         size_t from, to;
     };
     std::unordered_map<const ggml_tensor *, std::vector<Read>> spans;  // see `bytes_read`
+    int apart = -1;  // see `recurrences_apart`: not asked yet (-1), false, true
 
     // How many of the graph's nodes read `t`, directly or through a view of it (a node reading
     // two views of it counts twice).
@@ -158,6 +159,7 @@ struct ContextState {
         wants.clear();
         reads.clear();
         spans.clear();
+        apart = -1;
     }
 };
 
@@ -1522,6 +1524,64 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     return i_last - i;
 }
 
+// Whether `cgraph` (the one `st` holds) computes only DeltaNet recurrences and copies (a
+// rollback's: each layer's recurrence over the accepted tokens, its state's copy and the conv
+// tail's), none reading or writing the bytes another writes (a recurrence and the copies of its
+// result one). Then every kernel of it may run without waiting for the one before (PDL): none
+// needs another's results, so none after it can need them through its wait either. Learnt once
+// a graph, comparing every two nodes (a rollback's 48 layers: 144).
+bool recurrences_apart(ContextState & st, const ggml_cgraph * cgraph) {
+    if (st.cgraph != cgraph) {
+        return false;
+    }
+    if (st.apart >= 0) {
+        return st.apart == 1;
+    }
+    st.apart = 0;
+    std::vector<const ggml_tensor *> nodes;
+    std::vector<size_t> group;  // the node's own index in `nodes`, or its recurrence's
+    for (int i = 0; i < cgraph->n_nodes; i++) {
+        const ggml_tensor * node = cgraph->nodes[i];
+        if (no_op(node)) {
+            continue;
+        }
+        if (node->op != GGML_OP_GATED_DELTA_NET && node->op != GGML_OP_CPY) {
+            return false;
+        }
+        size_t of = nodes.size();
+        if (node->op == GGML_OP_CPY) {
+            for (size_t j = 0; j < nodes.size(); j++) {
+                if (node->src[0]->view_src == nodes[j] && nodes[j]->op == GGML_OP_GATED_DELTA_NET) {
+                    of = j;
+                }
+            }
+        }
+        nodes.push_back(node);
+        group.push_back(of);
+    }
+    auto reads_from = [](const ggml_tensor * reader, Span bytes) {
+        for (int k = 0; k < GGML_MAX_SRC && reader->src[k]; k++) {
+            if (!apart(span_of(reader->src[k]), bytes)) {
+                return true;
+            }
+        }
+        return false;
+    };
+    for (size_t a = 0; a < nodes.size(); a++) {
+        for (size_t b = a + 1; b < nodes.size(); b++) {
+            if (group[a] == group[b]) {
+                continue;
+            }
+            const Span wa = span_of(nodes[a]), wb = span_of(nodes[b]);
+            if (!apart(wa, wb) || reads_from(nodes[b], wa) || reads_from(nodes[a], wb)) {
+                return false;
+            }
+        }
+    }
+    st.apart = 1;
+    return true;
+}
+
 // qwen35's gated delta net from node i, a GATED_DELTA_NET, the copy of its new state that comes
 // next, and the copy after that where it can (lucepy_cuda_fuse): the nodes after i computed, or
 // 0. With `dup`, the op's s0 is that copy of the state (a verify keeps the state before it for a
@@ -1628,6 +1688,7 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     }
     DeltaNetArgs a = {};
     a.early = early;
+    a.alone = early && recurrences_apart(state_of(ctx), cgraph);
     a.q = static_cast<const float *>(q->data);
     a.k = static_cast<const float *>(k->data);
     a.sq1 = int64_t(q->nb[1] / sizeof(float));
