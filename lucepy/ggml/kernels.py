@@ -63,7 +63,9 @@ class CudaKernels:
         """Other ops they computed: conv steps (qwen35's concat, tail copy, conv, SiLU and the
         l2 norm of q and k after it: one kernel where ggml-cuda runs four), DeltaNet gates (the
         decay and beta's sigmoid: one kernel, not three), DeltaNet recurrences (with the copy
-        of the new state) and argmaxes of long rows, counted alike."""
+        of the new state), argmaxes of long rows, a verify's residual ADDs (written by their
+        product's kernels) and an FFN's SWIGLU over its gate and up products (one product over
+        both), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_ops())
 
     @property
