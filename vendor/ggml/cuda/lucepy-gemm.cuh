@@ -270,8 +270,8 @@ __global__ void __launch_bounds__(GM_SEG * 32) norm_gate_halves(
 }
 
 // The sum of `nparts` floats `stride` apart, in order (the first plus the second, ...), their
-// loads issued four at a time ahead of the adds (one after another, each waiting on its load,
-// they had cost a load's latency a part)
+// loads issued four at a time ahead of the adds (against one at a time, a split product with
+// its gemm_sum measured 0.1-0.2 us faster on the H200: docs/BENCHMARKS.md, session 29)
 __device__ __forceinline__ float parts_sum(const float * p, int nparts, int64_t stride) {
     float v = p[0];
     int q = 1;
