@@ -474,6 +474,7 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // gemm_parts_by_cost's, which is the same or faster everywhere; docs/BENCHMARKS.md)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
+            {"rp 3 a SM", launch_gemm_r<NT, 4, 3>},  // (room for more registers: not yet run)
             {"rp <= 4 parts", launch_gemm_r<NT, 4, 4, 4>},
             {"rp <= 2 parts", launch_gemm_r<NT, 4, 4, 2>}};
 }
