@@ -626,11 +626,11 @@ GemmArgs gemm_args(const ggml_tensor * src0, const ggml_tensor * dst, const Halv
     return g;
 }
 
-// Whether ggml's fusion around a product of src0 (`ncols` columns) is one the kernels take: no
-// scales, a SwiGLU or GeGLU gate of src0's type, shape and layout (repacked when src0 is),
-// contiguous biases, and any of it on one column only
+// Whether ggml's fusion around a product of src0 (`ncols` columns; `repacked`: repacked_of(src0),
+// known to the caller) is one the kernels take: no scales, a SwiGLU or GeGLU gate of src0's type,
+// shape and layout (repacked when src0 is), contiguous biases, and any of it on one column only
 bool fusion_taken(const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * src0,
-                  int64_t ncols) {
+                  bool repacked, int64_t ncols) {
     if (!fusion) {
         return true;
     }
@@ -639,7 +639,7 @@ bool fusion_taken(const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tenso
                            fusion->glu_op == GGML_GLU_OP_GEGLU;
     const bool same = !gate || (gate->type == src0->type && ggml_are_same_stride(gate, src0) &&
                                 ggml_are_same_shape(gate, src0) &&
-                                repacked_of(gate) == repacked_of(src0));
+                                repacked_of(gate) == repacked);
     const bool biases = (!fusion->x_bias || ggml_is_contiguous(fusion->x_bias)) &&
                         (!fusion->gate_bias || (gate && ggml_is_contiguous(fusion->gate_bias)));
     const bool any = gate || fusion->x_bias || fusion->gate_bias;
@@ -705,7 +705,7 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                        src1->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) &&
                        src1->nb[1] % sizeof(float) == 0 && dst->nb[1] % sizeof(float) == 0 &&
                        ncols >= 1 && ncols < INT32_MAX;
-    if (!plain || !fusion_taken(fusion, src0, ncols)) {
+    if (!plain || !fusion_taken(fusion, src0, true, ncols)) {
         GGML_ABORT("lucepy: a product of a repacked Q4_0 matrix (%s) that its kernels do not take",
                    src0->name);
     }
@@ -798,7 +798,7 @@ bool mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const gg
     if (!takes_cols(src0, ncols, ctx.device)) {
         return false;
     }
-    if (!fusion_taken(fusion, src0, ncols)) {
+    if (!fusion_taken(fusion, src0, false, ncols)) {  // (not repacked: checked first)
         return false;
     }
     const ggml_tensor * gate = fusion ? fusion->gate : nullptr;
@@ -1290,20 +1290,20 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
 // f32 sum first, as the ADD would). The nodes after i computed, or 0.
 int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     const ggml_tensor * mm = cgraph->nodes[i];
+    const int64_t ncols = mm->ne[1];
     const int i_add = next_op(cgraph, i);
-    if (i_add >= cgraph->n_nodes) {
-        return 0;
+    if (ncols < 2 || ncols > MAX_COLS || i_add >= cgraph->n_nodes) {
+        return 0;  // (one column: ggml fuses the ADD into its own product)
     }
     ggml_tensor * add = cgraph->nodes[i_add];
     if (add->op != GGML_OP_ADD || (add->src[0] != mm && add->src[1] != mm)) {
         return 0;
     }
     const ggml_tensor * r = add->src[0] == mm ? add->src[1] : add->src[0];
-    const int64_t ncols = mm->ne[1];
-    const bool shapes = r != mm && ncols >= 2 && ncols <= MAX_COLS && mm->type == GGML_TYPE_F32 &&
-                        dense_like(add, mm) && r->type == GGML_TYPE_F32 &&
-                        ggml_are_same_shape(r, mm) && r->nb[0] == sizeof(float) &&
-                        r->nb[1] % sizeof(float) == 0 && r->ne[2] == 1 && r->ne[3] == 1;
+    const bool shapes = r != mm && mm->type == GGML_TYPE_F32 && dense_like(add, mm) &&
+                        r->type == GGML_TYPE_F32 && ggml_are_same_shape(r, mm) &&
+                        r->nb[0] == sizeof(float) && r->nb[1] % sizeof(float) == 0 &&
+                        r->ne[2] == 1 && r->ne[3] == 1;
     if (!shapes || (mm->flags & GGML_TENSOR_FLAG_OUTPUT) != 0) {
         return 0;
     }
