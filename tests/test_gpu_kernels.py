@@ -746,6 +746,38 @@ def test_gpu_delta_gates_are_one_kernel(T, more, cuda):
             assert float(np.abs(got - want).max()) <= bound
 
 
+def recurrence(lib, c, shape, qk, v, g, beta, state, own_state=True):
+    """Graph nodes of one layer's DeltaNet recurrence as qwen35 writes it (``delta_nets``' inputs,
+    ``shape`` (T, N, Hk, H)): the op from the state s0 (the state input itself, or without
+    ``own_state`` a copy of it, kept as an output) and the copy of its new state over the state
+    input. Returns (the op's result, [its attention (an output), the state's copy], s0)."""
+    T, N, Hk, H = shape
+    S = 128
+    qk4 = lib.ggml_reshape_4d(c, qk, S, 2 * Hk, T, N)
+    nb = (qk4.nb[1], qk4.nb[2], qk4.nb[3])
+    q = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, 0)
+    k = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, qk4.nb[1] * Hk)
+    v4 = lib.ggml_reshape_4d(c, v, S, H, T, N)
+    g4, beta4 = (lib.ggml_reshape_4d(c, t, 1, H, T, N) for t in (g, beta))
+    mine = lib.ggml_view_1d(c, state, S * S * H * N, 0)
+    s0 = lib.ggml_reshape_4d(c, mine, S, S, H, N)
+    if not own_state:
+        s0 = lib.ggml_dup(c, s0)
+        lib.ggml_set_output(s0)
+    res = lib.ggml_gated_delta_net(c, q, k, v4, g4, beta4, s0, 1)
+    attn = lib.ggml_view_2d(c, res, S * H, T * N, res.nb[1], 0)
+    lib.ggml_set_output(attn)
+    new = lib.ggml_view_1d(c, res, S * S * H * N, 4 * S * H * T * N)
+    return res, [attn, lib.ggml_cpy(c, new, mine)], s0
+
+
+def recurrence_inputs(shape) -> list[tuple[int, int]]:
+    """(ne0, ne1) of ``recurrence``'s f32 inputs qk, v, g, beta and the state."""
+    T, N, Hk, H = shape
+    S = 128
+    return [(2 * Hk * S, T * N), (H * S, T * N), (H, T * N), (H, T * N), (S * S * H, N)]
+
+
 def delta_nets(lib, device, shape, feeds, own_state=True, keep=False, tail=False):
     """qwen35's DeltaNet recurrence as its graphs write it (models/qwen35.py ``_delta_net``,
     models/state.py ``rollback``): ``ggml_gated_delta_net`` of T tokens of N sequences (q's and
@@ -762,25 +794,8 @@ def delta_nets(lib, device, shape, feeds, own_state=True, keep=False, tail=False
     S = 128
 
     def build(c, ts, ins):
-        qk, v, g, beta, state = ins[:5]
-        qk4 = lib.ggml_reshape_4d(c, qk, S, 2 * Hk, T, N)
-        nb = (qk4.nb[1], qk4.nb[2], qk4.nb[3])
-        q = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, 0)
-        k = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, qk4.nb[1] * Hk)
-        v4 = lib.ggml_reshape_4d(c, v, S, H, T, N)
-        g4, beta4 = (lib.ggml_reshape_4d(c, t, 1, H, T, N) for t in (g, beta))
-        mine = lib.ggml_view_1d(c, state, S * S * H * N, 0)
-        s0 = lib.ggml_reshape_4d(c, mine, S, S, H, N)
-        kept = []
-        if not own_state:
-            s0 = lib.ggml_dup(c, s0)
-            lib.ggml_set_output(s0)
-            kept.append(lib.ggml_reshape_2d(c, s0, S * S * H, N))
-        res = lib.ggml_gated_delta_net(c, q, k, v4, g4, beta4, s0, 1)
-        attn = lib.ggml_view_2d(c, res, S * H, T * N, res.nb[1], 0)
-        lib.ggml_set_output(attn)
-        new = lib.ggml_view_1d(c, res, S * S * H * N, 4 * S * H * T * N)
-        outs = [attn, lib.ggml_cpy(c, new, mine)]
+        res, outs, s0 = recurrence(lib, c, shape, *ins[:5], own_state=own_state)
+        kept = [] if own_state else [lib.ggml_reshape_2d(c, s0, S * S * H, N)]
         if tail:
             rows = ins[5]
             cols = lib.ggml_view_2d(c, rows, 3, 40, rows.nb[1], 2 * rows.nb[0])
@@ -791,8 +806,8 @@ def delta_nets(lib, device, shape, feeds, own_state=True, keep=False, tail=False
             outs.append(lib.ggml_view_2d(c, res, S * S * H, N, 4 * S * S * H, 4 * S * H * T * N))
         return outs
 
-    inputs = [(2 * Hk * S, T * N), (H * S, T * N), (H, T * N), (H, T * N), (S * S * H, N)]
-    return computed(lib, device, [], inputs + [(6, 40)] * tail, build, feeds)
+    inputs = recurrence_inputs(shape) + [(6, 40)] * tail
+    return computed(lib, device, [], inputs, build, feeds)
 
 
 def delta_net_exact(shape, feed):
@@ -887,33 +902,16 @@ def two_layers(lib, device, shape, feeds, chained):
     each new state copied over it), ``feeds`` pairs of ``delta_nets``' five; with ``chained``
     the second layer's v is the first's attention (a graph whose second recurrence needs the
     first). Returns, per feed, [attention, state after] of each layer (``computed``)."""
-    T, N, Hk, H = shape
-    S = 128
-
-    def recurrence(c, qk, v, g, beta, state):
-        qk4 = lib.ggml_reshape_4d(c, qk, S, 2 * Hk, T, N)
-        nb = (qk4.nb[1], qk4.nb[2], qk4.nb[3])
-        q = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, 0)
-        k = lib.ggml_view_4d(c, qk4, S, Hk, T, N, *nb, qk4.nb[1] * Hk)
-        v4 = lib.ggml_reshape_4d(c, v, S, H, T, N)
-        g4, beta4 = (lib.ggml_reshape_4d(c, t, 1, H, T, N) for t in (g, beta))
-        mine = lib.ggml_view_1d(c, state, S * S * H * N, 0)
-        s0 = lib.ggml_reshape_4d(c, mine, S, S, H, N)
-        res = lib.ggml_gated_delta_net(c, q, k, v4, g4, beta4, s0, 1)
-        attn = lib.ggml_view_2d(c, res, S * H, T * N, res.nb[1], 0)
-        lib.ggml_set_output(attn)
-        new = lib.ggml_view_1d(c, res, S * S * H * N, 4 * S * H * T * N)
-        return [attn, lib.ggml_cpy(c, new, mine)]
 
     def build(c, ts, ins):
-        first = recurrence(c, *ins[:5])
+        _, first, _ = recurrence(lib, c, shape, *ins[:5])
         second = list(ins[5:])
         if chained:
             second[1] = first[0]  # (a view of the first's result: only recurrences and copies)
-        return first + recurrence(c, *second)
+        return first + recurrence(lib, c, shape, *second)[1]
 
-    one = [(2 * Hk * S, T * N), (H * S, T * N), (H, T * N), (H, T * N), (S * S * H, N)]
-    return computed(lib, device, [], one * 2, build, [a + b for a, b in feeds], tensors=64)
+    inputs = recurrence_inputs(shape) * 2
+    return computed(lib, device, [], inputs, build, [a + b for a, b in feeds], tensors=64)
 
 
 @pytest.mark.parametrize("chained", [False, True])
