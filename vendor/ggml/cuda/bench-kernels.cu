@@ -471,10 +471,11 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // (capped parts, session 26: at 16 columns only the FFN up gained, 3 %; session 28: even
     // shares of the (tile, chunk) steps in one wave, and the last CTA of a tile adding its
     // parts in place of gemm_sum, both slower; session 29: gemm_parts' rule against
-    // gemm_parts_by_cost's, which is the same or faster everywhere; docs/BENCHMARKS.md)
+    // gemm_parts_by_cost's, which is the same or faster everywhere; session 30: 3 CTAs an SM
+    // (room for more registers) the same; a tile's parts as a cluster adding them up, slower;
+    // gemm_r on Hopper's wgmma, at 16 columns slower; docs/BENCHMARKS.md)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
-            {"rp 3 a SM", launch_gemm_r<NT, 4, 3>},  // (room for more registers: not yet run)
             {"rp <= 4 parts", launch_gemm_r<NT, 4, 4, 4>},
             {"rp <= 2 parts", launch_gemm_r<NT, 4, 4, 2>}};
 }
