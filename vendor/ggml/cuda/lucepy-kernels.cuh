@@ -39,13 +39,18 @@ namespace lucepy {
 
 // --- copies into shared memory ----------------------------------------------------------------
 
+// a shared-memory address, as the instructions that take one want it
+__device__ __forceinline__ uint32_t shared_at(const void * p) {
+    return uint32_t(__cvta_generic_to_shared(p));
+}
+
 // Through the L2 cache only (weights, read once), or with L1 too (CACHED: what every CTA of an
 // SM reads, the activations).
 template <int U, bool CACHED = false>
 __device__ __forceinline__ void copy_async(uint8_t * dst, const uint8_t * src) {
     static_assert(U == 16 || U == 8 || U == 4, "cp.async copies 4, 8 or 16 bytes");
 #if __CUDA_ARCH__ >= 800
-    const unsigned s = unsigned(__cvta_generic_to_shared(dst));
+    const uint32_t s = shared_at(dst);
     if constexpr (U == 16 && !CACHED) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
     } else {

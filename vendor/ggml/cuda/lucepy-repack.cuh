@@ -95,11 +95,7 @@ __device__ __forceinline__ uint4 load_stream(const uint4 * p) {
     return v;
 }
 
-// a shared-memory address, and the 16 bytes there
-__device__ __forceinline__ uint32_t shared_at(const void * p) {
-    return uint32_t(__cvta_generic_to_shared(p));
-}
-
+// the 16 bytes at a shared-memory address (shared_at)
 __device__ __forceinline__ uint4 load_shared(uint32_t at) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -516,8 +512,14 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
         issue(grp + 1);
         copy_wait<1>();
         __syncthreads();  // group grp has landed for every warp
+        // Two barriers a group, so that group grp + 1's copies are in flight while the CTA
+        // waits for group grp's; the second (every warp is done with the stage before its
+        // refill) is not needed after the last group.
+        const bool refill = grp + 2 < ngroups;
         if (!mine) {
-            __syncthreads();  // (the stage's refill waits for every warp)
+            if (refill) {
+                __syncthreads();
+            }
             continue;
         }
         const uint8_t * st = smem + (grp % 2) * STAGE;
@@ -557,7 +559,9 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
                 }
             }
         }
-        __syncthreads();  // every warp is done with this stage before it is refilled
+        if (refill) {
+            __syncthreads();  // every warp is done with this stage before group grp + 2 refills it
+        }
     }
     copy_wait<0>();
     LUCEPY_PDL_LAUNCH();
