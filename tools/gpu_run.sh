@@ -22,7 +22,8 @@
 # OUTDIR gets 7 files (8 for qwen35moe: llama-bench-ncmoe.json; kvpool.json with GPU_RUN_KVPOOL):
 # setup.log build.log pytest.txt bench.log llama-bench.json lucepy-bench.json summary.md. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
 # since start); a step that runs out is stopped and the run goes on. The build and the model stay
-# in /tmp: a second call on the still-warm machine (30 s) skips them, or resumes the build.
+# in /tmp: a second call on the still-warm machine (30 s) skips them, or resumes the build (lucepy's
+# build again, incrementally, where vendor/ggml/cuda or the recipes changed since it was made).
 # Knobs: GPU_RUN_ARCH (qwen35, gemma4, qwen35moe or laguna), GPU_RUN_LAYERS (the real model's),
 # GPU_RUN_THREADS (8: CPU threads of the MoE runs, both sides),
 # GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest llama"), GPU_RUN_DEVICE (cuda:0),
@@ -239,7 +240,11 @@ build_cuda() {
     if [[ $SKIP == *" build-ggml "* ]]; then ggml=0; fi # lucepy's build only: no llama.cpp steps
     local tools=()
     if [[ $LLAMA_BIN == "$BUILD" ]]; then tools=(--with-llama-bench); fi
+    # lucepy's build is reused on a warm machine only if it was made from these kernel sources
+    local sources
+    sources=$(cat vendor/ggml/cuda/* vendor/ggml/recipes.toml | sha256sum | cut -c1-16)
     if [[ -f $BUILD/libggml-cuda.so && $(cat "$BUILD/KERNELS" 2>/dev/null) == lucepy ]] &&
+        [[ $(cat "$BUILD/KERNEL_SOURCES" 2>/dev/null) == "$sources" ]] &&
         [[ -z ${tools[*]} || -x $BUILD/llama-quantize ]]; then
         ours=1
     elif [[ $BUILD == "$BUILD_GGML" && -f $BUILD/libggml-cuda.so ]]; then
@@ -261,8 +266,11 @@ build_cuda() {
     if [[ ! -d $src/vendor/llama.cpp/vendor/miniaudio ]]; then
         tar -xJf .sdist/server-ui.tar.xz -C "$src/vendor/llama.cpp" vendor/miniaudio || return 1
     fi
-    python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" "${tools[@]}" || return 1
-    if ((ggml)); then
+    if ((!ours)); then
+        python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" "${tools[@]}" || return 1
+        echo "$sources" >"$BUILD/KERNEL_SOURCES"
+    fi
+    if ((ggml && !theirs)); then
         python3 -m lucepy -v backends build cuda --arch 90 --sdist "$src" --kernels ggml \
             --with-llama-bench --prefix "$BUILD_GGML" || return 1
     fi
