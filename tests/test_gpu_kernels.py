@@ -610,26 +610,49 @@ def conv_steps(lib, device, w, states, news, keep_x=True):
     K1, N, t = K - 1, states[0].shape[0] // C, news[0].shape[0] // (states[0].shape[0] // C)
 
     def build(c, ts, ins):
-        state, new = ins
-        saved = lib.ggml_view_3d(c, state, K1, C, N, state.nb[1], state.nb[1] * C, 0)
-        steps = lib.ggml_permute(c, lib.ggml_reshape_3d(c, new, C, t, N), 1, 0, 2, 3)
-        x = lib.ggml_concat(c, saved, steps, 0)
-        tail = lib.ggml_view_3d(c, x, K1, C, N, x.nb[1], x.nb[2], t * 4)
-        after = lib.ggml_cpy(c, tail, lib.ggml_view_1d(c, state, K1 * C * N, 0))
-        act = lib.ggml_silu(c, lib.ggml_ssm_conv(c, x, ts[0]))
-        act2 = lib.ggml_reshape_2d(c, act, C, t * N)
-        flat_x = lib.ggml_reshape_2d(c, x, K1 + t, C * N)
-        row = act2.nb[1]
-        heads = lib.ggml_view_4d(c, act2, 128, HEADS, t, N, 4 * 128, row, row * t, 0)
-        l2 = lib.ggml_scale(c, lib.ggml_rms_norm(c, heads, L2_EPS), 1 / np.sqrt(128))
-        for out in (act, l2, x) if keep_x else (act, l2):  # (read back: memory not reused)
-            lib.ggml_set_output(out)
-        outs = [after, act2, lib.ggml_reshape_2d(c, l2, HEADS * 128, t * N)]
-        return outs + [flat_x] if keep_x else outs
+        return conv_nodes(lib, c, ts[0], *ins, (C, K, N, t), keep_x)
 
     consts = [(GGML_TYPE_F32, K, C, np.ascontiguousarray(w, dtype=np.float32))]
     inputs = [(K1, C * N), (C, t * N)]
     return computed(lib, device, consts, inputs, build, list(zip(states, news, strict=True)))
+
+
+def conv_nodes(lib, c, w, state, new, shape, keep_x):
+    """``conv_steps``' graph nodes (``shape`` (C, K, N, t)): its outputs."""
+    C, K, N, t = shape
+    K1 = K - 1
+    saved = lib.ggml_view_3d(c, state, K1, C, N, state.nb[1], state.nb[1] * C, 0)
+    steps = lib.ggml_permute(c, lib.ggml_reshape_3d(c, new, C, t, N), 1, 0, 2, 3)
+    x = lib.ggml_concat(c, saved, steps, 0)
+    tail = lib.ggml_view_3d(c, x, K1, C, N, x.nb[1], x.nb[2], t * 4)
+    after = lib.ggml_cpy(c, tail, lib.ggml_view_1d(c, state, K1 * C * N, 0))
+    act = lib.ggml_silu(c, lib.ggml_ssm_conv(c, x, w))
+    act2 = lib.ggml_reshape_2d(c, act, C, t * N)
+    flat_x = lib.ggml_reshape_2d(c, x, K1 + t, C * N)
+    row = act2.nb[1]
+    heads = lib.ggml_view_4d(c, act2, 128, HEADS, t, N, 4 * 128, row, row * t, 0)
+    l2 = lib.ggml_scale(c, lib.ggml_rms_norm(c, heads, L2_EPS), 1 / np.sqrt(128))
+    for out in (act, l2, x) if keep_x else (act, l2):  # (read back: memory not reused)
+        lib.ggml_set_output(out)
+    outs = [after, act2, lib.ggml_reshape_2d(c, l2, HEADS * 128, t * N)]
+    return outs + [flat_x] if keep_x else outs
+
+
+def conv_exact(w, state, new, t):
+    """The exact math of ``conv_steps`` for one feed: the state after, the SiLU [N * t, C] and
+    the normed heads, in f64."""
+    C, K = w.shape
+    N = state.shape[0] // C
+    joined = np.concatenate(
+        [state.reshape(N, C, K - 1), new.reshape(N, t, C).transpose(0, 2, 1)], axis=2
+    ).astype(np.float64)  # [N, C, K - 1 + t]
+    windows = np.stack([joined[:, :, i : i + K] for i in range(t)], axis=1)  # [N, t, C, K]
+    conv = (windows * w.astype(np.float64)).sum(axis=3)
+    exact = (conv / (1 + np.exp(-conv))).reshape(N * t, C)
+    heads = exact[:, : HEADS * 128].reshape(N * t, HEADS, 128)
+    rms = np.sqrt((heads**2).mean(axis=2, keepdims=True) + L2_EPS)
+    normed = (heads / rms / np.sqrt(128)).reshape(N * t, HEADS * 128)
+    return joined, exact, normed
 
 
 @pytest.mark.parametrize(
@@ -659,15 +682,7 @@ def test_gpu_conv_step_is_one_kernel(t, C, keep_x, cuda):
 
     ours, theirs = ours_and_theirs(kernels, run) if C % 128 == 0 else (run(), None)
     for j, (state, new) in enumerate(zip(states, news, strict=True)):
-        joined = np.concatenate(
-            [state.reshape(N, C, K - 1), new.reshape(N, t, C).transpose(0, 2, 1)], axis=2
-        ).astype(np.float64)  # [N, C, K - 1 + t]
-        windows = np.stack([joined[:, :, i : i + K] for i in range(t)], axis=1)  # [N, t, C, K]
-        conv = (windows * w.astype(np.float64)).sum(axis=3)
-        exact = (conv / (1 + np.exp(-conv))).reshape(N * t, C)
-        heads = exact[:, : HEADS * 128].reshape(N * t, HEADS, 128)
-        rms = np.sqrt((heads**2).mean(axis=2, keepdims=True) + L2_EPS)
-        normed = (heads / rms / np.sqrt(128)).reshape(N * t, HEADS * 128)
+        joined, exact, normed = conv_exact(w, state, new, t)
         [after], act, l2, *x = ours[j]
         np.testing.assert_array_equal(after, joined[:, :, t:].reshape(-1).astype(np.float32))
         np.testing.assert_allclose(act, exact, rtol=1e-5, atol=1e-6)
@@ -690,25 +705,39 @@ def delta_gates(lib, device, bias, a, alphas, betas, heads):
     (the stacked DeltaNet inputs'): alpha its first ``heads`` columns (a view), beta the next
     ``heads`` (a view copied out, a CONT). Per feed, [the decay, the sigmoid] (``computed``)."""
     T, wide = alphas[0].shape
-    consts = [
-        (GGML_TYPE_F32, heads, 1, np.ascontiguousarray(v, dtype=np.float32)) for v in (bias, a)
-    ]
+    consts = gate_consts(bias, a)
 
     def build(c, ts, ins):
-        alpha = ins[0]
-        if betas is None:
-            nb1, es = alpha.nb[1], lib.ggml_element_size(alpha)
-            beta = lib.ggml_cont(c, lib.ggml_view_2d(c, alpha, heads, T, nb1, es * heads))
-        else:
-            beta = ins[1]
-        alpha = lib.ggml_view_2d(c, alpha, heads, T, alpha.nb[1], 0)
-        decay = lib.ggml_mul(c, lib.ggml_softplus(c, lib.ggml_add(c, alpha, ts[0])), ts[1])
-        return [decay, lib.ggml_sigmoid(c, beta)]
+        return gate_nodes(lib, c, *ts, ins[0], ins[1] if betas else None, heads)
 
     if betas is None:
         return computed(lib, device, consts, [(wide, T)], build, [(x,) for x in alphas])
     feeds = list(zip(alphas, betas, strict=True))
     return computed(lib, device, consts, [(wide, T), (heads, T)], build, feeds)
+
+
+def gate_consts(bias, a):
+    """``delta_gates``' constants: bias and a, [heads] each."""
+    return [(GGML_TYPE_F32, len(v), 1, np.asarray(v, dtype=np.float32)) for v in (bias, a)]
+
+
+def gate_nodes(lib, c, bias, a, alpha, beta, heads):
+    """``delta_gates``' graph nodes (beta None: the columns after alpha's, copied out): [the
+    decay, the sigmoid]."""
+    T = alpha.ne[1]
+    if beta is None:
+        nb1, es = alpha.nb[1], lib.ggml_element_size(alpha)
+        beta = lib.ggml_cont(c, lib.ggml_view_2d(c, alpha, heads, T, nb1, es * heads))
+    alpha = lib.ggml_view_2d(c, alpha, heads, T, alpha.nb[1], 0)
+    decay = lib.ggml_mul(c, lib.ggml_softplus(c, lib.ggml_add(c, alpha, bias)), a)
+    return [decay, lib.ggml_sigmoid(c, beta)]
+
+
+def gates_exact(bias, a, alpha, beta):
+    """The exact math of ``delta_gates`` for one feed: [the decay, the sigmoid]."""
+    s = alpha.astype(np.float64) + bias.astype(np.float32)
+    soft = np.where(s > 20, s, np.log1p(np.exp(np.minimum(s, 20))))
+    return [soft * a.astype(np.float32), 1 / (1 + np.exp(-beta.astype(np.float64)))]
 
 
 @pytest.mark.parametrize(("T", "more"), [(1, 0), (16, 0), (16, 56)])
@@ -736,12 +765,55 @@ def test_gpu_delta_gates_are_one_kernel(T, more, cuda):
     )
     for j, alpha in enumerate(alphas):
         beta = alpha[:, heads : 2 * heads] if more else betas[j]
-        alpha = alpha[:, :heads]
-        s = alpha.astype(np.float64) + bias.astype(np.float32)
-        soft = np.where(s > 20, s, np.log1p(np.exp(np.minimum(s, 20))))
-        exact = [soft * a.astype(np.float32), 1 / (1 + np.exp(-beta.astype(np.float64)))]
+        exact = gates_exact(bias, a, alpha[:, :heads], beta)
         for got, ref, want in zip(ours[j], theirs[j], exact, strict=True):
             # ggml's formulas (log(1 + exp(s)) loses about 1e-3 of a value near zero)
+            bound = 2 * float(np.abs(ref - want).max())
+            assert float(np.abs(got - want).max()) <= bound
+
+
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_conv_step_and_gates_are_one_kernel(T, cuda):
+    """qwen35's conv step with the DeltaNet gates after it (as its graph orders them: a decode's
+    and a verify's, beta copied out of the stacked product) is one kernel of ours: two ops, one
+    of them joined to the other's kernel, beta's copy made; the conv's results within float
+    rounding of the exact math and of ggml's, the gates no further from the exact math than
+    twice ggml's own error (the bounds of the two ops' own tests)."""
+    lib, device, kernels = cuda
+    C, K, N, heads, more = 1152, 4, 1, 48, 56
+    rng = np.random.default_rng(90 + T)
+    w = rng.normal(size=(C, K)).astype(np.float32)
+    states = [rng.normal(size=(N * C, K - 1)).astype(np.float32) for _ in range(3)]
+    news = [rng.normal(size=(N * T, C)).astype(np.float32) for _ in range(3)]
+    bias, a = rng.normal(size=heads), -np.exp(rng.normal(size=heads))
+    alphas = [8.0 * rng.normal(size=(T, heads + more)).astype(np.float32) for _ in range(3)]
+
+    def build(c, ts, ins):
+        state, new, alpha = ins
+        conv = conv_nodes(lib, c, ts[0], state, new, (C, K, N, T), keep_x=False)
+        return conv + gate_nodes(lib, c, ts[1], ts[2], alpha, None, heads)
+
+    consts = [(GGML_TYPE_F32, K, C, w), *gate_consts(bias, a)]
+    inputs = [(K - 1, C * N), (C, T * N), (heads + more, T)]
+    feeds = list(zip(states, news, alphas, strict=True))
+
+    def run(feeds):
+        return computed(lib, device, consts, inputs, build, feeds, tensors=64)
+
+    ops, joined, copies = kernels.ops, kernels.joined, kernels.copies
+    run(feeds[:1])
+    assert (kernels.ops - ops, kernels.joined - joined, kernels.copies - copies) == (2, 1, 1)
+    ours, theirs = ours_and_theirs(kernels, lambda: run(feeds))
+    for j, (state, new, alpha) in enumerate(feeds):
+        joined_cols, act, normed = conv_exact(w, state, new, T)
+        [after], got_act, got_l2, decay, sig = ours[j]
+        np.testing.assert_array_equal(after, joined_cols[:, :, T:].reshape(-1).astype(np.float32))
+        np.testing.assert_allclose(got_act, act, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got_l2, normed, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(after, theirs[j][0][0])
+        np.testing.assert_allclose(got_act, theirs[j][1], rtol=1e-5, atol=1e-6)
+        exact = gates_exact(bias, a, alpha[:, :heads], alpha[:, heads : 2 * heads])
+        for got, ref, want in zip((decay, sig), theirs[j][3:], exact, strict=True):
             bound = 2 * float(np.abs(ref - want).max())
             assert float(np.abs(got - want).max()) <= bound
 

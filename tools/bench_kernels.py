@@ -73,8 +73,10 @@ def one(args: argparse.Namespace) -> int:
         engine.reset()
         bench.decode(0)
         verify_curve(bench)
-        calls = kernels.calls if kernels else 0
-        bench.record("lucepy_kernel_calls", {"calls": calls})
+        counts = {"calls": 0, "ops": 0, "joined": 0}
+        if kernels:
+            counts = {"calls": kernels.calls, "ops": kernels.ops, "joined": kernels.joined}
+        bench.record("lucepy_kernel_calls", counts)
     return 0
 
 
@@ -160,11 +162,13 @@ def report(args: argparse.Namespace) -> int:
         "\nDecode step (ms): "
         + ", ".join(f"{lab} {_cell(d, '{:.2f}')}" for lab, d in zip(labels, decode_ms, strict=True))
     )
-    calls = [s.get("lucepy_kernel_calls", {}).get("calls") for s in sides]
+    counts = [s.get("lucepy_kernel_calls", {}) for s in sides]
+    calls, ops, joined = ([c.get(key) for c in counts] for key in ("calls", "ops", "joined"))
     lines += [
         "",
         f"Products computed by lucepy's kernels: {calls[1]} with them on, {calls[2]} repacked, "
-        f"{calls[0]} off.",
+        f"{calls[0]} off; other ops {ops[1]} with them on ({joined[1]} of them in another op's "
+        "kernel).",
         *(f"- llama.cpp {m}: no samples, left out" for m in missing),
     ]
     text = "\n".join(lines) + "\n"

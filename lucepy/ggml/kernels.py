@@ -23,6 +23,7 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_fused(void);
     int64_t lucepy_cuda_kernels_ops(void);
     int64_t lucepy_cuda_kernels_copies(void);
+    int64_t lucepy_cuda_kernels_joined(void);
     int lucepy_cuda_repack(void * tensor);
     """
 )
@@ -74,6 +75,12 @@ class CudaKernels:
         verify's DeltaNet state before the step (kept for its rollback) and beta out of the
         stacked DeltaNet product, and a rollback's conv tail, counted alike."""
         return int(self.handle.lucepy_cuda_kernels_copies())
+
+    @property
+    def joined(self) -> int:
+        """Of those ops, the ones computed in another op's kernel (a conv step's kernel computing
+        the DeltaNet gates after it: one launch less before the recurrence), counted alike."""
+        return int(self.handle.lucepy_cuda_kernels_joined())
 
     def repack(self, tensor: Any) -> bool:
         """Rewrite a Q4_0 weight in a CUDA device's memory in place into lucepy's layout

@@ -660,6 +660,40 @@ __global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
     quantize_piece(v, planes, int64_t(piece) * planes, xq, xds);
 }
 
+// qwen35's DeltaNet gates of a step, tiny tensors ([heads, tokens]): ggml's ADD of the dt bias,
+// SOFTPLUS and MUL by A (the decay), and the SIGMOID of beta where it comes next (alpha and
+// beta columns of a wider product: a stacked product's parts); one kernel where ggml-cuda runs
+// three or more, a thread an element. Each writes every node's result as ggml's kernels do
+// (their formulas), but for beta's copy out of the product, which only the sigmoid read.
+struct DeltaGates {
+    const float * alpha;  // [n / period] columns of period, alpha_stride apart
+    int64_t alpha_stride;
+    const float * bias;   // [period], repeated
+    const float * a;      // [period], repeated
+    float * sum, * soft, * decay;
+    int n, period;
+    const float * beta;  // [nbeta / beta_period] columns of beta_period, beta_stride apart
+    int64_t beta_stride;
+    float * sig;         // [nbeta] dense, or nbeta 0
+    int nbeta, beta_period;
+};
+
+// element e of the gates (a thread's), where there is one
+__device__ __forceinline__ void gate_element(const DeltaGates & g, int e) {
+    if (e < g.n) {
+        const float s = g.alpha[int64_t(e / g.period) * g.alpha_stride + e % g.period] +
+                        g.bias[e % g.period];
+        const float p = s > 20.0f ? s : logf(1.0f + expf(s));
+        g.sum[e] = s;
+        g.soft[e] = p;
+        g.decay[e] = p * g.a[e % g.period];
+    }
+    if (e < g.nbeta) {
+        const float b = g.beta[int64_t(e / g.beta_period) * g.beta_stride + e % g.beta_period];
+        g.sig[e] = 1.0f / (1.0f + expf(-b));
+    }
+}
+
 // A causal depthwise convolution of K taps over a recurrent state's K - 1 saved columns and t new
 // ones (qwen35's DeltaNet conv: ggml's CONCAT, the copy of the new tail into the state, SSM_CONV
 // and its SiLU), one kernel where ggml-cuda runs three: grid (channels / CONV_THREADS rounded up,
@@ -673,7 +707,11 @@ __global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
 // 16-token verify in groups of 4 tokens: 320 CTAs where a group of 16 made 80, each token's
 // head norm a barrier; docs/BENCHMARKS.md, session 27.) With `heads`, the first heads
 // x CONV_THREADS channels of the SiLU are also RMS-normed a head of CONV_THREADS channels at a
-// time (qwen35's l2 norm of q and k: ggml's RMS_NORM then SCALE), a CTA a head.
+// time (qwen35's l2 norm of q and k: ggml's RMS_NORM then SCALE), a CTA a head. With gates
+// (`g`, where the DeltaNet gates come next in the graph and share no bytes with the step), the
+// CTAs past the channels' of the first sequence and group compute them as `delta_gates` would:
+// one kernel less before the recurrence, which then launches only when this kernel ends (as it
+// did after `delta_gates`).
 constexpr int CONV_THREADS = 128;
 constexpr int CONV_MAX_T = 16;
 constexpr int CONV_GROUP = 4;  // tokens a CTA where groups may be (at least K - 1)
@@ -693,13 +731,23 @@ struct ConvArgs {
     int per_group;              // tokens a CTA (grid z: groups of them; at least K - 1 a group)
 };
 
-template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a) {
+template <int K>
+__global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a, const DeltaGates g) {
     constexpr int K1 = K - 1;
     constexpr int JW = K1 + CONV_MAX_T;  // a channel's joined columns in shared memory, at most
     __shared__ float joined[CONV_THREADS * JW];  // [channel of the CTA][column - lo]
     __shared__ float head_sums[2][CONV_THREADS / 32];  // a token's squares, a warp's sum each
-    LUCEPY_PDL_LAUNCH();
-    LUCEPY_PDL_SYNC();  // the new columns: the kernel before has finished
+    const int tiles = (a.C + CONV_THREADS - 1) / CONV_THREADS;
+    if (g.n == 0 && g.nbeta == 0) {
+        LUCEPY_PDL_LAUNCH();
+    }
+    LUCEPY_PDL_SYNC();  // the new columns (and alpha, beta): the kernel before has finished
+    if (int(blockIdx.x) >= tiles) {  // the gates' CTAs
+        if (blockIdx.y == 0 && blockIdx.z == 0) {
+            gate_element(g, (int(blockIdx.x) - tiles) * CONV_THREADS + int(threadIdx.x));
+        }
+        return;
+    }
     const int W = K1 + a.t;
     const int i0 = blockIdx.z * a.per_group;  // this CTA's tokens i0 .. i1
     const int i1 = min(a.t, i0 + a.per_group);
@@ -782,42 +830,12 @@ template <int K> __global__ void __launch_bounds__(CONV_THREADS) conv_step(const
     }
 }
 
-// qwen35's DeltaNet gates of a step, tiny tensors ([heads, tokens]): ggml's ADD of the dt bias,
-// SOFTPLUS and MUL by A (the decay), and the SIGMOID of beta where it comes next (alpha and
-// beta columns of a wider product: a stacked product's parts); one kernel where ggml-cuda runs
-// three or more, a thread an element. Each writes every node's result as ggml's kernels do
-// (their formulas), but for beta's copy out of the product, which only the sigmoid read.
-struct DeltaGates {
-    const float * alpha;  // [n / period] columns of period, alpha_stride apart
-    int64_t alpha_stride;
-    const float * bias;   // [period], repeated
-    const float * a;      // [period], repeated
-    float * sum, * soft, * decay;
-    int n, period;
-    const float * beta;  // [nbeta / beta_period] columns of beta_period, beta_stride apart
-    int64_t beta_stride;
-    float * sig;         // [nbeta] dense, or nbeta 0
-    int nbeta, beta_period;
-};
-
 // The kernel after it (the recurrence, one wave of CTAs) is not let launch before it ends:
 // launched while the conv step still held SMs, the recurrence's CTAs went unevenly to the SMs and
 // it took 22 us a 16-token verify where it took 14.4 (docs/BENCHMARKS.md, session 28).
 __global__ void delta_gates(const DeltaGates g) {
     LUCEPY_PDL_SYNC();  // alpha and beta: the product before has finished
-    const int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e < g.n) {
-        const float s = g.alpha[int64_t(e / g.period) * g.alpha_stride + e % g.period] +
-                        g.bias[e % g.period];
-        const float p = s > 20.0f ? s : logf(1.0f + expf(s));
-        g.sum[e] = s;
-        g.soft[e] = p;
-        g.decay[e] = p * g.a[e % g.period];
-    }
-    if (e < g.nbeta) {
-        const float b = g.beta[int64_t(e / g.beta_period) * g.beta_stride + e % g.beta_period];
-        g.sig[e] = 1.0f / (1.0f + expf(-b));
-    }
+    gate_element(g, blockIdx.x * blockDim.x + threadIdx.x);
 }
 
 // The argmax of long rows (a greedy step's logits over the vocabulary), where ggml-cuda runs one

@@ -68,6 +68,7 @@ std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
 std::atomic<int64_t> g_ops{0};
 std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
+std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
 
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -1026,6 +1027,122 @@ bool bytes_read(ContextState & st, const ggml_cgraph * cgraph, const ggml_tensor
     return false;
 }
 
+// qwen35's DeltaNet gates from node i, an ADD: what `delta_gates` computes for them, and the
+// bytes it reads and writes; nothing launched
+struct GatesPlan {
+    DeltaGates g = {};
+    int last = -1;      // the last node they take, or -1: not the gates
+    bool cont = false;  // beta read from a CONT's source (the copy made)
+    Span reads[4] = {}, writes[4] = {};  // (empty spans where beta's sigmoid is not theirs)
+};
+
+GatesPlan plan_delta_gates(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    GatesPlan plan;
+    const ggml_tensor * add = cgraph->nodes[i];
+    const int i_soft = next_op(cgraph, i);
+    const int i_mul = i_soft < cgraph->n_nodes ? next_op(cgraph, i_soft) : i_soft;
+    if (i_mul >= cgraph->n_nodes) {
+        return plan;
+    }
+    const ggml_tensor * soft = cgraph->nodes[i_soft];
+    const ggml_tensor * mul = cgraph->nodes[i_mul];
+    if (soft->op != GGML_OP_UNARY || ggml_get_unary_op(soft) != GGML_UNARY_OP_SOFTPLUS ||
+        soft->src[0] != add || mul->op != GGML_OP_MUL ||
+        (mul->src[0] != soft && mul->src[1] != soft)) {
+        return plan;
+    }
+    const ggml_tensor * alpha = add->src[0];
+    const ggml_tensor * bias = add->src[1];
+    const ggml_tensor * a = mul->src[0] == soft ? mul->src[1] : mul->src[0];
+    const int64_t n = ggml_nelements(add), period = add->ne[0];
+    auto dense = [&](const ggml_tensor * t) { return dense_like(t, add); };
+    auto row = [&](const ggml_tensor * t) {  // one row of add's, repeated over its rows
+        return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->ne[0] == period &&
+               ggml_nelements(t) == period;
+    };
+    // alpha dense, or columns of add's rows apart (a view of a stacked product's part)
+    const bool alpha_dense = dense(alpha);
+    const bool alpha_columns = columns_apart(alpha) && ggml_are_same_shape(alpha, add);
+    if (!dense(add) || !(alpha_dense || alpha_columns) || !dense(soft) || !dense(mul) ||
+        !row(bias) || !row(a) || n >= INT32_MAX) {
+        return plan;
+    }
+    // each result apart from the rows (read by every thread), and from the others or at the same
+    // address (the same element: read first by the thread that writes it); from alpha so too
+    // where it is dense, else apart
+    const auto clear = apart_or_same;
+    for (const ggml_tensor * o : {add, soft, mul}) {
+        if (!apart(span_of(o), span_of(bias)) || !apart(span_of(o), span_of(a)) ||
+            !(alpha_dense ? clear(o, alpha) : apart(span_of(o), span_of(alpha)))) {
+            return plan;
+        }
+    }
+    if (!clear(add, soft) || !clear(add, mul) || !clear(soft, mul)) {
+        return plan;
+    }
+    DeltaGates & g = plan.g;
+    g.alpha = static_cast<const float *>(alpha->data);
+    g.alpha_stride = int64_t(alpha->nb[1] / sizeof(float));
+    g.bias = static_cast<const float *>(bias->data);
+    g.a = static_cast<const float *>(a->data);
+    g.sum = static_cast<float *>(add->data);
+    g.soft = static_cast<float *>(soft->data);
+    g.decay = static_cast<float *>(mul->data);
+    g.n = int(n);
+    g.period = int(period);
+    int i_last = i_mul;
+    // beta's sigmoid where it comes next (its own elements, apart from all of the above): of a
+    // dense beta, or of a CONT that only the sigmoid reads (a verify's beta, copied out of a
+    // stacked product's part), read from the CONT's source, columns apart, the CONT not computed
+    int i_sig = next_op(cgraph, i_mul);
+    const ggml_tensor * cont = nullptr;
+    if (i_sig < cgraph->n_nodes && cgraph->nodes[i_sig]->op == GGML_OP_CONT) {
+        cont = cgraph->nodes[i_sig];
+        i_sig = next_op(cgraph, i_sig);
+    }
+    if (i_sig < cgraph->n_nodes) {
+        const ggml_tensor * sig = cgraph->nodes[i_sig];
+        const ggml_tensor * beta = sig->op == GGML_OP_UNARY ? sig->src[0] : nullptr;
+        bool fits = beta && ggml_get_unary_op(sig) == GGML_UNARY_OP_SIGMOID &&
+                    beta->type == GGML_TYPE_F32 && sig->type == GGML_TYPE_F32 &&
+                    ggml_is_contiguous(beta) && ggml_is_contiguous(sig) &&
+                    ggml_are_same_shape(beta, sig) && ggml_nelements(sig) < INT32_MAX;
+        int64_t period_b = ggml_nelements(sig), stride_b = period_b;
+        if (fits && cont) {  // the CONT's source: [rows, columns], rows dense, columns apart
+            ContextState & st = state_of(ctx);
+            const ggml_tensor * src = cont->src[0];
+            fits = beta == cont && !bytes_read(st, cgraph, cont, 0, ggml_nbytes(cont), sig) &&
+                   columns_apart(src) && ggml_are_same_shape(src, sig);
+            beta = src;
+            period_b = src->ne[0];
+            stride_b = int64_t(src->nb[1] / sizeof(float));
+        }
+        // (beta may share bytes with alpha, bias or a, all only read: parts of one product)
+        bool apart_all = fits && (cont ? apart(span_of(sig), span_of(beta)) : clear(sig, beta));
+        for (const ggml_tensor * t : {alpha, bias, a, add, soft, mul}) {
+            apart_all = apart_all && apart(span_of(sig), span_of(t));
+        }
+        for (const ggml_tensor * t : {add, soft, mul}) {
+            apart_all = apart_all && apart(span_of(beta), span_of(t));
+        }
+        if (apart_all) {
+            g.beta = static_cast<const float *>(beta->data);
+            g.beta_period = int(period_b);
+            g.beta_stride = stride_b;
+            g.sig = static_cast<float *>(sig->data);
+            g.nbeta = int(ggml_nelements(sig));
+            i_last = i_sig;
+            plan.cont = cont != nullptr;
+            plan.reads[3] = span_of(beta);
+            plan.writes[3] = span_of(sig);
+        }
+    }
+    plan.reads[0] = span_of(alpha), plan.reads[1] = span_of(bias), plan.reads[2] = span_of(a);
+    plan.writes[0] = span_of(add), plan.writes[1] = span_of(soft), plan.writes[2] = span_of(mul);
+    plan.last = i_last;
+    return plan;
+}
+
 // qwen35's conv step from node i, a CONCAT (lucepy_cuda_fuse): the nodes after i computed, or 0
 int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     const ggml_tensor * x = cgraph->nodes[i];
@@ -1167,11 +1284,46 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     // CTA reads those of the group before it); else one
     const bool apart_steps = apart(s_conv, s_steps) && (!act || apart(span_of(act), s_steps));
     a.per_group = apart_steps ? CONV_GROUP : int(t);
+    // The DeltaNet gates where they come next, in the same kernel (its CTAs past the channels'):
+    // they read and write no bytes the step writes, nor write any it reads.
+    DeltaGates gates = {};
+    int gate_tiles = 0;
+    const int j = next_op(cgraph, i_last);
+    if (j < cgraph->n_nodes && cgraph->nodes[j]->op == GGML_OP_ADD) {
+        const GatesPlan plan = plan_delta_gates(ctx, cgraph, j);
+        const Span step_reads[] = {s_saved, s_steps, s_w};
+        const Span step_writes[] = {s_tail, s_conv, s_x, act ? span_of(act) : Span{},
+                                    normed ? span_of(normed) : Span{},
+                                    scaled ? span_of(scaled) : Span{}};
+        bool join = plan.last >= 0;
+        for (const Span & w : step_writes) {
+            for (const Span & r : plan.reads) {
+                join = join && apart(w, r);
+            }
+            for (const Span & o : plan.writes) {
+                join = join && apart(w, o);
+            }
+        }
+        for (const Span & r : step_reads) {
+            for (const Span & o : plan.writes) {
+                join = join && apart(r, o);
+            }
+        }
+        if (join) {
+            gates = plan.g;
+            gate_tiles = int((std::max(gates.n, gates.nbeta) + CONV_THREADS - 1) / CONV_THREADS);
+            i_last = plan.last;
+            g_ops.fetch_add(1, std::memory_order_relaxed);
+            g_copies.fetch_add(plan.cont ? 1 : 0, std::memory_order_relaxed);
+            g_joined.fetch_add(1, std::memory_order_relaxed);
+        }
+    }
     g_ops.fetch_add(1, std::memory_order_relaxed);
-    const dim3 grid{unsigned((C + CONV_THREADS - 1) / CONV_THREADS), unsigned(N),
+    const dim3 grid{unsigned((C + CONV_THREADS - 1) / CONV_THREADS + gate_tiles), unsigned(N),
                     unsigned((t + a.per_group - 1) / a.per_group)};
     ggml_cuda_kernel_launch(conv_step<4>,
-                            ggml_cuda_kernel_launch_params(grid, CONV_THREADS, 0, ctx.stream()), a);
+                            ggml_cuda_kernel_launch_params(grid, CONV_THREADS, 0, ctx.stream()), a,
+                            gates);
     return i_last - i;
 }
 
@@ -1413,115 +1565,23 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     return i_glu - i;
 }
 
+
 // qwen35's DeltaNet gates from node i, an ADD (lucepy_cuda_fuse): the nodes after i computed,
 // or 0
 int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
-    const ggml_tensor * add = cgraph->nodes[i];
-    const int i_soft = next_op(cgraph, i);
-    const int i_mul = i_soft < cgraph->n_nodes ? next_op(cgraph, i_soft) : i_soft;
-    if (i_mul >= cgraph->n_nodes) {
+    const GatesPlan plan = plan_delta_gates(ctx, cgraph, i);
+    if (plan.last < 0) {
         return 0;
     }
-    const ggml_tensor * soft = cgraph->nodes[i_soft];
-    const ggml_tensor * mul = cgraph->nodes[i_mul];
-    if (soft->op != GGML_OP_UNARY || ggml_get_unary_op(soft) != GGML_UNARY_OP_SOFTPLUS ||
-        soft->src[0] != add || mul->op != GGML_OP_MUL ||
-        (mul->src[0] != soft && mul->src[1] != soft)) {
-        return 0;
-    }
-    const ggml_tensor * alpha = add->src[0];
-    const ggml_tensor * bias = add->src[1];
-    const ggml_tensor * a = mul->src[0] == soft ? mul->src[1] : mul->src[0];
-    const int64_t n = ggml_nelements(add), period = add->ne[0];
-    auto dense = [&](const ggml_tensor * t) { return dense_like(t, add); };
-    auto row = [&](const ggml_tensor * t) {  // one row of add's, repeated over its rows
-        return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->ne[0] == period &&
-               ggml_nelements(t) == period;
-    };
-    // alpha dense, or columns of add's rows apart (a view of a stacked product's part)
-    const bool alpha_dense = dense(alpha);
-    const bool alpha_columns = columns_apart(alpha) && ggml_are_same_shape(alpha, add);
-    if (!dense(add) || !(alpha_dense || alpha_columns) || !dense(soft) || !dense(mul) ||
-        !row(bias) || !row(a) || n >= INT32_MAX) {
-        return 0;
-    }
-    // each result apart from the rows (read by every thread), and from the others or at the same
-    // address (the same element: read first by the thread that writes it); from alpha so too
-    // where it is dense, else apart
-    const auto clear = apart_or_same;
-    for (const ggml_tensor * o : {add, soft, mul}) {
-        if (!apart(span_of(o), span_of(bias)) || !apart(span_of(o), span_of(a)) ||
-            !(alpha_dense ? clear(o, alpha) : apart(span_of(o), span_of(alpha)))) {
-            return 0;
-        }
-    }
-    if (!clear(add, soft) || !clear(add, mul) || !clear(soft, mul)) {
-        return 0;
-    }
-    DeltaGates g = {};
-    g.alpha = static_cast<const float *>(alpha->data);
-    g.alpha_stride = int64_t(alpha->nb[1] / sizeof(float));
-    g.bias = static_cast<const float *>(bias->data);
-    g.a = static_cast<const float *>(a->data);
-    g.sum = static_cast<float *>(add->data);
-    g.soft = static_cast<float *>(soft->data);
-    g.decay = static_cast<float *>(mul->data);
-    g.n = int(n);
-    g.period = int(period);
-    int i_last = i_mul;
-    // beta's sigmoid where it comes next (its own elements, apart from all of the above): of a
-    // dense beta, or of a CONT that only the sigmoid reads (a verify's beta, copied out of a
-    // stacked product's part), read from the CONT's source, columns apart, the CONT not computed
-    int i_sig = next_op(cgraph, i_mul);
-    const ggml_tensor * cont = nullptr;
-    if (i_sig < cgraph->n_nodes && cgraph->nodes[i_sig]->op == GGML_OP_CONT) {
-        cont = cgraph->nodes[i_sig];
-        i_sig = next_op(cgraph, i_sig);
-    }
-    if (i_sig < cgraph->n_nodes) {
-        const ggml_tensor * sig = cgraph->nodes[i_sig];
-        const ggml_tensor * beta = sig->op == GGML_OP_UNARY ? sig->src[0] : nullptr;
-        bool fits = beta && ggml_get_unary_op(sig) == GGML_UNARY_OP_SIGMOID &&
-                    beta->type == GGML_TYPE_F32 && sig->type == GGML_TYPE_F32 &&
-                    ggml_is_contiguous(beta) && ggml_is_contiguous(sig) &&
-                    ggml_are_same_shape(beta, sig) && ggml_nelements(sig) < INT32_MAX;
-        int64_t period_b = ggml_nelements(sig), stride_b = period_b;
-        if (fits && cont) {  // the CONT's source: [rows, columns], rows dense, columns apart
-            ContextState & st = state_of(ctx);
-            const ggml_tensor * src = cont->src[0];
-            fits = beta == cont && !bytes_read(st, cgraph, cont, 0, ggml_nbytes(cont), sig) &&
-                   columns_apart(src) && ggml_are_same_shape(src, sig);
-            beta = src;
-            period_b = src->ne[0];
-            stride_b = int64_t(src->nb[1] / sizeof(float));
-        }
-        // (beta may share bytes with alpha, bias or a, all only read: parts of one product)
-        bool apart_all = fits && (cont ? apart(span_of(sig), span_of(beta)) : clear(sig, beta));
-        for (const ggml_tensor * t : {alpha, bias, a, add, soft, mul}) {
-            apart_all = apart_all && apart(span_of(sig), span_of(t));
-        }
-        for (const ggml_tensor * t : {add, soft, mul}) {
-            apart_all = apart_all && apart(span_of(beta), span_of(t));
-        }
-        if (apart_all) {
-            g.beta = static_cast<const float *>(beta->data);
-            g.beta_period = int(period_b);
-            g.beta_stride = stride_b;
-            g.sig = static_cast<float *>(sig->data);
-            g.nbeta = int(ggml_nelements(sig));
-            i_last = i_sig;
-            if (cont) {
-                g_copies.fetch_add(1, std::memory_order_relaxed);
-            }
-        }
-    }
+    const DeltaGates & g = plan.g;
     constexpr int THREADS = 256;
     const int64_t most = std::max<int64_t>(g.n, g.nbeta);
     const dim3 grid{unsigned((most + THREADS - 1) / THREADS)};
     ggml_cuda_kernel_launch(delta_gates,
                             ggml_cuda_kernel_launch_params(grid, THREADS, 0, ctx.stream()), g);
     g_ops.fetch_add(1, std::memory_order_relaxed);
-    return i_last - i;
+    g_copies.fetch_add(plan.cont ? 1 : 0, std::memory_order_relaxed);
+    return plan.last - i;
 }
 
 // Whether `cgraph` (the one `st` holds) computes only DeltaNet recurrences and copies (a
@@ -1914,6 +1974,7 @@ std::atomic<int64_t> g_quantized{0};
 std::atomic<int64_t> g_fused{0};
 std::atomic<int64_t> g_ops{0};
 std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
+std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
 }  // namespace lucepy
 
 #endif
@@ -1953,6 +2014,10 @@ int64_t lucepy_cuda_kernels_ops(void) {
 
 int64_t lucepy_cuda_kernels_copies(void) {
     return lucepy::g_copies.load(std::memory_order_relaxed);
+}
+
+int64_t lucepy_cuda_kernels_joined(void) {
+    return lucepy::g_joined.load(std::memory_order_relaxed);
 }
 
 int lucepy_cuda_repack(struct ggml_tensor * t) {
