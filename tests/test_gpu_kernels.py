@@ -365,25 +365,34 @@ def test_gpu_shared_activations_follow_each_compute(k, cuda):
             np.testing.assert_array_equal(together[j][i], alone)
 
 
-def gated_norm_products(lib, device, weights, norm, xs, zs, op, cols=1):
+def gated_norm_products(lib, device, weights, norm, xs, zs, op, cols=1, wide=0):
     """Each matrix of ``weights`` times gate(z) * (rms_norm(x) * norm) (qwen35's gated norm: x
     and z [rows, n], each row normed alone, the result read as ``cols`` columns of whole rows), for
     each pair of ``xs`` and ``zs``; then the gated result and the norm times its weight
-    (``computed``)."""
+    (``computed``). With ``wide``, each z is given as [cols, wide] (a stacked product's output:
+    z its first rows * n / cols values a column) and copied out of it (a CONT, built first, as
+    qwen35's verify does); the copy is then the first result."""
     rows, n = xs[0].shape
-    consts = [(gtype, rows * n // cols, raw.shape[0], raw) for gtype, raw in weights]
+    per_col = rows * n // cols
+    consts = [(gtype, per_col, raw.shape[0], raw) for gtype, raw in weights]
     consts.append((GGML_TYPE_F32, n, 1, np.ascontiguousarray(norm, dtype=np.float32)))
 
     def build(c, ts, ins):
         x, z = ins
+        first = []
+        if wide:
+            z = lib.ggml_cont(c, lib.ggml_view_2d(c, z, per_col, cols, z.nb[1], 0))
+            first = [z]
+            z = lib.ggml_reshape_2d(c, z, n, rows)
         normed = lib.ggml_mul(c, lib.ggml_rms_norm(c, x, EPS), ts[-1])
         act = lib.ggml_silu(c, z) if op == "silu" else lib.ggml_sigmoid(c, z)
-        gated = lib.ggml_reshape_2d(c, lib.ggml_mul(c, normed, act), rows * n // cols, cols)
+        gated = lib.ggml_reshape_2d(c, lib.ggml_mul(c, normed, act), per_col, cols)
         lib.ggml_set_output(normed)  # (read back: its memory not reused)
-        return [lib.ggml_mul_mat(c, t, gated) for t in ts[:-1]] + [gated, normed]
+        return first + [lib.ggml_mul_mat(c, t, gated) for t in ts[:-1]] + [gated, normed]
 
     feeds = list(zip(xs, zs, strict=True))
-    return computed(lib, device, consts, [(n, rows), (n, rows)], build, feeds)
+    z_shape = (wide, cols) if wide else (n, rows)
+    return computed(lib, device, consts, [(n, rows), z_shape], build, feeds)
 
 
 @pytest.mark.parametrize(
@@ -427,6 +436,36 @@ def test_gpu_gated_norm_quantizes_for_its_products(kind, op, n, cols, cuda):
         np.testing.assert_allclose(ours[j][-2], theirs[j][-2], rtol=1e-5, atol=1e-6)
         assert rel_err(ours[j][-2], gated).max() < 1e-5
         assert_products_near(mats, ours[j], theirs[j], gated, f"{kind} input {j}")
+
+
+@pytest.mark.parametrize(("op", "cols"), [("silu", 16), ("sigmoid", 3)])
+def test_gpu_gated_norm_reads_its_gate_in_place(op, cols, cuda):
+    """A verify's gated norm whose z is copied out of a wider product just before it (qwen35's
+    DeltaNet z, a CONT only the gate reads) reads z from the product in place: the copy not made
+    (counted as a copy), one kernel as without it, the results the same as from a z given
+    whole, bit for bit."""
+    lib, device, kernels = cuda
+    n, more = 128, 40
+    mats = [weights_of(lib, "q4_0", 60 + i) for i in range(2)]
+    weights = [(t, raw) for t, raw, _ in mats]
+    rng = np.random.default_rng(61 + cols)
+    rows = N // n * cols
+    wn = rng.uniform(0.5, 1.5, size=n).astype(np.float32)
+    xs = [3.0 * rng.normal(size=(rows, n)).astype(np.float32) for _ in range(3)]
+    wides = [2.0 * rng.normal(size=(cols, N + more)).astype(np.float32) for _ in range(3)]
+    zs = [wz[:, :N].reshape(rows, n) for wz in wides]
+
+    def run(zs, wide=0, feeds=3):
+        return gated_norm_products(lib, device, weights, wn, xs[:feeds], zs[:feeds], op, cols, wide)
+
+    copies = kernels.copies
+    assert counted(kernels, lambda: run(wides, N + more, 1)) == (2, 1, 1)
+    assert kernels.copies - copies == 1
+    in_place = run(wides, N + more)
+    whole = run(zs)
+    for j in range(3):
+        for got, want in zip(in_place[j][1:], whole[j], strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
 def glu_products(lib, device, weights, gates, ups):

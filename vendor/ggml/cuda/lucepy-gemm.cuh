@@ -242,11 +242,13 @@ __device__ __forceinline__ void segment_halves(float v, bool here, const Halves 
 // padded columns), a CTA of GM_SEG warps a segment, a warp a piece; a column `npieces` pieces of
 // whole rows (of n = 32 PIECES values: GM_SEG % PIECES == 0, so a CTA holds whole rows). Writes
 // the three results as ggml does and the gated one's halves as to_halves writes them (padding
-// columns zeros).
+// columns zeros). z's columns are z_stride floats apart (a verify's z read in place from the
+// stacked product, where ggml-cuda would copy it out with a 2D memcpy outside the PDL chain).
 template <int PIECES>
 __global__ void __launch_bounds__(GM_SEG * 32) norm_gate_halves(
-    const float * x, int64_t x_stride, const float * w, const float * z, float * normed,
-    float * gate, float * dst, int npieces, int ncols, float eps, int op, Halves out) {
+    const float * x, int64_t x_stride, const float * w, const float * z, int64_t z_stride,
+    float * normed, float * gate, float * dst, int npieces, int ncols, float eps, int op,
+    Halves out) {
     static_assert(GM_SEG % PIECES == 0, "a CTA holds whole rows");
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // x and z: the kernels before have finished
@@ -263,8 +265,9 @@ __global__ void __launch_bounds__(GM_SEG * 32) norm_gate_halves(
     float v = 0.0f;
     if (here) {
         const int64_t i = piece * 32 + lane;
-        v = gated_norm_write(ys, 32 * PIECES, eps, w[32 * mine + lane], z[i], op, normed, gate,
-                             dst, i);
+        const float zi = z[c * z_stride + p * 32 + lane];
+        v = gated_norm_write(ys, 32 * PIECES, eps, w[32 * mine + lane], zi, op, normed, gate, dst,
+                             i);
     }
     segment_halves(v, piece_here, out, c, npieces, seg);
 }

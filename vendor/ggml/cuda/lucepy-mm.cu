@@ -1327,8 +1327,12 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     return i_last - i;
 }
 
-// A gated norm from node i, an RMS_NORM (lucepy_cuda_fuse): the nodes after i computed, or 0
-int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+// A gated norm from node i, an RMS_NORM (lucepy_cuda_fuse): the nodes after i computed, or 0.
+// With `cont`, a CONT just before it that only the gate reads (through a view of it: a verify's
+// z copied out of the stacked DeltaNet product): of 2-16 columns only, z then read from the
+// CONT's source in place, its columns apart, and the CONT not computed (counted as a copy made).
+int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
+                    const ggml_tensor * cont = nullptr) {
     const ggml_tensor * norm = cgraph->nodes[i];
     const int i_mul = i + 1;
     const int i_act = i_mul < cgraph->n_nodes ? next_op(cgraph, i_mul) : i_mul;
@@ -1371,6 +1375,31 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         (want->planes == 0 && want->src1->ne[0] % n != 0)) {
         return 0;  // (halves: a column of whole rows)
     }
+    // z's columns: the CONT's source's where it is read in place (rows dense, columns apart, a
+    // column of the product's `out` each), else z's own
+    const ggml_tensor * z_at = z;
+    int64_t z_stride = 0;
+    if (want->planes == 0) {
+        z_stride = want->src1->ne[0];
+    }
+    if (cont) {
+        const ggml_tensor * src = cont->src[0];
+        const bool in_place = want->planes == 0 && (z == cont || z->view_src == cont) &&
+                              z->view_offs == 0 && columns_apart(src) &&
+                              ggml_are_same_shape(src, cont) && src->ne[0] == want->src1->ne[0] &&
+                              src->ne[1] == want->src1->ne[1] &&
+                              !bytes_read(st, cgraph, cont, 0, ggml_nbytes(cont), act);
+        if (!in_place) {
+            return 0;
+        }
+        for (const ggml_tensor * o : {mul, act, out}) {
+            if (!apart(span_of(o), span_of(src))) {
+                return 0;
+            }
+        }
+        z_at = src;
+        z_stride = int64_t(src->nb[1] / sizeof(float));
+    }
     // each result apart from the weight, and from x, z and the other results or at the same
     // address (the same element: read before it is written, by the same lane or, for x's rows,
     // the same CTA)
@@ -1399,7 +1428,7 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
             ggml_cuda_kernel_launch(kernel, params, static_cast<const float *>(x->data),
                                     int64_t(x->nb[1] / sizeof(float)),
                                     static_cast<const float *>(w->data),
-                                    static_cast<const float *>(z->data),
+                                    static_cast<const float *>(z_at->data), z_stride,
                                     static_cast<float *>(mul->data),
                                     static_cast<float *>(act->data),
                                     static_cast<float *>(out->data), int(per_col), int(cols), eps,
@@ -1409,6 +1438,9 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
             case 64: launch(norm_gate_halves<2>); break;
             case 128: launch(norm_gate_halves<4>); break;
             default: launch(norm_gate_halves<8>); break;
+        }
+        if (cont) {
+            g_copies.fetch_add(1, std::memory_order_relaxed);
         }
         return i_out - i;
     }
@@ -1433,6 +1465,17 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         default: launch(norm_gate_quantize<8>); break;
     }
     return i_out - i;
+}
+
+// A CONT from node i that only the gated norm right after it reads (a verify's z): the norm's
+// kernel reads the CONT's source in place (norm_gate_nodes). The nodes after i computed, or 0.
+int cont_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const int j = next_op(cgraph, i);
+    if (j >= cgraph->n_nodes || cgraph->nodes[j]->op != GGML_OP_RMS_NORM) {
+        return 0;
+    }
+    const int took = norm_gate_nodes(ctx, cgraph, j, cgraph->nodes[i]);
+    return took > 0 ? j + took - i : 0;
 }
 
 // A product of 2-16 columns from node i, a MUL_MAT, and the residual ADD after it (a verify's
@@ -1881,6 +1924,7 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
         case GGML_OP_ADD: return delta_gate_nodes(ctx, cgraph, i);
         case GGML_OP_GATED_DELTA_NET: return delta_net_nodes(ctx, cgraph, i);
         case GGML_OP_DUP: return dup_nodes(ctx, cgraph, i);
+        case GGML_OP_CONT: return cont_gate_nodes(ctx, cgraph, i);
         case GGML_OP_MUL_MAT: {
             const int pair = glu_pair_nodes(ctx, cgraph, i);
             return pair > 0 ? pair : mul_mat_add_nodes(ctx, cgraph, i);
