@@ -336,7 +336,8 @@ class Qwen35(Architecture):
         new_state = L.ggml_view_1d(c, res, n * N, fs * S * Hv * T)
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, new_state, mine))
 
-        if T > 1:  # z is a copy out of the stacked product: the product stays unreused (an
+        if z.op == L.GGML_OP_CONT and z.src[0].view_src != ffi.NULL:
+            # z is a copy out of the stacked product (T > 1): the product stays unreused (an
             # output) through the gated norm, which lucepy's CUDA kernels then compute reading z
             # in place, the copy (ggml-cuda's 2D memcpy, outside the PDL chain) not made
             L.ggml_set_output(z.src[0].view_src)
