@@ -257,16 +257,18 @@ class Qwen35(Architecture):
         p, L, c, b = self.p, g.lib, g.ctx, f"blk.{il}."
         hd, nh, nkv = p.head_dim, p.n_head, p.n_head_kv
         rows = {"attn_q": 2 * hd * nh, "attn_k": hd * nkv, "attn_v": hd * nkv}
-        y = g.products(w, x, b, rows, _STACKS)
-        qg = y["attn_q"]  # [2*hd*nh, T]: per head, query then gate
+        # q, k and v stay views of a stack's product for any T (their norms, rope and set_rows
+        # read strided columns): a step of several tokens copies none of them out (ggml-cuda
+        # copied each with a 2D memcpy, outside the PDL chain)
+        y = g.products(w, x, b, rows, _STACKS, views=tuple(rows))
+        qg = y["attn_q"]  # [2*hd*nh, T]: per head, query then gate; columns qg.nb[1] apart
         es = L.ggml_element_size(qg)
-        q = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, es * hd * 2 * nh, 0)  # [hd, nh, T]
-        gate = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, es * hd * 2 * nh, es * hd)
+        q = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, qg.nb[1], 0)  # [hd, nh, T]
+        gate = L.ggml_view_3d(c, qg, hd, nh, T, es * hd * 2, qg.nb[1], es * hd)
         gate = L.ggml_cont_2d(c, gate, hd * nh, T)
         q = g.rms_norm(q, w[b + "attn_q_norm.weight"], p.rms_eps)
-        k = L.ggml_reshape_3d(c, y["attn_k"], hd, nkv, T)
-        k = g.rms_norm(k, w[b + "attn_k_norm.weight"], p.rms_eps)
-        v = L.ggml_reshape_3d(c, y["attn_v"], hd, nkv, T)
+        k = g.rms_norm(g.heads(y["attn_k"], hd), w[b + "attn_k_norm.weight"], p.rms_eps)
+        v = g.heads(y["attn_v"], hd)  # [hd, nkv, T]
         q, k = self._rope(g, q), self._rope(g, k)
         cache, scale = self.kv_state(il), 1.0 / math.sqrt(hd)
         attn = g.cached_attention(cache, st, q, k, v, scale, self.options.flash_attn)  # [hd*nh, T]
