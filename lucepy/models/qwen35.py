@@ -29,6 +29,11 @@ from lucepy.models.base import (
 from lucepy.models.batch import StepBatch
 from lucepy.models.state import DeltaNetState, LayerState
 
+# tokens of a step up to which lucepy's CUDA gated norm reads z in place (norm_gate_halves, 2-16
+# columns): past them a prefill chunk's stacked products are not kept (about 1.6 GB at 512
+# tokens for the 27B-shaped model's 48 layers)
+_GATE_IN_PLACE = 16
+
 GGML_ROPE_TYPE_IMROPE = 40
 # the 2D weights that graphs use only as mul_mat's first operand (not norms, conv, get_rows)
 _MATMUL_SUFFIXES = ("_qkv.weight", "_gate.weight", "_q.weight", "_k.weight", "_v.weight")
@@ -338,10 +343,10 @@ class Qwen35(Architecture):
         new_state = L.ggml_view_1d(c, res, n * N, fs * S * Hv * T)
         L.ggml_build_forward_expand(g.gf, L.ggml_cpy(c, new_state, mine))
 
-        if z.op == L.GGML_OP_CONT and z.src[0].view_src != ffi.NULL:
-            # z is a copy out of the stacked product (T > 1): the product stays unreused (an
-            # output) through the gated norm, which lucepy's CUDA kernels then compute reading z
-            # in place, the copy (ggml-cuda's 2D memcpy, outside the PDL chain) not made
+        if T <= _GATE_IN_PLACE and z.op == L.GGML_OP_CONT and z.src[0].view_src != ffi.NULL:
+            # z is a copy out of the stacked product (a verify's): the product stays unreused
+            # (an output) through the gated norm, which lucepy's CUDA kernels then compute reading
+            # z in place, the copy (ggml-cuda's 2D memcpy, outside the PDL chain) not made
             L.ggml_set_output(z.src[0].view_src)
         z4 = L.ggml_reshape_4d(c, z, S, Hv, t, N)
         # z's copy out of the stacked product (T > 1) computed here, not between the output's
