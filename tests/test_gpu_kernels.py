@@ -721,20 +721,28 @@ def test_gpu_conv_step_is_one_kernel(t, C, keep_x, cuda):
 
     ours, theirs = ours_and_theirs(kernels, run) if C % 128 == 0 else (run(), None)
     for j, (state, new) in enumerate(zip(states, news, strict=True)):
-        joined, exact, normed = conv_exact(w, state, new, t)
-        [after], act, l2, *x = ours[j]
-        np.testing.assert_array_equal(after, joined[:, :, t:].reshape(-1).astype(np.float32))
-        np.testing.assert_allclose(act, exact, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(l2, normed, rtol=1e-5, atol=1e-6)
+        joined = assert_conv_step(w, state, new, t, ours[j], theirs and theirs[j])
         if keep_x:
             joined_2d = joined.reshape(N * C, K - 1 + t).astype(np.float32)
-            np.testing.assert_array_equal(x[0], joined_2d)
-        if theirs is not None:
-            np.testing.assert_array_equal(after, theirs[j][0][0])
-            np.testing.assert_allclose(act, theirs[j][1], rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(l2, theirs[j][2], rtol=1e-5, atol=1e-6)
-            if keep_x:
-                np.testing.assert_array_equal(x[0], theirs[j][3])
+            np.testing.assert_array_equal(ours[j][3], joined_2d)
+            if theirs is not None:
+                np.testing.assert_array_equal(ours[j][3], theirs[j][3])
+
+
+def assert_conv_step(w, state, new, t, ours, theirs):
+    """``conv_steps``' first three results of one feed (``ours``): the state after exact, the
+    SiLU and the normed heads within float rounding of the exact math and, where given, of
+    ggml's (``theirs``). Returns the joined columns, exact."""
+    joined, exact, normed = conv_exact(w, state, new, t)
+    [after], act, l2 = ours[:3]
+    np.testing.assert_array_equal(after, joined[:, :, t:].reshape(-1).astype(np.float32))
+    for got, want in ((act, exact), (l2, normed)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if theirs:
+        np.testing.assert_array_equal(after, theirs[0][0])
+        for got, ref in ((act, theirs[1]), (l2, theirs[2])):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    return joined
 
 
 def delta_gates(lib, device, bias, a, alphas, betas, heads):
@@ -804,11 +812,15 @@ def test_gpu_delta_gates_are_one_kernel(T, more, cuda):
     )
     for j, alpha in enumerate(alphas):
         beta = alpha[:, heads : 2 * heads] if more else betas[j]
-        exact = gates_exact(bias, a, alpha[:, :heads], beta)
-        for got, ref, want in zip(ours[j], theirs[j], exact, strict=True):
-            # ggml's formulas (log(1 + exp(s)) loses about 1e-3 of a value near zero)
-            bound = 2 * float(np.abs(ref - want).max())
-            assert float(np.abs(got - want).max()) <= bound
+        assert_gates(ours[j], theirs[j], gates_exact(bias, a, alpha[:, :heads], beta))
+
+
+def assert_gates(ours, theirs, exact):
+    """The gates' [decay, sigmoid] (``ours``) no further from the exact math than twice ggml's
+    (``theirs``) error (its formulas: log(1 + exp(s)) loses about 1e-3 of a value near zero)."""
+    for got, ref, want in zip(ours, theirs, exact, strict=True):
+        bound = 2 * float(np.abs(ref - want).max())
+        assert float(np.abs(got - want).max()) <= bound
 
 
 @pytest.mark.parametrize("T", [1, 16])
@@ -844,17 +856,9 @@ def test_gpu_conv_step_and_gates_are_one_kernel(T, cuda):
     assert (kernels.ops - ops, kernels.joined - joined, kernels.copies - copies) == (2, 1, 1)
     ours, theirs = ours_and_theirs(kernels, lambda: run(feeds))
     for j, (state, new, alpha) in enumerate(feeds):
-        joined_cols, act, normed = conv_exact(w, state, new, T)
-        [after], got_act, got_l2, decay, sig = ours[j]
-        np.testing.assert_array_equal(after, joined_cols[:, :, T:].reshape(-1).astype(np.float32))
-        np.testing.assert_allclose(got_act, act, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got_l2, normed, rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(after, theirs[j][0][0])
-        np.testing.assert_allclose(got_act, theirs[j][1], rtol=1e-5, atol=1e-6)
+        assert_conv_step(w, state, new, T, ours[j], theirs[j])
         exact = gates_exact(bias, a, alpha[:, :heads], alpha[:, heads : 2 * heads])
-        for got, ref, want in zip((decay, sig), theirs[j][3:], exact, strict=True):
-            bound = 2 * float(np.abs(ref - want).max())
-            assert float(np.abs(got - want).max()) <= bound
+        assert_gates(ours[j][3:], theirs[j][3:], exact)
 
 
 def recurrence(lib, c, shape, qk, v, g, beta, state, own_state=True):

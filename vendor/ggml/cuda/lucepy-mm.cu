@@ -1143,6 +1143,17 @@ GatesPlan plan_delta_gates(ggml_backend_cuda_context & ctx, const ggml_cgraph * 
     return plan;
 }
 
+// the gates' elements (a thread each)
+int64_t gate_elements(const DeltaGates & g) {
+    return std::max<int64_t>(g.n, g.nbeta);
+}
+
+// the gates of `plan` computed: an op, and beta's copy where it was not made
+void count_gates(const GatesPlan & plan) {
+    g_ops.fetch_add(1, std::memory_order_relaxed);
+    g_copies.fetch_add(plan.cont ? 1 : 0, std::memory_order_relaxed);
+}
+
 // qwen35's conv step from node i, a CONCAT (lucepy_cuda_fuse): the nodes after i computed, or 0
 int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     const ggml_tensor * x = cgraph->nodes[i];
@@ -1311,10 +1322,9 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         }
         if (join) {
             gates = plan.g;
-            gate_tiles = int((std::max(gates.n, gates.nbeta) + CONV_THREADS - 1) / CONV_THREADS);
+            gate_tiles = int((gate_elements(gates) + CONV_THREADS - 1) / CONV_THREADS);
             i_last = plan.last;
-            g_ops.fetch_add(1, std::memory_order_relaxed);
-            g_copies.fetch_add(plan.cont ? 1 : 0, std::memory_order_relaxed);
+            count_gates(plan);
             g_joined.fetch_add(1, std::memory_order_relaxed);
         }
     }
@@ -1378,10 +1388,7 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     // z's columns: the CONT's source's where it is read in place (rows dense, columns apart, a
     // column of the product's `out` each), else z's own
     const ggml_tensor * z_at = z;
-    int64_t z_stride = 0;
-    if (want->planes == 0) {
-        z_stride = want->src1->ne[0];
-    }
+    int64_t z_stride = want->src1->ne[0];  // (read by the halves' kernel only)
     if (cont) {
         const ggml_tensor * src = cont->src[0];
         const bool in_place = want->planes == 0 && (z == cont || z->view_src == cont) &&
@@ -1608,7 +1615,6 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     return i_glu - i;
 }
 
-
 // qwen35's DeltaNet gates from node i, an ADD (lucepy_cuda_fuse): the nodes after i computed,
 // or 0
 int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
@@ -1616,14 +1622,12 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     if (plan.last < 0) {
         return 0;
     }
-    const DeltaGates & g = plan.g;
     constexpr int THREADS = 256;
-    const int64_t most = std::max<int64_t>(g.n, g.nbeta);
-    const dim3 grid{unsigned((most + THREADS - 1) / THREADS)};
+    const dim3 grid{unsigned((gate_elements(plan.g) + THREADS - 1) / THREADS)};
     ggml_cuda_kernel_launch(delta_gates,
-                            ggml_cuda_kernel_launch_params(grid, THREADS, 0, ctx.stream()), g);
-    g_ops.fetch_add(1, std::memory_order_relaxed);
-    g_copies.fetch_add(plan.cont ? 1 : 0, std::memory_order_relaxed);
+                            ggml_cuda_kernel_launch_params(grid, THREADS, 0, ctx.stream()),
+                            plan.g);
+    count_gates(plan);
     return plan.last - i;
 }
 
