@@ -861,11 +861,12 @@ def test_gpu_conv_step_and_gates_are_one_kernel(T, cuda):
         assert_gates(ours[j][3:], theirs[j][3:], exact)
 
 
-def recurrence(lib, c, shape, qk, v, g, beta, state, own_state=True):
+def recurrence(lib, c, shape, qk, v, g, beta, state, own_state=True, attention=True):
     """Graph nodes of one layer's DeltaNet recurrence as qwen35 writes it (``delta_nets``' inputs,
     ``shape`` (T, N, Hk, H)): the op from the state s0 (the state input itself, or without
     ``own_state`` a copy of it, kept as an output) and the copy of its new state over the state
-    input. Returns (the op's result, [its attention (an output), the state's copy], s0)."""
+    input. Returns (the op's result, [its attention (an output; without ``attention`` neither
+    kept nor returned, as in a rollback), the state's copy], s0)."""
     T, N, Hk, H = shape
     S = 128
     qk4 = lib.ggml_reshape_4d(c, qk, S, 2 * Hk, T, N)
@@ -880,10 +881,13 @@ def recurrence(lib, c, shape, qk, v, g, beta, state, own_state=True):
         s0 = lib.ggml_dup(c, s0)
         lib.ggml_set_output(s0)
     res = lib.ggml_gated_delta_net(c, q, k, v4, g4, beta4, s0, 1)
+    new = lib.ggml_view_1d(c, res, S * S * H * N, 4 * S * H * T * N)
+    copy = lib.ggml_cpy(c, new, mine)
+    if not attention:
+        return res, [copy], s0
     attn = lib.ggml_view_2d(c, res, S * H, T * N, res.nb[1], 0)
     lib.ggml_set_output(attn)
-    new = lib.ggml_view_1d(c, res, S * S * H * N, 4 * S * H * T * N)
-    return res, [attn, lib.ggml_cpy(c, new, mine)], s0
+    return res, [attn, copy], s0
 
 
 def recurrence_inputs(shape) -> list[tuple[int, int]]:
@@ -1012,42 +1016,51 @@ def test_gpu_delta_net_is_one_kernel(T, N, own_state, keep, tail, cuda):
             np.testing.assert_array_equal(ours[j][-1].reshape(1, -1), ours[j][1])
 
 
-def two_layers(lib, device, shape, feeds, chained):
+def two_layers(lib, device, shape, feeds, kind):
     """Two layers' DeltaNet recurrences in one graph (a rollback's: each from its own state,
-    each new state copied over it), ``feeds`` pairs of ``delta_nets``' five; with ``chained``
-    the second layer's v is the first's attention (a graph whose second recurrence needs the
-    first). Returns, per feed, [attention, state after] of each layer (``computed``)."""
+    each new state copied over it), ``feeds`` pairs of ``delta_nets``' five. ``kind``: "apart"
+    (each attention kept), "chained" (the second layer's v is the first's attention: a graph
+    whose second recurrence needs the first) or "states" (only the states copied, as a model's
+    rollback: neither result is read past its copy, and the allocator lays the second over the
+    first). Returns, per feed, [attention, state after] of each layer, or the states only
+    (``computed``)."""
+    attention = kind != "states"
 
     def build(c, ts, ins):
-        _, first, _ = recurrence(lib, c, shape, *ins[:5])
+        _, first, _ = recurrence(lib, c, shape, *ins[:5], attention=attention)
         second = list(ins[5:])
-        if chained:
+        if kind == "chained":
             second[1] = first[0]  # (a view of the first's result: only recurrences and copies)
-        return first + recurrence(lib, c, shape, *second)[1]
+        return first + recurrence(lib, c, shape, *second, attention=attention)[1]
 
     inputs = recurrence_inputs(shape) * 2
     return computed(lib, device, [], inputs, build, [a + b for a, b in feeds], tensors=64)
 
 
-@pytest.mark.parametrize("chained", [False, True])
-def test_gpu_rollback_recurrences_need_not_wait(chained, cuda):
+@pytest.mark.parametrize("kind", ["apart", "chained", "states"])
+def test_gpu_rollback_recurrences_need_not_wait(kind, cuda):
     """A rollback's graph of DeltaNet recurrences (two layers, 16 tokens) whose kernels read and
-    write apart from each other's bytes: each of ours may start without waiting for the one
-    before (lucepy-mm.cu's recurrences_apart); where the second reads the first's attention, it
-    waits. Either way, over replays of the CUDA graph, each layer's attention and state no
-    further from the exact math than twice ggml's own kernels are."""
+    write apart from each other's bytes (the results that only their copies read not written at
+    all, though laid over each other): captured as a CUDA graph (ggml-cuda's second compute),
+    ours need not wait for each other (lucepy-mm.cu's recurrences_apart) and are one launch,
+    one op joined to the other's kernel; where the second reads the first's attention, it waits,
+    a launch of its own. Either way, over replays of the CUDA graph, each layer's attention and
+    state no further from the exact math than twice ggml's own kernels are."""
     lib, device, kernels = cuda
     shape = (16, 1, 2, 4)
     feeds = list(zip(delta_net_feeds(shape, 96), delta_net_feeds(shape, 97), strict=True))
-    ops = kernels.ops
-    two_layers(lib, device, shape, feeds[:1], chained)
-    assert kernels.ops - ops == 2
-    ours, theirs = ours_and_theirs(kernels, lambda: two_layers(lib, device, shape, feeds, chained))
+    ops, joined = kernels.ops, kernels.joined
+    two_layers(lib, device, shape, feeds[:2], kind)
+    assert (kernels.ops - ops, kernels.joined - joined) == (4, int(kind != "chained"))
+    ours, theirs = ours_and_theirs(kernels, lambda: two_layers(lib, device, shape, feeds, kind))
     for j, (a, b) in enumerate(feeds):
         first = delta_net_exact(shape, a)
-        if chained:
+        if kind == "chained":
             b = (b[0], first[0], *b[2:])
         exact = first + delta_net_exact(shape, b)
+        if kind == "states":
+            exact = exact[1::2]
+        assert len(ours[j]) == len(exact)
         for got, ref, want in zip(ours[j], theirs[j], exact, strict=True):
             bound = 2 * float(rel_err(ref, want).max())
             assert float(rel_err(got, want).max()) <= bound, f"input {j}"

@@ -151,9 +151,23 @@ __global__ void __launch_bounds__(NORM_THREADS)
     x += real ? c * x_stride : 0;
     dst += c * dst_stride;
     LUCEPY_PDL_SYNC();  // x: the kernel before has finished
-    const float scale = real ? norm_scale(x, n, eps) : 0.0f;
     const int npieces = n / 32;
     const int lane = threadIdx.x % 32;
+    // the weights of the warp's first segment into L1 beside the norm's sum, not after it (its
+    // values of x: the sum loads them)
+    if (real && threadIdx.x / 32 < segments(npieces)) {
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            const int piece = threadIdx.x / 32 * GM_SEG + (32 * g + lane) / 4;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (piece < npieces) {
+                    prefetch_l1(w + piece * 32 + 4 * (lane % 4) + 16 * h);
+                }
+            }
+        }
+    }
+    const float scale = real ? norm_scale(x, n, eps) : 0.0f;
     for (int seg = threadIdx.x / 32; seg < segments(npieces); seg += NORM_THREADS / 32) {
         float v[2][8];
         int piece[2];
@@ -260,14 +274,13 @@ __global__ void __launch_bounds__(GM_SEG * 32) norm_gate_halves(
     const bool here = c < ncols && piece_here;
     const int64_t piece = int64_t(c) * npieces + p;  // of the results
     const int mine = int(piece % PIECES);
+    const float wi = w[32 * mine + lane];  // loaded beside the row's, not after them
+    const float zi = here ? z[c * z_stride + p * 32 + lane] : 0.0f;
     const float2 ys = gated_norm_read<PIECES>(x, x_stride, piece / PIECES, mine, here);
     __syncthreads();  // the CTA's rows read: results may overwrite them
     float v = 0.0f;
     if (here) {
-        const int64_t i = piece * 32 + lane;
-        const float zi = z[c * z_stride + p * 32 + lane];
-        v = gated_norm_write(ys, 32 * PIECES, eps, w[32 * mine + lane], zi, op, normed, gate, dst,
-                             i);
+        v = gated_norm_write(ys, 32 * PIECES, eps, wi, zi, op, normed, gate, dst, piece * 32 + lane);
     }
     segment_halves(v, piece_here, out, c, npieces, seg);
 }

@@ -523,6 +523,11 @@ __global__ void quantize(const float * x, int64_t col_stride, int npieces, int n
 // the warps' sums meet in shared memory.
 constexpr int NORM_THREADS = 1024;
 
+// the line at p into the SM's L1, nothing waiting for it
+__device__ __forceinline__ void prefetch_l1(const void * p) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ float norm_scale(const float * x, int n, float eps) {
     const int lane = threadIdx.x % 32;
     float sum = 0.0f;
@@ -558,11 +563,14 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_quantize(
     x += c * x_stride;
     dst += c * dst_stride;
     LUCEPY_PDL_SYNC();  // x: the kernel before has finished
-    const float scale = norm_scale(x, n, eps);
     const int piece = blockIdx.x * (NORM_THREADS / 32) + threadIdx.x / 32;
-    if (piece < n / 32) {
-        const int i = piece * 32 + threadIdx.x % 32;
-        const float v = scale * x[i] * w[i];
+    const int i = piece * 32 + threadIdx.x % 32;
+    const bool mine = piece < n / 32;
+    const float xi = mine ? x[i] : 0.0f;  // loaded beside the norm's sum, not after it
+    const float wi = mine ? w[i] : 0.0f;
+    const float scale = norm_scale(x, n, eps);
+    if (mine) {
+        const float v = scale * xi * wi;
         dst[i] = v;
         quantize_piece(v, planes, (int64_t(piece) * ncols + c) * planes, xq, xds);
     }
@@ -649,14 +657,15 @@ __global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
     const int mine = piece % PIECES;
     const int lane = threadIdx.x % 32;
     const bool here = row < nrows;
+    const int64_t i = int64_t(piece) * 32 + lane;
+    const float wi = w[32 * mine + lane];  // loaded beside the row's, not after them
+    const float zi = here ? z[i] : 0.0f;
     const float2 ys = gated_norm_read<PIECES>(x, x_stride, row, mine, here);
     __syncthreads();  // the CTA's rows read: results may overwrite them
     if (!here) {
         return;
     }
-    const int64_t i = int64_t(piece) * 32 + lane;
-    const float v = gated_norm_write(ys, 32 * PIECES, eps, w[32 * mine + lane], z[i], op, normed,
-                                     gate, dst, i);
+    const float v = gated_norm_write(ys, 32 * PIECES, eps, wi, zi, op, normed, gate, dst, i);
     quantize_piece(v, planes, int64_t(piece) * planes, xq, xds);
 }
 
@@ -929,7 +938,9 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // and a rollback's copy of the conv's tail (the CPY after the state's) by its threads. Where the
 // host finds that no kernel that may still run writes the state (`early`), the state is loaded
 // before the wait for the kernels before (a decode's span 5.60 -> 5.46 ms, session 28); where
-// no kernel of the graph needs another's results (`alone`: a rollback's), it does not wait.
+// no kernel of the graph needs another's results (`alone`: a rollback's), it does not wait, and
+// up to DN_LAYERS such recurrences are one launch (delta_net_layers): a rollback's 48 layers
+// took 48 launches of 768 CTAs, of which PDL let about two run at once.
 constexpr int DN_S = 128;
 constexpr int DN_WARPS = 4;  // a CTA's
 constexpr int DN_COLS = 2;   // columns of the state a warp
@@ -945,10 +956,10 @@ struct DeltaNetArgs {
     int64_t sb1, sb2, sb3;
     const float * s0;  // [S, S, H, N] dense: column c of head h, sequence n at (n H + h) S S + c S
     float * s0_copy;   // s0 again, as loaded (a verify's copy of the state before it), or null
-    float * attn;      // [S, H, T, N] dense
+    float * attn;      // [S, H, T, N] dense, or null: not written
     float * state;     // [S, S, H, N] dense, as s0: the state after the last token
     float * state2;    // the same again, or null
-    int H, T, hk, rq3;
+    int H, N, T, hk, rq3;
     float scale;
     // a copy made beside the recurrence (a rollback's of the conv's tail), or tail_n 0: rows of
     // tail_row values tail_stride floats apart into `tail`, dense
@@ -976,19 +987,19 @@ template <int N> __device__ __forceinline__ void warp_sums(float (&x)[N]) {
     }
 }
 
-// grid (H, N, DN_S / DN_CTA_COLS), DN_WARPS * 32 threads
-__global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const DeltaNetArgs a) {
+constexpr int DN_Z = DN_S / DN_CTA_COLS;  // a head's CTAs
+
+// The CTA (h, n, z) of a's recurrence: head h, sequence n, columns DN_CTA_COLS z on
+__device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int h, const int n,
+                                              const int z) {
     __shared__ __align__(16) float qs[2][DN_TILE][DN_S];
     __shared__ __align__(16) float ks[2][DN_TILE][DN_S];
     __shared__ __align__(16) float vs[2][DN_TILE][DN_CTA_COLS];
     __shared__ float gs[2][DN_TILE];
     __shared__ float bs[2][DN_TILE];
-    LUCEPY_PDL_LAUNCH();
-    const int h = blockIdx.x;
-    const int n = blockIdx.y;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int col0 = blockIdx.z * DN_CTA_COLS;
+    const int col0 = z * DN_CTA_COLS;
     const int64_t qk_at = (n / a.rq3) * a.sq3 + (h % a.hk) * a.sq1;
     const float * q = a.q + qk_at;
     const float * k = a.k + qk_at;
@@ -1060,13 +1071,13 @@ __global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const DeltaNetArgs a)
             }
         }
     }
-    const int64_t threads = int64_t(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;
-    for (int64_t e = ((int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) *
-                         blockDim.x + threadIdx.x;
-         e < a.tail_n; e += threads) {
+    const int64_t threads = int64_t(a.H) * a.N * DN_Z * blockDim.x;  // the recurrence's
+    for (int64_t e = ((int64_t(z) * a.N + n) * a.H + h) * blockDim.x + threadIdx.x; e < a.tail_n;
+         e += threads) {
         a.tail[e] = a.tail_from[e / a.tail_row * a.tail_stride + e % a.tail_row];
     }
-    float * attn = a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col0 + warp * C;
+    float * attn = a.attn ? a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col0 + warp * C
+                          : nullptr;
     const int64_t token_stride = int64_t(DN_S) * a.H;
     for (int tile = 0; tile < ntiles; tile++) {
         issue(tile + 1);
@@ -1108,7 +1119,7 @@ __global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const DeltaNetArgs a)
             warp_sums(out);
 #pragma unroll
             for (int c = 0; c < C; c++) {
-                if (lane == c) {
+                if (lane == c && attn) {
                     attn[(t0 + t) * token_stride + c] = out[c] * a.scale;
                 }
             }
@@ -1125,6 +1136,30 @@ __global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const DeltaNetArgs a)
             }
         }
     }
+}
+
+// grid (H, N, DN_Z), DN_WARPS * 32 threads
+__global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const __grid_constant__ DeltaNetArgs a) {
+    LUCEPY_PDL_LAUNCH();
+    delta_net_cta(a, blockIdx.x, blockIdx.y, blockIdx.z);
+}
+
+// Recurrences that are `alone` (none reads or writes what another does), of the same H and N:
+// as many as a launch's 4 KB of arguments hold
+constexpr int DN_LAYERS = 16;
+
+struct DeltaNetLayers {
+    DeltaNetArgs a[DN_LAYERS];
+    int n;
+};
+
+static_assert(sizeof(DeltaNetLayers) <= 4096, "a launch's arguments");
+
+// grid (H, N, DN_Z n), DN_WARPS * 32 threads: recurrence z / DN_Z's CTA (x, y, z % DN_Z)
+__global__ void __launch_bounds__(DN_WARPS * 32)
+    delta_net_layers(const __grid_constant__ DeltaNetLayers b) {
+    LUCEPY_PDL_LAUNCH();
+    delta_net_cta(b.a[blockIdx.z / DN_Z], blockIdx.x, blockIdx.y, blockIdx.z % DN_Z);
 }
 
 }  // namespace lucepy

@@ -1633,10 +1633,14 @@ int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
 
 // Whether `cgraph` (the one `st` holds) computes only DeltaNet recurrences and copies (a
 // rollback's: each layer's recurrence over the accepted tokens, its state's copy and the conv
-// tail's), none reading or writing the bytes another writes (a recurrence and the copies of its
-// result one). Then every kernel of it may run without waiting for the one before (PDL): none
-// needs another's results, so none after it can need them through its wait either. Learnt once
-// a graph, comparing every two nodes (a rollback's 48 layers: 144).
+// tail's), none reading or writing the bytes another writes. A recurrence and the copy of its
+// result are one (delta_net's): they read the recurrence's inputs and write the copy's
+// destination, and the recurrence's own result only where a node other than the copy reads it
+// (where nothing does, the allocator lays every layer's result over the same bytes, which no
+// kernel then writes). Then every kernel of it may run without waiting for the one before (PDL),
+// and they may be one launch: none needs another's results, so none after it can need them
+// through its wait either. Learnt once a graph, comparing every two nodes (a rollback's 48
+// layers: 144).
 bool recurrences_apart(ContextState & st, const ggml_cgraph * cgraph) {
     if (st.cgraph != cgraph) {
         return false;
@@ -1645,8 +1649,13 @@ bool recurrences_apart(ContextState & st, const ggml_cgraph * cgraph) {
         return st.apart == 1;
     }
     st.apart = 0;
-    std::vector<const ggml_tensor *> nodes;
-    std::vector<size_t> group;  // the node's own index in `nodes`, or its recurrence's
+    struct Group {
+        const ggml_tensor * op;
+        const ggml_tensor * copy;  // of a recurrence's result, or null
+        std::vector<Span> reads, writes;
+    };
+    std::vector<Group> groups;
+    std::unordered_map<const ggml_tensor *, size_t> of;  // a recurrence's group
     for (int i = 0; i < cgraph->n_nodes; i++) {
         const ggml_tensor * node = cgraph->nodes[i];
         if (no_op(node)) {
@@ -1655,32 +1664,45 @@ bool recurrences_apart(ContextState & st, const ggml_cgraph * cgraph) {
         if (node->op != GGML_OP_GATED_DELTA_NET && node->op != GGML_OP_CPY) {
             return false;
         }
-        size_t of = nodes.size();
-        if (node->op == GGML_OP_CPY) {
-            for (size_t j = 0; j < nodes.size(); j++) {
-                if (node->src[0]->view_src == nodes[j] && nodes[j]->op == GGML_OP_GATED_DELTA_NET) {
-                    of = j;
-                }
-            }
+        const auto found = node->op == GGML_OP_CPY ? of.find(node->src[0]->view_src) : of.end();
+        if (found != of.end() && groups[found->second].copy == nullptr) {
+            groups[found->second].copy = node;  // it writes where it copies
+            groups[found->second].writes.push_back(span_of(node));
+            continue;
         }
-        nodes.push_back(node);
-        group.push_back(of);
+        Group g = {node, nullptr, {}, {}};
+        for (int k = 0; k < GGML_MAX_SRC && node->src[k]; k++) {
+            g.reads.push_back(span_of(node->src[k]));
+        }
+        if (node->op == GGML_OP_CPY) {
+            g.writes.push_back(span_of(node));
+        } else {
+            of[node] = groups.size();
+        }
+        groups.push_back(std::move(g));
     }
-    auto reads_from = [](const ggml_tensor * reader, Span bytes) {
-        for (int k = 0; k < GGML_MAX_SRC && reader->src[k]; k++) {
-            if (!apart(span_of(reader->src[k]), bytes)) {
-                return true;
+    for (Group & g : groups) {  // a recurrence's result, where a node but its copy reads it
+        if (g.op->op == GGML_OP_GATED_DELTA_NET &&
+            bytes_read(st, cgraph, g.op, 0, ggml_nbytes(g.op), g.copy)) {
+            g.writes.push_back(span_of(g.op));
+        }
+    }
+    auto meets = [](const std::vector<Span> & a, const std::vector<Span> & b) {
+        for (const Span & x : a) {
+            for (const Span & y : b) {
+                if (!apart(x, y)) {
+                    return true;
+                }
             }
         }
         return false;
     };
-    for (size_t a = 0; a < nodes.size(); a++) {
-        for (size_t b = a + 1; b < nodes.size(); b++) {
-            if (group[a] == group[b]) {
-                continue;
-            }
-            const Span wa = span_of(nodes[a]), wb = span_of(nodes[b]);
-            if (!apart(wa, wb) || reads_from(nodes[b], wa) || reads_from(nodes[a], wb)) {
+    for (size_t a = 0; a < groups.size(); a++) {
+        for (size_t b = a + 1; b < groups.size(); b++) {
+            const Group & ga = groups[a];
+            const Group & gb = groups[b];
+            if (meets(ga.writes, gb.writes) || meets(ga.writes, gb.reads) ||
+                meets(gb.writes, ga.reads)) {
                 return false;
             }
         }
@@ -1690,12 +1712,12 @@ bool recurrences_apart(ContextState & st, const ggml_cgraph * cgraph) {
 }
 
 // qwen35's gated delta net from node i, a GATED_DELTA_NET, the copy of its new state that comes
-// next, and the copy after that where it can (lucepy_cuda_fuse): the nodes after i computed, or
-// 0. With `dup`, the op's s0 is that copy of the state (a verify keeps the state before it for a
-// rollback), which the kernel writes as it loads the state from the copy's source: the copy is
-// not a node of its own.
-int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
-                    const ggml_tensor * dup = nullptr) {
+// next, and the copy after that where it can, as delta_net's arguments `a` (`tail`: whether
+// the second copy is theirs): the nodes after i they compute, or 0. With `dup`, the op's s0 is
+// that copy of the state (a verify keeps the state before it for a rollback), which the kernel
+// writes as it loads the state from the copy's source: the copy is not a node of its own.
+int delta_net_args(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
+                   const ggml_tensor * dup, DeltaNetArgs & a, bool & tail_copied) {
     const ggml_tensor * dn = cgraph->nodes[i];
     const ggml_tensor * q = dn->src[0];
     const ggml_tensor * k = dn->src[1];
@@ -1793,7 +1815,7 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     for (int j = 0; early && j < i; j++) {
         early = no_op(cgraph->nodes[j]) || apart(span_of(cgraph->nodes[j]), span_of(s0));
     }
-    DeltaNetArgs a = {};
+    a = {};
     a.early = early;
     a.alone = early && recurrences_apart(state_of(ctx), cgraph);
     a.q = static_cast<const float *>(q->data);
@@ -1812,10 +1834,13 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     a.sb3 = int64_t(beta->nb[3] / sizeof(float));
     a.s0 = static_cast<const float *>(s0->data);
     a.s0_copy = dup ? static_cast<float *>(dup->data) : nullptr;
-    a.attn = static_cast<float *>(dn->data);
+    // the attention rows, where a node but the copy reads them (not a rollback's)
+    const bool attn_read = bytes_read(state_of(ctx), cgraph, dn, 0, attn_bytes, cpy);
+    a.attn = attn_read ? static_cast<float *>(dn->data) : nullptr;
     a.state = static_cast<float *>(into->data);
     a.state2 = keep ? static_cast<float *>(dn->data) + S * H * T * N : nullptr;
     a.H = int(H);
+    a.N = int(N);
     a.T = int(T);
     a.hk = int(q->ne[1]);
     a.rq3 = int(N / q->ne[3]);
@@ -1827,16 +1852,56 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         a.tail = static_cast<float *>(tail->data);
         a.tail_n = int(ggml_nelements(tail));
     }
-    const dim3 grid{unsigned(H), unsigned(N), unsigned(DN_S / DN_CTA_COLS)};
-    ggml_cuda_kernel_launch(delta_net,
-                            ggml_cuda_kernel_launch_params(grid, DN_WARPS * 32, 0, ctx.stream()),
-                            a);
-    g_ops.fetch_add(1, std::memory_order_relaxed);
-    if (tail) {
-        g_copies.fetch_add(1, std::memory_order_relaxed);
-        return i_tail - i;
+    tail_copied = tail != nullptr;
+    return (tail ? i_tail : i_cpy) - i;
+}
+
+// delta_net_args' recurrence from node i (lucepy_cuda_fuse), and where it is `alone` (a
+// rollback's), the ones after it that are too, up to DN_LAYERS in one launch: the nodes after i
+// computed, or 0
+int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
+                    const ggml_tensor * dup = nullptr) {
+    DeltaNetLayers b;
+    bool tail = false;
+    const int done = delta_net_args(ctx, cgraph, i, dup, b.a[0], tail);
+    if (done == 0) {
+        return 0;
     }
-    return i_cpy - i;
+    b.n = 1;
+    int last = i + done;  // the last node computed
+    auto count = [](bool copied) {
+        g_ops.fetch_add(1, std::memory_order_relaxed);
+        g_copies.fetch_add(copied ? 1 : 0, std::memory_order_relaxed);
+    };
+    count(tail);
+    const DeltaNetArgs & first = b.a[0];
+    while (first.alone && b.n < DN_LAYERS) {
+        const int j = next_op(cgraph, last);
+        if (j >= cgraph->n_nodes || cgraph->nodes[j]->op != GGML_OP_GATED_DELTA_NET) {
+            break;
+        }
+        DeltaNetArgs & more = b.a[b.n];
+        const int more_done = delta_net_args(ctx, cgraph, j, nullptr, more, tail);
+        if (more_done == 0 || !more.alone || more.H != first.H || more.N != first.N) {
+            break;
+        }
+        count(tail);
+        g_joined.fetch_add(1, std::memory_order_relaxed);
+        b.n++;
+        last = j + more_done;
+    }
+    if (b.n == 1) {
+        const dim3 grid{unsigned(first.H), unsigned(first.N), unsigned(DN_Z)};
+        ggml_cuda_kernel_launch(delta_net, ggml_cuda_kernel_launch_params(
+                                               grid, DN_WARPS * 32, 0, ctx.stream()),
+                                first);
+    } else {
+        const dim3 grid{unsigned(first.H), unsigned(first.N), unsigned(DN_Z * b.n)};
+        ggml_cuda_kernel_launch(delta_net_layers, ggml_cuda_kernel_launch_params(
+                                                      grid, DN_WARPS * 32, 0, ctx.stream()),
+                                b);
+    }
+    return last - i;
 }
 
 // node i, a DUP: the verify's copy of the DeltaNet state that the GATED_DELTA_NET after it reads
