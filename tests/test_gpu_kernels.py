@@ -300,47 +300,83 @@ def test_gpu_rms_norm_prepares_the_activations_of_its_products(kind, k, cuda):
         assert_products_near(mats, ours[j], theirs[j], normed, f"{kind} input {j}")
 
 
-def gated_products(lib, device, weights, zs, xs, op):
-    """Each matrix of ``weights`` times act(z) * x (act ``op``: "silu" or "sigmoid"), z and x
-    [128, n / 128] reshaped to one column of n (as qwen35's gated norm and attention gate feed
-    their output products), for each pair of ``zs`` and ``xs``; the gate's result last among
-    the results (``computed``)."""
-    n = zs[0].size
+def gated_products(lib, device, weights, zs, xs, op, cols=1, wide=False):
+    """Each matrix of ``weights`` times act(z) * x (act ``op``: "silu" or "sigmoid") for each pair
+    of ``zs`` and ``xs``, ``cols`` columns of n values (one column reshaped from [n / 128, 128],
+    as qwen35's gated norm feeds its output product); with ``wide`` each z is qwen35's attention
+    gate, its rows of 128 beside 128 others ([cols, 2 n]: a head's query, then its gate), copied
+    out by a CONT. The gate's result last among the results (``computed``)."""
+    n = xs[0].size // cols
     consts = [(gtype, n, raw.shape[0], raw) for gtype, raw in weights]
 
     def build(c, ts, ins):
         z, x = ins
+        if wide:
+            heads = lib.ggml_view_3d(c, z, 128, n // 128, cols, 4 * 256, z.nb[1], 4 * 128)
+            z = lib.ggml_cont_2d(c, heads, n, cols)
         act = lib.ggml_silu(c, z) if op == "silu" else lib.ggml_sigmoid(c, z)
-        gated = lib.ggml_reshape_2d(c, lib.ggml_mul(c, x, act), n, 1)
+        gated = lib.ggml_reshape_2d(c, lib.ggml_mul(c, x, act), n, cols)
         return [lib.ggml_mul_mat(c, t, gated) for t in ts] + [gated]
 
-    shape = (128, n // 128)
-    return computed(lib, device, consts, [shape, shape], build, list(zip(zs, xs, strict=True)))
+    shape = (n, cols) if cols > 1 or wide else (128, n // 128)
+    z_shape = (2 * n, cols) if wide else shape
+    return computed(lib, device, consts, [z_shape, shape], build, list(zip(zs, xs, strict=True)))
 
 
-@pytest.mark.parametrize(("kind", "op"), [("q4_0", "silu"), ("q8_0", "sigmoid")])
-def test_gpu_gate_quantizes_for_its_products(kind, op, cuda):
-    """A SiLU or sigmoid gate times a tensor, reshaped to one column that two products read, is
-    one kernel of ours that also quantizes its result for them: one preparation (counted as
-    fused), the gate's result ggml's, the products within twice ggml's error of the exact math,
-    new products for new inputs (the CUDA graph replayed)."""
+@pytest.mark.parametrize(
+    ("kind", "op", "cols"), [("q4_0", "silu", 1), ("q8_0", "sigmoid", 1), ("q4_0", "sigmoid", 16)]
+)
+def test_gpu_gate_quantizes_for_its_products(kind, op, cols, cuda):
+    """A SiLU or sigmoid gate times a tensor, that two products read, is one kernel of ours that
+    also prepares its result for them (int8 planes for one column, reshaped from rows of 128;
+    halves for 2-16): one preparation (counted as fused), the gate's result ggml's, the products
+    within twice ggml's error of the exact math, new products for new inputs (the CUDA graph
+    replayed)."""
     lib, device, kernels = cuda
     mats = [weights_of(lib, kind, 30 + i) for i in range(2)]
     weights = [(t, raw) for t, raw, _ in mats]
-    rng = np.random.default_rng(31)
-    zs = [2.0 * rng.normal(size=(N // 128, 128)).astype(np.float32) for _ in range(3)]
-    xs = [rng.normal(size=(N // 128, 128)).astype(np.float32) for _ in range(3)]
-    first = counted(kernels, lambda: gated_products(lib, device, weights, zs[:1], xs[:1], op))
-    assert first == (2, 1, 1)
-    ours, theirs = ours_and_theirs(
-        kernels, lambda: gated_products(lib, device, weights, zs, xs, op)
-    )
+    rng = np.random.default_rng(31 + cols)
+    shape = (N // 128, 128) if cols == 1 else (cols, N)
+    zs = [2.0 * rng.normal(size=shape).astype(np.float32) for _ in range(3)]
+    xs = [rng.normal(size=shape).astype(np.float32) for _ in range(3)]
+
+    def run(feeds):
+        return gated_products(lib, device, weights, zs[:feeds], xs[:feeds], op, cols)
+
+    assert counted(kernels, lambda: run(1)) == (2, 1, 1)
+    ours, theirs = ours_and_theirs(kernels, lambda: run(3))
     for j, (z, x) in enumerate(zip(zs, xs, strict=True)):
-        z64 = z.astype(np.float64).reshape(1, N)
+        z64 = z.astype(np.float64).reshape(cols, N)
         act = z64 / (1 + np.exp(-z64)) if op == "silu" else 1 / (1 + np.exp(-z64))
-        gated = act * x.astype(np.float64).reshape(1, N)
+        gated = act * x.astype(np.float64).reshape(cols, N)
         np.testing.assert_allclose(ours[j][-1], theirs[j][-1], rtol=1e-6, atol=1e-7)
         assert_products_near(mats, ours[j], theirs[j], gated, f"{kind} input {j}")
+
+
+@pytest.mark.parametrize(("op", "cols"), [("sigmoid", 1), ("sigmoid", 16), ("silu", 3)])
+def test_gpu_gate_reads_its_z_in_place(op, cols, cuda):
+    """qwen35's attention gate: z copied out of a wider product by a CONT that only the gate
+    reads (each head's 128 values beside its query's) is read in place by the gate's kernel: the
+    copy not made (counted as a copy), one kernel preparing the products' activations as
+    without it, the results the same as from z given whole, bit for bit."""
+    lib, device, kernels = cuda
+    mats = [weights_of(lib, "q4_0", 70 + i) for i in range(2)]
+    weights = [(t, raw) for t, raw, _ in mats]
+    rng = np.random.default_rng(71 + cols)
+    wides = [2.0 * rng.normal(size=(cols, 2 * N)).astype(np.float32) for _ in range(3)]
+    zs = [wz.reshape(cols, N // 128, 2, 128)[:, :, 1].reshape(cols, N) for wz in wides]
+    xs = [rng.normal(size=(cols, N)).astype(np.float32) for _ in range(3)]
+
+    def run(zs, wide, feeds=3):
+        return gated_products(lib, device, weights, zs[:feeds], xs[:feeds], op, cols, wide)
+
+    copies = kernels.copies
+    assert counted(kernels, lambda: run(wides, True, 1)) == (2, 1, 1)
+    assert kernels.copies - copies == 1
+    in_place, whole = run(wides, True), run(zs, False)
+    for j in range(3):
+        for got, want in zip(in_place[j], whole[j], strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("k", [1, 16])

@@ -331,6 +331,28 @@ __global__ void __launch_bounds__(GM_SEG * 32)
     segment_halves(v, piece_here, out, c, npieces, seg);
 }
 
+// gate_quantize's twin for 2-16 columns (a verify's attention gate): act(z) * x into dense
+// `dst` and its halves as to_halves writes them (padding columns zeros); x dense, a column's
+// `x_col` apart. Grid (segments of a column, padded columns), a CTA of GM_SEG warps a segment, a
+// warp a piece, each element read and written by one lane (dst may be written over x).
+__global__ void __launch_bounds__(GM_SEG * 32)
+    gate_halves(const GateAt z, const float * x, int64_t x_col, float * dst, int npieces,
+                int ncols, int op, Halves out) {
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // z and x: the kernels before have finished
+    const int seg = blockIdx.x;
+    const int c = blockIdx.y;
+    const int p = seg * GM_SEG + threadIdx.x / 32;  // the column's piece
+    const bool piece_here = p < npieces;
+    float v = 0.0f;
+    if (c < ncols && piece_here) {
+        const int64_t e = int64_t(p) * 32 + threadIdx.x % 32;  // of the column
+        v = gate_act(gate_z(z, c, e), op) * x[c * x_col + e];
+        dst[int64_t(c) * npieces * 32 + e] = v;
+    }
+    segment_halves(v, piece_here, out, c, npieces, seg);
+}
+
 // --- the product ------------------------------------------------------------------------------
 
 struct GemmArgs {

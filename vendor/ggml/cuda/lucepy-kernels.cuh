@@ -581,7 +581,24 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_quantize(
 // `quantize` writes them, one warp a piece.
 enum Gate : int { GATE_SILU = 0, GATE_SIGMOID = 1 };
 
-__global__ void gate_quantize(const float * z, const float * x, float * dst, int npieces, int op,
+// Where a gate's z lies: element e of column c at z[c col + (e / len) row + e % len] (dense:
+// len a column's values; read in place, the view a CONT copied: qwen35's attention gate, each
+// head's `len` values beside its query in the stacked product)
+struct GateAt {
+    const float * z;
+    int len;
+    int64_t row, col;
+};
+
+__device__ __forceinline__ float gate_z(const GateAt & z, int c, int64_t e) {
+    return z.z[c * z.col + e / z.len * z.row + e % z.len];
+}
+
+__device__ __forceinline__ float gate_act(float g, int op) {
+    return op == GATE_SILU ? g / (1.0f + expf(-g)) : 1.0f / (1.0f + expf(-g));
+}
+
+__global__ void gate_quantize(const GateAt z, const float * x, float * dst, int npieces, int op,
                               int planes, int8_t * xq, float2 * xds) {
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // z and x: the kernel before has finished
@@ -590,9 +607,7 @@ __global__ void gate_quantize(const float * z, const float * x, float * dst, int
         return;
     }
     const int64_t i = int64_t(piece) * 32 + threadIdx.x % 32;
-    const float g = z[i];
-    const float act = op == GATE_SILU ? g / (1.0f + expf(-g)) : 1.0f / (1.0f + expf(-g));
-    const float v = act * x[i];
+    const float v = gate_act(gate_z(z, 0, i), op) * x[i];
     dst[i] = v;
     quantize_piece(v, planes, int64_t(piece) * planes, xq, xds);
 }
@@ -637,7 +652,7 @@ __device__ __forceinline__ float gated_norm_write(float2 ys, int n, float eps, f
                                                   float * dst, int64_t i) {
     const float scale = rsqrtf(ys.y / float(n) + eps);
     const float y = scale * ys.x * wv;
-    const float act = op == GATE_SILU ? g / (1.0f + expf(-g)) : 1.0f / (1.0f + expf(-g));
+    const float act = gate_act(g, op);
     normed[i] = y;
     gate[i] = act;
     dst[i] = y * act;

@@ -910,49 +910,17 @@ bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph
     return true;
 }
 
+namespace lucepy {
+int gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
+               const ggml_tensor * cont);
+}  // namespace lucepy
+
 bool lucepy_cuda_unary_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     using namespace lucepy;
-    if (!enabled(ctx.device) || ctx.curr_stream_no != 0 || i + 1 >= cgraph->n_nodes) {
+    if (!enabled(ctx.device) || ctx.curr_stream_no != 0) {
         return false;
     }
-    const ggml_tensor * unary = cgraph->nodes[i];
-    const ggml_tensor * mul = cgraph->nodes[i + 1];
-    if (unary->op != GGML_OP_UNARY || mul->op != GGML_OP_MUL ||
-        (mul->src[0] != unary && mul->src[1] != unary)) {
-        return false;
-    }
-    const ggml_unary_op op = ggml_get_unary_op(unary);
-    if (op != GGML_UNARY_OP_SILU && op != GGML_UNARY_OP_SIGMOID) {
-        return false;
-    }
-    const ggml_tensor * z = unary->src[0];
-    const ggml_tensor * x = mul->src[0] == unary ? mul->src[1] : mul->src[0];
-    const int64_t n = ggml_nelements(mul);
-    const bool fits = z->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 &&
-                      mul->type == GGML_TYPE_F32 && ggml_is_contiguous(z) &&
-                      ggml_is_contiguous(x) && ggml_is_contiguous(mul) &&
-                      ggml_are_same_shape(z, mul) && ggml_are_same_shape(x, mul) &&
-                      n % 32 == 0 && n / 32 < INT32_MAX;
-    if (!fits) {
-        return false;
-    }
-    ContextState & st = state_of(ctx);
-    const Wanted * want = wanted(st, mul);
-    if (want == nullptr || want->planes == 0 || ggml_nelements(want->src1) != n) {
-        return false;  // one column only (a decode)
-    }
-    const int64_t npieces = n / 32;
-    const Planes out =
-        planes_at(prepared(st, want->src1, npieces, want->planes), npieces, 1, want->planes);
-    constexpr int WARPS = 8;
-    const dim3 grid{unsigned((npieces + WARPS - 1) / WARPS)};
-    ggml_cuda_kernel_launch(gate_quantize,
-                            ggml_cuda_kernel_launch_params(grid, WARPS * 32, 0, ctx.stream()),
-                            static_cast<const float *>(z->data), static_cast<const float *>(x->data),
-                            static_cast<float *>(mul->data), int(npieces),
-                            op == GGML_UNARY_OP_SILU ? GATE_SILU : GATE_SIGMOID, want->planes,
-                            out.xq, out.xds);
-    return true;
+    return gate_nodes(ctx, cgraph, i, nullptr) > 0;
 }
 
 namespace lucepy {
@@ -1474,14 +1442,110 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     return i_out - i;
 }
 
-// A CONT from node i that only the gated norm right after it reads (a verify's z): the norm's
-// kernel reads the CONT's source in place (norm_gate_nodes). The nodes after i computed, or 0.
-int cont_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
-    const int j = next_op(cgraph, i);
-    if (j >= cgraph->n_nodes || cgraph->nodes[j]->op != GGML_OP_RMS_NORM) {
+// A SiLU or sigmoid gate from node i, a UNARY, times the tensor that the MUL right after it
+// takes (ggml-cuda fuses the two: lucepy_cuda_unary_mul), whose result a product reads: one
+// column quantized (gate_quantize), 2-16 as halves (gate_halves). With `cont`, a CONT just
+// before it that only the gate reads (a view copied out: qwen35's attention gate, each head's
+// beside its query in the stacked product): z then read from the CONT's source in place, the
+// CONT not computed (counted as a copy made). The nodes after i computed, or 0.
+int gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
+               const ggml_tensor * cont) {
+    if (i + 1 >= cgraph->n_nodes) {
         return 0;
     }
-    const int took = norm_gate_nodes(ctx, cgraph, j, cgraph->nodes[i]);
+    const ggml_tensor * unary = cgraph->nodes[i];
+    const ggml_tensor * mul = cgraph->nodes[i + 1];
+    if (unary->op != GGML_OP_UNARY || mul->op != GGML_OP_MUL ||
+        (mul->src[0] != unary && mul->src[1] != unary)) {
+        return 0;
+    }
+    const ggml_unary_op op = ggml_get_unary_op(unary);
+    if (op != GGML_UNARY_OP_SILU && op != GGML_UNARY_OP_SIGMOID) {
+        return 0;
+    }
+    const ggml_tensor * z = unary->src[0];
+    const ggml_tensor * x = mul->src[0] == unary ? mul->src[1] : mul->src[0];
+    const int64_t n = ggml_nelements(mul);
+    const bool fits = z->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 &&
+                      unary->type == GGML_TYPE_F32 && mul->type == GGML_TYPE_F32 &&
+                      ggml_is_contiguous(z) && ggml_is_contiguous(x) && ggml_is_contiguous(mul) &&
+                      ggml_are_same_shape(z, mul) && ggml_are_same_shape(x, mul) &&
+                      n % 32 == 0 && n / 32 < INT32_MAX;
+    if (!fits) {
+        return 0;
+    }
+    ContextState & st = state_of(ctx);
+    const Wanted * want = wanted(st, mul);
+    if (want == nullptr || ggml_nelements(want->src1) != n || want->src1->ne[0] % 32 != 0) {
+        return 0;
+    }
+    // the gate's own result read by the MUL alone; the result over x only element for element
+    if (bytes_read(st, cgraph, unary, 0, ggml_nbytes(unary), mul) || !apart_or_same(mul, x)) {
+        return 0;
+    }
+    const int64_t cols = want->planes > 0 ? 1 : want->src1->ne[1];
+    const int64_t len = n / cols;  // a column's values
+    GateAt at = {static_cast<const float *>(z->data), int(len), 0, len};
+    if (cont) {  // z's elements where the CONT copied them from: rows of src->ne[0], columns
+        const ggml_tensor * src = cont->src[0];
+        const bool rows3 = src->ne[0] * src->ne[1] == len && src->ne[2] == cols;
+        const bool rows2 = src->ne[0] == len && src->ne[1] == cols && src->ne[2] == 1;
+        const bool in_place = z == cont && src->type == GGML_TYPE_F32 &&
+                              src->nb[0] == sizeof(float) && src->ne[3] == 1 &&
+                              (rows3 || rows2) && src->nb[1] % sizeof(float) == 0 &&
+                              src->nb[2] % sizeof(float) == 0 &&
+                              !bytes_read(st, cgraph, cont, 0, ggml_nbytes(cont), unary) &&
+                              apart(span_of(mul), span_of(src));
+        if (!in_place) {
+            return 0;
+        }
+        const int64_t row = int64_t(src->nb[1] / sizeof(float));
+        const int64_t col = int64_t(src->nb[2] / sizeof(float));
+        at = rows3 ? GateAt{static_cast<const float *>(src->data), int(src->ne[0]), row, col}
+                   : GateAt{static_cast<const float *>(src->data), int(len), 0, row};
+    } else if (!apart_or_same(mul, z)) {
+        return 0;
+    }
+    const int gate = op == GGML_UNARY_OP_SILU ? GATE_SILU : GATE_SIGMOID;
+    const int64_t npieces = len / 32;  // a column's
+    if (want->planes > 0) {  // one column (a decode)
+        const Planes out =
+            planes_at(prepared(st, want->src1, npieces, want->planes), npieces, 1, want->planes);
+        constexpr int WARPS = 8;
+        const dim3 grid{unsigned((npieces + WARPS - 1) / WARPS)};
+        ggml_cuda_kernel_launch(gate_quantize,
+                                ggml_cuda_kernel_launch_params(grid, WARPS * 32, 0, ctx.stream()),
+                                at, static_cast<const float *>(x->data),
+                                static_cast<float *>(mul->data), int(npieces), gate,
+                                want->planes, out.xq, out.xds);
+    } else {  // 2-16 columns (a verify)
+        const Halves halves =
+            halves_at(prepared(st, want->src1, npieces, 0), npieces, int(cols));
+        const dim3 grid{unsigned(segments(int(npieces))), unsigned(padded_cols(int(cols)))};
+        ggml_cuda_kernel_launch(gate_halves,
+                                ggml_cuda_kernel_launch_params(grid, GM_SEG * 32, 0, ctx.stream()),
+                                at, static_cast<const float *>(x->data), len,
+                                static_cast<float *>(mul->data), int(npieces), int(cols), gate,
+                                halves);
+    }
+    if (cont) {
+        g_copies.fetch_add(1, std::memory_order_relaxed);
+    }
+    return 1;
+}
+
+// A CONT from node i that only the gated norm (a verify's DeltaNet z) or the gate (qwen35's
+// attention gate) right after it reads: their kernel reads the CONT's source in place
+// (norm_gate_nodes, gate_nodes). The nodes after i computed, or 0.
+int cont_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const int j = next_op(cgraph, i);
+    if (j >= cgraph->n_nodes) {
+        return 0;
+    }
+    const ggml_op op = cgraph->nodes[j]->op;
+    const int took = op == GGML_OP_RMS_NORM ? norm_gate_nodes(ctx, cgraph, j, cgraph->nodes[i])
+                     : op == GGML_OP_UNARY  ? gate_nodes(ctx, cgraph, j, cgraph->nodes[i])
+                                            : 0;
     return took > 0 ? j + took - i : 0;
 }
 
