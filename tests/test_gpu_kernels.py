@@ -13,7 +13,17 @@ import numpy as np
 import pytest
 from test_reference import rel_err
 
-from lucepy.ggml import GGML_TYPE_F32, Allocator, Buffer, Context, ffi, load
+from lucepy.ggml import (
+    GGML_TYPE_F16,
+    GGML_TYPE_F32,
+    GGML_TYPE_I32,
+    GGML_TYPE_I64,
+    Allocator,
+    Buffer,
+    Context,
+    ffi,
+    load,
+)
 from lucepy.ggml.kernels import cuda_kernels
 from lucepy.runtime.devices import open_backend
 from lucepy.testing.quants import KINDS, dequantize, quantize
@@ -895,6 +905,119 @@ def test_gpu_conv_step_and_gates_are_one_kernel(T, cuda):
         assert_conv_step(w, state, new, T, ours[j], theirs[j])
         exact = gates_exact(bias, a, alpha[:, :heads], alpha[:, heads : 2 * heads])
         assert_gates(ours[j][3:], theirs[j][3:], exact)
+
+
+ROPE = {"hd": 256, "dims": 64, "sections": (11, 11, 10, 0), "base": 1e7, "ctx": 64}
+
+
+def heads_roped(lib, device, xs, positions, rows, nq=6, nk=2):
+    """qwen35's attention q and k heads as its graph writes them (``_attention``): from a wider
+    product [T, 2 hd nq + hd nk] (each q head beside its gate, then k's heads) q and k normed
+    times their weights and roped (IMROPE, ROPE's dims and sections; ``positions`` [4, T]: the
+    sections' positions), k's heads written as one f16 row of a cache of ROPE's ctx rows at
+    ``rows`` [T]. Returns, per entry of ``xs``, [q roped [T, hd nq], k roped [T, hd nk], the
+    cache as f32 [ctx, hd nk] (its other rows 0.5)] (``computed``)."""
+    hd, ctx_rows = ROPE["hd"], ROPE["ctx"]
+    T = xs[0].shape[0]
+    width = 2 * hd * nq + hd * nk
+    rng = np.random.default_rng(5)
+    wq, wk = (rng.uniform(0.5, 1.5, size=hd).astype(np.float32) for _ in range(2))
+    consts = [
+        (GGML_TYPE_F32, hd, 1, wq),
+        (GGML_TYPE_F32, hd, 1, wk),
+        (GGML_TYPE_I32, 4 * T, 1, positions.astype(np.int32).reshape(-1)),
+        (GGML_TYPE_I64, T, 1, rows.astype(np.int64)),
+        (GGML_TYPE_F16, hd * nk, ctx_rows, np.full((ctx_rows, hd * nk), 0.5, dtype=np.float16)),
+    ]
+
+    def build(c, ts, ins):
+        wq_t, wk_t, pos, idx, cache = ts
+        (y,) = ins
+        q = lib.ggml_view_3d(c, y, hd, nq, T, 4 * 2 * hd, y.nb[1], 0)
+        k = lib.ggml_view_3d(c, y, hd, nk, T, 4 * hd, y.nb[1], 4 * 2 * hd * nq)
+        sections = ffi.new("int[4]", list(ROPE["sections"]))
+        out = []
+        for t, w in ((q, wq_t), (k, wk_t)):
+            normed = lib.ggml_mul(c, lib.ggml_rms_norm(c, t, 1e-6), w)
+            args = (ROPE["ctx"], ROPE["base"], 1.0, 0.0, 1.0, 32.0, 1.0)
+            out.append(
+                lib.ggml_rope_multi(c, normed, pos, ffi.NULL, ROPE["dims"], sections, 40, *args)
+            )
+        lib.ggml_set_output(out[0])
+        flat = lib.ggml_view_2d(c, out[1], hd * nk, T, out[1].nb[2], 0)
+        written = lib.ggml_set_rows(c, cache, flat, idx)
+        read = lib.ggml_cpy(c, written, lib.ggml_new_tensor_2d(c, GGML_TYPE_F32, hd * nk, ctx_rows))
+        lib.ggml_set_output(out[1])
+        return [
+            lib.ggml_reshape_2d(c, out[0], hd * nq, T),
+            lib.ggml_reshape_2d(c, out[1], hd * nk, T),
+            read,
+        ]
+
+    feeds = [(x,) for x in xs]
+    return computed(lib, device, consts, [(width, T)], build, feeds, tensors=64)
+
+
+def roped_exact(x, w, positions):
+    """x [T, heads, hd] normed times w and roped in float64 (IMROPE, ROPE's dims and
+    sections: pair k of the first dims channels, k and k + dims / 2, turned by pos_s k-th
+    frequency, s the section IMROPE gives k)."""
+    dims, sec = ROPE["dims"], ROPE["sections"]
+    x = x.astype(np.float64)
+    y = x / np.sqrt((x**2).mean(axis=-1, keepdims=True) + 1e-6) * w
+    out = y.copy()
+    for k in range(dims // 2):
+        s = k % sum(sec)
+        p = (
+            1
+            if s % 3 == 1 and s < 3 * sec[1]
+            else 2
+            if s % 3 == 2 and s < 3 * sec[2]
+            else 0
+            if s % 3 == 0 and s < 3 * sec[0]
+            else 3
+        )
+        theta = positions[p][:, None] * ROPE["base"] ** (-2.0 * k / dims)
+        a, b = y[:, :, k], y[:, :, k + dims // 2]
+        out[:, :, k] = a * np.cos(theta) - b * np.sin(theta)
+        out[:, :, k + dims // 2] = a * np.sin(theta) + b * np.cos(theta)
+    return out
+
+
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_head_norm_and_rope_are_one_kernel(T, cuda):
+    """qwen35's q and k heads (a decode's and a verify's): each head's RMS norm, its weight and
+    its IMROPE rope are one kernel of ours, k's cache write in it too (two ops, three joined);
+    the roped heads no further from the exact math than twice ggml's own error, and the cache
+    rows ggml's f16 of them, the rows not written left as they were."""
+    lib, device, kernels = cuda
+    hd, nq, nk = ROPE["hd"], 6, 2
+    rng = np.random.default_rng(40 + T)
+    xs = [2.0 * rng.normal(size=(T, 2 * hd * nq + hd * nk)).astype(np.float32) for _ in range(3)]
+    base = np.arange(T) + 37
+    positions = np.stack([base, base + 3, base + 7, np.zeros(T, dtype=int)])
+    rows = np.arange(T) * 3 + 2
+    ops, joined = kernels.ops, kernels.joined
+    heads_roped(lib, device, xs[:1], positions, rows)
+    assert (kernels.ops - ops, kernels.joined - joined) == (2, 3)
+    ours, theirs = ours_and_theirs(kernels, lambda: heads_roped(lib, device, xs, positions, rows))
+    w = np.random.default_rng(5).uniform(0.5, 1.5, size=(2, hd)).astype(np.float32)
+    for j, x in enumerate(xs):
+        q = x[:, : 2 * hd * nq].reshape(T, nq, 2, hd)[:, :, 0]
+        k = x[:, 2 * hd * nq :].reshape(T, nk, hd)
+        for got, ref, want in zip(
+            ours[j][:2],
+            theirs[j][:2],
+            [roped_exact(q, w[0], positions), roped_exact(k, w[1], positions)],
+            strict=True,
+        ):
+            want = want.reshape(T, -1)
+            bound = 2 * float(rel_err(ref, want).max())
+            assert float(rel_err(got, want).max()) <= bound, f"input {j}"
+        np.testing.assert_array_equal(
+            ours[j][2][rows], ours[j][1].astype(np.float16).astype(np.float32)
+        )
+        np.testing.assert_array_equal(ours[j][2], theirs[j][2])
 
 
 def recurrence(lib, c, shape, qk, v, g, beta, state, own_state=True, attention=True):

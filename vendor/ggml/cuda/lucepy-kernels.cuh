@@ -22,6 +22,8 @@
 
 #include "lucepy-quants.cuh"
 
+#include <cuda_fp16.h>
+
 #include <cfloat>
 #include <cstdint>
 
@@ -573,6 +575,110 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_quantize(
         const float v = scale * xi * wi;
         dst[i] = v;
         quantize_piece(v, planes, (int64_t(piece) * ncols + c) * planes, xq, xds);
+    }
+}
+
+// An attention head's RMS norm times its weight, then its multi-section rope (ggml's RMS_NORM,
+// MUL and ROPE of an MROPE or IMROPE mode: qwen35's q and k), and where a SET_ROWS of the
+// rope's result comes next (k's: the f16 KV cache), that too: one kernel where ggml-cuda runs
+// two or three (it fuses a rope with its norm and cache write for the NORMAL and NEOX modes
+// only). The same arithmetic as ggml-cuda's kernels: a thread a value of the row (ggml's
+// norm of rows under 1,024 takes 256 threads a row, each its value's square summed the same
+// way: the warp, then the warps' sums), the rope's angle and rotation as its rope_multi
+// writes them; the norm's and the weight's results are not written (only the rope reads them).
+struct NormRope {
+    const float * x;  // rows of n: head h of token t at x[t x_tok + h x_row]
+    int64_t x_row, x_tok;
+    const float * w;  // [n]
+    float * dst;      // the rope's result, dense [n, heads, tokens]
+    half * cache;     // or null: token t's heads, as one row, into row rows[t] of cache
+    int64_t cache_row;  // (halves)
+    const int64_t * rows;
+    const int32_t * pos;       // [4 tokens]: the sections' positions
+    const float * freq_factors;  // [n_dims / 2], or null
+    int n, heads, tokens, n_dims, n_offs;
+    float eps, theta_scale, freq_scale, ext_factor, attn_factor, corr0, corr1;
+    int sections[4];
+    bool imrope;
+};
+
+constexpr int NR_THREADS = 256;  // a row of up to 256 values, a thread each
+
+// grid (heads, tokens), NR_THREADS threads
+__global__ void __launch_bounds__(NR_THREADS) norm_rope(const __grid_constant__ NormRope a) {
+    LUCEPY_PDL_LAUNCH();
+    const int h = blockIdx.x;
+    const int t = blockIdx.y;
+    const int i = threadIdx.x;
+    const float * x = a.x + t * a.x_tok + h * a.x_row;
+    const float wi = i < a.n ? a.w[i] : 0.0f;
+    LUCEPY_PDL_SYNC();  // x and pos: the kernels before have finished
+    const float xi = i < a.n ? x[i] : 0.0f;
+    float sum = xi * xi;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    }
+    __shared__ float sums[NR_THREADS / 32];
+    __shared__ float y[NR_THREADS];
+    if (i % 32 == 0) {
+        sums[i / 32] = sum;
+    }
+    __syncthreads();
+    sum = i % 32 < NR_THREADS / 32 ? sums[i % 32] : 0.0f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    }
+    const float scale = rsqrtf(sum / a.n + a.eps);
+    y[i] = scale * xi * wi;
+    __syncthreads();
+    if (i >= a.n) {
+        return;
+    }
+    // channel i: rotated (the pair n_offs + k, n_offs + k + n_dims / 2) or passed through
+    float v = y[i];
+    const int half_dims = a.n_dims / 2;
+    const int r = i - a.n_offs;
+    if (r >= 0 && r < a.n_dims) {
+        const int k = r < half_dims ? r : r - half_dims;
+        const int iw = 2 * k;
+        const int sect_dims = a.sections[0] + a.sections[1] + a.sections[2] + a.sections[3];
+        const int sec_w = a.sections[1] + a.sections[0];
+        const int sector = (iw / 2) % sect_dims;
+        int p;  // which section's position
+        if (a.imrope) {
+            p = sector % 3 == 1 && sector < 3 * a.sections[1]   ? 1
+                : sector % 3 == 2 && sector < 3 * a.sections[2] ? 2
+                : sector % 3 == 0 && sector < 3 * a.sections[0] ? 0
+                                                                 : 3;
+        } else {
+            p = sector < a.sections[0]                                       ? 0
+                : sector < sec_w                                             ? 1
+                : sector < sec_w + a.sections[2]                             ? 2
+                                                                             : 3;
+        }
+        const float theta_base = a.pos[t + a.tokens * p] * powf(a.theta_scale, iw / 2.0f);
+        const float ff = a.freq_factors ? a.freq_factors[iw / 2] : 1.0f;
+        const float theta_extrap = theta_base / ff;
+        const float theta_interp = a.freq_scale * theta_extrap;
+        float theta = theta_interp;
+        float mscale = a.attn_factor;
+        if (a.ext_factor != 0.0f) {
+            const float ramp_y = (iw / 2 - a.corr0) / fmaxf(0.001f, a.corr1 - a.corr0);
+            const float ramp_mix = (1.0f - fminf(1.0f, fmaxf(0.0f, ramp_y))) * a.ext_factor;
+            theta = theta_interp * (1 - ramp_mix) + theta_extrap * ramp_mix;
+            mscale *= 1.0f + 0.1f * logf(1.0f / a.freq_scale);
+        }
+        const float cos_theta = cosf(theta) * mscale;
+        const float sin_theta = sinf(theta) * mscale;
+        const float x0 = y[a.n_offs + k];
+        const float x1 = y[a.n_offs + k + half_dims];
+        v = r < half_dims ? x0 * cos_theta - x1 * sin_theta : x0 * sin_theta + x1 * cos_theta;
+    }
+    a.dst[(int64_t(t) * a.heads + h) * a.n + i] = v;
+    if (a.cache) {
+        a.cache[a.rows[t] * a.cache_row + int64_t(h) * a.n + i] = __float2half(v);
     }
 }
 

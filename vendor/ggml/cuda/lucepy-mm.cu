@@ -1442,6 +1442,128 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     return i_out - i;
 }
 
+// An attention head's norm and rope from node i, an RMS_NORM (lucepy_cuda_fuse): the MUL by
+// its weight right after it, the ROPE of an MROPE or IMROPE mode after that (each read by the
+// next alone), and the SET_ROWS of the rope's result into an f16 cache where one comes next
+// (a view of the rope between): norm_rope. The nodes after i computed, or 0.
+int norm_rope_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
+    const int i_mul = i + 1;
+    const int i_rope = i_mul < cgraph->n_nodes ? next_op(cgraph, i_mul) : i_mul;
+    if (i_rope >= cgraph->n_nodes) {
+        return 0;
+    }
+    const ggml_tensor * norm = cgraph->nodes[i];
+    const ggml_tensor * mul = cgraph->nodes[i_mul];
+    const ggml_tensor * rope = cgraph->nodes[i_rope];
+    if (mul->op != GGML_OP_MUL || (mul->src[0] != norm && mul->src[1] != norm) ||
+        rope->op != GGML_OP_ROPE || rope->src[0] != mul) {
+        return 0;
+    }
+    const int32_t * op = reinterpret_cast<const int32_t *>(rope->op_params);
+    const int mode = op[2];
+    const bool multi = (mode & GGML_ROPE_TYPE_MROPE) != 0 && mode != GGML_ROPE_TYPE_VISION;
+    const ggml_tensor * x = norm->src[0];
+    const ggml_tensor * w = mul->src[0] == norm ? mul->src[1] : mul->src[0];
+    const ggml_tensor * pos = rope->src[1];
+    const ggml_tensor * ff = rope->src[2];
+    const int64_t n = x->ne[0], heads = x->ne[1], tokens = x->ne[2];
+    const int n_dims = op[1], n_offs = op[15];
+    const bool shapes =
+        multi && x->type == GGML_TYPE_F32 && x->nb[0] == sizeof(float) &&
+        x->nb[1] % sizeof(float) == 0 && x->nb[2] % sizeof(float) == 0 && x->ne[3] == 1 &&
+        n <= NR_THREADS && n % 2 == 0 && n_dims % 2 == 0 && n_offs >= 0 &&
+        n_offs + n_dims <= n && heads <= 65535 && tokens <= 65535 && w->type == GGML_TYPE_F32 &&
+        ggml_is_contiguous(w) && ggml_nelements(w) == n && dense_like(mul, x) &&
+        dense_like(rope, x) && pos->type == GGML_TYPE_I32 && ggml_is_contiguous(pos) &&
+        ggml_nelements(pos) == 4 * tokens &&
+        (ff == nullptr || (ff->type == GGML_TYPE_F32 && ggml_is_contiguous(ff) &&
+                           ggml_nelements(ff) >= n_dims / 2));
+    if (!shapes) {
+        return 0;
+    }
+    ContextState & st = state_of(ctx);
+    // the norm's and the weight's results not written: only the next reads each
+    if (bytes_read(st, cgraph, norm, 0, ggml_nbytes(norm), mul) ||
+        bytes_read(st, cgraph, mul, 0, ggml_nbytes(mul), rope)) {
+        return 0;
+    }
+    // the rope's result apart from what the kernel reads (its CTAs read rows other CTAs write)
+    for (const ggml_tensor * in : {x, w, pos}) {
+        if (!apart(span_of(rope), span_of(in))) {
+            return 0;
+        }
+    }
+    if (ff && !apart(span_of(rope), span_of(ff))) {
+        return 0;
+    }
+    NormRope a = {};
+    a.x = static_cast<const float *>(x->data);
+    a.x_row = int64_t(x->nb[1] / sizeof(float));
+    a.x_tok = int64_t(x->nb[2] / sizeof(float));
+    a.w = static_cast<const float *>(w->data);
+    a.dst = static_cast<float *>(rope->data);
+    a.pos = static_cast<const int32_t *>(pos->data);
+    a.freq_factors = ff ? static_cast<const float *>(ff->data) : nullptr;
+    a.n = int(n);
+    a.heads = int(heads);
+    a.tokens = int(tokens);
+    a.n_dims = n_dims;
+    a.n_offs = n_offs;
+    std::memcpy(&a.eps, norm->op_params, sizeof(float));
+    float freq_base = 0.0f, beta_fast = 0.0f, beta_slow = 0.0f;
+    std::memcpy(&freq_base, op + 5, sizeof(float));
+    std::memcpy(&a.freq_scale, op + 6, sizeof(float));
+    std::memcpy(&a.ext_factor, op + 7, sizeof(float));
+    std::memcpy(&a.attn_factor, op + 8, sizeof(float));
+    std::memcpy(&beta_fast, op + 9, sizeof(float));
+    std::memcpy(&beta_slow, op + 10, sizeof(float));
+    std::memcpy(a.sections, op + 11, sizeof(a.sections));
+    a.imrope = mode == GGML_ROPE_TYPE_IMROPE;
+    a.theta_scale = powf(freq_base, -2.0f / n_dims);
+    float corr[2];
+    ggml_rope_yarn_corr_dims(n_dims, op[4], freq_base, beta_fast, beta_slow, corr);
+    a.corr0 = corr[0];
+    a.corr1 = corr[1];
+    if (a.sections[0] + a.sections[1] + a.sections[2] + a.sections[3] <= 0) {
+        return 0;
+    }
+    // The SET_ROWS after it, where it writes the rope's result (a view of it, all of it, rows of
+    // heads n) as f16 rows of its destination at I64 row numbers, apart from what the kernel
+    // reads and from the rope's result
+    int last = i_rope;
+    const int i_set = next_op(cgraph, i_rope);
+    const ggml_tensor * set = i_set < cgraph->n_nodes ? cgraph->nodes[i_set] : nullptr;
+    if (set && set->op == GGML_OP_SET_ROWS) {
+        const ggml_tensor * from = set->src[0];
+        const ggml_tensor * rows = set->src[1];
+        const bool taken =
+            (from == rope || from->view_src == rope) && from->view_offs == 0 &&
+            from->type == GGML_TYPE_F32 && ggml_is_contiguous(from) &&
+            from->ne[0] == n * heads && from->ne[1] == tokens && from->ne[2] == 1 &&
+            from->ne[3] == 1 && set->type == GGML_TYPE_F16 && set->nb[0] == sizeof(half) &&
+            set->ne[0] == n * heads && set->nb[1] % sizeof(half) == 0 &&
+            rows->type == GGML_TYPE_I64 && ggml_is_contiguous(rows) &&
+            ggml_nelements(rows) == tokens;
+        bool clear = taken;
+        for (const ggml_tensor * t : {x, w, pos, rows, rope}) {
+            clear = clear && apart(span_of(set), span_of(t));
+        }
+        if (clear && (ff == nullptr || apart(span_of(set), span_of(ff)))) {
+            a.cache = static_cast<half *>(set->data);
+            a.cache_row = int64_t(set->nb[1] / sizeof(half));
+            a.rows = static_cast<const int64_t *>(rows->data);
+            last = i_set;
+            g_joined.fetch_add(1, std::memory_order_relaxed);
+        }
+    }
+    const dim3 grid{unsigned(heads), unsigned(tokens)};
+    ggml_cuda_kernel_launch(norm_rope,
+                            ggml_cuda_kernel_launch_params(grid, NR_THREADS, 0, ctx.stream()), a);
+    g_ops.fetch_add(1, std::memory_order_relaxed);
+    g_joined.fetch_add(1, std::memory_order_relaxed);  // the rope in the norm's kernel
+    return last - i;
+}
+
 // A SiLU or sigmoid gate from node i, a UNARY, times the tensor that the MUL right after it
 // takes (ggml-cuda fuses the two: lucepy_cuda_unary_mul), whose result a product reads: one
 // column quantized (gate_quantize), 2-16 as halves (gate_halves). With `cont`, a CONT just
@@ -2053,7 +2175,10 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
     }
     switch (cgraph->nodes[i]->op) {
         case GGML_OP_CONCAT: return conv_step_nodes(ctx, cgraph, i);
-        case GGML_OP_RMS_NORM: return norm_gate_nodes(ctx, cgraph, i);
+        case GGML_OP_RMS_NORM: {
+            const int gated = norm_gate_nodes(ctx, cgraph, i);
+            return gated > 0 ? gated : norm_rope_nodes(ctx, cgraph, i);
+        }
         case GGML_OP_ADD: return delta_gate_nodes(ctx, cgraph, i);
         case GGML_OP_GATED_DELTA_NET: return delta_net_nodes(ctx, cgraph, i);
         case GGML_OP_DUP: return dup_nodes(ctx, cgraph, i);
