@@ -12,7 +12,9 @@
 //     weight (`norm_quantize`) or a SiLU or sigmoid gate (`gate_quantize`).
 // A gated norm of short rows does both at once (`norm_gate_quantize`). Also qwen35's conv step
 // (`conv_step`: three of ggml's kernels in one, no product), its DeltaNet gates (`delta_gates`)
-// and recurrence (`delta_net`), and the argmax of long rows (`argmax_part`, `argmax_rows`).
+// and recurrence (`delta_net`, a rollback's layers as one launch: `delta_net_layers`), an
+// attention head's norm and multi-section rope with its cache write (`norm_rope`), and the
+// argmax of long rows (`argmax_part`, `argmax_rows`).
 // 2 to 16 columns: lucepy-gemm.cuh (tensor cores). See lucepy-quants.cuh for the piece format.
 //
 // The includer may define LUCEPY_PDL_SYNC() (wait for the kernel before: programmatic dependent
