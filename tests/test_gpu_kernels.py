@@ -910,6 +910,11 @@ def test_gpu_conv_step_and_gates_are_one_kernel(T, cuda):
 ROPE = {"hd": 256, "dims": 64, "sections": (11, 11, 10, 0), "base": 1e7, "ctx": 64}
 
 
+def rope_norm_weights() -> np.ndarray:
+    """``heads_roped``'s q and k norm weights [2, hd]."""
+    return np.random.default_rng(5).uniform(0.5, 1.5, size=(2, ROPE["hd"])).astype(np.float32)
+
+
 def heads_roped(lib, device, xs, positions, rows, nq=6, nk=2):
     """qwen35's attention q and k heads as its graph writes them (``_attention``): from a wider
     product [T, 2 hd nq + hd nk] (each q head beside its gate, then k's heads) q and k normed
@@ -920,8 +925,7 @@ def heads_roped(lib, device, xs, positions, rows, nq=6, nk=2):
     hd, ctx_rows = ROPE["hd"], ROPE["ctx"]
     T = xs[0].shape[0]
     width = 2 * hd * nq + hd * nk
-    rng = np.random.default_rng(5)
-    wq, wk = (rng.uniform(0.5, 1.5, size=hd).astype(np.float32) for _ in range(2))
+    wq, wk = rope_norm_weights()
     consts = [
         (GGML_TYPE_F32, hd, 1, wq),
         (GGML_TYPE_F32, hd, 1, wk),
@@ -1001,7 +1005,7 @@ def test_gpu_head_norm_and_rope_are_one_kernel(T, cuda):
     heads_roped(lib, device, xs[:1], positions, rows)
     assert (kernels.ops - ops, kernels.joined - joined) == (2, 3)
     ours, theirs = ours_and_theirs(kernels, lambda: heads_roped(lib, device, xs, positions, rows))
-    w = np.random.default_rng(5).uniform(0.5, 1.5, size=(2, hd)).astype(np.float32)
+    w = rope_norm_weights()
     for j, x in enumerate(xs):
         q = x[:, : 2 * hd * nq].reshape(T, nq, 2, hd)[:, :, 0]
         k = x[:, 2 * hd * nq :].reshape(T, nk, hd)

@@ -78,8 +78,9 @@ class CudaKernels:
 
     @property
     def joined(self) -> int:
-        """Of those ops, the ones computed in another op's kernel (a conv step's kernel computing
-        the DeltaNet gates after it: one launch less before the recurrence), counted alike."""
+        """Of those ops, the ones computed in another op's kernel, one launch less each (the
+        DeltaNet gates in the conv step's, a rollback's recurrences in the first one's, a head's
+        rope and cache write in its norm's), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_joined())
 
     def repack(self, tensor: Any) -> bool:

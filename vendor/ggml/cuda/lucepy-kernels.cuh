@@ -532,27 +532,34 @@ __device__ __forceinline__ void prefetch_l1(const void * p) {
     asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
 
-__device__ __forceinline__ float norm_scale(const float * x, int n, float eps) {
+// the sum of v over a CTA of THREADS, every thread's, in ggml's block_reduce order: each warp's
+// sum (xor shuffles 16, 8, ..., 1), then the warps' sums, those of lanes past THREADS / 32 zeros
+template <int THREADS> __device__ __forceinline__ float block_sum(float v) {
+    static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps, at most 32");
     const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+    }
+    __shared__ float sums[THREADS / 32];
+    if (lane == 0) {
+        sums[threadIdx.x / 32] = v;
+    }
+    __syncthreads();
+    v = lane < THREADS / 32 ? sums[lane] : 0.0f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float norm_scale(const float * x, int n, float eps) {
     float sum = 0.0f;
     for (int i = threadIdx.x; i < n; i += NORM_THREADS) {
         sum += x[i] * x[i];
     }
-    __shared__ float sums[NORM_THREADS / 32];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
-    }
-    if (lane == 0) {
-        sums[threadIdx.x / 32] = sum;
-    }
-    __syncthreads();
-    sum = sums[lane];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
-    }
-    return rsqrtf(sum / float(n) + eps);
+    return rsqrtf(block_sum<NORM_THREADS>(sum) / float(n) + eps);
 }
 
 // One column (a decode), grid (pieces / 32 rounded up, columns): each CTA finds the norm's
@@ -616,23 +623,8 @@ __global__ void __launch_bounds__(NR_THREADS) norm_rope(const __grid_constant__ 
     const float wi = i < a.n ? a.w[i] : 0.0f;
     LUCEPY_PDL_SYNC();  // x and pos: the kernels before have finished
     const float xi = i < a.n ? x[i] : 0.0f;
-    float sum = xi * xi;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
-    }
-    __shared__ float sums[NR_THREADS / 32];
+    const float scale = rsqrtf(block_sum<NR_THREADS>(xi * xi) / a.n + a.eps);
     __shared__ float y[NR_THREADS];
-    if (i % 32 == 0) {
-        sums[i / 32] = sum;
-    }
-    __syncthreads();
-    sum = i % 32 < NR_THREADS / 32 ? sums[i % 32] : 0.0f;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
-    }
-    const float scale = rsqrtf(sum / a.n + a.eps);
     y[i] = scale * xi * wi;
     __syncthreads();
     if (i >= a.n) {

@@ -940,6 +940,18 @@ bool apart(Span a, Span b) {
     return a.begin == a.end || b.begin == b.end || a.end <= b.begin || b.end <= a.begin;
 }
 
+// whether any span of `a` shares a byte with any of `b` (lists or arrays of Span)
+template <typename A, typename B> bool spans_meet(const A & a, const B & b) {
+    for (const Span & x : a) {
+        for (const Span & y : b) {
+            if (!apart(x, y)) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
 // apart, or at the same address: an element-wise kernel that reads each element before it
 // writes it there
 bool apart_or_same(const ggml_tensor * p, const ggml_tensor * q) {
@@ -1274,20 +1286,9 @@ int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         const Span step_writes[] = {s_tail, s_conv, s_x, act ? span_of(act) : Span{},
                                     normed ? span_of(normed) : Span{},
                                     scaled ? span_of(scaled) : Span{}};
-        bool join = plan.last >= 0;
-        for (const Span & w : step_writes) {
-            for (const Span & r : plan.reads) {
-                join = join && apart(w, r);
-            }
-            for (const Span & o : plan.writes) {
-                join = join && apart(w, o);
-            }
-        }
-        for (const Span & r : step_reads) {
-            for (const Span & o : plan.writes) {
-                join = join && apart(r, o);
-            }
-        }
+        const bool join = plan.last >= 0 && !spans_meet(step_writes, plan.reads) &&
+                          !spans_meet(step_writes, plan.writes) &&
+                          !spans_meet(step_reads, plan.writes);
         if (join) {
             gates = plan.g;
             gate_tiles = int((gate_elements(gates) + CONV_THREADS - 1) / CONV_THREADS);
@@ -1488,12 +1489,9 @@ int norm_rope_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         return 0;
     }
     // the rope's result apart from what the kernel reads (its CTAs read rows other CTAs write)
-    for (const ggml_tensor * in : {x, w, pos}) {
-        if (!apart(span_of(rope), span_of(in))) {
-            return 0;
-        }
-    }
-    if (ff && !apart(span_of(rope), span_of(ff))) {
+    const Span reads[] = {span_of(x), span_of(w), span_of(pos), ff ? span_of(ff) : Span{}};
+    const Span rope_bytes[] = {span_of(rope)};
+    if (spans_meet(rope_bytes, reads)) {
         return 0;
     }
     NormRope a = {};
@@ -1544,11 +1542,9 @@ int norm_rope_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
             set->ne[0] == n * heads && set->nb[1] % sizeof(half) == 0 &&
             rows->type == GGML_TYPE_I64 && ggml_is_contiguous(rows) &&
             ggml_nelements(rows) == tokens;
-        bool clear = taken;
-        for (const ggml_tensor * t : {x, w, pos, rows, rope}) {
-            clear = clear && apart(span_of(set), span_of(t));
-        }
-        if (clear && (ff == nullptr || apart(span_of(set), span_of(ff)))) {
+        const Span set_bytes[] = {span_of(set)};
+        const Span others[] = {span_of(rows), span_of(rope)};
+        if (taken && !spans_meet(set_bytes, reads) && !spans_meet(set_bytes, others)) {
             a.cache = static_cast<half *>(set->data);
             a.cache_row = int64_t(set->nb[1] / sizeof(half));
             a.rows = static_cast<const int64_t *>(rows->data);
@@ -1873,22 +1869,12 @@ bool recurrences_apart(ContextState & st, const ggml_cgraph * cgraph) {
             g.writes.push_back(span_of(g.op));
         }
     }
-    auto meets = [](const std::vector<Span> & a, const std::vector<Span> & b) {
-        for (const Span & x : a) {
-            for (const Span & y : b) {
-                if (!apart(x, y)) {
-                    return true;
-                }
-            }
-        }
-        return false;
-    };
     for (size_t a = 0; a < groups.size(); a++) {
         for (size_t b = a + 1; b < groups.size(); b++) {
             const Group & ga = groups[a];
             const Group & gb = groups[b];
-            if (meets(ga.writes, gb.writes) || meets(ga.writes, gb.reads) ||
-                meets(gb.writes, ga.reads)) {
+            if (spans_meet(ga.writes, gb.writes) || spans_meet(ga.writes, gb.reads) ||
+                spans_meet(gb.writes, ga.reads)) {
                 return false;
             }
         }
