@@ -678,6 +678,85 @@ def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
     assert rel_err(joined[0][0], exact).max() < 2e-2
 
 
+def residual_norm_products(lib, device, weights, norm, xs, rs, apart, repack=None):
+    """A verify layer's output product plus its residual, then the next block's RMS norm times
+    ``norm`` and two products of that: ``weights`` [(ggml type, raw rows)] are the output matrix
+    and the two after the norm (of as many values a row as the first has rows); computed once
+    per pair of ``xs`` ([k, n]) and ``rs`` ([k, rows]). With ``apart`` the norm reads a copy of
+    the sum (a CONT between them), so that the sum and the norm cannot be one kernel. Returns,
+    per pair, [the two products, the sum, the norm's result] (``computed``)."""
+    (k, n), rows = xs[0].shape, weights[0][1].shape[0]
+    consts = [(weights[0][0], n, rows, weights[0][1])]
+    consts += [(gtype, rows, raw.shape[0], raw) for gtype, raw in weights[1:]]
+    consts.append((GGML_TYPE_F32, rows, 1, np.ascontiguousarray(norm, dtype=np.float32)))
+
+    def build(c, ts, ins):
+        total = lib.ggml_add(c, lib.ggml_mul_mat(c, ts[0], ins[0]), ins[1])
+        normed = lib.ggml_mul(
+            c, lib.ggml_rms_norm(c, lib.ggml_cont(c, total) if apart else total, EPS), ts[3]
+        )
+        for t in (total, normed):  # kept: the allocator would lay later results over them
+            lib.ggml_set_output(t)
+        return [lib.ggml_mul_mat(c, t, normed) for t in ts[1:3]] + [total, normed]
+
+    def repacked(ts):
+        for t in ts[:3]:
+            assert repack.repack(t), "lucepy_cuda_repack refused the matrix"
+
+    feeds = list(zip(xs, rs, strict=True))
+    after_set = repacked if repack is not None else None
+    return computed(lib, device, consts, [(n, k), (rows, k)], build, feeds, after_set)
+
+
+@pytest.mark.parametrize(
+    ("kind", "k", "rows", "n", "repacked"),
+    [
+        ("q4_0", 16, 5120, 2048, True),  # in parts: the parts, the residual, the norm
+        ("q4_0", 9, 2048, 512, True),  # one part: the product adds the residual
+        ("q4_k", 12, 5120, 2048, False),  # (at 3-8 columns ggml's take the 320-row products)
+    ],
+)
+def test_gpu_residual_sum_and_next_norm_are_one_kernel(kind, k, rows, n, repacked, cuda):
+    """A verify layer's output product, its residual ADD and the next block's RMS norm times its
+    weight (a product's input) are the product and one kernel of ours (a cluster a column: the
+    parts' sum, the residual, the norm and the halves of the products after it), bit for bit
+    what the product, the sum and the norm give apart (the norm reading a copy of the sum): the
+    sum, the norm's result and both products after it, for new inputs too (the CUDA graph
+    replayed); in parts, one launch fewer (counted as joined); near the exact math."""
+    lib, device, kernels = cuda
+    mats = [weights_of(lib, kind, 90, rows, n)] + [
+        weights_of(lib, kind, 91 + i, 320, rows) for i in range(2)
+    ]
+    weights = [(t, raw) for t, raw, _ in mats]
+    rng = np.random.default_rng(92)
+    wn = rng.uniform(0.5, 1.5, size=rows).astype(np.float32)
+    xs = [rng.normal(size=(k, n)).astype(np.float32) for _ in range(3)]
+    rs = [rng.normal(size=(k, rows)).astype(np.float32) for _ in range(3)]
+    repack = kernels if repacked else None
+
+    def run(apart, feeds=3):
+        joined = kernels.joined
+        out = residual_norm_products(
+            lib, device, weights, wn, xs[:feeds], rs[:feeds], apart, repack
+        )
+        return out, kernels.joined - joined
+
+    in_parts = n == 2048
+    assert run(False, 1)[1] == int(in_parts)
+    assert run(True, 1)[1] == 0
+    (one, _), (apart, _) = run(False), run(True)
+    for j in range(3):
+        for i in range(4):
+            np.testing.assert_array_equal(one[j][i], apart[j][i], err_msg=f"input {j}, result {i}")
+        assert not np.array_equal(one[j][2], one[(j + 1) % 3][2])  # new inputs, new sums
+    total = xs[0].astype(np.float64) @ mats[0][2].T + rs[0]
+    normed = total / np.sqrt((total**2).mean(axis=1, keepdims=True) + EPS) * wn
+    assert rel_err(one[0][2], total).max() < 2e-2
+    assert rel_err(one[0][3], normed).max() < 2e-2
+    for i in range(2):
+        assert rel_err(one[0][i], normed @ mats[1 + i][2].T).max() < 2e-2
+
+
 HEADS = 4  # heads of 128 channels that the conv tests l2-norm, as qwen35 norms q and k
 L2_EPS = 1e-6 / 128
 

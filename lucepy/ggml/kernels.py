@@ -80,7 +80,8 @@ class CudaKernels:
     def joined(self) -> int:
         """Of those ops, the ones computed in another op's kernel, one launch less each (the
         DeltaNet gates in the conv step's, a rollback's recurrences in the first one's, a head's
-        rope and cache write in its norm's), counted alike."""
+        rope and cache write in its norm's, a verify's RMS norm in the kernel that adds up the
+        split product and residual before it), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_joined())
 
     def repack(self, tensor: Any) -> bool:

@@ -215,40 +215,53 @@ __global__ void __launch_bounds__(NORM_THREADS)
     }
 }
 
-// A segment of a column as to_halves writes it, from a CTA of GM_SEG warps that holds it: warp w
-// piece seg GM_SEG + w of column c (`here`: a piece of the column, c perhaps a padding one with
-// v 0), lane j its value j
-__device__ __forceinline__ void segment_halves(float v, bool here, const Halves & out, int c,
-                                               int npieces, int seg) {
+// SEGS segments of a column as to_halves writes them, from a CTA of SEGS x GM_SEG / V warps that
+// holds them, V pieces a warp: warp w's piece i is piece (seg0 + w / (GM_SEG / V)) GM_SEG +
+// w % (GM_SEG / V) + i GM_SEG / V of column c (c perhaps a padding one, its v 0; pieces past
+// the column's npieces not written), its lane j that piece's value j (v[i])
+template <int SEGS = 1, int V = 1>
+__device__ __forceinline__ void segment_halves(const float (&v)[V], const Halves & out, int c,
+                                               int npieces, int seg0) {
+    constexpr int WPS = GM_SEG / V;  // warps a segment
+    static_assert(GM_SEG % V == 0, "a segment's pieces shared out evenly");
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    float amax = fabsf(v);  // (fmaxf drops a NaN: the product carries it)
+    const int mine = warp / WPS;  // the CTA's segment
+    float amax = 0.0f;  // (fmaxf drops a NaN: the product carries it)
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
         amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
     }
-    __shared__ float red[GM_SEG];
+    __shared__ float red[SEGS * WPS];
     if (lane == 0) {
         red[warp] = amax;
     }
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < GM_SEG; w++) {
-        amax = fmaxf(amax, red[w]);
+    for (int w = 0; w < WPS; w++) {
+        amax = fmaxf(amax, red[mine * WPS + w]);
     }
     const float s = segment_scale(amax);
-    if (threadIdx.x == 0) {
-        out.xinv[c * segments(npieces) + seg] = 1.0f / s;
+    if (warp % WPS == 0 && lane == 0) {
+        out.xinv[c * segments(npieces) + seg0 + mine] = 1.0f / s;
     }
     const int t = lane % 4;  // group t: values 4t..4t+3 and 16+4t..16+4t+3
-    float g[8];
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        g[j] = __shfl_sync(0xFFFFFFFFu, v, 4 * t + j);
-        g[4 + j] = __shfl_sync(0xFFFFFFFFu, v, 16 + 4 * t + j);
-    }
-    if (here && lane < 4) {
-        out.xh[(int64_t(c) * npieces + seg * GM_SEG + warp) * 4 + t] = group_halves(g, s);
+    for (int i = 0; i < V; i++) {
+        float g[8];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            g[j] = __shfl_sync(0xFFFFFFFFu, v[i], 4 * t + j);
+            g[4 + j] = __shfl_sync(0xFFFFFFFFu, v[i], 16 + 4 * t + j);
+        }
+        const int piece = (seg0 + mine) * GM_SEG + warp % WPS + i * WPS;
+        if (piece < npieces && lane < 4) {
+            out.xh[(int64_t(c) * npieces + piece) * 4 + t] = group_halves(g, s);
+        }
     }
 }
 
@@ -282,7 +295,7 @@ __global__ void __launch_bounds__(GM_SEG * 32) norm_gate_halves(
     if (here) {
         v = gated_norm_write(ys, 32 * PIECES, eps, wi, zi, op, normed, gate, dst, piece * 32 + lane);
     }
-    segment_halves(v, piece_here, out, c, npieces, seg);
+    segment_halves<1, 1>({v}, out, c, npieces, seg);
 }
 
 // The sum of `nparts` floats `stride` apart, in order (the first plus the second, ...), their
@@ -308,27 +321,39 @@ __device__ __forceinline__ float parts_sum(const float * p, int nparts, int64_t 
 // SWIGLU (silu(a) times b, ggml's formula) for 2-16 columns (a verify's FFN) into dense `dst`,
 // a and b each `nparts` parts `part_stride` floats apart whose sums (in part order, as gemm_sum
 // adds them) are the values, a column's `col_stride` apart: grid (segments of a column, padded
-// columns), a CTA of GM_SEG warps a segment, a warp a piece; writes the result, and its halves
-// as to_halves writes them (padding columns zeros). Each element read and written by one lane
-// (with one part, the result may be written over a or b).
-__global__ void __launch_bounds__(GM_SEG * 32)
+// columns), a CTA of GLU_WARPS warps a segment, a warp two pieces (the FFN of the 27B-shaped
+// model, 34 segments of 16 columns, then fits the H200 at once: a warp a piece took a second
+// wave of CTAs); writes the result, and its halves as to_halves writes them (padding columns
+// zeros). Each element read and written by one lane (with one part, the result may be written
+// over a or b).
+constexpr int GLU_WARPS = GM_SEG / 2;
+
+__global__ void __launch_bounds__(GLU_WARPS * 32)
     glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
                int64_t part_stride, float * dst, int npieces, int ncols, Halves out) {
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // a and b: the kernels before have finished
     const int seg = blockIdx.x;
     const int c = blockIdx.y;
-    const int p = seg * GM_SEG + threadIdx.x / 32;  // the column's piece
-    const bool piece_here = p < npieces;
-    float v = 0.0f;
-    if (c < ncols && piece_here) {
-        const int64_t e = int64_t(p) * 32 + threadIdx.x % 32;  // of the column
-        const int64_t i = c * col_stride + e;
-        const float x = parts_sum(a + i, nparts, part_stride);
-        v = x / (1.0f + expf(-x)) * parts_sum(b + i, nparts, part_stride);
-        dst[int64_t(c) * npieces * 32 + e] = v;
+    float v[2] = {0.0f, 0.0f};
+    float x[2], y[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {  // both pieces' loads in flight before the arithmetic
+        const int p = seg * GM_SEG + threadIdx.x / 32 + i * GLU_WARPS;  // the column's piece
+        const int64_t at = c * col_stride + int64_t(p) * 32 + threadIdx.x % 32;
+        const bool here = c < ncols && p < npieces;
+        x[i] = here ? parts_sum(a + at, nparts, part_stride) : 0.0f;
+        y[i] = here ? parts_sum(b + at, nparts, part_stride) : 0.0f;
     }
-    segment_halves(v, piece_here, out, c, npieces, seg);
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int p = seg * GM_SEG + threadIdx.x / 32 + i * GLU_WARPS;
+        if (c < ncols && p < npieces) {
+            v[i] = x[i] / (1.0f + expf(-x[i])) * y[i];
+            dst[(int64_t(c) * npieces + p) * 32 + threadIdx.x % 32] = v[i];
+        }
+    }
+    segment_halves<1, 2>(v, out, c, npieces, seg);
 }
 
 // gate_quantize's twin for 2-16 columns (a verify's attention gate): act(z) * x into dense
@@ -350,7 +375,104 @@ __global__ void __launch_bounds__(GM_SEG * 32)
         v = gate_act(gate_z(z, c, e), op) * x[c * x_col + e];
         dst[int64_t(c) * npieces * 32 + e] = v;
     }
-    segment_halves(v, piece_here, out, c, npieces, seg);
+    segment_halves<1, 1>({v}, out, c, npieces, seg);
+}
+
+// --- a split product's sums, its residual and the RMS norm after it, in one kernel ---------------
+//
+// A verify layer's output product and its skip connection (ggml's MUL_MAT and ADD), then the
+// next block's RMS norm times its weight (RMS_NORM and MUL), whose result goes to products:
+// where gemm_sum added the product's parts and the residual and norm_halves then normed the sum
+// in a CTA of its own a column (16 SMs for 16 columns), a cluster of CL CTAs holds a column of
+// CL x NORM_THREADS values, a thread a value: each adds its value's parts and residual as
+// gemm_sum does (bit for bit) and writes the sum; the cluster's CTAs then read each other's
+// values through distributed shared memory, so that each thread sums the squares of values tid,
+// tid + NORM_THREADS, ... in norm_scale's (ggml's) order, and every CTA finds norm_halves' factor
+// bit for bit; a CTA's two segments' halves as to_halves writes them.
+
+// the cluster's barrier, in two halves: arrive (what this thread wrote before is seen by those
+// that wait after) and wait
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// the float at `local`'s place in the shared memory of the cluster's CTA `rank`
+__device__ __forceinline__ float cluster_load(const float * local, int rank) {
+    float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote)
+                 : "r"(shared_at(local)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
+struct SumNorm {
+    const float * src;       // the product's parts, part_stride apart, or (one part) its sums
+    int64_t src_col;         // a column's stride in src
+    int64_t part_stride;
+    int nparts;
+    const float * residual;  // or null (one part: the product added it)
+    int64_t res_stride;
+    float * sum;             // where the sums plus the residual go (the ADD's), or null (one part)
+    int64_t sum_stride;
+    const float * w;         // the norm's weight
+    float * normed;          // the MUL's result
+    int64_t normed_stride;
+    int n;                   // values a column: NORM_THREADS x CL
+    int ncols;
+    float eps;
+    Halves out;              // for the products after it (padding columns zeros)
+};
+
+// Grid (CL, padded columns), clusters of CL x 1, NORM_THREADS threads (two segments) a CTA, a
+// thread a value: CL CTAs a column where norm_halves has one.
+template <int CL> __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a) {
+    static_assert(NORM_THREADS == 2 * GM_SEG * 32, "a CTA two segments");
+    LUCEPY_PDL_LAUNCH();
+    const int c = blockIdx.y;
+    const bool real = c < a.ncols;
+    const int e = blockIdx.x * NORM_THREADS + threadIdx.x;  // of the column
+    const float wi = a.w[e];
+    LUCEPY_PDL_SYNC();  // the parts: the product has finished
+    float v = 0.0f;
+    if (real) {
+        v = parts_sum(a.src + c * a.src_col + e, a.nparts, a.part_stride);
+        if (a.residual) {
+            v += a.residual[c * a.res_stride + e];
+        }
+        if (a.sum) {
+            a.sum[c * a.sum_stride + e] = v;
+        }
+    }
+    __shared__ float xs[NORM_THREADS];
+    xs[threadIdx.x] = v;
+    cluster_arrive();
+    cluster_wait();  // every CTA of the column has its values in place
+    float sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < CL; k++) {
+        const float xk = cluster_load(xs + threadIdx.x, k);
+        sq += xk * xk;
+    }
+    cluster_arrive();  // this CTA has read the others' values (they may exit once all have)
+    const float scale = rsqrtf(block_sum<NORM_THREADS>(sq) / float(a.n) + a.eps);
+    const float u = scale * v * wi;
+    if (real) {
+        a.normed[c * a.normed_stride + e] = u;
+    }
+    segment_halves<2, 1>({u}, a.out, c, a.n / 32, 2 * blockIdx.x);
+    cluster_wait();  // no CTA's shared memory goes while another reads it
 }
 
 // --- the product ------------------------------------------------------------------------------

@@ -355,12 +355,138 @@ template <int K> Launch pick(bool gate, int unit) {
                       : pick_unit<K, 4>(gate);
 }
 
+// `kernel` in clusters of `cluster` CTAs along x, and with programmatic dependent launch where
+// ggml_cuda_kernel_launch would use it
+template <typename... Args>
+void launch_clustered(void (*kernel)(Args...), dim3 grid, int threads, int cluster,
+                      cudaStream_t stream, Args... args) {
+    cudaLaunchAttribute attrs[2] = {};
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = unsigned(cluster);
+    attrs[0].val.clusterDim.y = 1;
+    attrs[0].val.clusterDim.z = 1;
+    unsigned nattrs = 1;
+#if defined(GGML_CUDA_USE_PDL)
+    static const bool pdl = [] {
+        const char * env = getenv("GGML_CUDA_PDL");
+        return env == nullptr || std::atoi(env) != 0;
+    }();
+    if (pdl && ggml_cuda_kernel_can_use_pdl(reinterpret_cast<const void *>(kernel))) {
+        attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attrs[1].val.programmaticStreamSerializationAllowed = 1;
+        nattrs = 2;
+    }
+#endif
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(unsigned(threads));
+    cfg.stream = stream;
+    cfg.attrs = attrs;
+    cfg.numAttrs = nattrs;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+// The RMS norm times a weight after a product's residual ADD, whose result a product of ours
+// reads as halves: sum_norm_halves computes it with the product's sums (mul_mat_add_nodes)
+struct NormAfter {
+    const ggml_tensor * mul;  // the MUL: its result, and the product after it that wants it
+    const float * w;
+    float eps;
+};
+
+// sum_norm_halves for clusters of 2-8 CTAs
+template <int CL> void sum_norm_launch(const SumNorm & s, cudaStream_t stream) {
+    launch_clustered(sum_norm_halves<CL>, dim3(CL, unsigned(padded_cols(s.ncols))), NORM_THREADS,
+                     CL, stream, s);
+}
+
+// Whether sum_norm_halves takes a column of n values on the device: a cluster of n /
+// NORM_THREADS CTAs (2-8) that it can launch (asked once a device and size)
+bool sum_norm_fits(int device, int64_t n) {
+    const int64_t cl = n / NORM_THREADS;
+    if (n % NORM_THREADS != 0 || cl < 2 || cl > 8 || ggml_cuda_info().devices[device].cc < 900) {
+        return false;
+    }
+    static int fits[GGML_CUDA_MAX_DEVICES][9] = {};  // 0 not asked, 1 yes, 2 no
+    int & known = fits[device][cl];
+    if (known == 0) {
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = unsigned(cl);
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(unsigned(cl), 16);
+        cfg.blockDim = dim3(NORM_THREADS);
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        int clusters = 0;
+        const void * kernel = nullptr;
+        switch (cl) {
+            case 2: kernel = reinterpret_cast<const void *>(sum_norm_halves<2>); break;
+            case 3: kernel = reinterpret_cast<const void *>(sum_norm_halves<3>); break;
+            case 4: kernel = reinterpret_cast<const void *>(sum_norm_halves<4>); break;
+            case 5: kernel = reinterpret_cast<const void *>(sum_norm_halves<5>); break;
+            case 6: kernel = reinterpret_cast<const void *>(sum_norm_halves<6>); break;
+            case 7: kernel = reinterpret_cast<const void *>(sum_norm_halves<7>); break;
+            default: kernel = reinterpret_cast<const void *>(sum_norm_halves<8>); break;
+        }
+        const bool ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess;
+        (void) cudaGetLastError();  // (a refusal is an answer, not an error to keep)
+        known = ok && clusters > 0 ? 1 : 2;
+    }
+    return known == 1;
+}
+
+// The product `a` (its parts `parts`, at a.parts where more than one, else its sums with the
+// residual at a.dst) as the ADD's result, then `norm` of it: one sum_norm_halves
+void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int parts,
+                     const NormAfter & norm) {
+    SumNorm s = {};
+    if (parts > 1) {
+        s.src = a.parts;
+        s.src_col = a.nrows;
+        s.part_stride = int64_t(a.ncols) * a.nrows;
+        s.residual = a.residual;
+        s.res_stride = a.res_stride;
+        s.sum = a.dst;
+        s.sum_stride = a.dst_stride;
+    } else {
+        s.src = a.dst;
+        s.src_col = a.dst_stride;
+    }
+    s.nparts = parts;
+    s.w = norm.w;
+    s.normed = static_cast<float *>(norm.mul->data);
+    s.normed_stride = norm.mul->nb[1] / int64_t(sizeof(float));
+    s.n = a.nrows;
+    s.ncols = a.ncols;
+    s.eps = norm.eps;
+    const int64_t npieces = a.nrows / 32;
+    s.out = halves_at(prepared(state_of(ctx), norm.mul, npieces, 0), npieces, a.ncols);
+    cudaStream_t stream = ctx.stream();
+    switch (a.nrows / NORM_THREADS) {
+        case 2: sum_norm_launch<2>(s, stream); break;
+        case 3: sum_norm_launch<3>(s, stream); break;
+        case 4: sum_norm_launch<4>(s, stream); break;
+        case 5: sum_norm_launch<5>(s, stream); break;
+        case 6: sum_norm_launch<6>(s, stream); break;
+        case 7: sum_norm_launch<7>(s, stream); break;
+        case 8: sum_norm_launch<8>(s, stream); break;
+        default: GGML_ABORT("lucepy: sum_norm_halves of %d values", a.nrows);
+    }
+    if (parts > 1) {
+        g_joined.fetch_add(1, std::memory_order_relaxed);  // gemm_sum's launch holds the norm
+    }
+}
+
 // 3 to 16 columns: gemm on to_halves' activations, in parts where its rows are few
 // A tensor-core product of 4-warp CTAs of `smem` bytes (gemm, gemm_r) by `plan`, its parts
-// added in order by gemm_sum
+// added in order by gemm_sum, or with `norm` (the RMS norm after the product's residual ADD) by
+// sum_norm_halves
 template <typename F>
 void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, const GemmPlan & plan,
-                     const GemmArgs & base) {
+                     const GemmArgs & base, const NormAfter * norm = nullptr) {
     const int parts = int(plan.grid.y);
     GemmArgs a = base;
     a.per_part = plan.per_part;
@@ -372,7 +498,9 @@ void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, const 
     ggml_cuda_kernel_launch(kernel,
                             ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, smem, stream),
                             a);
-    if (parts > 1) {
+    if (norm) {
+        launch_sum_norm(ctx, a, parts, *norm);
+    } else if (parts > 1) {
         const int64_t n = int64_t(a.nrows) * a.ncols;
         const dim3 sum_grid(unsigned((n + 255) / 256));
         ggml_cuda_kernel_launch(gemm_sum, ggml_cuda_kernel_launch_params(sum_grid, 256, 0, stream),
@@ -393,21 +521,22 @@ int64_t slots_of(F kernel, int smem, int device, int64_t (&slots)[GGML_CUDA_MAX_
 }
 
 template <int K, int NT>
-void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
+void launch_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & base, const NormAfter * norm) {
     constexpr int P = gemm_chunk<K>();
     using G = Gm<K, NT, P>;
     static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
     auto kernel = gemm<K, NT, P>;
     const int64_t room = slots_of(kernel, G::smem, ctx.device, slots);
     launch_in_parts(ctx, kernel, G::smem, gemm_plan(base.nrows, base.npieces, G::rows, P, room),
-                    base);
+                    base, norm);
 }
 
-template <int K> void run_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
+template <int K>
+void run_gemm(ggml_backend_cuda_context & ctx, const GemmArgs & a, const NormAfter * norm) {
     if (a.ncols <= GM_COL_TILE) {
-        launch_gemm<K, 1>(ctx, a);
+        launch_gemm<K, 1>(ctx, a, norm);
     } else {
-        launch_gemm<K, 2>(ctx, a);
+        launch_gemm<K, 2>(ctx, a, norm);
     }
 }
 
@@ -677,8 +806,11 @@ template <int NT> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
 }
 
 // 2-16 columns: gemm_r, in parts where its rows are few
-template <int NT> void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base) {
-    launch_in_parts(ctx, gemm_r<NT>, gemm_r_smem<NT>(), gemm_r_plan<NT>(ctx.device, base), base);
+template <int NT>
+void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
+                   const NormAfter * norm = nullptr) {
+    launch_in_parts(ctx, gemm_r<NT>, gemm_r_smem<NT>(), gemm_r_plan<NT>(ctx.device, base), base,
+                    norm);
 }
 
 // a prefill's columns: to_halves_col into scratch (whole tiles of 64 columns), then gemm_rq
@@ -697,7 +829,8 @@ template <int MT> void launch_gemm_rq(ggml_backend_cuda_context & ctx, const Gem
 
 void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                       const ggml_tensor * src1, ggml_tensor * dst,
-                      const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual) {
+                      const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual,
+                      const NormAfter * norm) {
     const int64_t ncols = src1->ne[1];
     const int64_t npieces = src0->ne[0] / 32;
     const bool plain = src1->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 &&
@@ -731,9 +864,9 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                       int(ncols)),
             residual);
         if (ncols <= GM_COL_TILE) {
-            launch_gemm_r<1>(ctx, g);
+            launch_gemm_r<1>(ctx, g, norm);
         } else {
-            launch_gemm_r<2>(ctx, g);
+            launch_gemm_r<2>(ctx, g, norm);
         }
         return;
     }
@@ -764,13 +897,13 @@ const Wanted * wanted(ContextState & st, const ggml_tensor * t) {
 // columns) by our kernels, true; or false, having done nothing
 bool mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
              ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion,
-             const ggml_tensor * residual) {
+             const ggml_tensor * residual, const NormAfter * norm = nullptr) {
     const int64_t ncols = src1->ne[1];
     if (residual && (fusion || ncols < 2 || ncols > MAX_COLS)) {
         return false;
     }
     if (repacked_of(src0)) {  // ours whatever the switch: ggml's kernels cannot read it
-        repacked_mul_mat(ctx, src0, src1, dst, fusion, residual);
+        repacked_mul_mat(ctx, src0, src1, dst, fusion, residual, norm);
         g_calls.fetch_add(1, std::memory_order_relaxed);
         return true;
     }
@@ -819,13 +952,14 @@ bool mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const gg
         }
         const GemmArgs g =
             gemm_args(src0, dst, halves_at(activations(0), npieces, int(ncols)), residual);
-        with_kind(kind, [&](auto k) { run_gemm<decltype(k)::value>(ctx, g); });
+        with_kind(kind, [&](auto k) { run_gemm<decltype(k)::value>(ctx, g, norm); });
         g_calls.fetch_add(1, std::memory_order_relaxed);
         return true;
     }
     if (residual) {
         return false;
     }
+    GGML_ASSERT(norm == nullptr);  // (with a residual only)
 
     const int unit = copy_unit(src0, gate, chunk);
     if (unit == 0 || !fits(kind, npieces, ctx.device)) {
@@ -1672,6 +1806,47 @@ int cont_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
 // product for one column only), where nothing else reads the product: our product writes the
 // sum into the ADD's result (`gemm_sum` or the tile's store adds the residual, the product's
 // f32 sum first, as the ADD would). The nodes after i computed, or 0.
+// After a product's residual ADD (node i_add, residual r): the RMS_NORM of the sum and its MUL
+// by a weight vector, the MUL's result a product of ours reads as halves (the next block's
+// input norm), which sum_norm_halves computes with the product's sums. The MUL's node, `norm`
+// filled in, or 0.
+int norm_after_add(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i_add,
+                   const ggml_tensor * r, NormAfter & norm) {
+    const ggml_tensor * add = cgraph->nodes[i_add];
+    const int i_norm = next_op(cgraph, i_add);
+    const int i_mul = i_norm < cgraph->n_nodes ? next_op(cgraph, i_norm) : i_norm;
+    if (i_mul >= cgraph->n_nodes) {
+        return 0;
+    }
+    const ggml_tensor * rms = cgraph->nodes[i_norm];
+    const ggml_tensor * mul = cgraph->nodes[i_mul];
+    if (rms->op != GGML_OP_RMS_NORM || rms->src[0] != add || mul->op != GGML_OP_MUL ||
+        (mul->src[0] != rms && mul->src[1] != rms)) {
+        return 0;
+    }
+    const ggml_tensor * w = mul->src[0] == rms ? mul->src[1] : mul->src[0];
+    const int64_t n = add->ne[0];
+    const bool shapes = ggml_are_same_shape(mul, add) && dense_like(mul, add) &&
+                        w->type == GGML_TYPE_F32 && w->ne[0] == n && ggml_nelements(w) == n &&
+                        w->nb[0] == sizeof(float) && add->nb[0] == sizeof(float);
+    if (!shapes || !sum_norm_fits(ctx.device, n)) {
+        return 0;
+    }
+    // the norm's own result never written (the MUL alone reads it); the MUL's over the sum or
+    // the residual only element for element (each read by the thread that writes it)
+    ContextState & st = state_of(ctx);
+    const Wanted * want = wanted(st, mul);
+    if (st.readers(rms) != 1 || (rms->flags & GGML_TENSOR_FLAG_OUTPUT) != 0 || want == nullptr ||
+        want->src1 != mul || want->planes != 0 || !apart_or_same(mul, add) ||
+        !(apart(span_of(mul), span_of(r)) || (mul->data == r->data && mul->nb[1] == r->nb[1]))) {
+        return 0;
+    }
+    norm.mul = mul;
+    norm.w = static_cast<const float *>(w->data);
+    std::memcpy(&norm.eps, rms->op_params, sizeof(float));
+    return i_mul;
+}
+
 int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     const ggml_tensor * mm = cgraph->nodes[i];
     const int64_t ncols = mm->ne[1];
@@ -1699,11 +1874,13 @@ int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgrap
         !apart(span_of(add), span_of(mm->src[0])) || !apart_or_same(add, r)) {
         return 0;
     }
-    if (!mul_mat(ctx, mm->src[0], src1, add, nullptr, r)) {
+    NormAfter norm = {};
+    const int i_mul = norm_after_add(ctx, cgraph, i_add, r, norm);
+    if (!mul_mat(ctx, mm->src[0], src1, add, nullptr, r, i_mul > 0 ? &norm : nullptr)) {
         return 0;
     }
     g_ops.fetch_add(1, std::memory_order_relaxed);
-    return i_add - i;
+    return (i_mul > 0 ? i_mul : i_add) - i;
 }
 
 // An FFN's two products of one input and their SWIGLU from node i, a MUL_MAT (a verify's gate
@@ -1781,8 +1958,8 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
             kernel, ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, smem, ctx.stream()),
             g);
         const dim3 grid{unsigned(segments(int(n / 32))), unsigned(padded_cols(int(ncols)))};
-        ggml_cuda_kernel_launch(glu_halves,
-                                ggml_cuda_kernel_launch_params(grid, GM_SEG * 32, 0, ctx.stream()),
+        ggml_cuda_kernel_launch(glu_halves, ggml_cuda_kernel_launch_params(grid, GLU_WARPS * 32, 0,
+                                                                           ctx.stream()),
                                 static_cast<const float *>(buf), buf + n, 2 * n, parts,
                                 2 * n * ncols, static_cast<float *>(glu->data), int(n / 32),
                                 int(ncols), out);
@@ -2147,7 +2324,7 @@ bool lucepy_cuda_glu(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const Halves halves = halves_at(prepared(st, want->src1, per_col, 0), per_col, int(cols));
     const dim3 grid{unsigned(segments(int(per_col))), unsigned(padded_cols(int(cols)))};
     ggml_cuda_kernel_launch(glu_halves,
-                            ggml_cuda_kernel_launch_params(grid, GM_SEG * 32, 0, ctx.stream()),
+                            ggml_cuda_kernel_launch_params(grid, GLU_WARPS * 32, 0, ctx.stream()),
                             static_cast<const float *>(a->data),
                             static_cast<const float *>(b->data), per_col * 32, 1, int64_t(0),
                             static_cast<float *>(dst->data), int(per_col), int(cols), halves);
