@@ -20,7 +20,9 @@
 # for other tiny models than the tests write (unless GPU_RUN_SKIP names pytest).
 #
 # OUTDIR gets 7 files (8 for qwen35moe: llama-bench-ncmoe.json; kvpool.json with GPU_RUN_KVPOOL):
-# setup.log build.log pytest.txt bench.log llama-bench.json lucepy-bench.json summary.md. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
+# setup.log build.log pytest.txt bench.log llama-bench.json lucepy-bench.json summary.md; where
+# the steps wrote more than 8 (the device tool's limit), all.tar.gz holds them all, summary.md
+# and kernels.md beside it. Each step has a time budget, cut to what is left before GPU_RUN_DEADLINE (seconds
 # since start); a step that runs out is stopped and the run goes on. The build and the model stay
 # in /tmp: a second call on the still-warm machine (30 s) skips them, or resumes the build (lucepy's
 # build again, incrementally, where vendor/ggml/cuda or the recipes changed since it was made).
@@ -491,4 +493,13 @@ fi
     grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|error)' "$OUTDIR/pytest.txt" | tail -20
 } >>"$OUTDIR/summary.md" 2>/dev/null || true
 cat "$OUTDIR/summary.md"
+# The device tool brings back at most 8 files from a call: past that, every file goes into one
+# archive, all.tar.gz, beside which only summary.md and kernels.md stay (a call of issue 19's
+# benchmark with its traces writes 15, and the traces were the ones left behind)
+if (($(find "$OUTDIR" -maxdepth 1 -type f | wc -l) > 8)); then
+    tar -czf /tmp/gpu-run-all.tar.gz -C "$OUTDIR" .
+    find "$OUTDIR" -maxdepth 1 -type f ! -name summary.md ! -name kernels.md -delete
+    mv /tmp/gpu-run-all.tar.gz "$OUTDIR/all.tar.gz"
+    say "gpu_run: $OUTDIR/all.tar.gz holds every file (tar -xzf all.tar.gz)"
+fi
 say "gpu_run: done"
