@@ -712,17 +712,18 @@ def residual_norm_products(lib, device, weights, norm, xs, rs, apart, repack=Non
     ("kind", "k", "rows", "n", "repacked"),
     [
         ("q4_0", 16, 5120, 2048, True),  # in parts: the parts, the residual, the norm
-        ("q4_0", 9, 2048, 512, True),  # one part: the product adds the residual
+        ("q4_0", 9, 2048, 512, True),  # one part: the product adds the residual, norm_halves
         ("q4_k", 12, 5120, 2048, False),  # (at 3-8 columns ggml's take the 320-row products)
     ],
 )
 def test_gpu_residual_sum_and_next_norm_are_one_kernel(kind, k, rows, n, repacked, cuda):
     """A verify layer's output product, its residual ADD and the next block's RMS norm times its
-    weight (a product's input) are the product and one kernel of ours (a cluster a column: the
-    parts' sum, the residual, the norm and the halves of the products after it), bit for bit
-    what the product, the sum and the norm give apart (the norm reading a copy of the sum): the
-    sum, the norm's result and both products after it, for new inputs too (the CUDA graph
-    replayed); in parts, one launch fewer (counted as joined); near the exact math."""
+    weight (a product's input) are the product and one kernel of ours (in parts, a cluster a
+    column: the parts' sum, the residual, the norm and the halves of the products after it; of
+    one part, the norm's own kernel), bit for bit what the product, the sum and the norm give
+    apart (the norm reading a copy of the sum): the sum, the norm's result and both products
+    after it, for new inputs too (the CUDA graph replayed); in parts, one launch fewer (counted
+    as joined); near the exact math."""
     lib, device, kernels = cuda
     mats = [weights_of(lib, kind, 90, rows, n)] + [
         weights_of(lib, kind, 91 + i, 320, rows) for i in range(2)

@@ -11,6 +11,8 @@
 //     (KIND: q4_0, q4_K, q8_0, q6_K by default; also q5_K, iq4_xs, q4_1, q5_1 when named)
 //     BENCH_ONCE=1 ncu --kernel-name regex:gemv ./bench-kernels --quick --shape ffn_down
 //     (BENCH_FEW=1: of gemm's launches only lucepy-mm.cu's, beside the repacked Q4_0's)
+//     ./bench-kernels --sum-norm   (a verify's residual sum and next RMS norm: gemm_sum and
+//     norm_halves against sum_norm_halves, their results compared byte for byte)
 //
 // The weights are random bytes with finite scales, several copies of each matrix in turn so that
 // no call finds its weights in the L2 cache. Times: a CUDA graph of 20 calls, replayed 10 times,
@@ -885,6 +887,140 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
     CHECK(cudaFree(parts));
 }
 
+// --- a verify's residual sum and the next RMS norm: two kernels or one (--sum-norm) -----------
+
+// sum_norm_halves as lucepy-mm.cu launches it: clusters of CL CTAs along x (no PDL here)
+template <int CL> void launch_sum_norm(const SumNorm & a, cudaStream_t s) {
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = CL;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(CL, unsigned(padded_cols(a.ncols)));
+    cfg.blockDim = dim3(NORM_THREADS);
+    cfg.stream = s;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    CHECK(cudaLaunchKernelEx(&cfg, sum_norm_halves<CL>, a));
+}
+
+// The 27B-shaped model's 5,120-value residual stream at `ncols` columns, after a product of
+// `nparts` parts: gemm_sum then norm_halves (one part: the product's store added the residual,
+// so norm_halves alone) against sum_norm_halves, every byte of both ways' results compared (the
+// sum, the norm's result, the halves and their scales) and each way's time per call.
+void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
+    constexpr int N = 5120;
+    constexpr int CL = N / NORM_THREADS;
+    constexpr float EPS = 1e-6f;
+    const int64_t npieces = N / 32;
+    const size_t col_bytes = size_t(N) * sizeof(float);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<float> uniform(0.5f, 1.5f);
+    std::vector<float> hp(size_t(nparts) * ncols * N), hr(size_t(ncols) * N), hw(N);
+    for (float & v : hp) {
+        v = normal(rng) / float(nparts);
+    }
+    for (float & v : hr) {
+        v = normal(rng);
+    }
+    for (float & v : hw) {
+        v = uniform(rng);
+    }
+    float *parts, *res, *w;
+    CHECK(cudaMalloc(&parts, hp.size() * sizeof(float)));
+    CHECK(cudaMalloc(&res, hr.size() * sizeof(float)));
+    CHECK(cudaMalloc(&w, col_bytes));
+    CHECK(cudaMemcpy(parts, hp.data(), hp.size() * sizeof(float), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(res, hr.data(), hr.size() * sizeof(float), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(w, hw.data(), col_bytes, cudaMemcpyHostToDevice));
+    const size_t hb = size_t(halves_bytes(npieces, ncols));
+    struct Out {
+        float *sum, *normed;
+        uint8_t * halves;
+    } out[2];
+    for (Out & o : out) {
+        CHECK(cudaMalloc(&o.sum, col_bytes * ncols));
+        CHECK(cudaMalloc(&o.normed, col_bytes * ncols));
+        CHECK(cudaMalloc(&o.halves, hb));
+        CHECK(cudaMemset(o.halves, 0, hb));
+    }
+    // one part: the sums with the residual are already in place, as the product's store left them
+    if (nparts == 1) {
+        std::vector<float> sums(hr.size());
+        for (size_t i = 0; i < sums.size(); i++) {
+            sums[i] = hp[i] + hr[i];
+        }
+        for (Out & o : out) {
+            CHECK(cudaMemcpy(o.sum, sums.data(), sums.size() * sizeof(float),
+                             cudaMemcpyHostToDevice));
+        }
+    }
+    auto apart = [&](int) {
+        const Out & o = out[0];
+        if (nparts > 1) {
+            const int64_t n = int64_t(N) * ncols;
+            gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(parts, nparts, N, ncols, o.sum, N,
+                                                                res, N);
+        }
+        norm_halves<<<unsigned(padded_cols(ncols)), NORM_THREADS, 0, s>>>(
+            o.sum, N, w, o.normed, N, N, EPS, ncols, halves_at(o.halves, npieces, ncols));
+    };
+    auto joined = [&](int) {
+        const Out & o = out[1];
+        SumNorm a = {};
+        if (nparts > 1) {
+            a.src = parts;
+            a.src_col = N;
+            a.part_stride = int64_t(ncols) * N;
+            a.residual = res;
+            a.res_stride = N;
+            a.sum = o.sum;
+            a.sum_stride = N;
+        } else {
+            a.src = o.sum;
+            a.src_col = N;
+        }
+        a.nparts = nparts;
+        a.w = w;
+        a.normed = o.normed;
+        a.normed_stride = N;
+        a.n = N;
+        a.ncols = ncols;
+        a.eps = EPS;
+        a.out = halves_at(o.halves, npieces, ncols);
+        launch_sum_norm<CL>(a, s);
+    };
+    apart(0);
+    joined(0);
+    CHECK(cudaStreamSynchronize(s));
+    CHECK(cudaGetLastError());
+    auto same_bytes = [](const void * a, const void * b, size_t bytes) {
+        std::vector<uint8_t> ha(bytes), hb(bytes);
+        CHECK(cudaMemcpy(ha.data(), a, bytes, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hb.data(), b, bytes, cudaMemcpyDeviceToHost));
+        return ha == hb;
+    };
+    const bool same = same_bytes(out[0].sum, out[1].sum, col_bytes * ncols) &&
+                      same_bytes(out[0].normed, out[1].normed, col_bytes * ncols) &&
+                      same_bytes(out[0].halves, out[1].halves, hb);
+    failures += !same;
+    const float t_apart = time_calls(s, apart);
+    const float t_joined = time_calls(s, joined);
+    std::printf("sum+norm %5d values, %2d columns, %2d parts: %s %7.2f us, sum_norm_halves %7.2f "
+                "us (%.2fx)%s\n",
+                N, ncols, nparts, nparts > 1 ? "gemm_sum + norm_halves" : "norm_halves",
+                t_apart, t_joined, t_joined / t_apart, same ? "" : "  WRONG (not the same bytes)");
+    for (Out & o : out) {
+        CHECK(cudaFree(o.sum));
+        CHECK(cudaFree(o.normed));
+        CHECK(cudaFree(o.halves));
+    }
+    CHECK(cudaFree(parts));
+    CHECK(cudaFree(res));
+    CHECK(cudaFree(w));
+}
+
 }  // namespace
 
 int main(int argc, char ** argv) {
@@ -892,9 +1028,12 @@ int main(int argc, char ** argv) {
     const char * only_kind = nullptr;
     const char * only_shape = nullptr;
     std::vector<int> cols;  // --cols 2,4,8,16: gemm against one column
+    bool sum_norm = false;  // --sum-norm: a verify's residual sum and next norm, 2 kernels or 1
     for (int i = 1; i < argc; i++) {
         if (std::strcmp(argv[i], "--quick") == 0) {
             quick = true;
+        } else if (std::strcmp(argv[i], "--sum-norm") == 0) {
+            sum_norm = true;
         } else if (std::strcmp(argv[i], "--kind") == 0 && i + 1 < argc) {
             only_kind = argv[++i];
         } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc) {
@@ -912,7 +1051,8 @@ int main(int argc, char ** argv) {
             }
         } else {
             std::fprintf(stderr,
-                         "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16]\n",
+                         "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16] "
+                         "[--sum-norm]\n",
                          argv[0]);
             return 2;
         }
@@ -925,6 +1065,15 @@ int main(int argc, char ** argv) {
     cudaStream_t s;
     CHECK(cudaStreamCreate(&s));
     std::mt19937 rng(7);
+    if (sum_norm) {  // the parts gemm_r splits the model's 5,120-row products into: 1, 3-5
+        for (int ncols : {2, 9, 16}) {
+            for (int nparts : {1, 3, 4, 5}) {
+                bench_sum_norm(ncols, nparts, s, rng);
+            }
+        }
+        std::printf(failures ? "%d WRONG\n" : "both ways wrote the same bytes\n", failures);
+        return failures ? 1 : 0;
+    }
     // Qwen3.6-27B's decode products (n_embd 5120, n_ff 17408), and its Q6_K output head
     const Shape shapes[] = {
         {"ffn_up+gate", 5120, 17408, true},

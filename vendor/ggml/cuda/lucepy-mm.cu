@@ -439,32 +439,42 @@ bool sum_norm_fits(int device, int64_t n) {
 }
 
 // The product `a` (its parts `parts`, at a.parts where more than one, else its sums with the
-// residual at a.dst) as the ADD's result, then `norm` of it: one sum_norm_halves
+// residual at a.dst) as the ADD's result, then `norm` of it: in parts, one sum_norm_halves where
+// gemm_sum and norm_halves ran; of one part (its tile's store wrote the sums), norm_halves alone,
+// which sum_norm_halves took 1.27-1.28x the time of there (bench-kernels --sum-norm, H100)
 void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int parts,
                      const NormAfter & norm) {
-    SumNorm s = {};
-    if (parts > 1) {
-        s.src = a.parts;
-        s.src_col = a.nrows;
-        s.part_stride = int64_t(a.ncols) * a.nrows;
-        s.residual = a.residual;
-        s.res_stride = a.res_stride;
-        s.sum = a.dst;
-        s.sum_stride = a.dst_stride;
-    } else {
-        s.src = a.dst;
-        s.src_col = a.dst_stride;
+    const int64_t npieces = a.nrows / 32;
+    const Halves out =
+        halves_at(prepared(state_of(ctx), norm.mul, npieces, 0), npieces, a.ncols);
+    float * normed = static_cast<float *>(norm.mul->data);
+    const int64_t normed_stride = norm.mul->nb[1] / int64_t(sizeof(float));
+    cudaStream_t stream = ctx.stream();
+    if (parts == 1) {
+        ggml_cuda_kernel_launch(
+            norm_halves,
+            ggml_cuda_kernel_launch_params(dim3(unsigned(padded_cols(a.ncols))), NORM_THREADS, 0,
+                                           stream),
+            static_cast<const float *>(a.dst), a.dst_stride, norm.w, normed, normed_stride,
+            a.nrows, norm.eps, a.ncols, out);
+        return;
     }
+    SumNorm s = {};
+    s.src = a.parts;
+    s.src_col = a.nrows;
+    s.part_stride = int64_t(a.ncols) * a.nrows;
     s.nparts = parts;
+    s.residual = a.residual;
+    s.res_stride = a.res_stride;
+    s.sum = a.dst;
+    s.sum_stride = a.dst_stride;
     s.w = norm.w;
-    s.normed = static_cast<float *>(norm.mul->data);
-    s.normed_stride = norm.mul->nb[1] / int64_t(sizeof(float));
+    s.normed = normed;
+    s.normed_stride = normed_stride;
     s.n = a.nrows;
     s.ncols = a.ncols;
     s.eps = norm.eps;
-    const int64_t npieces = a.nrows / 32;
-    s.out = halves_at(prepared(state_of(ctx), norm.mul, npieces, 0), npieces, a.ncols);
-    cudaStream_t stream = ctx.stream();
+    s.out = out;
     switch (a.nrows / NORM_THREADS) {
         case 2: sum_norm_launch<2>(s, stream); break;
         case 3: sum_norm_launch<3>(s, stream); break;
@@ -475,9 +485,7 @@ void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int pa
         case 8: sum_norm_launch<8>(s, stream); break;
         default: GGML_ABORT("lucepy: sum_norm_halves of %d values", a.nrows);
     }
-    if (parts > 1) {
-        g_joined.fetch_add(1, std::memory_order_relaxed);  // gemm_sum's launch holds the norm
-    }
+    g_joined.fetch_add(1, std::memory_order_relaxed);  // gemm_sum's launch holds the norm
 }
 
 // 3 to 16 columns: gemm on to_halves' activations, in parts where its rows are few
@@ -1801,14 +1809,9 @@ int cont_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     return took > 0 ? j + took - i : 0;
 }
 
-// A product of 2-16 columns from node i, a MUL_MAT, and the residual ADD after it (a verify's
-// attention, DeltaNet or FFN output plus the layer's input; ggml fuses such an ADD into the
-// product for one column only), where nothing else reads the product: our product writes the
-// sum into the ADD's result (`gemm_sum` or the tile's store adds the residual, the product's
-// f32 sum first, as the ADD would). The nodes after i computed, or 0.
 // After a product's residual ADD (node i_add, residual r): the RMS_NORM of the sum and its MUL
 // by a weight vector, the MUL's result a product of ours reads as halves (the next block's
-// input norm), which sum_norm_halves computes with the product's sums. The MUL's node, `norm`
+// input norm), which launch_sum_norm computes with the product's sums. The MUL's node, `norm`
 // filled in, or 0.
 int norm_after_add(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i_add,
                    const ggml_tensor * r, NormAfter & norm) {
@@ -1826,9 +1829,13 @@ int norm_after_add(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     }
     const ggml_tensor * w = mul->src[0] == rms ? mul->src[1] : mul->src[0];
     const int64_t n = add->ne[0];
+    auto aligned = [](const ggml_tensor * t) {  // norm_halves' 16-byte loads and stores (one part)
+        return uintptr_t(t->data) % 16 == 0 && t->nb[1] % 16 == 0;
+    };
     const bool shapes = ggml_are_same_shape(mul, add) && dense_like(mul, add) &&
                         w->type == GGML_TYPE_F32 && w->ne[0] == n && ggml_nelements(w) == n &&
-                        w->nb[0] == sizeof(float) && add->nb[0] == sizeof(float);
+                        w->nb[0] == sizeof(float) && add->nb[0] == sizeof(float) &&
+                        aligned(add) && aligned(w) && aligned(mul);
     if (!shapes || !sum_norm_fits(ctx.device, n)) {
         return 0;
     }
@@ -1847,6 +1854,12 @@ int norm_after_add(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     return i_mul;
 }
 
+// A product of 2-16 columns from node i, a MUL_MAT, and the residual ADD after it (a verify's
+// attention, DeltaNet or FFN output plus the layer's input; ggml fuses such an ADD into the
+// product for one column only), where nothing else reads the product: our product writes the
+// sum into the ADD's result (`gemm_sum` or the tile's store adds the residual, the product's
+// f32 sum first, as the ADD would); and where the next block's RMS norm follows it, that too
+// (norm_after_add). The nodes after i computed, or 0.
 int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     const ggml_tensor * mm = cgraph->nodes[i];
     const int64_t ncols = mm->ne[1];
