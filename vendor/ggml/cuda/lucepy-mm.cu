@@ -386,6 +386,16 @@ void launch_clustered(void (*kernel)(Args...), dim3 grid, int threads, int clust
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
+// norm_halves of `ncols` columns of x (16-byte aligned, as w and dst), a CTA a padded column
+void launch_norm_halves(const float * x, int64_t x_stride, const float * w, float * dst,
+                        int64_t dst_stride, int n, float eps, int ncols, const Halves & out,
+                        cudaStream_t stream) {
+    ggml_cuda_kernel_launch(norm_halves,
+                            ggml_cuda_kernel_launch_params(dim3(unsigned(padded_cols(ncols))),
+                                                           NORM_THREADS, 0, stream),
+                            x, x_stride, w, dst, dst_stride, n, eps, ncols, out);
+}
+
 // The RMS norm times a weight after a product's residual ADD, whose result a product of ours
 // reads as halves: sum_norm_halves computes it with the product's sums (mul_mat_add_nodes)
 struct NormAfter {
@@ -394,10 +404,19 @@ struct NormAfter {
     float eps;
 };
 
-// sum_norm_halves for clusters of 2-8 CTAs
-template <int CL> void sum_norm_launch(const SumNorm & s, cudaStream_t stream) {
-    launch_clustered(sum_norm_halves<CL>, dim3(CL, unsigned(padded_cols(s.ncols))), NORM_THREADS,
-                     CL, stream, s);
+// f(std::integral_constant<int, CL>) for the cluster size `cl` (2-8) of sum_norm_halves, and
+// what f returns: the one switch from a column's size to the kernel's template
+template <typename F> auto with_cluster(int64_t cl, F && f) {
+    switch (cl) {
+        case 2: return f(std::integral_constant<int, 2>{});
+        case 3: return f(std::integral_constant<int, 3>{});
+        case 4: return f(std::integral_constant<int, 4>{});
+        case 5: return f(std::integral_constant<int, 5>{});
+        case 6: return f(std::integral_constant<int, 6>{});
+        case 7: return f(std::integral_constant<int, 7>{});
+        case 8: return f(std::integral_constant<int, 8>{});
+        default: GGML_ABORT("lucepy: sum_norm_halves in clusters of %d", int(cl));
+    }
 }
 
 // Whether sum_norm_halves takes a column of n values on the device: a cluster of n /
@@ -421,16 +440,9 @@ bool sum_norm_fits(int device, int64_t n) {
         cfg.attrs = &attr;
         cfg.numAttrs = 1;
         int clusters = 0;
-        const void * kernel = nullptr;
-        switch (cl) {
-            case 2: kernel = reinterpret_cast<const void *>(sum_norm_halves<2>); break;
-            case 3: kernel = reinterpret_cast<const void *>(sum_norm_halves<3>); break;
-            case 4: kernel = reinterpret_cast<const void *>(sum_norm_halves<4>); break;
-            case 5: kernel = reinterpret_cast<const void *>(sum_norm_halves<5>); break;
-            case 6: kernel = reinterpret_cast<const void *>(sum_norm_halves<6>); break;
-            case 7: kernel = reinterpret_cast<const void *>(sum_norm_halves<7>); break;
-            default: kernel = reinterpret_cast<const void *>(sum_norm_halves<8>); break;
-        }
+        const void * kernel = with_cluster(cl, [](auto k) {
+            return reinterpret_cast<const void *>(sum_norm_halves<decltype(k)::value>);
+        });
         const bool ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess;
         (void) cudaGetLastError();  // (a refusal is an answer, not an error to keep)
         known = ok && clusters > 0 ? 1 : 2;
@@ -451,12 +463,8 @@ void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int pa
     const int64_t normed_stride = norm.mul->nb[1] / int64_t(sizeof(float));
     cudaStream_t stream = ctx.stream();
     if (parts == 1) {
-        ggml_cuda_kernel_launch(
-            norm_halves,
-            ggml_cuda_kernel_launch_params(dim3(unsigned(padded_cols(a.ncols))), NORM_THREADS, 0,
-                                           stream),
-            static_cast<const float *>(a.dst), a.dst_stride, norm.w, normed, normed_stride,
-            a.nrows, norm.eps, a.ncols, out);
+        launch_norm_halves(a.dst, a.dst_stride, norm.w, normed, normed_stride, a.nrows, norm.eps,
+                           a.ncols, out, stream);
         return;
     }
     SumNorm s = {};
@@ -475,16 +483,11 @@ void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int pa
     s.ncols = a.ncols;
     s.eps = norm.eps;
     s.out = out;
-    switch (a.nrows / NORM_THREADS) {
-        case 2: sum_norm_launch<2>(s, stream); break;
-        case 3: sum_norm_launch<3>(s, stream); break;
-        case 4: sum_norm_launch<4>(s, stream); break;
-        case 5: sum_norm_launch<5>(s, stream); break;
-        case 6: sum_norm_launch<6>(s, stream); break;
-        case 7: sum_norm_launch<7>(s, stream); break;
-        case 8: sum_norm_launch<8>(s, stream); break;
-        default: GGML_ABORT("lucepy: sum_norm_halves of %d values", a.nrows);
-    }
+    with_cluster(a.nrows / NORM_THREADS, [&](auto k) {
+        constexpr int CL = decltype(k)::value;
+        launch_clustered(sum_norm_halves<CL>, dim3(CL, unsigned(padded_cols(s.ncols))),
+                         NORM_THREADS, CL, stream, s);
+    });
     g_joined.fetch_add(1, std::memory_order_relaxed);  // gemm_sum's launch holds the norm
 }
 
@@ -1037,11 +1040,8 @@ bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph
     const int64_t x_stride = x->nb[1] / int64_t(sizeof(float));
     const int64_t dst_stride = mul->nb[1] / int64_t(sizeof(float));
     if (planes == 0) {
-        const dim3 grid{unsigned(padded_cols(int(ncols)))};
-        ggml_cuda_kernel_launch(
-            norm_halves, ggml_cuda_kernel_launch_params(grid, NORM_THREADS, 0, ctx.stream()), xd,
-            x_stride, wd, dst, dst_stride, int(n), eps, int(ncols),
-            halves_at(buf, npieces, int(ncols)));
+        launch_norm_halves(xd, x_stride, wd, dst, dst_stride, int(n), eps, int(ncols),
+                           halves_at(buf, npieces, int(ncols)), ctx.stream());
         return true;
     }
     const dim3 grid{unsigned((npieces + NORM_THREADS / 32 - 1) / (NORM_THREADS / 32))};
