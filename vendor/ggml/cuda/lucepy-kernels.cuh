@@ -1046,7 +1046,10 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // token waits on its sums across the warp, so two columns a warp take about the time of one,
 // and the 27B-shaped model's 48 heads of 128 columns fit one wave of CTAs (768 of 4 warps), where
 // a column a warp took 1.45 (1,536 CTAs, 8 an SM): 11 us a 16-token call (the verify's, and the
-// rollback's), 4.5 a decode's, without PDL's overlap (docs/BENCHMARKS.md, session 27). The state
+// rollback's), 4.5 a decode's, without PDL's overlap (docs/BENCHMARKS.md, session 27). Only
+// S^T k's sums are on the chain from token to token: the outputs' (S^T q of the updated state)
+// wait for the tile's end, all its tokens' summed side by side (the same sums, the same order:
+// a 16-token verify's recurrence about 12 -> 11.3 us on the H200, session 33). The state
 // after the last token goes where the copy after the op puts it (the sequence's own state, read
 // first by the same warp) and, where anything else reads it, into the op's result too; a
 // verify's copy of the state before it (a DUP node that the op reads) is written as it loads,
@@ -1061,6 +1064,7 @@ constexpr int DN_WARPS = 4;  // a CTA's
 constexpr int DN_COLS = 2;   // columns of the state a warp
 constexpr int DN_CTA_COLS = DN_WARPS * DN_COLS;
 constexpr int DN_TILE = 8;  // tokens a tile
+static_assert(DN_TILE * DN_COLS <= 32, "a lane writes each of a tile's outputs");
 
 struct DeltaNetArgs {
     const float * q, * k;  // [S, hk, T, N / rq3], rows contiguous; strides in floats
@@ -1201,7 +1205,12 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
         const int b = tile % 2;
         const int t0 = tile * DN_TILE;
         const int nt = min(DN_TILE, a.T - t0);
-        for (int t = 0; t < nt; t++) {
+        float out[DN_TILE * C];  // (S^T q)[col] of each token's updated state: lanes' parts
+#pragma unroll
+        for (int t = 0; t < DN_TILE; t++) {
+            if (t >= nt) {
+                break;
+            }
             float kr[R], qr[R];
 #pragma unroll
             for (int r = 0; r < R; r++) {
@@ -1220,23 +1229,30 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
                 }
             }
             warp_sums(kv);
-            float out[C];  // (S^T q)[col] of the updated state
 #pragma unroll
             for (int c = 0; c < C; c++) {
                 const float delta = (vs[b][t][warp * C + c] - g * kv[c]) * beta;
-                out[c] = 0.0f;
+                out[t * C + c] = 0.0f;
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     s[c][r] = g * s[c][r] + kr[r] * delta;
-                    out[c] += s[c][r] * qr[r];
+                    out[t * C + c] += s[c][r] * qr[r];
                 }
             }
-            warp_sums(out);
+        }
+        if (attn) {  // the tile's outputs summed across the warp side by side, off the chain
 #pragma unroll
-            for (int c = 0; c < C; c++) {
-                if (lane == c && attn) {
-                    attn[(t0 + t) * token_stride + c] = out[c] * a.scale;
-                }
+            for (int i = 0; i < DN_TILE * C; i++) {
+                out[i] = i < nt * C ? out[i] : 0.0f;  // tokens past the end: never written
+            }
+            warp_sums(out);
+            float mine = out[0];  // lane i writes output i: token i / C, column i % C
+#pragma unroll
+            for (int i = 1; i < DN_TILE * C; i++) {
+                mine = lane == i ? out[i] : mine;
+            }
+            if (lane < nt * C) {
+                attn[(t0 + lane / C) * token_stride + lane % C] = mine * a.scale;
             }
         }
         __syncthreads();  // every warp is done with buffer b: tile + 2 may land there

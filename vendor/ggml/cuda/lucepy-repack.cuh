@@ -119,10 +119,14 @@ struct RpGroup {
     uint32_t d;
 };
 
+// a lane's part of the group whose nibbles (q) and scales (d) its lane's words start at
+__device__ __forceinline__ RpGroup load_lane(const uint4 * q, const uint32_t * d) {
+    return {load_stream(q), load_stream(q + 32), __ldg(d)};
+}
+
 __device__ __forceinline__ RpGroup load_group(const uint8_t * group, int lane) {
-    const uint4 * q = reinterpret_cast<const uint4 *>(group);
-    return {load_stream(q + lane), load_stream(q + 32 + lane),
-            __ldg(reinterpret_cast<const uint32_t *>(group + 1024) + lane)};
+    return load_lane(reinterpret_cast<const uint4 *>(group) + lane,
+                     reinterpret_cast<const uint32_t *>(group + 1024) + lane);
 }
 
 // gemm on a repacked Q4_0 matrix (a.w; a.row_stride unused). Each warp loads its tile's groups
@@ -136,6 +140,7 @@ __device__ __forceinline__ RpGroup load_group(const uint8_t * group, int lane) {
 template <int NT, int W = GM_WARPS, int MINB = 16 / W>
 __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     constexpr int P = 8;   // pieces a chunk: two groups
+    static_assert(GM_SEG == 2 * P, "a segment is two chunks");
     constexpr int ST = 2;  // the activations' stages (step's S: chunk ch's is ch % 2)
     constexpr int XP = P * 64 + 32;
     constexpr int X_STAGE = NT * GM_COL_TILE * XP;
@@ -186,18 +191,25 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     const uint8_t * wp = (second ? a.w2 : a.w) +
                          repacked_at((row0 - (second ? a.rows2 : 0) + warp * 16) / RP_ROWS,
                                      int64_t(chunk0) * 2, ngroups);
+    // where this lane's words of the next chunk to load start (kept, not worked out each load)
+    const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + lane;
+    const uint32_t * wd = reinterpret_cast<const uint32_t *>(wp + 1024) + lane;
     auto load = [&](RpGroup (&buf)[2], int ch) {
         if (mine && ch < nchunks) {
 #pragma unroll
             for (int j = 0; j < 2; j++) {
-                buf[j] = load_group(wp + (int64_t(ch) * 2 + j) * RP_BYTES, lane);
+                buf[j] = load_lane(wq + j * RP_U4, wd + j * RP_BYTES / 4);
             }
+            wq += 2 * RP_U4;
+            wd += 2 * RP_BYTES / 4;
         }
     };
 
     float acc[NT][4] = {};    // this segment's
     float total[NT][4] = {};  // and the sums of those before, scaled back
     const int nsegs = segments(a.npieces);
+    // the 1 / scale of this lane's first column (2t) in the next segment to flush
+    const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
     const int swz = t / 2 % 2;
     uint32_t x_lane[4];  // word w of this lane's piece of column g in stage 0
 #pragma unroll
@@ -215,12 +227,16 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         if (!mine) {
             return;
         }
-        const int first = (chunk0 + ch) * P;
-        const int seg = first / GM_SEG;
-        const bool flush = ch + 1 == nchunks || (first + P) / GM_SEG != seg;
+        // a segment is two chunks: the sums are scaled back after its odd one, or the last
+        const bool flush = ch + 1 == nchunks || ((chunk0 + ch) & 1);
         float inv[NT][2];
         if (flush) {
-            segment_inv<NT>(a, t, seg, nsegs, inv);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                inv[nt][0] = __ldg(xi + nt * GM_COL_TILE * nsegs);
+                inv[nt][1] = __ldg(xi + (nt * GM_COL_TILE + 1) * nsegs);
+            }
+            xi++;
         }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
