@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <type_traits>  // integral_constant
+#include <utility>      // integer_sequence
 
 namespace lucepy {
 
@@ -129,6 +130,16 @@ __device__ __forceinline__ RpGroup load_group(const uint8_t * group, int lane) {
                      reinterpret_cast<const uint32_t *>(group + 1024) + lane);
 }
 
+// f(integral_constant<int, i>) for i = 0 .. N - 1, in turn
+template <typename F, int... I>
+__device__ __forceinline__ void each_index_of(F & f, std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>()), ...);
+}
+
+template <int N, typename F> __device__ __forceinline__ void each_index(F && f) {
+    each_index_of(f, std::make_integer_sequence<int, N>());
+}
+
 // gemm on a repacked Q4_0 matrix (a.w; a.row_stride unused). Each warp loads its tile's groups
 // straight into registers, a chunk (8 pieces) ahead; the CTA shares the activations' chunks in
 // shared memory as gemm does. The mma's k order: in each of a group's 8 k-steps (word w, low
@@ -137,11 +148,15 @@ __device__ __forceinline__ RpGroup load_group(const uint8_t * group, int lane) {
 // piece t. Stored in a column's chunk with group w of piece i at 16 (w ^ (i / 2 % 2)) and a
 // column pitch of 34 16-byte units, so that the 8 lanes of each quarter of a warp's 16-byte
 // loads read 8 different bank groups.
-template <int NT, int W = GM_WARPS, int MINB = 16 / W>
+//
+// XCH chunks of activations a stage, and a barrier: 1 in the model; 2 is bench-kernels.cu's
+// "rp 2 chunks a barrier" (session 33, not yet measured: the barrier is 12 % of gemm_r's
+// stalls, docs/BENCHMARKS.md).
+template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = 1>
 __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     constexpr int P = 8;   // pieces a chunk: two groups
     static_assert(GM_SEG == 2 * P, "a segment is two chunks");
-    constexpr int ST = 2;  // the activations' stages (step's S: chunk ch's is ch % 2)
+    constexpr int ST = 2;  // the activations' stages: chunk ch's is ch / XCH % 2
     constexpr int XP = P * 64 + 32;
     constexpr int X_STAGE = NT * GM_COL_TILE * XP;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -172,14 +187,19 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         x_dst[k] = c * XP + 64 * piece + 16 * ((u % 4) ^ (piece / 2 % 2));
         x_on[k] = i < NT * GM_COL_TILE * XN;
     }
-    auto issue_x = [&](int ch) {
-        if (ch < nchunks) {
-            uint8_t * stage = smem + (ch % ST) * X_STAGE;
+    auto issue_x = [&](int q) {  // stage q's chunks: q XCH on
 #pragma unroll
-            for (int k = 0; k < XC; k++) {
-                if (x_on[k]) {
-                    copy_async<16, true>(stage + x_dst[k], reinterpret_cast<const uint8_t *>(
-                                                               x_src[k] + int64_t(ch) * XN));
+        for (int h = 0; h < XCH; h++) {
+            const int ch = q * XCH + h;
+            if (ch < nchunks) {
+                uint8_t * stage = smem + ((q % ST) * XCH + h) * X_STAGE;
+#pragma unroll
+                for (int k = 0; k < XC; k++) {
+                    if (x_on[k]) {
+                        copy_async<16, true>(stage + x_dst[k],
+                                             reinterpret_cast<const uint8_t *>(
+                                                 x_src[k] + int64_t(ch) * XN));
+                    }
                 }
             }
         }
@@ -220,13 +240,15 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         x_lane[w] = opaque(shared_at(smem) + g * XP + t * 64 + 16 * (w ^ swz));
     }
 
-    // chunk ch (its activations in stage S: ch % ST == S)
-    auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch, auto stage) {
-        constexpr int S = decltype(stage)::value;
+    // chunk ch, the I-th of a round of ST XCH (its activations in stage I / XCH, part I % XCH)
+    auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch, auto index) {
+        constexpr int I = decltype(index)::value;  // its activations at smem + I X_STAGE
         load(nxt, ch + 1);
-        copy_wait<ST - 2>();
-        __syncthreads();  // chunk ch's activations have landed; chunk ch - 1's are read by all
-        issue_x(ch + ST - 1);
+        if constexpr (I % XCH == 0) {
+            copy_wait<ST - 2>();
+            __syncthreads();  // the stage's chunks have landed; the stage before is read by all
+            issue_x(ch / XCH + ST - 1);
+        }
         if (!mine) {
             return;
         }
@@ -259,7 +281,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     const uint4 x =
-                        load_shared(x_lane[w] + S * X_STAGE + nt * GM_COL_TILE * XP + 4 * j * 64);
+                        load_shared(x_lane[w] + I * X_STAGE + nt * GM_COL_TILE * XP + 4 * j * 64);
                     mma_16816(acc[nt], a_lo, x.x, x.y);
                     mma_16816(acc2[nt], a_hi, x.z, x.w);
                 }
@@ -278,18 +300,20 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         }
     };
 
-    RpGroup wa[2], wb[2];
-    load(wa, 0);  // weights: no kernel before this one writes them
+    RpGroup w[2][2];  // chunk ch's weights in w[ch % 2]
+    load(w[0], 0);    // weights: no kernel before this one writes them
     LUCEPY_PDL_SYNC();
 #pragma unroll
     for (int s = 0; s < ST - 1; s++) {
         issue_x(s);
     }
-    for (int ch = 0; ch < nchunks; ch += 2) {
-        step(wa, wb, ch, std::integral_constant<int, 0>());
-        if (ch + 1 < nchunks) {
-            step(wb, wa, ch + 1, std::integral_constant<int, 1>());
-        }
+    for (int ch = 0; ch < nchunks; ch += ST * XCH) {
+        each_index<ST * XCH>([&](auto i) {
+            constexpr int I = decltype(i)::value;
+            if (ch + I < nchunks) {
+                step(w[I % 2], w[(I + 1) % 2], ch + I, i);
+            }
+        });
     }
     copy_wait<0>();
 
@@ -300,8 +324,8 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     }
 }
 
-template <int NT> __host__ __device__ constexpr int gemm_r_smem() {
-    return 2 * NT * GM_COL_TILE * (8 * 64 + 32);
+template <int NT, int XCH = 1> __host__ __device__ constexpr int gemm_r_smem() {
+    return 2 * XCH * NT * GM_COL_TILE * (8 * 64 + 32);
 }
 
 // One column on a repacked Q4_0 matrix (a.w), the activations as `quantize` writes them (one
