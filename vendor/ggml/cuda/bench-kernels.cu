@@ -893,11 +893,7 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
 
 // sum_norm_halves as lucepy-mm.cu launches it: clusters of CL CTAs along x (no PDL here)
 template <int CL> void launch_sum_norm(const SumNorm & a, cudaStream_t s) {
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = CL;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
+    cudaLaunchAttribute attr = cluster_attr(CL);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(CL, unsigned(padded_cols(a.ncols)));
     cfg.blockDim = dim3(NORM_THREADS);

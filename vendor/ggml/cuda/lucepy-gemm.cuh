@@ -337,20 +337,21 @@ __global__ void __launch_bounds__(GLU_WARPS * 32)
     const int c = blockIdx.y;
     float v[2] = {0.0f, 0.0f};
     float x[2], y[2];
+    int p[2];  // the column's pieces
+    bool here[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {  // both pieces' loads in flight before the arithmetic
-        const int p = seg * GM_SEG + threadIdx.x / 32 + i * GLU_WARPS;  // the column's piece
-        const int64_t at = c * col_stride + int64_t(p) * 32 + threadIdx.x % 32;
-        const bool here = c < ncols && p < npieces;
-        x[i] = here ? parts_sum(a + at, nparts, part_stride) : 0.0f;
-        y[i] = here ? parts_sum(b + at, nparts, part_stride) : 0.0f;
+        p[i] = seg * GM_SEG + threadIdx.x / 32 + i * GLU_WARPS;
+        here[i] = c < ncols && p[i] < npieces;
+        const int64_t at = c * col_stride + int64_t(p[i]) * 32 + threadIdx.x % 32;
+        x[i] = here[i] ? parts_sum(a + at, nparts, part_stride) : 0.0f;
+        y[i] = here[i] ? parts_sum(b + at, nparts, part_stride) : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
-        const int p = seg * GM_SEG + threadIdx.x / 32 + i * GLU_WARPS;
-        if (c < ncols && p < npieces) {
+        if (here[i]) {
             v[i] = x[i] / (1.0f + expf(-x[i])) * y[i];
-            dst[(int64_t(c) * npieces + p) * 32 + threadIdx.x % 32] = v[i];
+            dst[(int64_t(c) * npieces + p[i]) * 32 + threadIdx.x % 32] = v[i];
         }
     }
     segment_halves<1, 2>(v, out, c, npieces, seg);
@@ -417,6 +418,17 @@ __device__ __forceinline__ float cluster_load(const float * local, int rank) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
 #endif
     return v;
+}
+
+// the launch attribute of clusters of `cl` CTAs along x (sum_norm_halves' launches and its
+// occupancy query)
+inline cudaLaunchAttribute cluster_attr(int cl) {
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = unsigned(cl);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    return attr;
 }
 
 struct SumNorm {

@@ -360,11 +360,7 @@ template <int K> Launch pick(bool gate, int unit) {
 template <typename... Args>
 void launch_clustered(void (*kernel)(Args...), dim3 grid, int threads, int cluster,
                       cudaStream_t stream, Args... args) {
-    cudaLaunchAttribute attrs[2] = {};
-    attrs[0].id = cudaLaunchAttributeClusterDimension;
-    attrs[0].val.clusterDim.x = unsigned(cluster);
-    attrs[0].val.clusterDim.y = 1;
-    attrs[0].val.clusterDim.z = 1;
+    cudaLaunchAttribute attrs[2] = {cluster_attr(cluster)};
     unsigned nattrs = 1;
 #if defined(GGML_CUDA_USE_PDL)
     static const bool pdl = [] {
@@ -429,11 +425,7 @@ bool sum_norm_fits(int device, int64_t n) {
     static int fits[GGML_CUDA_MAX_DEVICES][9] = {};  // 0 not asked, 1 yes, 2 no
     int & known = fits[device][cl];
     if (known == 0) {
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = unsigned(cl);
-        attr.val.clusterDim.y = 1;
-        attr.val.clusterDim.z = 1;
+        cudaLaunchAttribute attr = cluster_attr(int(cl));
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(unsigned(cl), 16);
         cfg.blockDim = dim3(NORM_THREADS);
