@@ -449,7 +449,7 @@ std::vector<GemmVariant> gemm_variants_of(int k, int ncols) {
     return with_kind(k, [&](auto kk) { return gemm_variants<decltype(kk)::value>(ncols); });
 }
 
-template <int NT, int W, int MINB = 16 / W, int MOST = 16, int XCH = 1>
+template <int NT, int W, int MINB = 16 / W, int MOST = 16, int XCH = gemm_r_xch(NT)>
 void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
     auto kernel = gemm_r<NT, W, MINB, XCH>;
     const int smem = gemm_r_smem<NT, XCH>();
@@ -475,10 +475,10 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // parts in place of gemm_sum, both slower; session 29: gemm_parts' rule against
     // gemm_parts_by_cost's, which is the same or faster everywhere; session 30: 3 CTAs an SM
     // (room for more registers) the same; a tile's parts as a cluster adding them up, slower;
-    // gemm_r on Hopper's wgmma, at 16 columns slower; docs/BENCHMARKS.md; session 33: two
-    // chunks of activations a stage and a barrier, not yet measured)
+    // gemm_r on Hopper's wgmma, at 16 columns slower; docs/BENCHMARKS.md; session 34: two
+    // chunks of activations a stage and a barrier, faster at 9-16 columns only: gemm_r_xch)
     return {{"repacked", launch_gemm_r<NT, 4>},
-            {"rp 2 chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 2>},
+            {"rp other chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3 - gemm_r_xch(NT)>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
             {"rp <= 4 parts", launch_gemm_r<NT, 4, 4, 4>},
             {"rp <= 2 parts", launch_gemm_r<NT, 4, 4, 2>}};

@@ -140,6 +140,14 @@ template <int N, typename F> __device__ __forceinline__ void each_index(F && f) 
     each_index_of(f, std::make_integer_sequence<int, N>());
 }
 
+// gemm_r's chunks of activations a stage and a barrier: 2 at 9-16 columns (alone on the H200
+// 2-5 % faster at 16 on five of six of the 27B-shaped model's products, the same on the FFN's
+// stacked up and gate), 1 at 2-8 (there two made the stacked up and gate 8 % slower) and in
+// the passes of more columns (not measured).
+__host__ __device__ constexpr int gemm_r_xch(int nt) {
+    return nt == 2 ? 2 : 1;
+}
+
 // gemm on a repacked Q4_0 matrix (a.w; a.row_stride unused). Each warp loads its tile's groups
 // straight into registers, a chunk (8 pieces) ahead; the CTA shares the activations' chunks in
 // shared memory as gemm does. The mma's k order: in each of a group's 8 k-steps (word w, low
@@ -149,10 +157,8 @@ template <int N, typename F> __device__ __forceinline__ void each_index(F && f) 
 // column pitch of 34 16-byte units, so that the 8 lanes of each quarter of a warp's 16-byte
 // loads read 8 different bank groups.
 //
-// XCH chunks of activations a stage, and a barrier: 1 in the model; 2 is bench-kernels.cu's
-// "rp 2 chunks a barrier" (session 33, not yet measured: the barrier is 12 % of gemm_r's
-// stalls, docs/BENCHMARKS.md).
-template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = 1>
+// XCH chunks of activations a stage, and a barrier: gemm_r_xch's (docs/BENCHMARKS.md, session 34).
+template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT)>
 __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     constexpr int P = 8;   // pieces a chunk: two groups
     static_assert(GM_SEG == 2 * P, "a segment is two chunks");
@@ -324,7 +330,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     }
 }
 
-template <int NT, int XCH = 1> __host__ __device__ constexpr int gemm_r_smem() {
+template <int NT, int XCH = gemm_r_xch(NT)> __host__ __device__ constexpr int gemm_r_smem() {
     return 2 * XCH * NT * GM_COL_TILE * (8 * 64 + 32);
 }
 
