@@ -148,6 +148,45 @@ __host__ __device__ constexpr int gemm_r_xch(int nt) {
     return nt == 2 ? 2 : 1;
 }
 
+// What gemm_r leaves out for bench-kernels' --anatomy (0 in the model; wrong results): its
+// weights after the first two chunks, the unpacking, the activations' shared loads, the mmas.
+enum RpSkip : int { RP_LOADS = 1, RP_UNPACK = 2, RP_SHARED = 4, RP_MMA = 8 };
+
+// a lane's A registers of a word's low and high nibbles, rows g (qa) and g + 8 (qb)
+template <int SKIP>
+__device__ __forceinline__ void lane_words(uint32_t qa, uint32_t qb, uint32_t da, uint32_t db,
+                                           uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+    if constexpr (SKIP & RP_UNPACK) {
+        lo[0] = lo[2] = hi[0] = hi[2] = qa ^ da;
+        lo[1] = lo[3] = hi[1] = hi[3] = qb ^ db;
+        return;
+    }
+    __half2 alo[2], ahi[2], blo[2], bhi[2];
+    word_halves(qa, *reinterpret_cast<const __half2 *>(&da), alo, ahi);
+    word_halves(qb, *reinterpret_cast<const __half2 *>(&db), blo, bhi);
+#pragma unroll
+    for (int i = 0; i < 2; i++) {  // k order: row g's pair, row g + 8's, then their next pair
+        lo[2 * i] = as_u32(alo[i]);
+        lo[2 * i + 1] = as_u32(blo[i]);
+        hi[2 * i] = as_u32(ahi[i]);
+        hi[2 * i + 1] = as_u32(bhi[i]);
+    }
+}
+
+// a word's two mmas into a column tile's two chains (or, left out, its registers kept alive)
+template <int SKIP>
+__device__ __forceinline__ void word_mmas(float (&acc)[4], float (&acc2)[4],
+                                          const uint32_t (&lo)[4], const uint32_t (&hi)[4],
+                                          const uint4 & x) {
+    if constexpr (SKIP & RP_MMA) {
+        asm volatile("" ::"r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w), "r"(lo[0]), "r"(lo[1]),
+                     "r"(lo[2]), "r"(lo[3]), "r"(hi[0]), "r"(hi[1]), "r"(hi[2]), "r"(hi[3]));
+    } else {
+        mma_16816(acc, lo, x.x, x.y);
+        mma_16816(acc2, hi, x.z, x.w);
+    }
+}
+
 // gemm on a repacked Q4_0 matrix (a.w; a.row_stride unused). Each warp loads its tile's groups
 // straight into registers, a chunk (8 pieces) ahead; the CTA shares the activations' chunks in
 // shared memory as gemm does. The mma's k order: in each of a group's 8 k-steps (word w, low
@@ -158,7 +197,8 @@ __host__ __device__ constexpr int gemm_r_xch(int nt) {
 // loads read 8 different bank groups.
 //
 // XCH chunks of activations a stage, and a barrier: gemm_r_xch's (docs/BENCHMARKS.md, session 34).
-template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT)>
+// SKIP: RpSkip's parts left out.
+template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), int SKIP = 0>
 __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     constexpr int P = 8;   // pieces a chunk: two groups
     static_assert(GM_SEG == 2 * P, "a segment is two chunks");
@@ -221,7 +261,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + lane;
     const uint32_t * wd = reinterpret_cast<const uint32_t *>(wp + 1024) + lane;
     auto load = [&](RpGroup (&buf)[2], int ch) {
-        if (mine && ch < nchunks) {
+        if (mine && ch < nchunks && (!(SKIP & RP_LOADS) || ch < 2)) {
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 buf[j] = load_lane(wq + j * RP_U4, wd + j * RP_BYTES / 4);
@@ -275,21 +315,14 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
             const uint32_t db = __byte_perm(cur[j].d, 0, 0x3232);
 #pragma unroll
             for (int w = 0; w < 4; w++) {
-                __half2 alo[2], ahi[2], blo[2], bhi[2];
-                word_halves(word(cur[j].a, w), *reinterpret_cast<const __half2 *>(&da), alo,
-                            ahi);
-                word_halves(word(cur[j].b, w), *reinterpret_cast<const __half2 *>(&db), blo,
-                            bhi);
-                const uint32_t a_lo[4] = {as_u32(alo[0]), as_u32(blo[0]), as_u32(alo[1]),
-                                          as_u32(blo[1])};
-                const uint32_t a_hi[4] = {as_u32(ahi[0]), as_u32(bhi[0]), as_u32(ahi[1]),
-                                          as_u32(bhi[1])};
+                uint32_t a_lo[4], a_hi[4];
+                lane_words<SKIP>(word(cur[j].a, w), word(cur[j].b, w), da, db, a_lo, a_hi);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const uint4 x =
-                        load_shared(x_lane[w] + I * X_STAGE + nt * GM_COL_TILE * XP + 4 * j * 64);
-                    mma_16816(acc[nt], a_lo, x.x, x.y);
-                    mma_16816(acc2[nt], a_hi, x.z, x.w);
+                    const uint32_t at =
+                        x_lane[w] + I * X_STAGE + nt * GM_COL_TILE * XP + 4 * j * 64;
+                    const uint4 x = SKIP & RP_SHARED ? make_uint4(at, j, w, nt) : load_shared(at);
+                    word_mmas<SKIP>(acc[nt], acc2[nt], a_lo, a_hi, x);
                 }
             }
         }
