@@ -397,23 +397,37 @@ double host_gemm(int k, const uint8_t * row, int npieces, const float * xr) {
     });
 }
 
-template <int K, int NT, int P, int ST, int W, int MINB = 16 / W, int MOST = 16>
-void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    auto kernel = gemm<K, NT, P, ST, W, MINB>;
-    using G = Gm<K, NT, P, ST, W>;
-    raise_smem(kernel, G::smem);
+// CTAs of the kernel that fit on an SM at once
+template <typename F> int ctas_per_sm(F kernel, int threads, int smem) {
+    raise_smem(kernel, smem);
     int per_sm = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, G::smem));
-    const GemmPlan plan =
-        gemm_plan(a.nrows, a.npieces, G::rows, P, int64_t(per_sm) * g_sms, MOST);
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    return per_sm;
+}
+
+// a product's kernel by `plan`, then (`sum`) gemm_sum adding its parts in order
+template <typename F>
+void launch_planned(F kernel, int threads, int smem, const GemmPlan & plan, GemmArgs a,
+                    float * parts_buf, cudaStream_t s, bool sum = true) {
+    raise_smem(kernel, smem);
     a.per_part = plan.per_part;
     a.parts = parts_buf;
-    kernel<<<plan.grid, W * 32, G::smem, s>>>(a);
-    if (plan.grid.y > 1) {
+    kernel<<<plan.grid, threads, smem, s>>>(a);
+    if (plan.grid.y > 1 && sum) {
         const int64_t n = int64_t(a.nrows) * a.ncols;
         gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(
             a.parts, int(plan.grid.y), a.nrows, a.ncols, a.dst, a.dst_stride, nullptr, 0);
     }
+}
+
+template <int K, int NT, int P, int ST, int W, int MINB = 16 / W, int MOST = 16>
+void launch_gemm(GemmArgs a, float * parts_buf, cudaStream_t s) {
+    auto kernel = gemm<K, NT, P, ST, W, MINB>;
+    using G = Gm<K, NT, P, ST, W>;
+    const int per_sm = ctas_per_sm(kernel, W * 32, G::smem);
+    launch_planned(kernel, W * 32, G::smem,
+                   gemm_plan(a.nrows, a.npieces, G::rows, P, int64_t(per_sm) * g_sms, MOST), a,
+                   parts_buf, s);
 }
 
 struct GemmVariant {
@@ -452,24 +466,19 @@ std::vector<GemmVariant> gemm_variants_of(int k, int ncols) {
     return with_kind(k, [&](auto kk) { return gemm_variants<decltype(kk)::value>(ncols); });
 }
 
+// gemm_r's plan (lucepy-mm.cu's gemm_r_plan) for CTAs of W warps, per_sm of them an SM
+GemmPlan gemm_r_plan_at(const GemmArgs & a, int W, int per_sm, int most = 16) {
+    return gemm_plan_in(a.nrows, a.npieces, W * 16, 8,
+                        gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, W * 16, 8,
+                                           int64_t(per_sm) * g_sms, most));
+}
+
 template <int NT, int W, int MINB = 16 / W, int MOST = 16, int XCH = gemm_r_xch(NT)>
 void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
     auto kernel = gemm_r<NT, W, MINB, XCH>;
     const int smem = gemm_r_smem<NT, XCH>();
-    raise_smem(kernel, smem);
-    int per_sm = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, smem));
-    const GemmPlan plan = gemm_plan_in(
-        a.nrows, a.npieces, W * 16, 8,
-        gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, W * 16, 8, int64_t(per_sm) * g_sms, MOST));
-    a.per_part = plan.per_part;
-    a.parts = parts_buf;
-    kernel<<<plan.grid, W * 32, smem, s>>>(a);
-    if (plan.grid.y > 1) {
-        const int64_t n = int64_t(a.nrows) * a.ncols;
-        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(
-            a.parts, int(plan.grid.y), a.nrows, a.ncols, a.dst, a.dst_stride, nullptr, 0);
-    }
+    const int per_sm = ctas_per_sm(kernel, W * 32, smem);
+    launch_planned(kernel, W * 32, smem, gemm_r_plan_at(a, W, per_sm, MOST), a, parts_buf, s);
 }
 
 template <int NT> std::vector<GemmVariant> gemm_r_variants() {
@@ -553,26 +562,12 @@ __global__ void gemm_empty(const GemmArgs a) {
 // `kernel` on gemm_r<NT>'s plan, at no more CTAs an SM than gemm_r (its shared memory made so),
 // then gemm_sum if `sum`
 template <int NT, typename K>
-void launch_as_gemm_r(K kernel, GemmArgs a, float * parts_buf, bool sum, cudaStream_t s) {
-    int per_sm = 0;
-    raise_smem(gemm_r<NT>, gemm_r_smem<NT>());
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemm_r<NT>, GM_WARPS * 32,
-                                                        gemm_r_smem<NT>()));
-    const GemmPlan plan = gemm_plan_in(a.nrows, a.npieces, GM_WARPS * 16, 8,
-                                       gemm_parts_by_cost(a.nrows, a.npieces, a.ncols,
-                                                          GM_WARPS * 16, 8,
-                                                          int64_t(per_sm) * g_sms));
+void launch_as_gemm_r(K kernel, const GemmArgs & a, float * parts_buf, bool sum, cudaStream_t s) {
+    const int per_sm = ctas_per_sm(gemm_r<NT>, GM_WARPS * 32, gemm_r_smem<NT>());
     const int smem = std::max(gemm_r_smem<NT>(),
                               g_smem_per_sm / (per_sm + 1) - g_smem_reserved + 128);
-    raise_smem(kernel, smem);
-    a.per_part = plan.per_part;
-    a.parts = parts_buf;
-    kernel<<<plan.grid, GM_WARPS * 32, smem, s>>>(a);
-    if (plan.grid.y > 1 && sum) {
-        const int64_t n = int64_t(a.nrows) * a.ncols;
-        gemm_sum<<<unsigned((n + 255) / 256), 256, 0, s>>>(
-            a.parts, int(plan.grid.y), a.nrows, a.ncols, a.dst, a.dst_stride, nullptr, 0);
-    }
+    launch_planned(kernel, GM_WARPS * 32, smem, gemm_r_plan_at(a, GM_WARPS, per_sm), a,
+                   parts_buf, s, sum);
 }
 
 template <int NT> std::vector<GemmVariant> gemm_r_anatomy() {

@@ -392,6 +392,16 @@ void launch_norm_halves(const float * x, int64_t x_stride, const float * w, floa
                             x, x_stride, w, dst, dst_stride, n, eps, ncols, out);
 }
 
+// glu_halves of `ncols` columns of `npieces` pieces (its arguments), a CTA a segment of a column
+void launch_glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
+                       int64_t part_stride, float * dst, int npieces, int ncols,
+                       const Halves & out, cudaStream_t stream) {
+    const dim3 grid{unsigned(segments(npieces)), unsigned(padded_cols(ncols))};
+    ggml_cuda_kernel_launch(glu_halves,
+                            ggml_cuda_kernel_launch_params(grid, GLU_WARPS * 32, 0, stream), a, b,
+                            col_stride, nparts, part_stride, dst, npieces, ncols, out);
+}
+
 // The RMS norm times a weight after a product's residual ADD, whose result a product of ours
 // reads as halves: sum_norm_halves computes it with the product's sums (mul_mat_add_nodes)
 struct NormAfter {
@@ -1962,12 +1972,9 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
         ggml_cuda_kernel_launch(
             kernel, ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, smem, ctx.stream()),
             g);
-        const dim3 grid{unsigned(segments(int(n / 32))), unsigned(padded_cols(int(ncols)))};
-        ggml_cuda_kernel_launch(glu_halves, ggml_cuda_kernel_launch_params(grid, GLU_WARPS * 32, 0,
-                                                                           ctx.stream()),
-                                static_cast<const float *>(buf), buf + n, 2 * n, parts,
-                                2 * n * ncols, static_cast<float *>(glu->data), int(n / 32),
-                                int(ncols), out);
+        launch_glu_halves(buf, buf + n, 2 * n, parts, 2 * n * ncols,
+                          static_cast<float *>(glu->data), int(n / 32), int(ncols), out,
+                          ctx.stream());
     };
     if (ncols <= GM_COL_TILE) {
         go(gemm_r<1>, gemm_r_plan<1>(ctx.device, g), gemm_r_smem<1>());
@@ -2327,12 +2334,9 @@ bool lucepy_cuda_glu(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int64_t cols = want->src1->ne[1];
     const int64_t per_col = want->src1->ne[0] / 32;
     const Halves halves = halves_at(prepared(st, want->src1, per_col, 0), per_col, int(cols));
-    const dim3 grid{unsigned(segments(int(per_col))), unsigned(padded_cols(int(cols)))};
-    ggml_cuda_kernel_launch(glu_halves,
-                            ggml_cuda_kernel_launch_params(grid, GLU_WARPS * 32, 0, ctx.stream()),
-                            static_cast<const float *>(a->data),
-                            static_cast<const float *>(b->data), per_col * 32, 1, int64_t(0),
-                            static_cast<float *>(dst->data), int(per_col), int(cols), halves);
+    launch_glu_halves(static_cast<const float *>(a->data), static_cast<const float *>(b->data),
+                      per_col * 32, 1, 0, static_cast<float *>(dst->data), int(per_col),
+                      int(cols), halves, ctx.stream());
     return true;
 }
 
