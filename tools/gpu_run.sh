@@ -49,7 +49,8 @@
 # llama-bench of the unpatched build (with "build-ggml" skipped: lucepy's build, made with
 # llama-bench and llama-quantize, its kernels off), and the CUPTI trace of a decode token with
 # each; adds kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json; GPU_RUN_TRACE_VERIFY=K
-# also traces a K-token verify with each (its kernels in order: verify-seq*.txt);
+# also traces a K-token verify with each (its kernels in order: verify-seq*.txt, a decode's in
+# decode-seq*.txt; each kernel's share of the span in both, side by side: path*.md);
 # GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M, in place of Q4_K_M; "llama-q4_0
 # kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
@@ -402,12 +403,20 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
     for choice in 1 0; do
         step "trace-$choice" 90 "$OUTDIR/trace.txt" env LUCEPY_CUDA_KERNELS=$choice python3 \
             tools/trace_gpu.py trace "$MODEL" --device "$DEVICE" \
+            --sequence "$OUTDIR/decode-seq$choice.txt" \
             --json "$OUTDIR/trace-kernels$choice.json" || true
         if [[ -n ${GPU_RUN_TRACE_VERIFY:-} ]]; then # a K-token verify's kernels too
             step "trace-v$choice" 90 "$OUTDIR/trace.txt" env LUCEPY_CUDA_KERNELS=$choice \
                 python3 tools/trace_gpu.py trace "$MODEL" --device "$DEVICE" \
                 --verify "$GPU_RUN_TRACE_VERIFY" --sequence "$OUTDIR/verify-seq$choice.txt" \
                 --json "$OUTDIR/trace-verify$choice.json" || true
+            # what the verify spends beyond a decode, kernel by kernel (shares of the span)
+            if [[ -f $OUTDIR/trace-kernels$choice.json && -f $OUTDIR/trace-verify$choice.json ]]
+            then
+                python3 tools/trace_gpu.py path "$OUTDIR/trace-kernels$choice.json" \
+                    "$OUTDIR/trace-verify$choice.json" --md "$OUTDIR/path$choice.md" \
+                    >>"$OUTDIR/trace.txt" 2>&1 || true
+            fi
         fi
     done
     QUANT=${GPU_RUN_REQUANT:-Q4_K_M}

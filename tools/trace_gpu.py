@@ -5,12 +5,15 @@ Two ways to look:
 - ``trace``: lucepy's decode under PyTorch's profiler (CUPTI, which sees the kernels inside
   CUDA graphs): kernels, kernel time and the span from the first kernel's start to the last
   one's end, per token. The span against the kernel time shows the GPU's idle gaps.
+- ``path``: two ``trace`` outputs (a decode's and a verify's) side by side, by each kernel's
+  share of the span (``critical``): what a verify spends beyond a decode, kernel by kernel.
 - ``ncu``: Nsight Compute's duration of every kernel, one at a time, for a few decode tokens of
   lucepy (``steps``) and of llama-bench, then ``compare`` the last whole token of each: the
   kernels whose count or time differ.
 
     python tools/trace_gpu.py trace MODEL [--device cuda:0] [--tokens 20] [--verify K] --json OUT
         [--sequence TXT]
+    python tools/trace_gpu.py path DECODE.json VERIFY.json [--md OUT]
     python tools/trace_gpu.py steps MODEL [--device cuda:0] [--tokens 4]
     python tools/trace_gpu.py compare LUCEPY.csv LLAMA.csv      (ncu --csv output)
 
@@ -111,7 +114,52 @@ def summary(tokens: list[list[tuple[str, float, float]]]) -> dict:
             sum(1 for a, b in zip(t, t[1:], strict=False) if b[1] - a[2] > 5) for t in tokens
         ),
         "top_kernels": by_kernel(tokens, 12),
+        "critical_path": critical(tokens),
     }
+
+
+def critical(tokens: list[list[tuple[str, float, float]]]) -> list[dict]:
+    """Each kernel's share of the span, microseconds a call, most first: the time from the
+    later of its start and the end of every kernel before it to its own end (none where one
+    before outlasts it). Kernels that a programmatic dependent launch starts early, and wait
+    inside, so count only what they add to the span; idle gaps count to none ("idle"). The
+    shares and the idle time add up to the span, which ``by_kernel``'s busy times do not."""
+    share: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for t in tokens:
+        end = None
+        for name, s, e in sorted(t, key=lambda k: k[1]):
+            if end is not None and s > end:
+                share["idle"] += s - end
+            share[short(name)[:60]] += max(0.0, e - max(s, end if end is not None else s))
+            count[short(name)[:60]] += 1
+            end = e if end is None else max(end, e)
+    n = len(tokens)
+    return [
+        {"kernel": k, "per_call": count[k] / n, "us": round(us / n, 2)}
+        for k, us in share.most_common()
+    ]
+
+
+def path(decode: dict, verify: dict) -> str:
+    """A markdown table of the kernels' shares of a decode's span and of a verify's (``critical``
+    in each ``trace`` output), by what the verify adds, most first."""
+    rows: dict[str, list[float]] = {}
+    for side, out in enumerate((decode, verify)):
+        for r in out["critical_path"]:
+            row = rows.setdefault(r["kernel"], [0.0, 0.0, 0.0, 0.0])
+            row[side], row[2 + side] = r["us"], r["per_call"]
+    total = [sum(r[0] for r in rows.values()), sum(r[1] for r in rows.values())]
+    lines = [
+        f"Share of the span, us a call: a decode {total[0]:,.1f}, a verify {total[1]:,.1f} "
+        f"(the verify adds {total[1] - total[0]:,.1f}).",
+        "",
+        "| kernel | decode us (calls) | verify us (calls) | verify - decode |",
+        "|---|---|---|---|",
+    ]
+    for name, (d, v, dn, vn) in sorted(rows.items(), key=lambda kv: kv[1][0] - kv[1][1]):
+        lines.append(f"| `{name}` | {d:,.1f} ({dn:g}) | {v:,.1f} ({vn:g}) | {v - d:+,.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 def sequence(tokens: list[list[tuple[str, float, float]]]) -> str:
@@ -221,7 +269,17 @@ def main() -> None:
     c = sub.add_parser("compare")
     c.add_argument("ours")
     c.add_argument("theirs")
+    p = sub.add_parser("path")
+    p.add_argument("decode")
+    p.add_argument("verify")
+    p.add_argument("--md", help="write the table here too")
     args = ap.parse_args()
+    if args.cmd == "path":
+        table = path(*(json.loads(Path(f).read_text()) for f in (args.decode, args.verify)))
+        print(table, end="")
+        if args.md:
+            Path(args.md).write_text(table)
+        return
     if args.cmd == "compare":
         compare(ncu_kernels(args.ours), ncu_kernels(args.theirs))
         return
