@@ -127,13 +127,14 @@ def critical(tokens: list[list[tuple[str, float, float]]]) -> list[dict]:
     share: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
     for t in tokens:
-        end = None
-        for name, s, e in sorted(t, key=lambda k: k[1]):
-            if end is not None and s > end:
+        t = sorted(t, key=lambda k: k[1])
+        end = t[0][1]  # the latest end so far
+        for name, s, e in t:
+            if s > end:
                 share["idle"] += s - end
-            share[short(name)[:60]] += max(0.0, e - max(s, end if end is not None else s))
+            share[short(name)[:60]] += max(0.0, e - max(s, end))
             count[short(name)[:60]] += 1
-            end = e if end is None else max(end, e)
+            end = max(end, e)
     n = len(tokens)
     return [
         {"kernel": k, "per_call": count[k] / n, "us": round(us / n, 2)}
