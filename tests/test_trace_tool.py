@@ -34,15 +34,37 @@ def test_a_kernel_launched_early_counts_only_what_it_adds_and_gaps_count_to_none
     assert sum(us for us, _ in got.values()) == pytest.approx(25.0)  # the span
 
 
-def test_the_path_table_puts_what_the_verify_adds_first():
-    decode = {"critical_path": trace_gpu.critical([[("gemv", 0.0, 10.0), ("norm", 10.0, 12.0)]])}
-    verify = {
-        "critical_path": trace_gpu.critical(
-            [[("gemm", 0.0, 15.0), ("norm", 15.0, 17.0), ("sum", 17.0, 20.0)]]
-        )
-    }
-    table = trace_gpu.path(decode, verify)
-    assert table.startswith("Share of the span, us a call: a decode 12.0, a verify 20.0")
-    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| `")]
-    assert rows == ["`gemm`", "`sum`", "`norm`", "`gemv`"]
-    assert "| `gemv` | 10.0 (1) | 0.0 (0) | -10.0 |" in table
+def test_the_path_tables_put_what_the_verify_adds_first_by_role_and_by_kernel():
+    decode = [  # (a product launched once a step is the output head; the others more often)
+        ("lucepy::gemv_r<8>", 0.0, 4.0),
+        ("lucepy::gemv_r<8>", 4.0, 10.0),
+        ("lucepy::norm_quantize", 10.0, 12.0),
+        ("lucepy::gemv<3>", 12.0, 20.0),  # launched once: the output head
+    ]
+    verify = [
+        ("lucepy::gemm_r<2>", 0.0, 7.0),
+        ("lucepy::gemm_sum", 7.0, 7.5),
+        ("lucepy::gemm_r<2>", 7.5, 15.0),
+        ("lucepy::gemm_sum", 15.0, 16.0),
+        ("lucepy::sum_norm_halves<5>", 16.0, 18.0),
+        ("lucepy::gemm<3>", 18.0, 27.0),
+        ("lucepy::delta_net_layers", 30.0, 31.5),  # after the host's gap
+    ]
+    table = trace_gpu.path(
+        {"critical_path": trace_gpu.critical([decode])},
+        {"critical_path": trace_gpu.critical([verify])},
+    )
+    assert table.startswith("Share of the span, us a call: a decode 20.0, a verify 31.5")
+    roles = [line for line in table.splitlines() if line.startswith("| ") and "`" not in line]
+    assert roles[1:-1] == [
+        "| products, their parts' sums and the FFN gate | 10.0 | 16.0 | +6.0 |",
+        "| idle (between kernels: the host) | 0.0 | 3.0 | +3.0 |",
+        "| the rollback's recurrences | 0.0 | 1.5 | +1.5 |",
+        "| the output head and its argmax | 8.0 | 9.0 | +1.0 |",
+        "| residual sums and norms, the products' activations | 2.0 | 2.0 | +0.0 |",
+    ]
+    kernels = [line.split("|")[1].strip() for line in table.splitlines() if "| `" in line]
+    assert kernels[:2] == ["`lucepy::gemm_r<2>`", "`lucepy::gemm<3>`"]
+    assert kernels[-1] == "`lucepy::gemv_r<8>`"
+    assert "| `lucepy::gemv<3>` | 8.0 (1) | 0.0 (0) | -8.0 |" in table
+    assert "| `lucepy::gemm_r<2>` | 0.0 (0) | 14.5 (2) | +14.5 |" in table

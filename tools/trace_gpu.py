@@ -142,18 +142,85 @@ def critical(tokens: list[list[tuple[str, float, float]]]) -> list[dict]:
     ]
 
 
+# What a kernel does in a step, by its name's start (the first that matches); a product kernel
+# launched once a step is the output head's. Kernels of other names are "other".
+ROLES = (
+    ("the rollback's recurrences", ("lucepy::delta_net_layers",)),
+    (
+        "DeltaNet: conv step, recurrence, gated norm",
+        (
+            "lucepy::conv_step",
+            "lucepy::delta_net",
+            "lucepy::norm_gate",
+            "lucepy::delta_gates",
+        ),
+    ),
+    (
+        "residual sums and norms, the products' activations",
+        (
+            "lucepy::norm_quantize",
+            "lucepy::sum_norm_halves",
+            "lucepy::norm_halves",
+            "lucepy::quantize",
+            "lucepy::to_halves",
+        ),
+    ),
+    (
+        "attention: flash attention, q/k norms and rope, cache writes, gate",
+        (
+            "flash_attn",
+            "lucepy::norm_rope",
+            "k_set_rows",
+            "lucepy::gate_",
+            "rope",
+            "k_cpy",
+        ),
+    ),
+    ("the output head and its argmax", ("lucepy::argmax",)),
+    (
+        "products, their parts' sums and the FFN gate",
+        (
+            "lucepy::gemv",
+            "lucepy::gemm",
+            "lucepy::glu_halves",
+            "mul_mat",
+        ),
+    ),
+)
+
+
+def role(kernel: str, per_call: float) -> str:
+    if kernel == "idle":
+        return "idle (between kernels: the host)"
+    for name, starts in ROLES:
+        if kernel.startswith(starts):
+            head = name.startswith("products") and per_call == 1
+            return "the output head and its argmax" if head else name
+    return "other"
+
+
 def path(decode: dict, verify: dict) -> str:
-    """A markdown table of the kernels' shares of a decode's span and of a verify's (``critical``
-    in each ``trace`` output), by what the verify adds, most first."""
+    """Markdown tables of the kernels' shares of a decode's span and of a verify's (``critical``
+    in each ``trace`` output): by what they do (``ROLES``), then kernel by kernel, by what the
+    verify adds, most first."""
     rows: dict[str, list[float]] = {}
+    roles: dict[str, list[float]] = {}
     for side, out in enumerate((decode, verify)):
         for r in out["critical_path"]:
             row = rows.setdefault(r["kernel"], [0.0, 0.0, 0.0, 0.0])
             row[side], row[2 + side] = r["us"], r["per_call"]
+            roles.setdefault(role(r["kernel"], r["per_call"]), [0.0, 0.0])[side] += r["us"]
     total = [sum(r[0] for r in rows.values()), sum(r[1] for r in rows.values())]
     lines = [
         f"Share of the span, us a call: a decode {total[0]:,.1f}, a verify {total[1]:,.1f} "
         f"(the verify adds {total[1] - total[0]:,.1f}).",
+        "",
+        "| what | decode us | verify us | verify - decode |",
+        "|---|---|---|---|",
+    ]
+    for name, (d, v) in sorted(roles.items(), key=lambda kv: kv[1][0] - kv[1][1]):
+        lines.append(f"| {name} | {d:,.1f} | {v:,.1f} | {v - d:+,.1f} |")
+    lines += [
         "",
         "| kernel | decode us (calls) | verify us (calls) | verify - decode |",
         "|---|---|---|---|",
