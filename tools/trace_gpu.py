@@ -142,60 +142,34 @@ def critical(tokens: list[list[tuple[str, float, float]]]) -> list[dict]:
     ]
 
 
-# What a kernel does in a step, by its name's start (the first that matches); a product kernel
-# launched once a step is the output head's. Kernels of other names are "other".
-ROLES = (
-    ("the rollback's recurrences", ("lucepy::delta_net_layers",)),
-    (
-        "DeltaNet: conv step, recurrence, gated norm",
-        (
-            "lucepy::conv_step",
-            "lucepy::delta_net",
-            "lucepy::norm_gate",
-            "lucepy::delta_gates",
-        ),
+# What a kernel does in a step, by the start of its name (the first role that matches); a
+# product kernel launched once a step is the output head's. Kernels of other names: "other".
+HEAD = "the output head and its argmax"
+PRODUCTS = "products, their parts' sums and the FFN gate"
+ROLES = {  # role: the starts of its kernels' names
+    "the rollback's recurrences": "lucepy::delta_net_layers",
+    "DeltaNet: conv step, recurrence, gated norm": (
+        "lucepy::conv_step lucepy::delta_net lucepy::norm_gate lucepy::delta_gates"
     ),
-    (
-        "residual sums and norms, the products' activations",
-        (
-            "lucepy::norm_quantize",
-            "lucepy::sum_norm_halves",
-            "lucepy::norm_halves",
-            "lucepy::quantize",
-            "lucepy::to_halves",
-        ),
+    "residual sums and norms, the products' activations": (
+        "lucepy::norm_quantize lucepy::sum_norm_halves lucepy::norm_halves lucepy::quantize "
+        "lucepy::to_halves"
     ),
-    (
-        "attention: flash attention, q/k norms and rope, cache writes, gate",
-        (
-            "flash_attn",
-            "lucepy::norm_rope",
-            "k_set_rows",
-            "lucepy::gate_",
-            "rope",
-            "k_cpy",
-        ),
+    "attention: flash attention, q/k norms and rope, cache writes, gate": (
+        "flash_attn lucepy::norm_rope k_set_rows lucepy::gate_ rope k_cpy"
     ),
-    ("the output head and its argmax", ("lucepy::argmax",)),
-    (
-        "products, their parts' sums and the FFN gate",
-        (
-            "lucepy::gemv",
-            "lucepy::gemm",
-            "lucepy::glu_halves",
-            "mul_mat",
-        ),
-    ),
-)
+    HEAD: "lucepy::argmax",
+    PRODUCTS: "lucepy::gemv lucepy::gemm lucepy::glu_halves mul_mat",
+}
 
 
 def role(kernel: str, per_call: float) -> str:
+    """What ``kernel`` (a ``critical`` row's name, launched ``per_call`` times a call) does."""
     if kernel == "idle":
         return "idle (between kernels: the host)"
-    for name, starts in ROLES:
-        if kernel.startswith(starts):
-            head = name.startswith("products") and per_call == 1
-            return "the output head and its argmax" if head else name
+    for name, starts in ROLES.items():
+        if kernel.startswith(tuple(starts.split())):
+            return HEAD if name == PRODUCTS and per_call == 1 else name
     return "other"
 
 
