@@ -1042,14 +1042,16 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // the CTA copies the q, k, v, gate and beta of DN_TILE tokens at a time into shared memory ahead
 // of the recurrence (cp.async, the next tile in flight during this one), where ggml's loads them
 // token by token inside it and waits on each load: 18 us a layer for a 16-token verify on the
-// H200. Each warp keeps DN_COLS columns, whose warp-wide sums go side by side (warp_sums): a
-// token waits on its sums across the warp, so two columns a warp take about the time of one,
-// and the 27B-shaped model's 48 heads of 128 columns fit one wave of CTAs (768 of 4 warps), where
-// a column a warp took 1.45 (1,536 CTAs, 8 an SM): 11 us a 16-token call (the verify's, and the
-// rollback's), 4.5 a decode's, without PDL's overlap (docs/BENCHMARKS.md, session 27). Only
-// S^T k's sums are on the chain from token to token: the outputs' (S^T q of the updated state)
-// wait for the tile's end, all its tokens' summed side by side (the same sums, the same order:
-// a 16-token verify's recurrence about 12 -> 11.3 us on the H200, session 33). The state
+// H200. ggml's warp sums a column's 32 lanes' parts by xor shuffles (16, 8, 4, 2, 1); here 8
+// lanes hold a column (DN_LANES), lane j the rows of ggml's lanes j, j + 8, j + 16 and j + 24,
+// so that its first two levels (16: j with j + 16, j + 8 with j + 24; 8: those two) are adds
+// inside the lane and three shuffles are left on the chain from token to token, where five
+// were (the same sums, in the same order: bit for bit ggml's). A warp keeps four columns, a CTA
+// sixteen: the 27B-shaped model's 48 heads are 384 CTAs of 4 warps. (Two columns a warp of 32
+// lanes, 768 CTAs: 11 us a 16-token call, 4.5 a decode's; a column a warp, 1,536 CTAs, took
+// more: docs/BENCHMARKS.md, sessions 27 and 33.) Only S^T k's sums are on the chain: the
+// outputs' (S^T q of the updated state) wait for the tile's end, all its tokens' shuffles side
+// by side, and lane j of a column writes token j's. The state
 // after the last token goes where the copy after the op puts it (the sequence's own state, read
 // first by the same warp) and, where anything else reads it, into the op's result too; a
 // verify's copy of the state before it (a DUP node that the op reads) is written as it loads,
@@ -1060,11 +1062,21 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // up to DN_LAYERS such recurrences are one launch (delta_net_layers): a rollback's 48 layers
 // took 48 launches of 768 CTAs, of which PDL let about two run at once.
 constexpr int DN_S = 128;
-constexpr int DN_WARPS = 4;  // a CTA's
-constexpr int DN_COLS = 2;   // columns of the state a warp
+constexpr int DN_WARPS = 4;                   // a CTA's
+constexpr int DN_LANES = 8;                   // lanes a column of the state
+constexpr int DN_COLS = 32 / DN_LANES;        // columns a warp
 constexpr int DN_CTA_COLS = DN_WARPS * DN_COLS;
-constexpr int DN_TILE = 8;  // tokens a tile
-static_assert(DN_TILE * DN_COLS <= 32, "a lane writes each of a tile's outputs");
+constexpr int DN_V = 32 / DN_LANES;           // ggml's lanes a lane holds: j + 8 v
+constexpr int DN_R = DN_S / 32;               // rows of each: j + 8 v + 32 r
+constexpr int DN_TILE = 8;                    // tokens a tile
+static_assert(DN_LANES == 8 && DN_TILE == DN_LANES, "lane j of a column writes output j");
+
+// where row `row` of q or k sits in a tile's shared copy: ggml lane j + 8 v's row r (row
+// j + 8 v + 32 r) at 32 v + 4 j + r, so that one v's 16-byte loads by lanes j = 0..7 read 128
+// bytes side by side (no bank conflicts; the four columns of a warp read the same bytes)
+__device__ __forceinline__ int dn_slot(int row) {
+    return (row >> 3 & 3) * 32 + (row & 7) * 4 + (row >> 5);
+}
 
 struct DeltaNetArgs {
     const float * q, * k;  // [S, hk, T, N / rq3], rows contiguous; strides in floats
@@ -1090,10 +1102,16 @@ struct DeltaNetArgs {
     bool alone;  // and no wait at all (none of them writes what it reads or touches what it writes)
 };
 
-// the warp-wide sum of each of x, side by side, each in ggml's warp_reduce_sum's order
-template <int N> __device__ __forceinline__ void warp_sums(float (&x)[N]) {
+// ggml's warp sum (xor 16, 8, 4, 2, 1) of one column's 32 parts, of which lane j holds
+// x[v] = ggml lane j + 8 v's: levels 16 and 8 here, in its pairs
+__device__ __forceinline__ float dn_lane_sum(const float (&x)[DN_V]) {
+    return (x[0] + x[2]) + (x[1] + x[3]);
+}
+
+// the last levels (xor 4, 2, 1) across a column's lanes, each of x side by side
+template <int N> __device__ __forceinline__ void dn_column_sums(float (&x)[N]) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
+    for (int off = DN_LANES / 2; off > 0; off >>= 1) {
         float other[N];
 #pragma unroll
         for (int i = 0; i < N; i++) {
@@ -1111,13 +1129,15 @@ constexpr int DN_Z = DN_S / DN_CTA_COLS;  // a head's CTAs
 // The CTA (h, n, z) of a's recurrence: head h, sequence n, columns DN_CTA_COLS z on
 __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int h, const int n,
                                               const int z) {
-    __shared__ __align__(16) float qs[2][DN_TILE][DN_S];
+    __shared__ __align__(16) float qs[2][DN_TILE][DN_S];  // rows at dn_slot
     __shared__ __align__(16) float ks[2][DN_TILE][DN_S];
     __shared__ __align__(16) float vs[2][DN_TILE][DN_CTA_COLS];
     __shared__ float gs[2][DN_TILE];
     __shared__ float bs[2][DN_TILE];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
+    const int j = lane % DN_LANES;                          // ggml's lanes j + 8 v
+    const int col = warp * DN_COLS + lane / DN_LANES;       // the CTA's column
     const int col0 = z * DN_CTA_COLS;
     const int64_t qk_at = (n / a.rq3) * a.sq3 + (h % a.hk) * a.sq1;
     const float * q = a.q + qk_at;
@@ -1131,14 +1151,14 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
             const int t0 = tile * DN_TILE;
             const int nt = min(DN_TILE, a.T - t0);
             const int b = tile % 2;
-            for (int e = threadIdx.x; e < nt * (DN_S / 4); e += DN_WARPS * 32) {
-                const int t = e / (DN_S / 4);
-                const int u = 4 * (e % (DN_S / 4));
-                const int64_t at = (t0 + t) * a.sq2 + u;
-                copy_async<16, true>(reinterpret_cast<uint8_t *>(&qs[b][t][u]),
-                                     reinterpret_cast<const uint8_t *>(q + at));
-                copy_async<16, true>(reinterpret_cast<uint8_t *>(&ks[b][t][u]),
-                                     reinterpret_cast<const uint8_t *>(k + at));
+            for (int e = threadIdx.x; e < nt * DN_S; e += DN_WARPS * 32) {
+                const int t = e / DN_S;
+                const int row = e % DN_S;
+                const int64_t at = (t0 + t) * a.sq2 + row;
+                copy_async<4, true>(reinterpret_cast<uint8_t *>(&qs[b][t][dn_slot(row)]),
+                                    reinterpret_cast<const uint8_t *>(q + at));
+                copy_async<4, true>(reinterpret_cast<uint8_t *>(&ks[b][t][dn_slot(row)]),
+                                    reinterpret_cast<const uint8_t *>(k + at));
             }
             if (threadIdx.x < nt * VU) {
                 const int t = threadIdx.x / VU;
@@ -1157,17 +1177,16 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
         }
         copy_commit();
     };
-    constexpr int R = DN_S / 32;  // rows a lane
-    constexpr int C = DN_COLS;
-    // column col0 + warp C + c of this head and sequence
-    const int64_t head = (int64_t(n) * a.H + h) * DN_S * DN_S + int64_t(col0 + warp * C) * DN_S;
-    float s[C][R];
+    // this lane's rows of column col0 + col of this head and sequence: j + 8 v + 32 r
+    const int64_t head =
+        (int64_t(n) * a.H + h) * DN_S * DN_S + int64_t(col0 + col) * DN_S + j;
+    float s[DN_V][DN_R];
     auto load_state = [&]() {
 #pragma unroll
-        for (int c = 0; c < C; c++) {
+        for (int i = 0; i < DN_V; i++) {
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                s[c][r] = a.s0[head + c * DN_S + r * 32 + lane];
+            for (int r = 0; r < DN_R; r++) {
+                s[i][r] = a.s0[head + 8 * i + 32 * r];
             }
         }
     };
@@ -1183,10 +1202,10 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
     }
     if (a.s0_copy) {  // (after the wait: a kernel before may still read those bytes till then)
 #pragma unroll
-        for (int c = 0; c < C; c++) {
+        for (int i = 0; i < DN_V; i++) {
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                a.s0_copy[head + c * DN_S + r * 32 + lane] = s[c][r];
+            for (int r = 0; r < DN_R; r++) {
+                a.s0_copy[head + 8 * i + 32 * r] = s[i][r];
             }
         }
     }
@@ -1195,8 +1214,7 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
          e += threads) {
         a.tail[e] = a.tail_from[e / a.tail_row * a.tail_stride + e % a.tail_row];
     }
-    float * attn = a.attn ? a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col0 + warp * C
-                          : nullptr;
+    float * attn = a.attn ? a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col0 + col : nullptr;
     const int64_t token_stride = int64_t(DN_S) * a.H;
     for (int tile = 0; tile < ntiles; tile++) {
         issue(tile + 1);
@@ -1205,65 +1223,70 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
         const int b = tile % 2;
         const int t0 = tile * DN_TILE;
         const int nt = min(DN_TILE, a.T - t0);
-        float out[DN_TILE * C];  // (S^T q)[col] of each token's updated state: lanes' parts
+        float out[DN_TILE];  // (S^T q)[col] of each token's updated state: this lane's part
+#pragma unroll
+        for (int t = 0; t < DN_TILE; t++) {
+            out[t] = 0.0f;  // (tokens past the end: never written)
+        }
 #pragma unroll
         for (int t = 0; t < DN_TILE; t++) {
             if (t >= nt) {
                 break;
             }
-            float kr[R], qr[R];
+            float kr[DN_V][DN_R], qr[DN_V][DN_R];
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                kr[r] = ks[b][t][r * 32 + lane];
-                qr[r] = qs[b][t][r * 32 + lane];
+            for (int i = 0; i < DN_V; i++) {
+                const float4 kk = *reinterpret_cast<const float4 *>(&ks[b][t][32 * i + 4 * j]);
+                const float4 qq = *reinterpret_cast<const float4 *>(&qs[b][t][32 * i + 4 * j]);
+                kr[i][0] = kk.x, kr[i][1] = kk.y, kr[i][2] = kk.z, kr[i][3] = kk.w;
+                qr[i][0] = qq.x, qr[i][1] = qq.y, qr[i][2] = qq.z, qr[i][3] = qq.w;
             }
             const float beta = bs[b][t];
             const float g = expf(gs[b][t]);
-            float kv[C];  // (S^T k)[col]
+            float x[DN_V];  // ggml lane j + 8 i's part of (S^T k)[col]
 #pragma unroll
-            for (int c = 0; c < C; c++) {
-                kv[c] = 0.0f;
+            for (int i = 0; i < DN_V; i++) {
+                x[i] = 0.0f;
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    kv[c] += s[c][r] * kr[r];
+                for (int r = 0; r < DN_R; r++) {
+                    x[i] += s[i][r] * kr[i][r];
                 }
             }
-            warp_sums(kv);
+            float kv[1] = {dn_lane_sum(x)};
+            dn_column_sums(kv);
+            const float delta = (vs[b][t][col] - g * kv[0]) * beta;
+            float o[DN_V];
 #pragma unroll
-            for (int c = 0; c < C; c++) {
-                const float delta = (vs[b][t][warp * C + c] - g * kv[c]) * beta;
-                out[t * C + c] = 0.0f;
+            for (int i = 0; i < DN_V; i++) {
+                o[i] = 0.0f;
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    s[c][r] = g * s[c][r] + kr[r] * delta;
-                    out[t * C + c] += s[c][r] * qr[r];
+                for (int r = 0; r < DN_R; r++) {
+                    s[i][r] = g * s[i][r] + kr[i][r] * delta;
+                    o[i] += s[i][r] * qr[i][r];
                 }
             }
+            out[t] = dn_lane_sum(o);
         }
-        if (attn) {  // the tile's outputs summed across the warp side by side, off the chain
+        if (attn) {  // the tile's outputs summed across the column's lanes side by side
+            dn_column_sums(out);
+            float mine = out[0];  // lane j writes token j's
 #pragma unroll
-            for (int i = 0; i < DN_TILE * C; i++) {
-                out[i] = i < nt * C ? out[i] : 0.0f;  // tokens past the end: never written
+            for (int t = 1; t < DN_TILE; t++) {
+                mine = j == t ? out[t] : mine;
             }
-            warp_sums(out);
-            float mine = out[0];  // lane i writes output i: token i / C, column i % C
-#pragma unroll
-            for (int i = 1; i < DN_TILE * C; i++) {
-                mine = lane == i ? out[i] : mine;
-            }
-            if (lane < nt * C) {
-                attn[(t0 + lane / C) * token_stride + lane % C] = mine * a.scale;
+            if (j < nt) {
+                attn[(t0 + j) * token_stride] = mine * a.scale;
             }
         }
         __syncthreads();  // every warp is done with buffer b: tile + 2 may land there
     }
 #pragma unroll
-    for (int c = 0; c < C; c++) {
+    for (int i = 0; i < DN_V; i++) {
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            a.state[head + c * DN_S + r * 32 + lane] = s[c][r];
+        for (int r = 0; r < DN_R; r++) {
+            a.state[head + 8 * i + 32 * r] = s[i][r];
             if (a.state2) {
-                a.state2[head + c * DN_S + r * 32 + lane] = s[c][r];
+                a.state2[head + 8 * i + 32 * r] = s[i][r];
             }
         }
     }
