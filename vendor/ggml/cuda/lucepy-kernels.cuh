@@ -900,14 +900,18 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a, cons
                 joined[mine * JW + j] = win[j + 1];
             }
         }
+        // the group's new columns, all loads in flight at once (in the loop below each would
+        // wait behind the stores before it, which may lie over them)
+        for (int i = i0; i < i1; i++) {
+            joined[mine * JW + K1 + i - lo] = steps[i * a.x_t];
+        }
         const int64_t out = c + int64_t(a.C) * a.t * n;
         for (int i = i0; i < i1; i++) {
 #pragma unroll
             for (int k = 0; k < K1; k++) {
                 win[k] = win[k + 1];
             }
-            win[K1] = steps[i * a.x_t];
-            joined[mine * JW + K1 + i - lo] = win[K1];
+            win[K1] = joined[mine * JW + K1 + i - lo];
             float sum = 0.0f;
 #pragma unroll
             for (int k = 0; k < K; k++) {
