@@ -15,6 +15,8 @@
 //     norm_halves against sum_norm_halves, their results compared byte for byte)
 //     BENCH_FEW=1 ./bench-kernels --kind q4_0 --cols 16 --anatomy   (the repacked Q4_0's gemm_r
 //     beside itself with parts of its work left out: its loads alone, its compute alone, ...)
+//     ./bench-kernels --kind q4_0 --cols 8,16 --timeline   (gemm_r's CTAs, each stamping its
+//     start, first barrier, chunks and end: their lives, waits and the kernel's tail)
 //
 // The weights are random bytes with finite scales, several copies of each matrix in turn so that
 // no call finds its weights in the L2 cache. Times: a CUDA graph of 20 calls, replayed 10 times,
@@ -590,6 +592,99 @@ template <int NT> std::vector<GemmVariant> gemm_r_anatomy() {
             part("empty + sum", gemm_empty, true)};
 }
 
+// --- --timeline: where the lives of gemm_r's CTAs go (docs/BENCHMARKS.md, session 36) ---------
+
+bool g_timeline = false;
+
+double quantile(std::vector<double> v, double f) {
+    if (v.empty()) {
+        return 0.0;
+    }
+    std::sort(v.begin(), v.end());
+    return v[size_t(f * double(v.size() - 1))];
+}
+
+// gemm_r<NT> as the model launches it, stamping (RP_STAMPS): `args(i)` gives the i-th call's
+// arguments (its weights' copy); the third call's stamps are read
+template <int NT>
+void gemm_r_timeline(const std::function<GemmArgs(int)> & args, float * parts_buf,
+                     cudaStream_t s) {
+    auto kernel = gemm_r<NT, GM_WARPS, 16 / GM_WARPS, gemm_r_xch(NT), RP_STAMPS>;
+    const int smem = gemm_r_smem<NT>();
+    const int per_sm = ctas_per_sm(kernel, GM_WARPS * 32, smem);
+    const GemmPlan plan = gemm_r_plan_at(args(0), GM_WARPS, per_sm);
+    const size_t n = size_t(plan.grid.x) * plan.grid.y;
+    uint64_t * stamps = nullptr;
+    CHECK(cudaMalloc(&stamps, n * RP_STAMP_WORDS * sizeof(uint64_t)));
+    for (int i = 0; i < 3; i++) {
+        GemmArgs a = args(i);
+        a.stamps = stamps;
+        launch_planned(kernel, GM_WARPS * 32, smem, plan, a, parts_buf, s);
+    }
+    CHECK(cudaStreamSynchronize(s));
+    std::vector<uint64_t> h(n * RP_STAMP_WORDS);
+    CHECK(cudaMemcpy(h.data(), stamps, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+    CHECK(cudaFree(stamps));
+    uint64_t t0 = ~uint64_t(0), t1 = 0;
+    double clocks = 0, ns = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t * e = &h[i * RP_STAMP_WORDS];
+        t0 = std::min(t0, e[RP_AT_START_NS]);
+        t1 = std::max(t1, e[RP_AT_END_NS]);
+        clocks += double(e[RP_AT_END] - e[RP_AT_START]);
+        ns += double(e[RP_AT_END_NS] - e[RP_AT_START_NS]);
+    }
+    const double ghz = clocks / ns;
+    auto us = [&](uint64_t from, uint64_t to) { return (double(to) - double(from)) / ghz / 1e3; };
+    const int chunks = std::min(int(RP_STAMP_CHUNKS), plan.per_part);
+    std::vector<double> life, first, epilogue, rest, starts, ends, period[RP_STAMP_CHUNKS];
+    std::vector<double> busy(g_sms, 0.0);
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t * e = &h[i * RP_STAMP_WORDS];
+        life.push_back(us(e[RP_AT_START], e[RP_AT_END]));
+        first.push_back(us(e[RP_AT_START], e[RP_AT_FIRST_BARRIER]));
+        epilogue.push_back(us(e[RP_AT_LOOP_END], e[RP_AT_END]));
+        for (int c = 0; c + 1 < chunks; c++) {
+            period[c].push_back(us(e[RP_AT_CHUNK + c], e[RP_AT_CHUNK + c + 1]));
+        }
+        const int left = std::max(1, plan.per_part - chunks + 1);  // the chunks after the stamped
+        rest.push_back(us(e[RP_AT_CHUNK + chunks - 1], e[RP_AT_LOOP_END]) / left);
+        starts.push_back((e[RP_AT_START_NS] - t0) / 1e3);
+        ends.push_back((e[RP_AT_END_NS] - t0) / 1e3);
+        const uint64_t sm = e[RP_AT_SM] - 1;
+        if (sm < uint64_t(g_sms)) {
+            busy[sm] += (e[RP_AT_END_NS] - e[RP_AT_START_NS]) / 1e3;
+        }
+    }
+    const double span = (t1 - t0) / 1e3;
+    double slots_busy = 0;
+    for (double b : busy) {
+        slots_busy += b / (span * per_sm * g_sms);
+    }
+    std::printf("         timeline: %zu CTAs (%u x %u), %d chunks each, %d an SM, %.2f GHz; span "
+                "%.2f us, CTA slots busy %.0f %%\n",
+                n, plan.grid.x, plan.grid.y, plan.per_part, per_sm, ghz, span,
+                100 * slots_busy);
+    auto spread = [](const char * what, const std::vector<double> & v) {
+        std::printf(" %s %.2f / %.2f / %.2f", what, quantile(v, 0.1), quantile(v, 0.5),
+                    quantile(v, 0.9));
+    };
+    std::printf("           us, 10th / 50th / 90th percentile:");
+    spread("life", life);
+    spread("to the first barrier", first);
+    spread("after the last chunk", epilogue);
+    std::printf("\n           chunks (median us): first %d:", chunks);
+    for (int c = 0; c + 1 < chunks; c++) {
+        std::printf(" %.2f", quantile(period[c], 0.5));
+    }
+    std::printf(", then %.2f a chunk\n", quantile(rest, 0.5));
+    std::printf("           starts (us from the first) median %.2f, 90th %.2f, last %.2f; ends "
+                "10th %.2f, median %.2f, 90th %.2f, last %.2f\n",
+                quantile(starts, 0.5), quantile(starts, 0.9), quantile(starts, 1.0),
+                quantile(ends, 0.1), quantile(ends, 0.5), quantile(ends, 0.9),
+                quantile(ends, 1.0));
+}
+
 // Past 16 columns (a prefill's): gemm_r over slices of NT tiles of 8 columns, in turn. (A CTA
 // of 64 rows by 128 columns unpacking each weight once into shared memory, gemm_rp at 2b70e3d,
 // took 1.16-1.45x ggml's mmq's time at 512 columns: removed; docs/BENCHMARKS.md, session 25.)
@@ -980,6 +1075,18 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
                         v.name.c_str(), t, t / t1, mat_bytes / t / 1e3, worst,
                         v.partial ? "  (a part)" : ok ? "" : "  WRONG");
         }
+        if (wr && g_timeline && ncols <= MAX_GEMM_COLS) {
+            auto args = [&](int i) {
+                GemmArgs b = g;
+                b.w = wr + mat_bytes * (i % copies);
+                return b;
+            };
+            if (ncols <= GM_COL_TILE) {
+                gemm_r_timeline<1>(args, parts, s);
+            } else {
+                gemm_r_timeline<2>(args, parts, s);
+            }
+        }
         if (wr && ncols % RQ_COLS == 0) {
             bench_prefill(k, sh, host, row_bytes, wr, mat_bytes, copies,
                           dx, x, ncols, dst, t1, s);
@@ -1140,6 +1247,8 @@ int main(int argc, char ** argv) {
             sum_norm = true;
         } else if (std::strcmp(argv[i], "--anatomy") == 0) {
             g_anatomy = true;
+        } else if (std::strcmp(argv[i], "--timeline") == 0) {
+            g_timeline = true;
         } else if (std::strcmp(argv[i], "--kind") == 0 && i + 1 < argc) {
             only_kind = argv[++i];
         } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc) {
@@ -1158,7 +1267,7 @@ int main(int argc, char ** argv) {
         } else {
             std::fprintf(stderr,
                          "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16] "
-                         "[--sum-norm] [--anatomy]\n",
+                         "[--sum-norm] [--anatomy] [--timeline]\n",
                          argv[0]);
             return 2;
         }

@@ -506,6 +506,7 @@ struct GemmArgs {
     int npieces;
     int ncols;           // columns to write (the halves hold padded_cols of them)
     int per_part;        // chunks a part of the pieces takes (gridDim.y parts)
+    uint64_t * stamps;   // or null: gemm_r's timelines (RP_STAMPS: bench-kernels --timeline)
 };
 
 constexpr int GM_WARPS = 4;  // a CTA's warps, each an mma tile of 16 rows

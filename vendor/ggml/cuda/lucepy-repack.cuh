@@ -150,7 +150,42 @@ __host__ __device__ constexpr int gemm_r_xch(int nt) {
 
 // What gemm_r leaves out for bench-kernels' --anatomy (0 in the model; wrong results): its
 // weights after the first two chunks, the unpacking, the activations' shared loads, the mmas.
-enum RpSkip : int { RP_LOADS = 1, RP_UNPACK = 2, RP_SHARED = 4, RP_MMA = 8 };
+// RP_STAMPS leaves nothing out: each CTA writes its timeline to a.stamps (--timeline).
+enum RpSkip : int { RP_LOADS = 1, RP_UNPACK = 2, RP_SHARED = 4, RP_MMA = 8, RP_STAMPS = 16 };
+
+// A CTA's timeline (RP_STAMPS), RP_STAMP_WORDS words at a.stamps + RP_STAMP_WORDS x its linear
+// index: the SM, the global timer (ns) at its start and end, and its SM's clock at its start,
+// after its first barrier, at the start of each of its first RP_STAMP_CHUNKS chunks, after its
+// last chunk and at its end.
+enum RpStamp : int {
+    RP_AT_SM = 0,
+    RP_AT_START_NS = 1,
+    RP_AT_START = 2,
+    RP_AT_FIRST_BARRIER = 3,
+    RP_AT_CHUNK = 4,  // + chunk
+    RP_STAMP_CHUNKS = 8,
+    RP_AT_LOOP_END = RP_AT_CHUNK + RP_STAMP_CHUNKS,
+    RP_AT_END = RP_AT_LOOP_END + 1,
+    RP_AT_END_NS = RP_AT_END + 1,
+    RP_STAMP_WORDS = 16
+};
+
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// with RP_STAMPS, thread 0 of the CTA writes `what` (a clock, or `value`)
+template <int SKIP>
+__device__ __forceinline__ void stamp(const GemmArgs & a, int what, uint64_t value = 0) {
+    if constexpr (SKIP & RP_STAMPS) {
+        if (threadIdx.x == 0) {
+            const uint64_t at = uint64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+            a.stamps[at * RP_STAMP_WORDS + what] = value ? value : uint64_t(clock64());
+        }
+    }
+}
 
 // a lane's A registers of a word's low and high nibbles, rows g (qa) and g + 8 (qb)
 template <int SKIP>
@@ -216,6 +251,13 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     const int chunk0 = blockIdx.y * a.per_part;
     const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
     const bool mine = warp * 16 < rows;
+    if constexpr (SKIP & RP_STAMPS) {
+        uint32_t sm;
+        asm("mov.u32 %0, %%smid;" : "=r"(sm));
+        stamp<SKIP>(a, RP_AT_SM, sm + 1);  // (0 would read as "a clock")
+        stamp<SKIP>(a, RP_AT_START_NS, global_ns());
+        stamp<SKIP>(a, RP_AT_START);
+    }
 
     constexpr int THREADS = W * 32;
     constexpr int XN = P * 4;  // 16-byte groups of a column's chunk
@@ -289,11 +331,17 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     // chunk ch, the I-th of a round of ST XCH (its activations in stage I / XCH, part I % XCH)
     auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch, auto index) {
         constexpr int I = decltype(index)::value;  // its activations at smem + I X_STAGE
+        if (ch < RP_STAMP_CHUNKS) {
+            stamp<SKIP>(a, RP_AT_CHUNK + ch);
+        }
         load(nxt, ch + 1);
         if constexpr (I % XCH == 0) {
             copy_wait<ST - 2>();
             __syncthreads();  // the stage's chunks have landed; the stage before is read by all
             issue_x(ch / XCH + ST - 1);
+            if (ch == 0) {
+                stamp<SKIP>(a, RP_AT_FIRST_BARRIER);
+            }
         }
         if (!mine) {
             return;
@@ -355,11 +403,17 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         });
     }
     copy_wait<0>();
+    stamp<SKIP>(a, RP_AT_LOOP_END);
 
     LUCEPY_PDL_LAUNCH();
 
     if (mine) {
         store_tile<NT>(a, total, row0 + warp * 16, g, t);
+    }
+    if constexpr (SKIP & RP_STAMPS) {
+        __syncthreads();  // every warp's tile stored
+        stamp<SKIP>(a, RP_AT_END);
+        stamp<SKIP>(a, RP_AT_END_NS, global_ns());
     }
 }
 
