@@ -132,8 +132,9 @@ def critical(tokens: list[list[tuple[str, float, float]]]) -> list[dict]:
         for name, s, e in t:
             if s > end:
                 share["idle"] += s - end
-            share[short(name)[:60]] += max(0.0, e - max(s, end))
-            count[short(name)[:60]] += 1
+            kernel = short(name)[:60]
+            share[kernel] += max(0.0, e - max(s, end))
+            count[kernel] += 1
             end = max(end, e)
     n = len(tokens)
     return [

@@ -516,10 +516,7 @@ __global__ void __launch_bounds__(128) gemm_loads(const GemmArgs a) {
     if (warp * 16 >= min(64, a.nrows - row0)) {
         return;
     }
-    const bool second = a.w2 != nullptr && row0 >= a.rows2;
-    const uint8_t * wp =
-        (second ? a.w2 : a.w) + repacked_at((row0 - (second ? a.rows2 : 0) + warp * 16) / RP_ROWS,
-                                            int64_t(chunk0) * 2, a.npieces / RP_GROUP);
+    const uint8_t * wp = warp_tile_at(a, row0, warp, chunk0, a.npieces / RP_GROUP);
     const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + lane;
     const uint32_t * wd = reinterpret_cast<const uint32_t *>(wp + 1024) + lane;
     RpGroup buf[2][2];
@@ -651,7 +648,7 @@ void gemm_r_timeline(const std::function<GemmArgs(int)> & args, float * parts_bu
         rest.push_back(us(e[RP_AT_CHUNK + chunks - 1], e[RP_AT_LOOP_END]) / left);
         starts.push_back((e[RP_AT_START_NS] - t0) / 1e3);
         ends.push_back((e[RP_AT_END_NS] - t0) / 1e3);
-        const uint64_t sm = e[RP_AT_SM] - 1;
+        const uint64_t sm = e[RP_AT_SM];
         if (sm < uint64_t(g_sms)) {
             busy[sm] += (e[RP_AT_END_NS] - e[RP_AT_START_NS]) / 1e3;
         }

@@ -60,6 +60,17 @@ __global__ void __launch_bounds__(64) repack_q4_0(const uint8_t * w, int64_t row
     *reinterpret_cast<uint16_t *>(o + 1024 + 4 * (4 * (r % 8) + j) + 2 * (r / 8)) = b[0];
 }
 
+// the bytes of warp `warp`'s tile of 16 rows in the CTA's rows from row0 (of a.w, or of a.w2 from
+// a.rows2 on), from chunk chunk0 (two groups); ngroups is a.npieces / RP_GROUP (gemm_r works it
+// out where it did before this helper, which keeps its code as it was)
+__device__ __forceinline__ const uint8_t * warp_tile_at(const GemmArgs & a, int row0, int warp,
+                                                        int chunk0, int ngroups) {
+    const bool second = a.w2 != nullptr && row0 >= a.rows2;  // the second matrix's rows
+    return (second ? a.w2 : a.w) +
+           repacked_at((row0 - (second ? a.rows2 : 0) + warp * 16) / RP_ROWS,
+                       int64_t(chunk0) * 2, ngroups);
+}
+
 // word k of a 16-byte load
 __device__ __forceinline__ uint32_t word(const uint4 & v, int k) {
     return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
@@ -176,14 +187,21 @@ __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
-// with RP_STAMPS, thread 0 of the CTA writes `what` (a clock, or `value`)
+// with RP_STAMPS, thread 0 of the CTA writes `value` as its word `what`
 template <int SKIP>
-__device__ __forceinline__ void stamp(const GemmArgs & a, int what, uint64_t value = 0) {
+__device__ __forceinline__ void stamp(const GemmArgs & a, int what, uint64_t value) {
     if constexpr (SKIP & RP_STAMPS) {
         if (threadIdx.x == 0) {
             const uint64_t at = uint64_t(blockIdx.y) * gridDim.x + blockIdx.x;
-            a.stamps[at * RP_STAMP_WORDS + what] = value ? value : uint64_t(clock64());
+            a.stamps[at * RP_STAMP_WORDS + what] = value;
         }
+    }
+}
+
+// the same with the SM's clock (read only where stamps are on)
+template <int SKIP> __device__ __forceinline__ void stamp_clock(const GemmArgs & a, int what) {
+    if constexpr (SKIP & RP_STAMPS) {
+        stamp<SKIP>(a, what, uint64_t(clock64()));
     }
 }
 
@@ -254,9 +272,9 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     if constexpr (SKIP & RP_STAMPS) {
         uint32_t sm;
         asm("mov.u32 %0, %%smid;" : "=r"(sm));
-        stamp<SKIP>(a, RP_AT_SM, sm + 1);  // (0 would read as "a clock")
+        stamp<SKIP>(a, RP_AT_SM, sm);
         stamp<SKIP>(a, RP_AT_START_NS, global_ns());
-        stamp<SKIP>(a, RP_AT_START);
+        stamp_clock<SKIP>(a, RP_AT_START);
     }
 
     constexpr int THREADS = W * 32;
@@ -295,10 +313,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     };
 
     const int ngroups = a.npieces / RP_GROUP;
-    const bool second = a.w2 != nullptr && row0 >= a.rows2;  // the second matrix's rows
-    const uint8_t * wp = (second ? a.w2 : a.w) +
-                         repacked_at((row0 - (second ? a.rows2 : 0) + warp * 16) / RP_ROWS,
-                                     int64_t(chunk0) * 2, ngroups);
+    const uint8_t * wp = warp_tile_at(a, row0, warp, chunk0, ngroups);
     // where this lane's words of the next chunk to load start (kept, not worked out each load)
     const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + lane;
     const uint32_t * wd = reinterpret_cast<const uint32_t *>(wp + 1024) + lane;
@@ -332,7 +347,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch, auto index) {
         constexpr int I = decltype(index)::value;  // its activations at smem + I X_STAGE
         if (ch < RP_STAMP_CHUNKS) {
-            stamp<SKIP>(a, RP_AT_CHUNK + ch);
+            stamp_clock<SKIP>(a, RP_AT_CHUNK + ch);
         }
         load(nxt, ch + 1);
         if constexpr (I % XCH == 0) {
@@ -340,7 +355,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
             __syncthreads();  // the stage's chunks have landed; the stage before is read by all
             issue_x(ch / XCH + ST - 1);
             if (ch == 0) {
-                stamp<SKIP>(a, RP_AT_FIRST_BARRIER);
+                stamp_clock<SKIP>(a, RP_AT_FIRST_BARRIER);
             }
         }
         if (!mine) {
@@ -403,7 +418,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         });
     }
     copy_wait<0>();
-    stamp<SKIP>(a, RP_AT_LOOP_END);
+    stamp_clock<SKIP>(a, RP_AT_LOOP_END);
 
     LUCEPY_PDL_LAUNCH();
 
@@ -412,7 +427,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     }
     if constexpr (SKIP & RP_STAMPS) {
         __syncthreads();  // every warp's tile stored
-        stamp<SKIP>(a, RP_AT_END);
+        stamp_clock<SKIP>(a, RP_AT_END);
         stamp<SKIP>(a, RP_AT_END_NS, global_ns());
     }
 }
