@@ -635,7 +635,8 @@ void gemm_r_timeline(const std::function<GemmArgs(int)> & args, float * parts_bu
     auto us = [&](uint64_t from, uint64_t to) { return (double(to) - double(from)) / ghz / 1e3; };
     const int chunks = std::min(int(RP_STAMP_CHUNKS), plan.per_part);
     std::vector<double> life, first, epilogue, rest, starts, ends, period[RP_STAMP_CHUNKS];
-    std::vector<double> busy(g_sms, 0.0);
+    std::vector<double> busy(g_sms, 0.0), last_end(g_sms, 0.0);
+    std::vector<int> ctas(g_sms, 0);
     for (size_t i = 0; i < n; i++) {
         const uint64_t * e = &h[i * RP_STAMP_WORDS];
         life.push_back(us(e[RP_AT_START], e[RP_AT_END]));
@@ -651,6 +652,8 @@ void gemm_r_timeline(const std::function<GemmArgs(int)> & args, float * parts_bu
         const uint64_t sm = e[RP_AT_SM];
         if (sm < uint64_t(g_sms)) {
             busy[sm] += (e[RP_AT_END_NS] - e[RP_AT_START_NS]) / 1e3;
+            last_end[sm] = std::max(last_end[sm], ends.back());
+            ctas[sm]++;
         }
     }
     const double span = (t1 - t0) / 1e3;
@@ -680,6 +683,22 @@ void gemm_r_timeline(const std::function<GemmArgs(int)> & args, float * parts_bu
                 quantile(starts, 0.5), quantile(starts, 0.9), quantile(starts, 1.0),
                 quantile(ends, 0.1), quantile(ends, 0.5), quantile(ends, 0.9),
                 quantile(ends, 1.0));
+    // an SM's last end by how many CTAs it ran: whether the SMs given more of them end last (at
+    // 16 columns on an H200 they end 1-1.5 us after the others, a third more work in 7 % more
+    // time: docs/BENCHMARKS.md, session 37)
+    std::printf("           SMs by their CTAs (count: SMs, their last ends' median and last us):");
+    for (int c = 0; c <= *std::max_element(ctas.begin(), ctas.end()); c++) {
+        std::vector<double> at;
+        for (int sm = 0; sm < g_sms; sm++) {
+            if (ctas[sm] == c) {
+                at.push_back(last_end[sm]);
+            }
+        }
+        if (!at.empty() && c > 0) {
+            std::printf(" %d: %zu, %.2f, %.2f;", c, at.size(), quantile(at, 0.5), quantile(at, 1.0));
+        }
+    }
+    std::printf("\n");
 }
 
 // Past 16 columns (a prefill's): gemm_r over slices of NT tiles of 8 columns, in turn. (A CTA
