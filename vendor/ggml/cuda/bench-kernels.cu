@@ -17,6 +17,7 @@
 //     beside itself with parts of its work left out: its loads alone, its compute alone, ...)
 //     ./bench-kernels --kind q4_0 --cols 8,16 --timeline   (gemm_r's CTAs, each stamping its
 //     start, first barrier, chunks and end: their lives, waits and the kernel's tail)
+//     BENCH_IN_L2=1 ...   (each matrix one copy, read from the L2 cache where it fits)
 //
 // The weights are random bytes with finite scales, several copies of each matrix in turn so that
 // no call finds its weights in the L2 cache. Times: a CUDA graph of 20 calls, replayed 10 times,
@@ -892,22 +893,26 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
     const int npieces = sh.k / 32;
     const int64_t row_bytes = int64_t(sh.k / block_values(k)) * block_bytes(k);
     const int64_t mat_bytes = row_bytes * sh.rows;
-    const int copies = int(std::max<int64_t>(2, (int64_t(1) << 30) / mat_bytes));
+    // BENCH_IN_L2=1: the calls all read the first copy, so that a matrix under the L2's size is
+    // read from there (what the products cost with their weights' DRAM traffic left out); the
+    // second stays, as the device's repacking writes there
+    const int made = int(std::max<int64_t>(2, (int64_t(1) << 30) / mat_bytes));
+    const int copies = std::getenv("BENCH_IN_L2") ? 1 : made;
     std::vector<uint8_t> host(mat_bytes);
     for (int64_t b = 0; b < mat_bytes / block_bytes(k); b++) {
         fill_block(k, host.data() + b * block_bytes(k), rng);
     }
     uint8_t * w;
-    CHECK(cudaMalloc(&w, size_t(mat_bytes) * copies));
-    for (int c = 0; c < copies; c++) {
+    CHECK(cudaMalloc(&w, size_t(mat_bytes) * made));
+    for (int c = 0; c < made; c++) {
         CHECK(cudaMemcpy(w + mat_bytes * c, host.data(), size_t(mat_bytes),
                          cudaMemcpyHostToDevice));
     }
     uint8_t * wr = nullptr;  // Q4_0: the same copies repacked, for gemm_r
     if (k == Q4_0 && repackable(sh.rows, npieces)) {
         const std::vector<uint8_t> rp = host_repack(host.data(), row_bytes, sh.rows, npieces);
-        CHECK(cudaMalloc(&wr, size_t(mat_bytes) * copies));
-        for (int c = 0; c < copies; c++) {
+        CHECK(cudaMalloc(&wr, size_t(mat_bytes) * made));
+        for (int c = 0; c < made; c++) {
             CHECK(cudaMemcpy(wr + mat_bytes * c, rp.data(), size_t(mat_bytes),
                              cudaMemcpyHostToDevice));
         }
