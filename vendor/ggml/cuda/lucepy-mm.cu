@@ -810,9 +810,12 @@ template <bool GATE> void launch_gemv_r(const Args & a, cudaStream_t stream) {
 }
 
 // gemm_r's plan for `a` (its rows, the second matrix's too): the parts gemm_parts_by_cost picks
-template <int NT> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
+// for gemm_r<NT, GM_WARPS, MINB, XCH>'s CTAs an SM
+template <int NT, int MINB = 16 / GM_WARPS, int XCH = gemm_r_xch(NT)>
+GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
     static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
-    const int64_t room = slots_of(gemm_r<NT>, gemm_r_smem<NT>(), device, slots);
+    const int64_t room =
+        slots_of(gemm_r<NT, GM_WARPS, MINB, XCH>, gemm_r_smem<NT, XCH>(), device, slots);
     constexpr int rows = GM_WARPS * 16;
     return gemm_plan_in(a.nrows, a.npieces, rows, 8,
                         gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, rows, 8, room));
@@ -1976,10 +1979,16 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
                           static_cast<float *>(glu->data), int(n / 32), int(ncols), out,
                           ctx.stream());
     };
+    // 5 CTAs an SM, a chunk of activations a stage: 96 registers, none spilled (on an H200 the
+    // stack at 16 columns 41.2 us where 4 CTAs take 43.0, at 8 31.9 where 35.3; the other
+    // products no faster so: docs/BENCHMARKS.md, session 37)
+    constexpr int CTAS = 5;
     if (ncols <= GM_COL_TILE) {
-        go(gemm_r<1>, gemm_r_plan<1>(ctx.device, g), gemm_r_smem<1>());
+        go(gemm_r<1, GM_WARPS, CTAS, 1>, gemm_r_plan<1, CTAS, 1>(ctx.device, g),
+           gemm_r_smem<1, 1>());
     } else {
-        go(gemm_r<2>, gemm_r_plan<2>(ctx.device, g), gemm_r_smem<2>());
+        go(gemm_r<2, GM_WARPS, CTAS, 1>, gemm_r_plan<2, CTAS, 1>(ctx.device, g),
+           gemm_r_smem<2, 1>());
     }
     g_calls.fetch_add(2, std::memory_order_relaxed);
     g_ops.fetch_add(1, std::memory_order_relaxed);

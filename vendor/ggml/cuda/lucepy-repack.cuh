@@ -280,19 +280,14 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     constexpr int THREADS = W * 32;
     constexpr int XN = P * 4;  // 16-byte groups of a column's chunk
     constexpr int XC = (NT * GM_COL_TILE * XN + THREADS - 1) / THREADS;
-    const uint4 * x_src[XC];
-    int x_dst[XC];
-    bool x_on[XC];
-#pragma unroll
-    for (int k = 0; k < XC; k++) {
-        const int i = threadIdx.x + k * THREADS;
-        const int c = min(i / XN, NT * GM_COL_TILE - 1);
-        const int u = i % XN;
-        const int piece = u / 4;
-        x_src[k] = a.x.xh + (int64_t(c) * a.npieces + int64_t(chunk0) * P) * 4 + u;
-        x_dst[k] = c * XP + 64 * piece + 16 * ((u % 4) ^ (piece / 2 % 2));
-        x_on[k] = i < NT * GM_COL_TILE * XN;
-    }
+    // thread i copies the 16-byte group u = i % XN of columns i / XN, i / XN + CSTEP, ...
+    constexpr int CSTEP = THREADS / XN;
+    static_assert(THREADS % XN == 0 && XC * CSTEP == NT * GM_COL_TILE, "whole columns a pass");
+    const int x_u = threadIdx.x % XN;
+    const int x_col = threadIdx.x / XN;
+    const int x_piece = x_u / 4;
+    const uint4 * x_src = a.x.xh + (int64_t(x_col) * a.npieces + int64_t(chunk0) * P) * 4 + x_u;
+    const int x_dst = x_col * XP + 64 * x_piece + 16 * ((x_u % 4) ^ (x_piece / 2 % 2));
     auto issue_x = [&](int q) {  // stage q's chunks: q XCH on
 #pragma unroll
         for (int h = 0; h < XCH; h++) {
@@ -301,11 +296,10 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
                 uint8_t * stage = smem + ((q % ST) * XCH + h) * X_STAGE;
 #pragma unroll
                 for (int k = 0; k < XC; k++) {
-                    if (x_on[k]) {
-                        copy_async<16, true>(stage + x_dst[k],
-                                             reinterpret_cast<const uint8_t *>(
-                                                 x_src[k] + int64_t(ch) * XN));
-                    }
+                    copy_async<16, true>(stage + x_dst + k * CSTEP * XP,
+                                         reinterpret_cast<const uint8_t *>(
+                                             x_src + int64_t(k) * CSTEP * a.npieces * 4 +
+                                             int64_t(ch) * XN));
                 }
             }
         }
