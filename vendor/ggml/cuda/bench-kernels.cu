@@ -493,7 +493,8 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // gemm_r on Hopper's wgmma, at 16 columns slower; docs/BENCHMARKS.md; session 34: two
     // chunks of activations a stage and a barrier, faster at 9-16 columns only: gemm_r_xch;
     // session 35: 5 CTAs an SM (96 registers, 72 bytes spilled at 16 columns) 7-17 % slower
-    // at 16 columns on five of six products, 4 % faster on the stacked up and gate)
+    // at 16 columns on five of six products, 4 % faster on the stacked up and gate; session
+    // 37, unspilled: 6.5 % faster on the stack, where the model runs it, slower elsewhere)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp other chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3 - gemm_r_xch(NT)>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
