@@ -7,8 +7,9 @@
 # and lucepy on that model (for qwen35moe: all experts on the GPU, then half of them in host RAM,
 # by llama.cpp's --n-cpu-moe and by lucepy's hotness placement: tools/bench_moe.py).
 #
-#   tools/prepare_gpu_carry.sh          # here: .whl/, .sdist/ and .gpuref/
+#   tools/prepare_gpu_carry.sh          # here: .whl/, .whl-batch/, .sdist/ and .gpuref/
 #   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".sdist", ".gpuref"]
+#                                       # (and ".whl-batch" for GPU_RUN_BATCH)
 #
 # or, with the CUDA build made here beforehand (no build there: 4-5 minutes less a call),
 #   tools/prebuild_gpu.sh build         # here: .gpubuild/, .gpubuild1/ (they replace .sdist)
@@ -172,9 +173,11 @@ check_gpuref() {
     fi
 }
 
-install_wheels() {
+install_wheels() { # .whl's, and .whl-batch's where carried (GPU_RUN_BATCH's client)
+    local batch=()
+    if [[ -d .whl-batch ]]; then batch=(.whl-batch/*.whl); fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .whl/*.whl
+        --target "$SITE" .whl/*.whl ${batch[@]+"${batch[@]}"}
     # llama-cpp-python's Python side, as source; LLAMA_CPP_LIB_PATH points it at our libllama
     cp -r "$SOURCES/$NAME/llama_cpp" "$SITE/"
     python3 -c "import cffi, gguf, typer, fastapi; print('python packages ok')"
@@ -328,6 +331,10 @@ export -f build_cuda build_llama_server wait_model build_cpu_kernels
 # --- the run ---
 say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
 check_gpuref quick
+if [[ -n ${GPU_RUN_BATCH:-} && ! -d .whl-batch ]]; then
+    stop "GPU_RUN_BATCH needs the official client's wheels: run tools/prepare_gpu_carry.sh here," \
+        "then carry .whl-batch beside .whl"
+fi
 { nvidia-smi; python3 --version; nproc; free -g; df -h /tmp; } >>"$SETUP" 2>&1 || true
 inline wheels "$SETUP" install_wheels || true
 check_gpuref full
