@@ -1982,13 +1982,15 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // 5 CTAs an SM, a chunk of activations a stage: 96 registers, none spilled (on an H200 the
     // stack at 16 columns 41.2 us where 4 CTAs take 43.0, at 8 31.9 where 35.3; the other
     // products no faster so: docs/BENCHMARKS.md, session 37)
-    constexpr int CTAS = 5;
+    auto stack = [&](auto tiles) {  // the kernel, its plan and its shared memory alike
+        constexpr int NT = decltype(tiles)::value, CTAS = 5, XCH = 1;
+        go(gemm_r<NT, GM_WARPS, CTAS, XCH>, gemm_r_plan<NT, CTAS, XCH>(ctx.device, g),
+           gemm_r_smem<NT, XCH>());
+    };
     if (ncols <= GM_COL_TILE) {
-        go(gemm_r<1, GM_WARPS, CTAS, 1>, gemm_r_plan<1, CTAS, 1>(ctx.device, g),
-           gemm_r_smem<1, 1>());
+        stack(std::integral_constant<int, 1>());
     } else {
-        go(gemm_r<2, GM_WARPS, CTAS, 1>, gemm_r_plan<2, CTAS, 1>(ctx.device, g),
-           gemm_r_smem<2, 1>());
+        stack(std::integral_constant<int, 2>());
     }
     g_calls.fetch_add(2, std::memory_order_relaxed);
     g_ops.fetch_add(1, std::memory_order_relaxed);
