@@ -478,10 +478,10 @@ GemmPlan gemm_r_plan_at(const GemmArgs & a, int W, int per_sm, int most = 16) {
 
 template <int NT, int W, int MINB = 16 / W, int MOST = 16, int XCH = gemm_r_xch(NT)>
 void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    auto kernel = gemm_r<NT, W, MINB, XCH>;
-    const int smem = gemm_r_smem<NT, XCH>();
-    const int per_sm = ctas_per_sm(kernel, W * 32, smem);
-    launch_planned(kernel, W * 32, smem, gemm_r_plan_at(a, W, per_sm, MOST), a, parts_buf, s);
+    using R = GemmR<NT, W, MINB, XCH>;
+    const int per_sm = ctas_per_sm(R::kernel(), W * 32, R::smem);
+    launch_planned(R::kernel(), W * 32, R::smem, gemm_r_plan_at(a, W, per_sm, MOST), a, parts_buf,
+                   s);
 }
 
 template <int NT> std::vector<GemmVariant> gemm_r_variants() {
@@ -564,8 +564,9 @@ __global__ void gemm_empty(const GemmArgs a) {
 // then gemm_sum if `sum`
 template <int NT, typename K>
 void launch_as_gemm_r(K kernel, const GemmArgs & a, float * parts_buf, bool sum, cudaStream_t s) {
-    const int per_sm = ctas_per_sm(gemm_r<NT>, GM_WARPS * 32, gemm_r_smem<NT>());
-    const int smem = std::max(gemm_r_smem<NT>(),
+    using R = GemmR<NT>;
+    const int per_sm = ctas_per_sm(R::kernel(), GM_WARPS * 32, R::smem);
+    const int smem = std::max(R::smem,
                               g_smem_per_sm / (per_sm + 1) - g_smem_reserved + 128);
     launch_planned(kernel, GM_WARPS * 32, smem, gemm_r_plan_at(a, GM_WARPS, per_sm), a,
                    parts_buf, s, sum);

@@ -809,13 +809,12 @@ template <bool GATE> void launch_gemv_r(const Args & a, cudaStream_t stream) {
     }
 }
 
-// gemm_r's plan for `a` (its rows, the second matrix's too): the parts gemm_parts_by_cost picks
-// for gemm_r<NT, GM_WARPS, MINB, XCH>'s CTAs an SM
-template <int NT, int MINB = 16 / GM_WARPS, int XCH = gemm_r_xch(NT)>
-GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
+// The plan of gemm_r's build R (GemmR) for `a` (its rows, the second matrix's too): the parts
+// gemm_parts_by_cost picks for R's CTAs an SM
+template <typename R> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
+    static_assert(R::warps == GM_WARPS, "lucepy-mm.cu launches CTAs of GM_WARPS warps");
     static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
-    const int64_t room =
-        slots_of(gemm_r<NT, GM_WARPS, MINB, XCH>, gemm_r_smem<NT, XCH>(), device, slots);
+    const int64_t room = slots_of(R::kernel(), R::smem, device, slots);
     constexpr int rows = GM_WARPS * 16;
     return gemm_plan_in(a.nrows, a.npieces, rows, 8,
                         gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, rows, 8, room));
@@ -825,8 +824,8 @@ GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
 template <int NT>
 void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
                    const NormAfter * norm = nullptr) {
-    launch_in_parts(ctx, gemm_r<NT>, gemm_r_smem<NT>(), gemm_r_plan<NT>(ctx.device, base), base,
-                    norm);
+    using R = GemmR<NT>;
+    launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, base), base, norm);
 }
 
 // a prefill's columns: to_halves_col into scratch (whole tiles of 64 columns), then gemm_rq
@@ -1965,7 +1964,9 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     g.nrows = int(2 * n);
     const Halves out = halves_at(prepared(st, want->src1, n / 32, 0), n / 32, int(ncols));
     ggml_cuda_pool_alloc<float> sums(ctx.pool());
-    auto go = [&](auto kernel, const GemmPlan & plan, int smem) {
+    auto go = [&](auto build) {  // a GemmR
+        using R = decltype(build);
+        const GemmPlan plan = gemm_r_plan<R>(ctx.device, g);
         const int parts = int(plan.grid.y);
         g.per_part = plan.per_part;
         float * buf = sums.alloc(size_t(parts) * ncols * 2 * n);
@@ -1973,8 +1974,8 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
         g.dst = buf;
         g.dst_stride = 2 * n;
         ggml_cuda_kernel_launch(
-            kernel, ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, smem, ctx.stream()),
-            g);
+            R::kernel(),
+            ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, R::smem, ctx.stream()), g);
         launch_glu_halves(buf, buf + n, 2 * n, parts, 2 * n * ncols,
                           static_cast<float *>(glu->data), int(n / 32), int(ncols), out,
                           ctx.stream());
@@ -1982,15 +1983,10 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // 5 CTAs an SM, a chunk of activations a stage: 96 registers, none spilled (on an H200 the
     // stack at 16 columns 41.2 us where 4 CTAs take 43.0, at 8 31.9 where 35.3; the other
     // products no faster so: docs/BENCHMARKS.md, session 37)
-    auto stack = [&](auto tiles) {  // the kernel, its plan and its shared memory alike
-        constexpr int NT = decltype(tiles)::value, CTAS = 5, XCH = 1;
-        go(gemm_r<NT, GM_WARPS, CTAS, XCH>, gemm_r_plan<NT, CTAS, XCH>(ctx.device, g),
-           gemm_r_smem<NT, XCH>());
-    };
     if (ncols <= GM_COL_TILE) {
-        stack(std::integral_constant<int, 1>());
+        go(GemmR<1, GM_WARPS, 5, 1>());
     } else {
-        stack(std::integral_constant<int, 2>());
+        go(GemmR<2, GM_WARPS, 5, 1>());
     }
     g_calls.fetch_add(2, std::memory_order_relaxed);
     g_ops.fetch_add(1, std::memory_order_relaxed);

@@ -430,6 +430,15 @@ template <int NT, int XCH = gemm_r_xch(NT)> __host__ __device__ constexpr int ge
     return 2 * XCH * NT * GM_COL_TILE * (8 * 64 + 32);
 }
 
+// One build of gemm_r (its template's arguments but SKIP): its kernel and its shared memory named
+// together, so that a plan and a launch of it cannot take another build's (lucepy-mm.cu,
+// bench-kernels.cu)
+template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT)> struct GemmR {
+    static constexpr int warps = W;
+    static constexpr int smem = gemm_r_smem<NT, XCH>();
+    static auto kernel() { return gemm_r<NT, W, MINB, XCH>; }
+};
+
 // One column on a repacked Q4_0 matrix (a.w), the activations as `quantize` writes them (one
 // plane), and with GATE ggml's fused gate: a.gate repacked alike, dst = glu(W x + bias, G x +
 // gate bias). SPLIT warps share a tile of 16 rows, each a range of its groups, a CTA of
