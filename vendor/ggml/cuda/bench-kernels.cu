@@ -476,10 +476,12 @@ GemmPlan gemm_r_plan_at(const GemmArgs & a, int W, int per_sm, int most = 16) {
                                            int64_t(per_sm) * g_sms, most));
 }
 
-template <int NT, int W, int MINB = 16 / W, int MOST = 16, int XCH = gemm_r_xch(NT)>
+// (PLAN_SM: planned for that many CTAs an SM, whatever fits; 0 for as many as fit)
+template <int NT, int W, int MINB = 16 / W, int MOST = 16, int XCH = gemm_r_xch(NT),
+          int PLAN_SM = 0>
 void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
     using R = GemmR<NT, W, MINB, XCH>;
-    const int per_sm = ctas_per_sm(R::kernel(), W * 32, R::smem);
+    const int per_sm = PLAN_SM ? PLAN_SM : ctas_per_sm(R::kernel(), W * 32, R::smem);
     launch_planned(R::kernel(), W * 32, R::smem, gemm_r_plan_at(a, W, per_sm, MOST), a, parts_buf,
                    s);
 }
@@ -494,11 +496,16 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // chunks of activations a stage and a barrier, faster at 9-16 columns only: gemm_r_xch;
     // session 35: 5 CTAs an SM (96 registers, 72 bytes spilled at 16 columns) 7-17 % slower
     // at 16 columns on five of six products, 4 % faster on the stacked up and gate; session
-    // 37, unspilled: 6.5 % faster on the stack, where the model runs it, slower elsewhere)
+    // 37, unspilled: 6.5 % faster on the stack, where the model runs it, slower elsewhere;
+    // session 38: 5 CTAs an SM on 4's plan (so on fewer SMs), 3 and 4 chunks a barrier, and
+    // the weights two or three chunks ahead in the L2 (cp.async.bulk.prefetch), all slower)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp other chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3 - gemm_r_xch(NT)>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
+            {"rp 3 chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3>},
+            {"rp 4 chunks a barrier, 3 CTAs", launch_gemm_r<NT, 4, 3, 16, 4>},
             {"rp 5 CTAs an SM", launch_gemm_r<NT, 4, 5, 16, 1>},
+            {"rp 5 CTAs on 4's plan", launch_gemm_r<NT, 4, 5, 16, 1, 4>},
             {"rp <= 4 parts", launch_gemm_r<NT, 4, 4, 4>},
             {"rp <= 2 parts", launch_gemm_r<NT, 4, 4, 2>}};
 }
