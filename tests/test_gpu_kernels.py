@@ -678,6 +678,42 @@ def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
     assert rel_err(joined[0][0], exact).max() < 2e-2
 
 
+def test_gpu_repacked_q4_0_products_by_bulk_copies_match_the_exact_math(cuda):
+    """A repacked Q4_0 product big enough that each CTA slot gets 4 or more chunks (10,240 x
+    5,120, the 27B-shaped model's attention qkv) takes gemm_rb at 9-16 columns on Hopper (its
+    weights by the TMA unit: lucepy-mm.cu's bulk_product), gemm_r at 8: each no further from
+    the exact math than twice ggml's kernels on the blocks, in parts and with its residual ADD
+    (the sum one product of ours, bit for bit the product and ggml's ADD apart), for new
+    inputs too (the CUDA graph replayed)."""
+    lib, device, kernels = cuda
+    rows, n = 10240, 5120
+    mats = [weights_of(lib, "q4_0", 61, rows=rows, n=n)]
+    weights = [(t, raw) for t, raw, _ in mats]
+    rng = np.random.default_rng(62)
+    for k in (8, 9, 16):
+        xs = [rng.normal(size=(k, n)).astype(np.float32) for _ in range(2)]
+        calls = kernels.calls
+        [[ours]] = products(lib, device, weights, xs[:1], repack=kernels)
+        assert kernels.calls - calls == 1, f"{k} columns"
+        kernels.set(False)
+        try:
+            [[theirs]] = products(lib, device, weights, xs[:1])
+        finally:
+            kernels.set(True)
+        exact = xs[0].astype(np.float64) @ mats[0][2].T
+        bound = 2 * float(rel_err(theirs, exact).max())
+        err = rel_err(ours, exact)
+        worst = f"column {err.argmax()}: {err.max():.2e} > {bound:.2e}"
+        assert np.isfinite(ours).all() and err.max() <= bound, f"{k} columns: {worst}"
+        rs = [rng.normal(size=(k, rows)).astype(np.float32) for _ in range(2)]
+        joined = residual_products(lib, device, weights, xs, rs, False, kernels)
+        apart = residual_products(lib, device, weights, xs, rs, True, kernels)
+        for j in range(2):
+            np.testing.assert_array_equal(joined[j][0], apart[j][0])
+        assert not np.array_equal(joined[0][0], joined[1][0])  # new inputs, new sums
+        np.testing.assert_array_equal(apart[0][1], ours)  # the product kept: the same bytes
+
+
 def residual_norm_products(lib, device, weights, norm, xs, rs, apart, repack=None):
     """A verify layer's output product plus its residual, then the next block's RMS norm times
     ``norm`` and two products of that: ``weights`` [(ggml type, raw rows)] are the output matrix

@@ -486,6 +486,13 @@ void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
                    s);
 }
 
+// gemm_rb (lucepy-mm.cu takes it at two column tiles where bulk_product)
+template <int NT> void launch_gemm_rb(GemmArgs a, float * parts_buf, cudaStream_t s) {
+    using R = GemmRB<NT>;
+    const int per_sm = ctas_per_sm(R::kernel(), 128, R::smem);
+    launch_planned(R::kernel(), 128, R::smem, gemm_r_plan_at(a, 4, per_sm), a, parts_buf, s);
+}
+
 template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // (capped parts, session 26: at 16 columns only the FFN up gained, 3 %; session 28: even
     // shares of the (tile, chunk) steps in one wave, and the last CTA of a tile adding its
@@ -500,6 +507,7 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // session 38: 5 CTAs an SM on 4's plan (so on fewer SMs), 3 and 4 chunks a barrier, and
     // the weights two or three chunks ahead in the L2 (cp.async.bulk.prefetch), all slower)
     return {{"repacked", launch_gemm_r<NT, 4>},
+            {"rp bulk", launch_gemm_rb<NT>},
             {"rp other chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3 - gemm_r_xch(NT)>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
             {"rp 3 chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3>},

@@ -809,23 +809,47 @@ template <bool GATE> void launch_gemv_r(const Args & a, cudaStream_t stream) {
     }
 }
 
-// The plan of gemm_r's build R (GemmR) for `a` (its rows, the second matrix's too): the parts
-// gemm_parts_by_cost picks for R's CTAs an SM
-template <typename R> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
+// The CTAs of build R (GemmR, GemmRB) that the device holds at once
+template <typename R> int64_t slots_of_build(int device) {
     static_assert(R::warps == GM_WARPS, "lucepy-mm.cu launches CTAs of GM_WARPS warps");
     static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
-    const int64_t room = slots_of(R::kernel(), R::smem, device, slots);
+    return slots_of(R::kernel(), R::smem, device, slots);
+}
+
+// The plan of build R for `a` (its rows, the second matrix's too): the parts
+// gemm_parts_by_cost picks for R's CTAs an SM
+template <typename R> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
+    const int64_t room = slots_of_build<R>(device);
     constexpr int rows = GM_WARPS * 16;
     return gemm_plan_in(a.nrows, a.npieces, rows, 8,
                         gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, rows, 8, room));
 }
 
-// 2-16 columns: gemm_r, in parts where its rows are few
+// Whether gemm_rb (its weights by the TMA unit: Hopper and newer) takes a product of two column
+// tiles: where each of its CTA slots gets at least 4 chunks (the 27B-shaped model's products
+// on an H200: faster at about 5 and more, slower at 3; docs/BENCHMARKS.md, session 38)
+bool bulk_product(int device, const GemmArgs & a) {
+    if (ggml_cuda_info().devices[device].cc < 900) {
+        return false;
+    }
+    const int64_t tiles = (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
+    return tiles * (a.npieces / 8) >= 4 * slots_of_build<GemmRB<2>>(device);
+}
+
+// 2-16 columns: gemm_r (or at two tiles gemm_rb where bulk_product), in parts where its rows
+// are few
 template <int NT>
 void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
                    const NormAfter * norm = nullptr) {
-    using R = GemmR<NT>;
-    launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, base), base, norm);
+    auto go = [&](auto build) {
+        using R = decltype(build);
+        launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, base), base, norm);
+    };
+    if (NT == 2 && bulk_product(ctx.device, base)) {
+        go(GemmRB<2>());
+    } else {
+        go(GemmR<NT>());
+    }
 }
 
 // a prefill's columns: to_halves_col into scratch (whole tiles of 64 columns), then gemm_rq
@@ -1982,9 +2006,12 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     };
     // 5 CTAs an SM, a chunk of activations a stage: 96 registers, none spilled (on an H200 the
     // stack at 16 columns 41.2 us where 4 CTAs take 43.0, at 8 31.9 where 35.3; the other
-    // products no faster so: docs/BENCHMARKS.md, session 37)
+    // products no faster so: docs/BENCHMARKS.md, session 37); at two column tiles gemm_rb
+    // (39.5 us at 16 columns: session 38)
     if (ncols <= GM_COL_TILE) {
         go(GemmR<1, GM_WARPS, 5, 1>());
+    } else if (bulk_product(ctx.device, g)) {
+        go(GemmRB<2>());
     } else {
         go(GemmR<2, GM_WARPS, 5, 1>());
     }

@@ -439,6 +439,215 @@ template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT)>
     static auto kernel() { return gemm_r<NT, W, MINB, XCH>; }
 };
 
+// --- gemm_rb: gemm_r with each warp's weights fetched by the TMA unit -----------------------
+//
+// The same products as gemm_r (2-16 columns on the repacked layout, its k order, activations and
+// sums), but each warp's weights of a chunk, its tile's 2,304 contiguous bytes, come by one bulk
+// copy (cp.async.bulk, Hopper's TMA unit) into shared memory, completing on the warp's mbarrier
+// of the stage, where gemm_r loads them into registers a chunk ahead (36 registers); the
+// activations' chunks are copied as gemm_r copies them, one a stage; both low and high nibbles'
+// mmas go into one chain. 89 registers at two column tiles: 5 CTAs an SM. On an H200 at 16
+// columns (docs/BENCHMARKS.md, session 38) 4-9 % faster than gemm_r where each of the 5 x 132
+// CTA slots gets about 5 or more chunks (the FFN's stacked up and gate 39.5 us where 43.2 and
+// where gemm_r at 5 CTAs an SM took 41.2, ffn down 22.5 where 23.4, qkv 15.0 where 15.7), 3 %
+// slower where it gets about 3 (attn out); at one column tile no faster. sm_90 and newer.
+
+// the mbarrier at shared address `bar` expects `count` arrivals a phase
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+// `bytes` from global `src` to shared `dst` by the TMA unit, completing the phase of the mbarrier
+// `bar` that this thread's arrival opens (one arrival a phase)
+__device__ __forceinline__ void mbar_copy(uint32_t bar, uint32_t dst, const void * src,
+                                          uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+            "r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+#endif
+}
+
+// until the mbarrier `bar` completes its phase of parity `phase`
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(phase)
+        : "memory");
+#endif
+}
+
+__device__ __forceinline__ uint32_t load_shared_word(uint32_t at) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at) : "memory");
+    return v;
+}
+
+constexpr int RB_STAGES = 2;                // chunks of activations and of weights in flight
+constexpr int RB_WARP_BYTES = 2 * RP_BYTES; // a warp's weights of a chunk
+
+template <int NT> __host__ __device__ constexpr int gemm_rb_smem() {
+    return RB_STAGES * (NT * GM_COL_TILE * (8 * 64 + 32) + GM_WARPS * RB_WARP_BYTES) +
+           GM_WARPS * RB_STAGES * 8;
+}
+
+template <int NT, int MINB>
+__global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a) {
+    constexpr int W = GM_WARPS, P = 8, ST = RB_STAGES;
+    constexpr int XP = P * 64 + 32;
+    constexpr int X_STAGE = NT * GM_COL_TILE * XP;
+    constexpr int W_STAGE = W * RB_WARP_BYTES;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * W * 16;
+    const int nchunks_all = a.npieces / P;
+    const int chunk0 = blockIdx.y * a.per_part;
+    const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
+    const bool mine = row0 + warp * 16 < a.nrows;
+    // this warp's mbarriers, one a stage, after the stages
+    const uint32_t bars = shared_at(smem) + ST * (X_STAGE + W_STAGE) + warp * ST * 8;
+    const uint32_t w_dst = shared_at(smem) + ST * X_STAGE + warp * RB_WARP_BYTES;
+    const uint8_t * w_src = warp_tile_at(a, row0, warp, chunk0, a.npieces / RP_GROUP);
+    auto fetch = [&](int ch) {  // the weights of chunk ch: lane 0 of the warp
+        if (mine && lane == 0 && ch < nchunks) {
+            // this warp read the stage's last chunk before (it waited on its loads' results)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+            mbar_copy(bars + 8 * (ch % ST), w_dst + (ch % ST) * W_STAGE,
+                      w_src + int64_t(ch) * RB_WARP_BYTES, RB_WARP_BYTES);
+        }
+    };
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < ST; s++) {
+            mbar_init(bars + 8 * s, 1);
+        }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < ST - 1; c++) {
+        fetch(c);  // weights: no kernel before this one writes them
+    }
+
+    constexpr int XN = P * 4;  // as gemm_r's copies
+    constexpr int XC = NT * GM_COL_TILE * XN / (W * 32);
+    constexpr int CSTEP = W * 32 / XN;
+    static_assert((W * 32) % XN == 0 && XC * CSTEP == NT * GM_COL_TILE, "whole columns a pass");
+    const int x_u = threadIdx.x % XN;
+    const int x_col = threadIdx.x / XN;
+    const int x_piece = x_u / 4;
+    const uint4 * x_src = a.x.xh + (int64_t(x_col) * a.npieces + int64_t(chunk0) * P) * 4 + x_u;
+    const int x_dst = x_col * XP + 64 * x_piece + 16 * ((x_u % 4) ^ (x_piece / 2 % 2));
+    auto copy_x = [&](int ch) {
+        if (ch < nchunks) {
+            uint8_t * stage = smem + (ch % ST) * X_STAGE;
+#pragma unroll
+            for (int k = 0; k < XC; k++) {
+                copy_async<16, true>(stage + x_dst + k * CSTEP * XP,
+                                     reinterpret_cast<const uint8_t *>(
+                                         x_src + int64_t(k) * CSTEP * a.npieces * 4 +
+                                         int64_t(ch) * XN));
+            }
+        }
+        copy_commit();
+    };
+
+    float acc[NT][4] = {};
+    float total[NT][4] = {};
+    const int nsegs = segments(a.npieces);
+    const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
+    const int swz = t / 2 % 2;
+    uint32_t x_lane[4];
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        x_lane[w] = opaque(shared_at(smem) + g * XP + t * 64 + 16 * (w ^ swz));
+    }
+    const uint32_t w_lane = opaque(w_dst + 16 * lane);
+
+    LUCEPY_PDL_SYNC();  // the activations: the kernel before has finished
+#pragma unroll
+    for (int c = 0; c < ST - 1; c++) {
+        copy_x(c);
+    }
+    for (int ch = 0; ch < nchunks; ch++) {
+        copy_wait<ST - 2>();
+        __syncthreads();  // chunk ch's activations landed for all; chunk ch - 1 read by all
+        copy_x(ch + ST - 1);
+        fetch(ch + ST - 1);
+        if (!mine) {
+            continue;
+        }
+        const int s = ch % ST;
+        mbar_wait(bars + 8 * s, uint32_t(ch / ST) & 1u);
+        const bool flush = ch + 1 == nchunks || ((chunk0 + ch) & 1);
+        float inv[NT][2];
+        if (flush) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                inv[nt][0] = __ldg(xi + nt * GM_COL_TILE * nsegs);
+                inv[nt][1] = __ldg(xi + (nt * GM_COL_TILE + 1) * nsegs);
+            }
+            xi++;
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const uint32_t at = w_lane + s * W_STAGE + j * RP_BYTES;
+            const uint4 qa = load_shared(at);
+            const uint4 qb = load_shared(at + 512);
+            const uint32_t d = load_shared_word(at + 1024 - 12 * lane);  // 1024 + 4 lane
+            const uint32_t da = __byte_perm(d, 0, 0x1010);
+            const uint32_t db = __byte_perm(d, 0, 0x3232);
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                uint32_t lo[4], hi[4];
+                lane_words<0>(word(qa, w), word(qb, w), da, db, lo, hi);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 x = load_shared(x_lane[w] + s * X_STAGE +
+                                                nt * GM_COL_TILE * XP + 4 * j * 64);
+                    word_mmas<0>(acc[nt], acc[nt], lo, hi, x);
+                }
+            }
+        }
+        if (flush) {
+            flush_segment<NT>(acc, total, inv);
+        }
+    }
+    copy_wait<0>();
+
+    LUCEPY_PDL_LAUNCH();
+
+    if (mine) {
+        store_tile<NT>(a, total, row0 + warp * 16, g, t);
+    }
+}
+
+// gemm_rb's build at MINB CTAs an SM, as GemmR names gemm_r's
+template <int NT, int MINB = 5> struct GemmRB {
+    static constexpr int warps = GM_WARPS;
+    static constexpr int smem = gemm_rb_smem<NT>();
+    static auto kernel() { return gemm_rb<NT, MINB>; }
+};
+
 // One column on a repacked Q4_0 matrix (a.w), the activations as `quantize` writes them (one
 // plane), and with GATE ggml's fused gate: a.gate repacked alike, dst = glu(W x + bias, G x +
 // gate bias). SPLIT warps share a tile of 16 rows, each a range of its groups, a CTA of
