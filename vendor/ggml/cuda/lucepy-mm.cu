@@ -1988,7 +1988,7 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     g.nrows = int(2 * n);
     const Halves out = halves_at(prepared(st, want->src1, n / 32, 0), n / 32, int(ncols));
     ggml_cuda_pool_alloc<float> sums(ctx.pool());
-    auto go = [&](auto build) {  // a GemmR
+    auto go = [&](auto build) {  // a GemmR or GemmRB
         using R = decltype(build);
         const GemmPlan plan = gemm_r_plan<R>(ctx.device, g);
         const int parts = int(plan.grid.y);
