@@ -476,21 +476,20 @@ GemmPlan gemm_r_plan_at(const GemmArgs & a, int W, int per_sm, int most = 16) {
                                            int64_t(per_sm) * g_sms, most));
 }
 
-// (PLAN_SM: planned for that many CTAs an SM, whatever fits; 0 for as many as fit)
+// build R (GemmR, GemmRB) on its plan, of at most MOST parts, for PLAN_SM CTAs an SM (whatever
+// fits), or for as many as fit (0)
+template <typename R, int MOST = 16, int PLAN_SM = 0>
+void launch_build(GemmArgs a, float * parts_buf, cudaStream_t s) {
+    constexpr int threads = R::warps * 32;
+    const int per_sm = PLAN_SM ? PLAN_SM : ctas_per_sm(R::kernel(), threads, R::smem);
+    launch_planned(R::kernel(), threads, R::smem, gemm_r_plan_at(a, R::warps, per_sm, MOST), a,
+                   parts_buf, s);
+}
+
 template <int NT, int W, int MINB = 16 / W, int MOST = 16, int XCH = gemm_r_xch(NT),
           int PLAN_SM = 0>
 void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    using R = GemmR<NT, W, MINB, XCH>;
-    const int per_sm = PLAN_SM ? PLAN_SM : ctas_per_sm(R::kernel(), W * 32, R::smem);
-    launch_planned(R::kernel(), W * 32, R::smem, gemm_r_plan_at(a, W, per_sm, MOST), a, parts_buf,
-                   s);
-}
-
-// gemm_rb (lucepy-mm.cu takes it at two column tiles where bulk_product)
-template <int NT> void launch_gemm_rb(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    using R = GemmRB<NT>;
-    const int per_sm = ctas_per_sm(R::kernel(), 128, R::smem);
-    launch_planned(R::kernel(), 128, R::smem, gemm_r_plan_at(a, 4, per_sm), a, parts_buf, s);
+    launch_build<GemmR<NT, W, MINB, XCH>, MOST, PLAN_SM>(a, parts_buf, s);
 }
 
 template <int NT> std::vector<GemmVariant> gemm_r_variants() {
@@ -507,7 +506,7 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // session 38: 5 CTAs an SM on 4's plan (so on fewer SMs), 3 and 4 chunks a barrier, and
     // the weights two or three chunks ahead in the L2 (cp.async.bulk.prefetch), all slower)
     return {{"repacked", launch_gemm_r<NT, 4>},
-            {"rp bulk", launch_gemm_rb<NT>},
+            {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-mm.cu's where bulk_product
             {"rp other chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3 - gemm_r_xch(NT)>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
             {"rp 3 chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3>},

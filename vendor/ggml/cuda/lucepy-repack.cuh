@@ -240,6 +240,65 @@ __device__ __forceinline__ void word_mmas(float (&acc)[4], float (&acc2)[4],
     }
 }
 
+// a column's chunk of activations in gemm_r's and gemm_rb's shared memory: 8 pieces of 64 bytes
+// and 32 bytes more (so that the 8 lanes of each quarter of a warp's loads read 8 bank groups)
+constexpr int RP_X_PITCH = 8 * 64 + 32;
+
+// A thread's share of copying a chunk of NT tiles of columns' activations (to_halves' halves)
+// into a stage of shared memory, as gemm_r and gemm_rb read them: group w of piece i of a column
+// at 16 (w ^ (i / 2 % 2)), columns RP_X_PITCH bytes apart. Thread i copies the 16-byte group u =
+// i % XN of columns i / XN, i / XN + CSTEP, ... from one source and one destination (k column
+// steps apart), which keeps gemm_r at 5 CTAs an SM unspilled (session 37).
+template <int NT, int THREADS> struct ActCopy {
+    static constexpr int XN = 8 * 4;  // 16-byte groups of a column's chunk
+    static constexpr int XC = NT * GM_COL_TILE * XN / THREADS;
+    static constexpr int CSTEP = THREADS / XN;
+    static_assert(THREADS % XN == 0 && XC * CSTEP == NT * GM_COL_TILE, "whole columns a pass");
+    const uint4 * src;  // this thread's first group of the part's first chunk
+    int dst;
+
+    __device__ __forceinline__ ActCopy(const GemmArgs & a, int chunk0) {
+        const int u = threadIdx.x % XN;
+        const int col = threadIdx.x / XN;
+        const int piece = u / 4;
+        src = a.x.xh + (int64_t(col) * a.npieces + int64_t(chunk0) * 8) * 4 + u;
+        dst = col * RP_X_PITCH + 64 * piece + 16 * ((u % 4) ^ (piece / 2 % 2));
+    }
+
+    // chunk ch of the part into `stage`
+    __device__ __forceinline__ void issue(uint8_t * stage, int npieces, int ch) const {
+#pragma unroll
+        for (int k = 0; k < XC; k++) {
+            copy_async<16, true>(stage + dst + k * CSTEP * RP_X_PITCH,
+                                 reinterpret_cast<const uint8_t *>(
+                                     src + int64_t(k) * CSTEP * npieces * 4 + int64_t(ch) * XN));
+        }
+    }
+};
+
+// the shared addresses of word w of lane (g, t)'s piece of column g in stage 0 of ActCopy's
+// layout (kept in registers of their own: opaque)
+__device__ __forceinline__ void activation_lanes(const uint8_t * smem, int g, int t,
+                                                 uint32_t (&x_lane)[4]) {
+    const int swz = t / 2 % 2;
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        x_lane[w] = opaque(shared_at(smem) + g * RP_X_PITCH + t * 64 + 16 * (w ^ swz));
+    }
+}
+
+// the 1 / scale of this lane's columns in the segment at xi (column 2t's; each column's nsegs
+// apart), xi then moved on to the next segment (kept, not worked out each segment)
+template <int NT>
+__device__ __forceinline__ void next_inv(const float *& xi, int nsegs, float (&inv)[NT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        inv[nt][0] = __ldg(xi + nt * GM_COL_TILE * nsegs);
+        inv[nt][1] = __ldg(xi + (nt * GM_COL_TILE + 1) * nsegs);
+    }
+    xi++;
+}
+
 // gemm on a repacked Q4_0 matrix (a.w; a.row_stride unused). Each warp loads its tile's groups
 // straight into registers, a chunk (8 pieces) ahead; the CTA shares the activations' chunks in
 // shared memory as gemm does. The mma's k order: in each of a group's 8 k-steps (word w, low
@@ -256,8 +315,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     constexpr int P = 8;   // pieces a chunk: two groups
     static_assert(GM_SEG == 2 * P, "a segment is two chunks");
     constexpr int ST = 2;  // the activations' stages: chunk ch's is ch / XCH % 2
-    constexpr int XP = P * 64 + 32;
-    constexpr int X_STAGE = NT * GM_COL_TILE * XP;
+    constexpr int X_STAGE = NT * GM_COL_TILE * RP_X_PITCH;
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
@@ -277,30 +335,13 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         stamp_clock<SKIP>(a, RP_AT_START);
     }
 
-    constexpr int THREADS = W * 32;
-    constexpr int XN = P * 4;  // 16-byte groups of a column's chunk
-    constexpr int XC = (NT * GM_COL_TILE * XN + THREADS - 1) / THREADS;
-    // thread i copies the 16-byte group u = i % XN of columns i / XN, i / XN + CSTEP, ...
-    constexpr int CSTEP = THREADS / XN;
-    static_assert(THREADS % XN == 0 && XC * CSTEP == NT * GM_COL_TILE, "whole columns a pass");
-    const int x_u = threadIdx.x % XN;
-    const int x_col = threadIdx.x / XN;
-    const int x_piece = x_u / 4;
-    const uint4 * x_src = a.x.xh + (int64_t(x_col) * a.npieces + int64_t(chunk0) * P) * 4 + x_u;
-    const int x_dst = x_col * XP + 64 * x_piece + 16 * ((x_u % 4) ^ (x_piece / 2 % 2));
+    const ActCopy<NT, W * 32> x_copy(a, chunk0);
     auto issue_x = [&](int q) {  // stage q's chunks: q XCH on
 #pragma unroll
         for (int h = 0; h < XCH; h++) {
             const int ch = q * XCH + h;
             if (ch < nchunks) {
-                uint8_t * stage = smem + ((q % ST) * XCH + h) * X_STAGE;
-#pragma unroll
-                for (int k = 0; k < XC; k++) {
-                    copy_async<16, true>(stage + x_dst + k * CSTEP * XP,
-                                         reinterpret_cast<const uint8_t *>(
-                                             x_src + int64_t(k) * CSTEP * a.npieces * 4 +
-                                             int64_t(ch) * XN));
-                }
+                x_copy.issue(smem + ((q % ST) * XCH + h) * X_STAGE, a.npieces, ch);
             }
         }
         copy_commit();
@@ -330,12 +371,8 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     const int nsegs = segments(a.npieces);
     // the 1 / scale of this lane's first column (2t) in the next segment to flush
     const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
-    const int swz = t / 2 % 2;
     uint32_t x_lane[4];  // word w of this lane's piece of column g in stage 0
-#pragma unroll
-    for (int w = 0; w < 4; w++) {
-        x_lane[w] = opaque(shared_at(smem) + g * XP + t * 64 + 16 * (w ^ swz));
-    }
+    activation_lanes(smem, g, t, x_lane);
 
     // chunk ch, the I-th of a round of ST XCH (its activations in stage I / XCH, part I % XCH)
     auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch, auto index) {
@@ -359,12 +396,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         const bool flush = ch + 1 == nchunks || ((chunk0 + ch) & 1);
         float inv[NT][2];
         if (flush) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                inv[nt][0] = __ldg(xi + nt * GM_COL_TILE * nsegs);
-                inv[nt][1] = __ldg(xi + (nt * GM_COL_TILE + 1) * nsegs);
-            }
-            xi++;
+            next_inv<NT>(xi, nsegs, inv);
         }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -377,7 +409,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     const uint32_t at =
-                        x_lane[w] + I * X_STAGE + nt * GM_COL_TILE * XP + 4 * j * 64;
+                        x_lane[w] + I * X_STAGE + nt * GM_COL_TILE * RP_X_PITCH + 4 * j * 64;
                     const uint4 x = SKIP & RP_SHARED ? make_uint4(at, j, w, nt) : load_shared(at);
                     word_mmas<SKIP>(acc[nt], acc2[nt], a_lo, a_hi, x);
                 }
@@ -427,7 +459,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
 }
 
 template <int NT, int XCH = gemm_r_xch(NT)> __host__ __device__ constexpr int gemm_r_smem() {
-    return 2 * XCH * NT * GM_COL_TILE * (8 * 64 + 32);
+    return 2 * XCH * NT * GM_COL_TILE * RP_X_PITCH;
 }
 
 // One build of gemm_r (its template's arguments but SKIP): its kernel and its shared memory named
@@ -499,15 +531,14 @@ constexpr int RB_STAGES = 2;                // chunks of activations and of weig
 constexpr int RB_WARP_BYTES = 2 * RP_BYTES; // a warp's weights of a chunk
 
 template <int NT> __host__ __device__ constexpr int gemm_rb_smem() {
-    return RB_STAGES * (NT * GM_COL_TILE * (8 * 64 + 32) + GM_WARPS * RB_WARP_BYTES) +
+    return RB_STAGES * (NT * GM_COL_TILE * RP_X_PITCH + GM_WARPS * RB_WARP_BYTES) +
            GM_WARPS * RB_STAGES * 8;
 }
 
 template <int NT, int MINB>
 __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a) {
     constexpr int W = GM_WARPS, P = 8, ST = RB_STAGES;
-    constexpr int XP = P * 64 + 32;
-    constexpr int X_STAGE = NT * GM_COL_TILE * XP;
+    constexpr int X_STAGE = NT * GM_COL_TILE * RP_X_PITCH;
     constexpr int W_STAGE = W * RB_WARP_BYTES;
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x % 32;
@@ -548,25 +579,10 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
         fetch(c);  // weights: no kernel before this one writes them
     }
 
-    constexpr int XN = P * 4;  // as gemm_r's copies
-    constexpr int XC = NT * GM_COL_TILE * XN / (W * 32);
-    constexpr int CSTEP = W * 32 / XN;
-    static_assert((W * 32) % XN == 0 && XC * CSTEP == NT * GM_COL_TILE, "whole columns a pass");
-    const int x_u = threadIdx.x % XN;
-    const int x_col = threadIdx.x / XN;
-    const int x_piece = x_u / 4;
-    const uint4 * x_src = a.x.xh + (int64_t(x_col) * a.npieces + int64_t(chunk0) * P) * 4 + x_u;
-    const int x_dst = x_col * XP + 64 * x_piece + 16 * ((x_u % 4) ^ (x_piece / 2 % 2));
+    const ActCopy<NT, W * 32> x_copy(a, chunk0);
     auto copy_x = [&](int ch) {
         if (ch < nchunks) {
-            uint8_t * stage = smem + (ch % ST) * X_STAGE;
-#pragma unroll
-            for (int k = 0; k < XC; k++) {
-                copy_async<16, true>(stage + x_dst + k * CSTEP * XP,
-                                     reinterpret_cast<const uint8_t *>(
-                                         x_src + int64_t(k) * CSTEP * a.npieces * 4 +
-                                         int64_t(ch) * XN));
-            }
+            x_copy.issue(smem + (ch % ST) * X_STAGE, a.npieces, ch);
         }
         copy_commit();
     };
@@ -575,12 +591,8 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     float total[NT][4] = {};
     const int nsegs = segments(a.npieces);
     const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
-    const int swz = t / 2 % 2;
     uint32_t x_lane[4];
-#pragma unroll
-    for (int w = 0; w < 4; w++) {
-        x_lane[w] = opaque(shared_at(smem) + g * XP + t * 64 + 16 * (w ^ swz));
-    }
+    activation_lanes(smem, g, t, x_lane);
     const uint32_t w_lane = opaque(w_dst + 16 * lane);
 
     LUCEPY_PDL_SYNC();  // the activations: the kernel before has finished
@@ -601,12 +613,7 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
         const bool flush = ch + 1 == nchunks || ((chunk0 + ch) & 1);
         float inv[NT][2];
         if (flush) {
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                inv[nt][0] = __ldg(xi + nt * GM_COL_TILE * nsegs);
-                inv[nt][1] = __ldg(xi + (nt * GM_COL_TILE + 1) * nsegs);
-            }
-            xi++;
+            next_inv<NT>(xi, nsegs, inv);
         }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -623,7 +630,7 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     const uint4 x = load_shared(x_lane[w] + s * X_STAGE +
-                                                nt * GM_COL_TILE * XP + 4 * j * 64);
+                                                nt * GM_COL_TILE * RP_X_PITCH + 4 * j * 64);
                     word_mmas<0>(acc[nt], acc[nt], lo, hi, x);
                 }
             }
