@@ -377,6 +377,30 @@ def test_gpu_greedy_with_draft_equals_greedy(models):
     assert i is None or i >= 8, f"diverged at step {i}, too early to have tested rollback"
 
 
+def test_gpu_rollback_left_running_leaves_the_state_a_waited_one_does(models):
+    """On a GPU a rollback returns once launched (``Shard.async_rollback``): the state exported
+    straight after three verify-and-commit rounds, and the logits after them, equal those of
+    rollbacks waited for, bit for bit (the same kernels)."""
+    cfg = RuntimeConfig(device=GPU, threads=THREADS, max_ctx=256)
+    block = [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180, 190, 200]
+    runs = []
+    for unwaited in (True, False):
+        with Engine(models["plain"], cfg, tokenizer=False) as engine:
+            assert engine.shard.async_rollback  # the default on a GPU
+            engine.shard.async_rollback = unwaited
+            engine.prefill(PROMPT)
+            for keep in (3, 1, 16, 9):
+                engine.verify(block, greedy=True)
+                engine.rollback(keep)
+            state = engine.export_state()
+            runs.append((state, engine.decode(7).copy()))
+    (state, logits), (waited, waited_logits) = runs
+    assert state.keys() == waited.keys()
+    for name, a in state.items():
+        np.testing.assert_array_equal(a, waited[name], err_msg=name)
+    np.testing.assert_array_equal(logits, waited_logits)
+
+
 @pytest.mark.parametrize("rank", ["lru", "qk"])
 def test_gpu_kv_pool_pages_as_the_cpu_does(rank, tiny_model):
     """KV Flash on ggml-cuda (issue 14): a pool of 640 tokens over a 1000-token prompt and 24

@@ -91,6 +91,36 @@ def test_rollback_equals_never_seeing_the_rejected_tokens(device, models):
                 np.testing.assert_array_equal(a, b)
 
 
+def test_a_rollback_left_running_is_waited_for_before_the_state_is_read(models):
+    """On a GPU a rollback returns once launched (``Shard.async_rollback``; forced here, where the
+    CPU backend runs it at once): the shard stays unsettled until its next step, or a read of
+    the state, waits for it. Exported states and logits are the waited rollback's."""
+    cfg = RuntimeConfig(threads=THREADS, max_ctx=256)
+    block = [50, 60, 70, 80, 90]
+    runs = []
+    for unwaited in (False, True):
+        with Engine(models["plain"], cfg, tokenizer=False) as engine:
+            shard = engine.shard
+            shard.async_rollback = unwaited
+            engine.prefill(PROMPT)
+            engine.verify(block, greedy=True)
+            engine.rollback(3)
+            assert shard.unsettled is unwaited
+            state = engine.export_state()
+            assert not shard.unsettled
+            engine.verify(block, greedy=True)
+            engine.rollback(2)
+            assert shard.unsettled is unwaited
+            logits = engine.decode(7).copy()
+            assert not shard.unsettled
+            runs.append((state, logits))
+    (state, logits), (state_unwaited, logits_unwaited) = runs
+    assert state.keys() == state_unwaited.keys()
+    for name, a in state.items():
+        np.testing.assert_array_equal(a, state_unwaited[name], err_msg=name)
+    np.testing.assert_array_equal(logits, logits_unwaited)
+
+
 def test_sampled_rejection_rule_is_lossless():
     """Unit: over 40k trials, the first committed token is distributed as p, not as q."""
     rng = np.random.default_rng(0)

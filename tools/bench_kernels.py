@@ -40,14 +40,25 @@ def verify_curve(bench: Bench) -> None:
     repeats = max(bench.repeats, 5)
     decode_s = median_s(lambda: engine.decode(block[0]), repeats)
     curve = {}
+
+    def verify(k: int) -> None:
+        engine.verify(block[:k], greedy=True)
+        engine.rollback(1)  # keeps one token: the position creeps by one per run
+
     for k in range(1, MAX_K + 1):
-
-        def verify(k=k):
-            engine.verify(block[:k], greedy=True)
-            engine.rollback(1)  # keeps one token: the position creeps by one per run
-
-        curve[k] = median_s(verify, repeats) / decode_s
-    bench.record("verify_curve", {"decode_ms": 1e3 * decode_s, "cost_in_decodes": curve})
+        curve[k] = median_s(lambda k=k: verify(k), repeats) / decode_s
+    # k = 16 again with each rollback waited for (on a GPU it runs under the next step's host
+    # work otherwise: Shard.async_rollback), in the same run
+    was = [shard.async_rollback for shard in engine.shards]
+    for shard in engine.shards:
+        shard.async_rollback = False
+    waited = median_s(lambda: verify(MAX_K), repeats) / decode_s
+    for shard, a in zip(engine.shards, was, strict=True):
+        shard.async_rollback = a
+    bench.record(
+        "verify_curve",
+        {"decode_ms": 1e3 * decode_s, "cost_in_decodes": curve, "waited_rollback": waited},
+    )
 
 
 def one(args: argparse.Namespace) -> int:
@@ -161,6 +172,11 @@ def report(args: argparse.Namespace) -> int:
     lines.append(
         "\nDecode step (ms): "
         + ", ".join(f"{lab} {_cell(d, '{:.2f}')}" for lab, d in zip(labels, decode_ms, strict=True))
+    )
+    waited = [s.get("verify_curve", {}).get("waited_rollback") for s in sides]
+    lines.append(
+        f"\nk = {MAX_K} with each rollback waited for (decodes): "
+        + ", ".join(f"{lab} {_cell(w, '{:.2f}')}" for lab, w in zip(labels, waited, strict=True))
     )
     counts = [s.get("lucepy_kernel_calls", {}) for s in sides]
     calls, ops, joined = ([c.get(key) for c in counts] for key in ("calls", "ops", "joined"))

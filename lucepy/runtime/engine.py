@@ -409,7 +409,9 @@ class Engine:
 
     # state snapshots (the prefix cache speaks these; decision 6)
     def _states(self) -> list[tuple[str, object, StateSet, bool]]:
-        """(key, backend, layer states, remote?) for every shard and the draft."""
+        """(key, backend, layer states, remote?) for every shard and the draft, with no rollback
+        still running (its reader may read or write the state)."""
+        self.pipeline.settle()
         out = [
             (f"shard{i}", s.backend, s.state, s.process != "local")
             for i, s in enumerate(self.shards)

@@ -215,6 +215,9 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
     def __iter__(self) -> Iterator[Hashable]:
         return iter(self._graphs)
 
@@ -311,11 +314,15 @@ def _check_support(lib: Lib, backend: Backend, gf: Any, ctx: Context, skip: set[
             )
 
 
-def compute(lib: Lib, backend: Backend, g: CompiledGraph) -> None:
+def compute(lib: Lib, backend: Backend, g: CompiledGraph, wait: bool = True) -> None:
+    """Run ``g``; unless ``wait``, a plain graph only starts (``ggml_backend_synchronize`` ends
+    it: the backend's next graph runs after it in any case)."""
     if isinstance(g.alloc, Sched):
         status = g.alloc.compute(g.gf)
-    else:
+    elif wait:
         status = lib.ggml_backend_graph_compute(backend.ptr, g.gf)
+    else:
+        status = lib.ggml_backend_graph_compute_async(backend.ptr, g.gf)
     if status != 0:
         raise GGMLError(f"graph compute on {backend.name} failed with status {status}")
 

@@ -172,6 +172,11 @@ class Pipeline:
         if isinstance(self.slots, PagedSlots):
             self.slots.rollback(end)
 
+    def settle(self) -> None:
+        """Wait for the rollbacks that may still run on the devices (``Shard.async_rollback``)."""
+        for shard in self.shards:
+            shard.settle()
+
     def check_workers(self) -> str | None:
         """Mark the pipeline broken if a worker we started has exited; says which."""
         dead = [w for w in self.workers if not w.alive]

@@ -54,6 +54,11 @@ class Shard:
         self._rollbacks: dict[tuple[GraphSpec, int], CompiledGraph] = {}
         # False rebuilds every step: only to test that reuse changes nothing
         self.reuse_graphs = True
+        # A rollback on a GPU here returns once launched: its recurrences run while the host
+        # prepares the next step, which runs after them on the backend's stream. Whatever else
+        # reads or writes the state, or frees a graph, settles it first (``settle``).
+        self.async_rollback = backend.is_local_gpu
+        self.unsettled = False
         split = [il for il in layers if experts is not None and experts.is_split(il)]
         # the experts in host RAM: computed by a host CPU backend, or read by the device
         self.reads = bool(split) and experts.reads
@@ -98,7 +103,14 @@ class Shard:
 
     def reset(self) -> None:
         """Forget the sequence: zero the recurrent state (KV rows are masked until rewritten)."""
+        self.settle()
         self.state.clear()
+
+    def settle(self) -> None:
+        """Wait for a rollback that may still run on the device (``async_rollback``)."""
+        if self.unsettled:
+            self.lib.ggml_backend_synchronize(self.backend.ptr)
+            self.unsettled = False
 
     def spec(
         self,
@@ -127,6 +139,8 @@ class Shard:
         )
 
     def graph(self, spec: GraphSpec) -> CompiledGraph:
+        if spec not in self.graphs:
+            self.settle()  # the build may free the graph whose snapshots a rollback reads
         return self.graphs.get(spec, lambda: self._build(spec))
 
     def _build(self, spec: GraphSpec) -> CompiledGraph:
@@ -161,6 +175,7 @@ class Shard:
 
     def compute(self, g: CompiledGraph) -> None:
         compute(self.lib, self.backend, g)
+        self.unsettled = False  # (it waited for all the backend's work)
 
     def read(self, g: CompiledGraph, what: str = "out") -> np.ndarray:
         """An output as a host array [rows, width], in a buffer the graph owns."""
@@ -184,7 +199,8 @@ class Shard:
                 20 * len(self.layers) + 16,
                 lambda b: self._rollback(b, g, spec.n_tokens, keep),
             )
-        compute(self.lib, self.backend, rb)
+        compute(self.lib, self.backend, rb, wait=not self.async_rollback)
+        self.unsettled = self.async_rollback
 
     def _rollback(self, b, g: CompiledGraph, n_tokens: int, keep: int) -> None:
         for state in self.state.states:
@@ -192,10 +208,12 @@ class Shard:
 
     def release(self, spec: GraphSpec) -> None:
         if not self.reuse_graphs:
+            self.settle()
             self._drop_rollbacks(spec)
             self.graphs.pop(spec).close()
 
     def _drop_rollbacks(self, spec: GraphSpec) -> None:
+        self.settle()
         for key in [k for k in self._rollbacks if k[0] == spec]:
             self._rollbacks.pop(key).close()
 
@@ -218,6 +236,7 @@ class Shard:
         self.backend.abandon()
 
     def close(self) -> None:
+        self.settle()
         for g in self._all_graphs():
             g.close()
         self.graphs.clear()
