@@ -1,9 +1,10 @@
 """A shard: one contiguous layer range of a model on one backend, with its weights and state.
 
 Graphs are cached per ``GraphSpec`` (tokens, KV bucket, logits rows, verify, capture). Each step's
-inputs come from the model (``step_inputs`` of the step batch). A verify graph keeps per-token
-recurrent snapshots, and a small rollback graph per kept length, built by the layer states, copies
-the right snapshot back (decision 4).
+inputs come from the model (``step_inputs`` of the step batch). A verify graph keeps the
+recurrent state before it and the recurrence's inputs, and a small rollback graph per kept
+length, built by the layer states, runs the recurrence again over the kept tokens (decision 4);
+on a GPU it is launched and not waited for (``async_rollback``, ``settle``).
 """
 
 from __future__ import annotations
