@@ -678,19 +678,22 @@ def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
     assert rel_err(joined[0][0], exact).max() < 2e-2
 
 
-def test_gpu_repacked_q4_0_products_by_bulk_copies_match_the_exact_math(cuda):
-    """A repacked Q4_0 product big enough that each CTA slot gets 4 or more chunks (10,240 x
-    5,120, the 27B-shaped model's attention qkv) takes gemm_rb at 9-16 columns on Hopper (its
-    weights by the TMA unit: lucepy-mm.cu's bulk_product), gemm_r at 8: each no further from
-    the exact math than twice ggml's kernels on the blocks, in parts and with its residual ADD
-    (the sum one product of ours, bit for bit the product and ggml's ADD apart), for new
-    inputs too (the CUDA graph replayed)."""
+@pytest.mark.parametrize(
+    ("rows", "n", "cols"), [(10240, 5120, (8, 9, 16)), (5120, 17408, (2, 5, 8, 16))]
+)
+def test_gpu_repacked_q4_0_products_by_bulk_copies_match_the_exact_math(rows, n, cols, cuda):
+    """Repacked Q4_0 products big enough for gemm_rb on an H200 (its weights by the TMA unit:
+    lucepy-mm.cu's bulk_product): the 27B-shaped model's attention qkv, 10,240 x 5,120 (4.8
+    chunks a CTA slot: gemm_rb at 9-16 columns, gemm_r at 8), and its ffn down, 5,120 x 17,408
+    (8.2 a slot: gemm_rb at one column tile too). Each no further from the exact math than
+    twice ggml's kernels on the blocks, in parts and with its residual ADD (the sum one product
+    of ours, bit for bit the product and ggml's ADD apart), for new inputs too (the CUDA graph
+    replayed)."""
     lib, device, kernels = cuda
-    rows, n = 10240, 5120
     mats = [weights_of(lib, "q4_0", 61, rows=rows, n=n)]
     weights = [(t, raw) for t, raw, _ in mats]
     rng = np.random.default_rng(62)
-    for k in (8, 9, 16):
+    for k in cols:
         xs = [rng.normal(size=(k, n)).astype(np.float32) for _ in range(2)]
         calls = kernels.calls
         [[ours]] = products(lib, device, weights, xs[:1], repack=kernels)

@@ -825,19 +825,21 @@ template <typename R> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
                         gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, rows, 8, room));
 }
 
-// Whether gemm_rb (its weights by the TMA unit: Hopper and newer) takes a product of two column
-// tiles: where each of its CTA slots gets at least 4 chunks (the 27B-shaped model's products
-// on an H200: faster at about 5 and more, slower at 3; docs/BENCHMARKS.md, session 38)
-bool bulk_product(int device, const GemmArgs & a) {
+// Whether gemm_rb (its weights by the TMA unit: Hopper and newer) takes a product of NT column
+// tiles: where each of its CTA slots gets at least 4 chunks at two tiles, 8 at one. The
+// 27B-shaped model's products on an H200 (docs/BENCHMARKS.md): at two tiles faster at about 5
+// chunks a slot and more, slower at 3 (session 38); at one tile ffn down (8.2 a slot) 18.1-18.4
+// us where gemm_r takes 19.3-19.6 at 2-8 columns, qkv (4.8) within 1 %, attn out (2.9) 3-4 %
+// slower, and the FFN stack is faster on gemm_r at 5 CTAs an SM (session 39).
+template <int NT> bool bulk_product(int device, const GemmArgs & a) {
     if (ggml_cuda_info().devices[device].cc < 900) {
         return false;
     }
     const int64_t tiles = (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
-    return tiles * (a.npieces / 8) >= 4 * slots_of_build<GemmRB<2>>(device);
+    return tiles * (a.npieces / 8) >= (NT == 2 ? 4 : 8) * slots_of_build<GemmRB<NT>>(device);
 }
 
-// 2-16 columns: gemm_r (or at two tiles gemm_rb where bulk_product), in parts where its rows
-// are few
+// 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few
 template <int NT>
 void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
                    const NormAfter * norm = nullptr) {
@@ -845,8 +847,8 @@ void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
         using R = decltype(build);
         launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, base), base, norm);
     };
-    if (NT == 2 && bulk_product(ctx.device, base)) {
-        go(GemmRB<2>());
+    if (bulk_product<NT>(ctx.device, base)) {
+        go(GemmRB<NT>());
     } else {
         go(GemmR<NT>());
     }
@@ -2010,7 +2012,7 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // (39.5 us at 16 columns: session 38)
     if (ncols <= GM_COL_TILE) {
         go(GemmR<1, GM_WARPS, 5, 1>());
-    } else if (bulk_product(ctx.device, g)) {
+    } else if (bulk_product<2>(ctx.device, g)) {
         go(GemmRB<2>());
     } else {
         go(GemmR<2, GM_WARPS, 5, 1>());
