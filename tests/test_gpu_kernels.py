@@ -684,8 +684,9 @@ def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
 def test_gpu_repacked_q4_0_products_by_bulk_copies_match_the_exact_math(rows, n, cols, cuda):
     """Repacked Q4_0 products big enough for gemm_rb on an H200 (its weights by the TMA unit:
     lucepy-mm.cu's bulk_product): the 27B-shaped model's attention qkv, 10,240 x 5,120 (4.8
-    chunks a CTA slot: gemm_rb at 9-16 columns, gemm_r at 8), and its ffn down, 5,120 x 17,408
-    (8.2 a slot: gemm_rb at one column tile too). Each no further from the exact math than
+    chunks a CTA slot at two column tiles: gemm_rb at 9-16 columns; 4.0 at one: gemm_r at 8),
+    and its ffn down, 5,120 x 17,408 (6.9 a slot at one tile: gemm_rb at 2-8 columns too). Each
+    no further from the exact math than
     twice ggml's kernels on the blocks, in parts and with its residual ADD (the sum one product
     of ours, bit for bit the product and ggml's ADD apart), for new inputs too (the CUDA graph
     replayed)."""

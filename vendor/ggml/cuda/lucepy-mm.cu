@@ -826,17 +826,18 @@ template <typename R> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
 }
 
 // Whether gemm_rb (its weights by the TMA unit: Hopper and newer) takes a product of NT column
-// tiles: where each of its CTA slots gets at least 4 chunks at two tiles, 8 at one. The
-// 27B-shaped model's products on an H200 (docs/BENCHMARKS.md): at two tiles faster at about 5
-// chunks a slot and more, slower at 3 (session 38); at one tile ffn down (8.2 a slot) 18.1-18.4
-// us where gemm_r takes 19.3-19.6 at 2-8 columns, qkv (4.8) within 1 %, attn out (2.9) 3-4 %
-// slower, and the FFN stack is faster on gemm_r at 5 CTAs an SM (session 39).
+// tiles: where each of its CTA slots gets at least 4 chunks at two tiles (5 CTAs an SM), 6 at
+// one (73 registers: 6 CTAs an SM). The 27B-shaped model's products on an H200
+// (docs/BENCHMARKS.md): at two tiles faster at about 5 chunks a slot and more, slower at 3
+// (session 38); at one tile ffn down (6.9 a slot) 18.1-18.4 us where gemm_r takes 19.3-19.6 at
+// 2-8 columns, qkv (4.0) within 1 %, attn out (2.4) 3-4 % slower, and the FFN stack is faster
+// on gemm_r at 5 CTAs an SM (session 39).
 template <int NT> bool bulk_product(int device, const GemmArgs & a) {
     if (ggml_cuda_info().devices[device].cc < 900) {
         return false;
     }
     const int64_t tiles = (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
-    return tiles * (a.npieces / 8) >= (NT == 2 ? 4 : 8) * slots_of_build<GemmRB<NT>>(device);
+    return tiles * (a.npieces / 8) >= (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
 }
 
 // 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few
