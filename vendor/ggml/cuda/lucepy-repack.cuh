@@ -478,11 +478,12 @@ template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT)>
 // copy (cp.async.bulk, Hopper's TMA unit) into shared memory, completing on the warp's mbarrier
 // of the stage, where gemm_r loads them into registers a chunk ahead (36 registers); the
 // activations' chunks are copied as gemm_r copies them, one a stage; both low and high nibbles'
-// mmas go into one chain. 89 registers at two column tiles: 5 CTAs an SM. On an H200 at 16
-// columns (docs/BENCHMARKS.md, session 38) 2.5-8.5 % faster than gemm_r where each of the 5 x
-// 132 CTA slots gets about 5 or more chunks (the FFN's stacked up and gate 39.5 us where 43.1,
-// and 41.2 for gemm_r at 5 CTAs an SM; ffn down 22.7 where 23.4; qkv 15.2 where 15.6), 5-9 %
-// slower where it gets 3 or fewer (attn out 11.7 where 11.1). sm_90 and newer.
+// mmas go into one chain. 89 registers at two column tiles: 5 CTAs an SM (73 at one: 6). On an
+// H200 at 16 columns (docs/BENCHMARKS.md, session 38) 2.5-8.5 % faster than gemm_r where each of
+// the 5 x 132 CTA slots gets about 5 or more chunks (the FFN's stacked up and gate 39.5 us where
+// 43.1, and 41.2 for gemm_r at 5 CTAs an SM; ffn down 22.7 where 23.4; qkv 15.2 where 15.6), 5-9
+// % slower where it gets 3 or fewer (attn out 11.7 where 11.1); at 2-8 columns ffn down 18.1-18.4
+// where 19.3-19.6 (session 39). sm_90 and newer.
 
 // the mbarrier at shared address `bar` expects `count` arrivals a phase
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
