@@ -379,8 +379,9 @@ def test_gpu_greedy_with_draft_equals_greedy(models):
 
 def test_gpu_rollback_left_running_leaves_the_state_a_waited_one_does(models):
     """On a GPU a rollback returns once launched (``Shard.async_rollback``): the state exported
-    straight after three verify-and-commit rounds, and the logits after them, equal those of
-    rollbacks waited for, bit for bit (the same kernels)."""
+    straight after four verify-and-commit rounds (one keeping the whole block: no rollback),
+    and the logits after them, equal those of rollbacks waited for, bit for bit (the same
+    kernels)."""
     cfg = RuntimeConfig(device=GPU, threads=THREADS, max_ctx=256)
     block = [50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180, 190, 200]
     runs = []

@@ -686,10 +686,9 @@ def test_gpu_repacked_q4_0_products_by_bulk_copies_match_the_exact_math(rows, n,
     lucepy-mm.cu's bulk_product): the 27B-shaped model's attention qkv, 10,240 x 5,120 (4.8
     chunks a CTA slot at two column tiles: gemm_rb at 9-16 columns; 4.0 at one: gemm_r at 8),
     and its ffn down, 5,120 x 17,408 (6.9 a slot at one tile: gemm_rb at 2-8 columns too). Each
-    no further from the exact math than
-    twice ggml's kernels on the blocks, in parts and with its residual ADD (the sum one product
-    of ours, bit for bit the product and ggml's ADD apart), for new inputs too (the CUDA graph
-    replayed)."""
+    no further from the exact math than twice ggml's kernels on the blocks, in parts and with
+    its residual ADD (the sum one product of ours, bit for bit the product and ggml's ADD
+    apart), for new inputs too (the CUDA graph replayed)."""
     lib, device, kernels = cuda
     mats = [weights_of(lib, "q4_0", 61, rows=rows, n=n)]
     weights = [(t, raw) for t, raw, _ in mats]
