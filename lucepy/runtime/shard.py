@@ -209,8 +209,7 @@ class Shard:
 
     def release(self, spec: GraphSpec) -> None:
         if not self.reuse_graphs:
-            self.settle()
-            self._drop_rollbacks(spec)
+            self._drop_rollbacks(spec)  # (which settles first)
             self.graphs.pop(spec).close()
 
     def _drop_rollbacks(self, spec: GraphSpec) -> None:

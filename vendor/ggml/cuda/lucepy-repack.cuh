@@ -522,6 +522,20 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
 #endif
 }
 
+// this thread's mbarrier inits seen by the TMA unit (and the rest of the cluster) after it
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// this thread's reads of shared memory ordered before its next bulk copy writes there
+__device__ __forceinline__ void async_proxy_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t load_shared_word(uint32_t at) {
     uint32_t v;
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at) : "memory");
@@ -558,9 +572,7 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     auto fetch = [&](int ch) {  // the weights of chunk ch: lane 0 of the warp
         if (mine && lane == 0 && ch < nchunks) {
             // this warp read the stage's last chunk before (it waited on its loads' results)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
+            async_proxy_fence();
             mbar_copy(bars + 8 * (ch % ST), w_dst + (ch % ST) * W_STAGE,
                       w_src + int64_t(ch) * RB_WARP_BYTES, RB_WARP_BYTES);
         }
@@ -570,9 +582,7 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
         for (int s = 0; s < ST; s++) {
             mbar_init(bars + 8 * s, 1);
         }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
+        mbar_init_fence();
     }
     __syncwarp();
 #pragma unroll
