@@ -24,6 +24,7 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_ops(void);
     int64_t lucepy_cuda_kernels_copies(void);
     int64_t lucepy_cuda_kernels_joined(void);
+    int64_t lucepy_cuda_kernels_bulk(void);
     int lucepy_cuda_repack(void * tensor);
     """
 )
@@ -83,6 +84,12 @@ class CudaKernels:
         rope and cache write in its norm's, a verify's RMS norm in the kernel that adds up the
         split product and residual before it), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_joined())
+
+    @property
+    def bulk(self) -> int:
+        """Of the products, those of ``gemm_rb`` (each warp's weights by Hopper's TMA unit: the
+        big ones at 2-16 columns, lucepy-mm.cu's ``bulk_product``), counted alike."""
+        return int(self.handle.lucepy_cuda_kernels_bulk())
 
     def repack(self, tensor: Any) -> bool:
         """Rewrite a Q4_0 weight in a CUDA device's memory in place into lucepy's layout

@@ -69,6 +69,7 @@ std::atomic<int64_t> g_fused{0};
 std::atomic<int64_t> g_ops{0};
 std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
 std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
+std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
 
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -850,6 +851,7 @@ void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
     };
     if (bulk_product<NT>(ctx.device, base)) {
         go(GemmRB<NT>());
+        g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {
         go(GemmR<NT>());
     }
@@ -2015,6 +2017,7 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
         go(GemmR<1, GM_WARPS, 5, 1>());
     } else if (bulk_product<2>(ctx.device, g)) {
         go(GemmRB<2>());
+        g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {
         go(GemmR<2, GM_WARPS, 5, 1>());
     }
@@ -2486,6 +2489,7 @@ std::atomic<int64_t> g_fused{0};
 std::atomic<int64_t> g_ops{0};
 std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
 std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
+std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
 }  // namespace lucepy
 
 #endif
@@ -2529,6 +2533,10 @@ int64_t lucepy_cuda_kernels_copies(void) {
 
 int64_t lucepy_cuda_kernels_joined(void) {
     return lucepy::g_joined.load(std::memory_order_relaxed);
+}
+
+int64_t lucepy_cuda_kernels_bulk(void) {
+    return lucepy::g_bulk.load(std::memory_order_relaxed);
 }
 
 int lucepy_cuda_repack(struct ggml_tensor * t) {
