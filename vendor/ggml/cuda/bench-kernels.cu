@@ -507,6 +507,11 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // the weights two or three chunks ahead in the L2 (cp.async.bulk.prefetch), all slower)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-mm.cu's where bulk_product
+            {"rp bulk <= 2 parts", launch_build<GemmRB<NT>, 2>},
+            {"rp bulk <= 3 parts", launch_build<GemmRB<NT>, 3>},
+            {"rp bulk <= 4 parts", launch_build<GemmRB<NT>, 4>},
+            {"rp bulk <= 6 parts", launch_build<GemmRB<NT>, 6>},
+            {"rp bulk 4 CTAs an SM", launch_build<GemmRB<NT, 4>>},
             {"rp other chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3 - gemm_r_xch(NT)>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
             {"rp 3 chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3>},
@@ -1335,6 +1340,7 @@ int main(int argc, char ** argv) {
         {"ffn_up|gate", 5120, 2 * 17408, false},  // the two stacked: one verify product
         {"ffn_down", 17408, 5120, false},
         {"qkv", 5120, 10240, false},
+        {"dn_in", 5120, 16480, false},  // qwen35's DeltaNet inputs stacked: qkv, z, alpha, beta
         {"attn_out", 6144, 5120, false},
         {"attn_k", 5120, 1024, false},
         {"output", 5120, 248320, false},
