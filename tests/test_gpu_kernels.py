@@ -826,14 +826,11 @@ def conv_steps(lib, device, w, states, news, keep_x=True):
 
 
 def conv_nodes(lib, c, w, state, new, shape, keep_x):
-    """``conv_steps``' graph nodes (``shape`` (C, K, N, t); ``new`` [C, t * N], or [C, t, N]
-    already, a view of a wider product's rows as a verify's graph takes them): its outputs."""
+    """``conv_steps``' graph nodes (``shape`` (C, K, N, t)): its outputs."""
     C, K, N, t = shape
     K1 = K - 1
     saved = lib.ggml_view_3d(c, state, K1, C, N, state.nb[1], state.nb[1] * C, 0)
-    if new.ne[1] != t or new.ne[2] != N:
-        new = lib.ggml_reshape_3d(c, new, C, t, N)
-    steps = lib.ggml_permute(c, new, 1, 0, 2, 3)
+    steps = lib.ggml_permute(c, lib.ggml_reshape_3d(c, new, C, t, N), 1, 0, 2, 3)
     x = lib.ggml_concat(c, saved, steps, 0)
     tail = lib.ggml_view_3d(c, x, K1, C, N, x.nb[1], x.nb[2], t * 4)
     after = lib.ggml_cpy(c, tail, lib.ggml_view_1d(c, state, K1 * C * N, 0))
@@ -1031,56 +1028,6 @@ def test_gpu_conv_step_and_gates_are_one_kernel(T, cuda):
         assert_conv_step(w, state, new, T, ours[j], theirs[j])
         exact = gates_exact(bias, a, alpha[:, :heads], alpha[:, heads : 2 * heads])
         assert_gates(ours[j][3:], theirs[j][3:], exact)
-
-
-@pytest.mark.parametrize("T", [2, 16])
-def test_gpu_stacked_inputs_are_summed_by_the_conv_step(T, cuda):
-    """qwen35's stacked DeltaNet inputs in a verify (a repacked Q4_0 product of T columns, split
-    in parts: the conv's channels, z, alpha and beta) read next by the conv step and the gates:
-    the conv step adds the parts itself as it reads them and writes their sums for the later
-    readers (z), gemm_sum's launch joined to its own; every result bit for bit what it gives
-    reading a copy of the product's sums (a CONT between them, so that the two cannot be one
-    kernel), for new inputs too (the CUDA graph replayed); z near the exact math."""
-    lib, device, kernels = cuda
-    C, Z, heads, K, n = 1152, 384, 48, 4, 2048
-    gtype, raw, exact_w = weights_of(lib, "q4_0", 93, C + Z + 2 * heads, n)
-    rng = np.random.default_rng(94 + T)
-    w = rng.normal(size=(C, K)).astype(np.float32)
-    bias, a = rng.normal(size=heads), -np.exp(rng.normal(size=heads))
-    feeds = [
-        (rng.normal(size=(C, K - 1)).astype(np.float32), rng.normal(size=(T, n)).astype(np.float32))
-        for _ in range(3)
-    ]
-    consts = [(gtype, n, raw.shape[0], raw), (GGML_TYPE_F32, K, C, w), *gate_consts(bias, a)]
-
-    def run(apart, feeds):
-        def build(c, ts, ins):
-            state, x = ins
-            prod = lib.ggml_mul_mat(c, ts[0], x)
-            rows = prod.nb[1]
-            cols = lib.ggml_view_3d(c, prod, C, T, 1, rows, rows * T, 0)
-            steps = lib.ggml_cont(c, cols) if apart else cols
-            conv = conv_nodes(lib, c, ts[1], state, steps, (C, K, 1, T), keep_x=True)
-            wide = lib.ggml_view_2d(c, prod, 2 * heads, T, rows, 4 * (C + Z))
-            z = lib.ggml_cont(c, lib.ggml_view_2d(c, prod, Z, T, rows, 4 * C))
-            return conv + gate_nodes(lib, c, ts[2], ts[3], wide, None, heads) + [z]
-
-        def repacked(ts):
-            assert kernels.repack(ts[0]), "lucepy_cuda_repack refused the matrix"
-
-        joined = kernels.joined
-        out = computed(lib, device, consts, [(K - 1, C), (n, T)], build, feeds, repacked, 64)
-        return out, kernels.joined - joined
-
-    assert run(False, feeds[:1])[1] == 2  # the gates' kernel and gemm_sum's
-    assert run(True, feeds[:1])[1] == 1
-    (one, _), (apart, _) = run(False, feeds), run(True, feeds)
-    for j in range(3):
-        for i, (got, want) in enumerate(zip(one[j], apart[j], strict=True)):
-            np.testing.assert_array_equal(got, want, err_msg=f"input {j}, result {i}")
-        assert not np.array_equal(one[j][-1], one[(j + 1) % 3][-1])  # new inputs, new sums
-    exact_z = feeds[0][1].astype(np.float64) @ exact_w[C : C + Z].T
-    assert rel_err(one[0][-1], exact_z).max() < 2e-2
 
 
 ROPE = {"hd": 256, "dims": 64, "sections": (11, 11, 10, 0), "base": 1e7, "ctx": 64}

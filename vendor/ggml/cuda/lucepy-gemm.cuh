@@ -298,6 +298,26 @@ __global__ void __launch_bounds__(GM_SEG * 32) norm_gate_halves(
     segment_halves<1, 1>({v}, out, c, npieces, seg);
 }
 
+// The sum of `nparts` floats `stride` apart, in order (the first plus the second, ...), their
+// loads issued four at a time ahead of the adds (against one at a time, a split product with
+// its gemm_sum measured 0.1-0.2 us faster on the H200: docs/BENCHMARKS.md, session 29)
+__device__ __forceinline__ float parts_sum(const float * p, int nparts, int64_t stride) {
+    float v = p[0];
+    int q = 1;
+    for (; q + 4 <= nparts; q += 4) {
+        const float a = p[q * stride], b = p[(q + 1) * stride];
+        const float c = p[(q + 2) * stride], d = p[(q + 3) * stride];
+        v += a;
+        v += b;
+        v += c;
+        v += d;
+    }
+    for (; q < nparts; q++) {
+        v += p[q * stride];
+    }
+    return v;
+}
+
 // SWIGLU (silu(a) times b, ggml's formula) for 2-16 columns (a verify's FFN) into dense `dst`,
 // a and b each `nparts` parts `part_stride` floats apart whose sums (in part order, as gemm_sum
 // adds them) are the values, a column's `col_stride` apart: grid (segments of a column, padded

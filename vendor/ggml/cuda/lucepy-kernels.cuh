@@ -784,53 +784,6 @@ __global__ void __launch_bounds__(NORM_GATE_WARPS * 32) norm_gate_quantize(
     quantize_piece(v, planes, int64_t(piece) * planes, xq, xds);
 }
 
-// The sum of `nparts` floats `stride` apart, in order (the first plus the second, ...), their
-// loads issued four at a time ahead of the adds (against one at a time, a split product with
-// its gemm_sum measured 0.1-0.2 us faster on the H200: docs/BENCHMARKS.md, session 29)
-__device__ __forceinline__ float parts_sum(const float * p, int nparts, int64_t stride) {
-    float v = p[0];
-    int q = 1;
-    for (; q + 4 <= nparts; q += 4) {
-        const float a = p[q * stride], b = p[(q + 1) * stride];
-        const float c = p[(q + 2) * stride], d = p[(q + 3) * stride];
-        v += a;
-        v += b;
-        v += c;
-        v += d;
-    }
-    for (; q < nparts; q++) {
-        v += p[q * stride];
-    }
-    return v;
-}
-
-// A split product's result read from its parts where a kernel after it adds them itself (in
-// gemm_sum's order, bit for bit) in place of a gemm_sum between the two: `dst`'s nrows x ncols
-// floats (dense) as parts of that shape `stride` floats apart; its kernel also writes `dst`
-// (sum_element), for the readers after it. nparts 0: nothing split (every read from memory).
-struct PartsOf {
-    const float * parts;
-    int nparts;
-    int64_t stride;  // a part's floats: nrows x ncols
-    float * dst;
-};
-
-// the float at p, or, where p lies in the split product's result, the sum of its parts
-__device__ __forceinline__ float read_summed(const PartsOf & s, const float * p) {
-    const int64_t at = p - s.dst;
-    if (s.nparts > 0 && at >= 0 && at < s.stride) {
-        return parts_sum(s.parts + at, s.nparts, s.stride);
-    }
-    return *p;
-}
-
-// element e of the split product's result, as gemm_sum writes it (no residual)
-__device__ __forceinline__ void sum_element(const PartsOf & s, int64_t e) {
-    if (e < s.stride) {
-        s.dst[e] = parts_sum(s.parts + e, s.nparts, s.stride);
-    }
-}
-
 // qwen35's DeltaNet gates of a step, tiny tensors ([heads, tokens]): ggml's ADD of the dt bias,
 // SOFTPLUS and MUL by A (the decay), and the SIGMOID of beta where it comes next (alpha and
 // beta columns of a wider product: a stacked product's parts); one kernel where ggml-cuda runs
@@ -849,20 +802,18 @@ struct DeltaGates {
     int nbeta, beta_period;
 };
 
-// element e of the gates (a thread's), where there is one; alpha and beta read through `sums`
-__device__ __forceinline__ void gate_element(const DeltaGates & g, int e, const PartsOf & sums) {
+// element e of the gates (a thread's), where there is one
+__device__ __forceinline__ void gate_element(const DeltaGates & g, int e) {
     if (e < g.n) {
-        const float s =
-            read_summed(sums, &g.alpha[int64_t(e / g.period) * g.alpha_stride + e % g.period]) +
-            g.bias[e % g.period];
+        const float s = g.alpha[int64_t(e / g.period) * g.alpha_stride + e % g.period] +
+                        g.bias[e % g.period];
         const float p = s > 20.0f ? s : logf(1.0f + expf(s));
         g.sum[e] = s;
         g.soft[e] = p;
         g.decay[e] = p * g.a[e % g.period];
     }
     if (e < g.nbeta) {
-        const float b = read_summed(
-            sums, &g.beta[int64_t(e / g.beta_period) * g.beta_stride + e % g.beta_period]);
+        const float b = g.beta[int64_t(e / g.beta_period) * g.beta_stride + e % g.beta_period];
         g.sig[e] = 1.0f / (1.0f + expf(-b));
     }
 }
@@ -884,26 +835,10 @@ __device__ __forceinline__ void gate_element(const DeltaGates & g, int e, const 
 // (`g`, where the DeltaNet gates come next in the graph and share no bytes with the step), the
 // CTAs past the channels' of the first sequence and group compute them as `delta_gates` would:
 // one kernel less before the recurrence, which then launches only when this kernel ends (as it
-// did after `delta_gates`). With `sums` (the step's inputs, the new columns and the gates' alpha
-// and beta, views of a split product's result: qwen35's stacked DeltaNet inputs in a verify),
-// it reads them from the product's parts, adding them as gemm_sum does, and the CTAs past the
-// gates' (of the first sequence and group) write the whole result as gemm_sum would, for its
-// other readers: gemm_sum's launch joined to this one.
+// did after `delta_gates`).
 constexpr int CONV_THREADS = 128;
 constexpr int CONV_MAX_T = 16;
 constexpr int CONV_GROUP = 4;  // tokens a CTA where groups may be (at least K - 1)
-
-// the CTAs of conv_step that compute the gates (a thread an element)
-__host__ __device__ inline int conv_gate_tiles(const DeltaGates & g) {
-    return int(((g.n > g.nbeta ? g.n : g.nbeta) + CONV_THREADS - 1) / CONV_THREADS);
-}
-
-// and those that add up `sums` (each a tile of CONV_THREADS elements, over every sequence and
-// group of the grid's `yz`)
-__host__ __device__ inline int conv_sum_tiles(const PartsOf & sums, int64_t yz) {
-    const int64_t per = CONV_THREADS * yz;
-    return sums.nparts > 0 ? int((sums.stride + per - 1) / per) : 0;
-}
 
 struct ConvArgs {
     const float * saved;  // [K - 1, C, N]: column j of channel c, sequence n at j + c s_c + n s_n
@@ -921,8 +856,7 @@ struct ConvArgs {
 };
 
 template <int K>
-__global__ void __launch_bounds__(CONV_THREADS)
-    conv_step(const ConvArgs a, const DeltaGates g, const PartsOf sums) {
+__global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a, const DeltaGates g) {
     constexpr int K1 = K - 1;
     constexpr int JW = K1 + CONV_MAX_T;  // a channel's joined columns in shared memory, at most
     __shared__ float joined[CONV_THREADS * JW];  // [channel of the CTA][column - lo]
@@ -932,17 +866,9 @@ __global__ void __launch_bounds__(CONV_THREADS)
         LUCEPY_PDL_LAUNCH();
     }
     LUCEPY_PDL_SYNC();  // the new columns (and alpha, beta): the kernel before has finished
-    if (int(blockIdx.x) >= tiles) {  // the gates' CTAs (of the first sequence and group), then
-        // the sums' (every sequence and group: a tile of the result's elements each)
-        const int x = int(blockIdx.x) - tiles - conv_gate_tiles(g);
-        if (x < 0) {
-            if (blockIdx.y == 0 && blockIdx.z == 0) {
-                gate_element(g, (x + conv_gate_tiles(g)) * CONV_THREADS + int(threadIdx.x), sums);
-            }
-        } else {
-            const int64_t tile = (int64_t(blockIdx.y) * gridDim.z + blockIdx.z) *
-                                     (gridDim.x - tiles - conv_gate_tiles(g)) + x;
-            sum_element(sums, tile * CONV_THREADS + threadIdx.x);
+    if (int(blockIdx.x) >= tiles) {  // the gates' CTAs
+        if (blockIdx.y == 0 && blockIdx.z == 0) {
+            gate_element(g, (int(blockIdx.x) - tiles) * CONV_THREADS + int(threadIdx.x));
         }
         return;
     }
@@ -965,7 +891,7 @@ __global__ void __launch_bounds__(CONV_THREADS)
         const float * saved = a.saved + c * a.s_c + n * a.s_n;
         const float * steps = a.steps + c * a.x_c + n * a.x_n;
         auto column = [&](int j) {  // joined column j of the channel (only the first CTA: saved)
-            return j < K1 ? saved[j] : read_summed(sums, &steps[int64_t(j - K1) * a.x_t]);
+            return j < K1 ? saved[j] : steps[int64_t(j - K1) * a.x_t];
         };
 #pragma unroll
         for (int j = 0; j < K1; j++) {
@@ -977,7 +903,7 @@ __global__ void __launch_bounds__(CONV_THREADS)
         // the group's new columns, all loads in flight at once (in the loop below each would
         // wait behind the stores before it, which may lie over them)
         for (int i = i0; i < i1; i++) {
-            joined[mine * JW + K1 + i - lo] = read_summed(sums, &steps[i * a.x_t]);
+            joined[mine * JW + K1 + i - lo] = steps[i * a.x_t];
         }
         const int64_t out = c + int64_t(a.C) * a.t * n;
         for (int i = i0; i < i1; i++) {
@@ -1037,7 +963,7 @@ __global__ void __launch_bounds__(CONV_THREADS)
 // it took 22 us a 16-token verify where it took 14.4 (docs/BENCHMARKS.md, session 28).
 __global__ void delta_gates(const DeltaGates g) {
     LUCEPY_PDL_SYNC();  // alpha and beta: the product before has finished
-    gate_element(g, blockIdx.x * blockDim.x + threadIdx.x, PartsOf{});
+    gate_element(g, blockIdx.x * blockDim.x + threadIdx.x);
 }
 
 // The argmax of long rows (a greedy step's logits over the vocabulary), where ggml-cuda runs one

@@ -13,7 +13,6 @@
 #include "lucepy-repack.cuh"
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -495,20 +494,13 @@ void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int pa
     g_joined.fetch_add(1, std::memory_order_relaxed);  // gemm_sum's launch holds the norm
 }
 
-// qwen35's conv step (below), launched after a product whose parts it may add itself
-struct ConvPlan;
-void launch_conv_step(ggml_backend_cuda_context & ctx, const ConvPlan & plan,
-                      const PartsOf & sums);
-
 // 3 to 16 columns: gemm on to_halves' activations, in parts where its rows are few
 // A tensor-core product of 4-warp CTAs of `smem` bytes (gemm, gemm_r) by `plan`, its parts
 // added in order by gemm_sum, or with `norm` (the RMS norm after the product's residual ADD) by
-// sum_norm_halves, or with `conv` (the conv step that reads it next) by conv_step, which then
-// writes the sums too (the product without a residual, its result dense)
+// sum_norm_halves
 template <typename F>
 void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, const GemmPlan & plan,
-                     const GemmArgs & base, const NormAfter * norm = nullptr,
-                     const ConvPlan * conv = nullptr) {
+                     const GemmArgs & base, const NormAfter * norm = nullptr) {
     const int parts = int(plan.grid.y);
     GemmArgs a = base;
     a.per_part = plan.per_part;
@@ -522,14 +514,6 @@ void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, const 
                             a);
     if (norm) {
         launch_sum_norm(ctx, a, parts, *norm);
-    } else if (conv) {
-        GGML_ASSERT(!a.residual && a.dst_stride == a.nrows);
-        PartsOf sums = {};
-        if (parts > 1) {
-            sums = {a.parts, parts, int64_t(a.nrows) * a.ncols, a.dst};
-            g_joined.fetch_add(1, std::memory_order_relaxed);  // gemm_sum's launch
-        }
-        launch_conv_step(ctx, *conv, sums);
     } else if (parts > 1) {
         const int64_t n = int64_t(a.nrows) * a.ncols;
         const dim3 sum_grid(unsigned((n + 255) / 256));
@@ -860,11 +844,10 @@ template <int NT> bool bulk_product(int device, const GemmArgs & a) {
 // 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few
 template <int NT>
 void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
-                   const NormAfter * norm = nullptr, const ConvPlan * conv = nullptr) {
+                   const NormAfter * norm = nullptr) {
     auto go = [&](auto build) {
         using R = decltype(build);
-        launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, base), base, norm,
-                        conv);
+        launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, base), base, norm);
     };
     if (bulk_product<NT>(ctx.device, base)) {
         go(GemmRB<NT>());
@@ -891,7 +874,7 @@ template <int MT> void launch_gemm_rq(ggml_backend_cuda_context & ctx, const Gem
 void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                       const ggml_tensor * src1, ggml_tensor * dst,
                       const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual,
-                      const NormAfter * norm, const ConvPlan * conv = nullptr) {
+                      const NormAfter * norm) {
     const int64_t ncols = src1->ne[1];
     const int64_t npieces = src0->ne[0] / 32;
     const bool plain = src1->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 &&
@@ -904,7 +887,6 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
         GGML_ABORT("lucepy: a product of a repacked Q4_0 matrix (%s) that its kernels do not take",
                    src0->name);
     }
-    GGML_ASSERT(!conv || (ncols >= 2 && ncols <= MAX_COLS));  // (a split product's reader)
     cudaStream_t stream = ctx.stream();
     ContextState & st = state_of(ctx);
     ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
@@ -926,9 +908,9 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                       int(ncols)),
             residual);
         if (ncols <= GM_COL_TILE) {
-            launch_gemm_r<1>(ctx, g, norm, conv);
+            launch_gemm_r<1>(ctx, g, norm);
         } else {
-            launch_gemm_r<2>(ctx, g, norm, conv);
+            launch_gemm_r<2>(ctx, g, norm);
         }
         return;
     }
@@ -959,18 +941,16 @@ const Wanted * wanted(ContextState & st, const ggml_tensor * t) {
 // columns) by our kernels, true; or false, having done nothing
 bool mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
              ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion,
-             const ggml_tensor * residual, const NormAfter * norm = nullptr,
-             const ConvPlan * conv = nullptr) {
+             const ggml_tensor * residual, const NormAfter * norm = nullptr) {
     const int64_t ncols = src1->ne[1];
     if (residual && (fusion || ncols < 2 || ncols > MAX_COLS)) {
         return false;
     }
     if (repacked_of(src0)) {  // ours whatever the switch: ggml's kernels cannot read it
-        repacked_mul_mat(ctx, src0, src1, dst, fusion, residual, norm, conv);
+        repacked_mul_mat(ctx, src0, src1, dst, fusion, residual, norm);
         g_calls.fetch_add(1, std::memory_order_relaxed);
         return true;
     }
-    GGML_ASSERT(conv == nullptr);  // (repacked matrices only)
     int kind, chunk;
     if (!enabled(ctx.device) || !kind_of(src0->type, kind, chunk)) {
         return false;
@@ -1329,29 +1309,18 @@ void count_gates(const GatesPlan & plan) {
     g_copies.fetch_add(plan.cont ? 1 : 0, std::memory_order_relaxed);
 }
 
-// qwen35's conv step from node i, a CONCAT: what conv_step computes for it (and the DeltaNet
-// gates where they come next), and every byte it writes; nothing launched
-struct ConvPlan {
-    ConvArgs a = {};
-    DeltaGates gates = {};
-    GatesPlan gates_plan;  // (its `last` -1 where the gates are not joined)
-    dim3 grid;             // without the sums' CTAs
-    int last = -1;         // the last node it computes, or -1: not a conv step
-    Span writes[10] = {};
-};
-
-ConvPlan plan_conv_step(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
-    ConvPlan plan;
+// qwen35's conv step from node i, a CONCAT (lucepy_cuda_fuse): the nodes after i computed, or 0
+int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     const ggml_tensor * x = cgraph->nodes[i];
     const int i_cpy = next_op(cgraph, i);
     const int i_conv = i_cpy < cgraph->n_nodes ? next_op(cgraph, i_cpy) : i_cpy;
     if (x->op != GGML_OP_CONCAT || ggml_get_op_params_i32(x, 0) != 0 || i_conv >= cgraph->n_nodes) {
-        return plan;
+        return 0;
     }
     const ggml_tensor * cpy = cgraph->nodes[i_cpy];
     const ggml_tensor * conv = cgraph->nodes[i_conv];
     if (cpy->op != GGML_OP_CPY || conv->op != GGML_OP_SSM_CONV || conv->src[0] != x) {
-        return plan;
+        return 0;
     }
     const int i_act = next_op(cgraph, i_conv);
     const ggml_tensor * act = i_act < cgraph->n_nodes ? cgraph->nodes[i_act] : nullptr;
@@ -1369,7 +1338,7 @@ ConvPlan plan_conv_step(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgr
                         tail->ne[0] == K1 && tail->ne[1] == C && tail->ne[2] == N &&
                         tail->nb[1] == x->nb[1] && tail->nb[2] == x->nb[2];
     if (!shapes || K1 != 3 || t < 1 || t > CONV_MAX_T || C >= INT32_MAX || N > 65535) {
-        return plan;
+        return 0;
     }
     auto floats = [](const ggml_tensor * u) {  // (any strides: the new columns are permuted)
         return u->type == GGML_TYPE_F32 && u->ne[3] == 1 && u->nb[0] % sizeof(float) == 0 &&
@@ -1382,7 +1351,7 @@ ConvPlan plan_conv_step(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgr
         (!act || dense_as(act, C, t, N)) && into->type == GGML_TYPE_F32 &&
         ggml_is_contiguous(into) && ggml_nelements(into) == K1 * C * N;
     if (!layouts) {
-        return plan;
+        return 0;
     }
     // the joined columns are written only where something else reads them (a verify keeps them
     // for its rollback): in a decode they are dead once the conv has read them, and ggml's
@@ -1412,7 +1381,7 @@ ConvPlan plan_conv_step(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgr
              apart(s_act, s_w) && apart(s_act, s_x) && apart(s_act, s_tail) && over_steps(act);
     }
     if (!ok) {
-        return plan;
+        return 0;
     }
     // qwen35's l2 norm of q and k after the SiLU: an RMS norm of its first heads of
     // CONV_THREADS channels (a view of the SiLU's 2D reshape), then a SCALE
@@ -1483,57 +1452,33 @@ ConvPlan plan_conv_step(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgr
     a.per_group = apart_steps ? CONV_GROUP : int(t);
     // The DeltaNet gates where they come next, in the same kernel (its CTAs past the channels'):
     // they read and write no bytes the step writes, nor write any it reads.
+    DeltaGates gates = {};
     int gate_tiles = 0;
     const int j = next_op(cgraph, i_last);
-    const Span step_writes[] = {s_tail, s_conv, s_x, act ? span_of(act) : Span{},
-                                normed ? span_of(normed) : Span{},
-                                scaled ? span_of(scaled) : Span{}};
     if (j < cgraph->n_nodes && cgraph->nodes[j]->op == GGML_OP_ADD) {
-        const GatesPlan gp = plan_delta_gates(ctx, cgraph, j);
+        const GatesPlan plan = plan_delta_gates(ctx, cgraph, j);
         const Span step_reads[] = {s_saved, s_steps, s_w};
-        const bool join = gp.last >= 0 && !spans_meet(step_writes, gp.reads) &&
-                          !spans_meet(step_writes, gp.writes) &&
-                          !spans_meet(step_reads, gp.writes);
+        const Span step_writes[] = {s_tail, s_conv, s_x, act ? span_of(act) : Span{},
+                                    normed ? span_of(normed) : Span{},
+                                    scaled ? span_of(scaled) : Span{}};
+        const bool join = plan.last >= 0 && !spans_meet(step_writes, plan.reads) &&
+                          !spans_meet(step_writes, plan.writes) &&
+                          !spans_meet(step_reads, plan.writes);
         if (join) {
-            plan.gates = gp.g;
-            plan.gates_plan = gp;
-            gate_tiles = conv_gate_tiles(gp.g);
-            i_last = gp.last;
+            gates = plan.g;
+            gate_tiles = int((gate_elements(gates) + CONV_THREADS - 1) / CONV_THREADS);
+            i_last = plan.last;
+            count_gates(plan);
+            g_joined.fetch_add(1, std::memory_order_relaxed);
         }
     }
-    std::copy(std::begin(step_writes), std::end(step_writes), plan.writes);
-    std::copy(std::begin(plan.gates_plan.writes), std::end(plan.gates_plan.writes),
-              plan.writes + 6);
-    plan.a = a;
-    plan.grid = dim3{unsigned((C + CONV_THREADS - 1) / CONV_THREADS + gate_tiles), unsigned(N),
-                     unsigned((t + a.per_group - 1) / a.per_group)};
-    plan.last = i_last;
-    return plan;
-}
-
-// conv_step by `plan`, its reads of a split product's result through `sums` (nparts 0: none)
-void launch_conv_step(ggml_backend_cuda_context & ctx, const ConvPlan & plan,
-                      const PartsOf & sums) {
-    if (plan.gates_plan.last >= 0) {
-        count_gates(plan.gates_plan);
-        g_joined.fetch_add(1, std::memory_order_relaxed);
-    }
     g_ops.fetch_add(1, std::memory_order_relaxed);
-    dim3 grid = plan.grid;
-    grid.x += unsigned(conv_sum_tiles(sums, int64_t(grid.y) * grid.z));
+    const dim3 grid{unsigned((C + CONV_THREADS - 1) / CONV_THREADS + gate_tiles), unsigned(N),
+                    unsigned((t + a.per_group - 1) / a.per_group)};
     ggml_cuda_kernel_launch(conv_step<4>,
-                            ggml_cuda_kernel_launch_params(grid, CONV_THREADS, 0, ctx.stream()),
-                            plan.a, plan.gates, sums);
-}
-
-// qwen35's conv step from node i, a CONCAT (lucepy_cuda_fuse): the nodes after i computed, or 0
-int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
-    const ConvPlan plan = plan_conv_step(ctx, cgraph, i);
-    if (plan.last < 0) {
-        return 0;
-    }
-    launch_conv_step(ctx, plan, PartsOf{});
-    return plan.last - i;
+                            ggml_cuda_kernel_launch_params(grid, CONV_THREADS, 0, ctx.stream()), a,
+                            gates);
+    return i_last - i;
 }
 
 // A gated norm from node i, an RMS_NORM (lucepy_cuda_fuse): the nodes after i computed, or 0.
@@ -1982,33 +1927,6 @@ int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgrap
     }
     g_ops.fetch_add(1, std::memory_order_relaxed);
     return (i_mul > 0 ? i_mul : i_add) - i;
-}
-
-// A product of 2-16 columns on a repacked Q4_0 matrix from node i, a MUL_MAT, whose next op is a
-// conv step that reads its result (qwen35's stacked DeltaNet inputs in a verify: the new
-// columns, and the gates' alpha and beta): where the product is split, conv_step adds its parts
-// as it reads them and writes their sums for the later readers (z), one launch where gemm_sum
-// and conv_step were two; nothing the conv step writes may share a byte with the product's
-// result (written by the same launch). The nodes after i computed, or 0.
-int stack_conv_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
-    const ggml_tensor * prod = cgraph->nodes[i];
-    const ggml_tensor * src0 = prod->src[0];
-    const ggml_tensor * src1 = prod->src[1];
-    const int j = next_op(cgraph, i);
-    if (j >= cgraph->n_nodes || cgraph->nodes[j]->op != GGML_OP_CONCAT || !repacked_of(src0) ||
-        src1->ne[1] < 2 || src1->ne[1] > MAX_COLS || !dense_as(prod, prod->ne[0], prod->ne[1], 1)) {
-        return 0;
-    }
-    const ggml_tensor * steps = cgraph->nodes[j]->src[1];
-    if (steps == nullptr || (steps != prod && steps->view_src != prod)) {
-        return 0;
-    }
-    const ConvPlan plan = plan_conv_step(ctx, cgraph, j);
-    if (plan.last < 0 || spans_meet(plan.writes, std::array<Span, 1>{span_of(prod)})) {
-        return 0;
-    }
-    mul_mat(ctx, src0, src1, const_cast<ggml_tensor *>(prod), nullptr, nullptr, nullptr, &plan);
-    return plan.last - i;
 }
 
 // An FFN's two products of one input and their SWIGLU from node i, a MUL_MAT (a verify's gate
@@ -2479,11 +2397,7 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
         case GGML_OP_CONT: return cont_gate_nodes(ctx, cgraph, i);
         case GGML_OP_MUL_MAT: {
             const int pair = glu_pair_nodes(ctx, cgraph, i);
-            if (pair > 0) {
-                return pair;
-            }
-            const int conv = stack_conv_nodes(ctx, cgraph, i);
-            return conv > 0 ? conv : mul_mat_add_nodes(ctx, cgraph, i);
+            return pair > 0 ? pair : mul_mat_add_nodes(ctx, cgraph, i);
         }
         default: return 0;
     }
