@@ -504,7 +504,9 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // at 16 columns on five of six products, 4 % faster on the stacked up and gate; session
     // 37, unspilled: 6.5 % faster on the stack, where the model runs it, slower elsewhere;
     // session 38: 5 CTAs an SM on 4's plan (so on fewer SMs), 3 and 4 chunks a barrier, and
-    // the weights two or three chunks ahead in the L2 (cp.async.bulk.prefetch), all slower)
+    // the weights two or three chunks ahead in the L2 (cp.async.bulk.prefetch), all slower;
+    // session 40: gemm_rb with its parts capped, 0.8 us faster on the DeltaNet inputs at 16
+    // columns (dn_in), the same or slower elsewhere)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-mm.cu's where bulk_product
             {"rp bulk <= 2 parts", launch_build<GemmRB<NT>, 2>},
