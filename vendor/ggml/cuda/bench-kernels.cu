@@ -506,7 +506,9 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // session 38: 5 CTAs an SM on 4's plan (so on fewer SMs), 3 and 4 chunks a barrier, and
     // the weights two or three chunks ahead in the L2 (cp.async.bulk.prefetch), all slower;
     // session 40: gemm_rb with its parts capped, 0.8 us faster on the DeltaNet inputs at 16
-    // columns (dn_in), the same or slower elsewhere)
+    // columns (dn_in), the same or slower elsewhere; gemm_rb with two tiles of 16 rows a warp
+    // (each activation fragment read from shared memory for two tiles' mmas; 122 registers,
+    // CTAs of 128 rows), 2-12 % slower at 16 columns but on the DeltaNet inputs, 0.7 us faster)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-mm.cu's where bulk_product
             {"rp bulk <= 2 parts", launch_build<GemmRB<NT>, 2>},
