@@ -15,8 +15,8 @@
 //     norm_halves against sum_norm_halves, their results compared byte for byte)
 //     BENCH_FEW=1 ./bench-kernels --kind q4_0 --cols 16 --anatomy   (the repacked Q4_0's gemm_r
 //     beside itself with parts of its work left out: its loads alone, its compute alone, ...)
-//     ./bench-kernels --kind q4_0 --cols 8,16 --timeline   (gemm_r's CTAs, each stamping its
-//     start, first barrier, chunks and end: their lives, waits and the kernel's tail)
+//     ./bench-kernels --kind q4_0 --cols 8,16 --timeline   (gemm_r's and gemm_rb's CTAs, each
+//     stamping its start, first barrier, chunks and end: their lives, waits and the tail)
 //     BENCH_IN_L2=1 ...   (each matrix one copy, read from the L2 cache where it fits)
 //
 // The weights are random bytes with finite scales, several copies of each matrix in turn so that
@@ -508,7 +508,10 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // session 40: gemm_rb with its parts capped, 0.8 us faster on the DeltaNet inputs at 16
     // columns (dn_in), the same or slower elsewhere; gemm_rb with two tiles of 16 rows a warp
     // (each activation fragment read from shared memory for two tiles' mmas; 122 registers,
-    // CTAs of 128 rows), 2-12 % slower at 16 columns but on the DeltaNet inputs, 0.7 us faster)
+    // CTAs of 128 rows), 2-12 % slower at 16 columns but on the DeltaNet inputs, 0.7 us faster;
+    // gemm_rb in even shares of the tiles, one part, a CTA a slot (3-4 tiles each on the FFN
+    // stack, where 16 SMs ran a fifth 64-row CTA and ended 6.7 us after the rest): the stack
+    // the same at 16 columns, 5 % faster at 8 (still slower than gemm_r there), the rest slower)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-mm.cu's where bulk_product
             {"rp bulk <= 2 parts", launch_build<GemmRB<NT>, 2>},
@@ -615,7 +618,7 @@ template <int NT> std::vector<GemmVariant> gemm_r_anatomy() {
             part("empty + sum", gemm_empty, true)};
 }
 
-// --- --timeline: where the lives of gemm_r's CTAs go (docs/BENCHMARKS.md, session 36) ---------
+// --- --timeline: where the lives of gemm_r's and gemm_rb's CTAs go (BENCHMARKS, session 36) ---
 
 bool g_timeline = false;
 
@@ -627,13 +630,12 @@ double quantile(std::vector<double> v, double f) {
     return v[size_t(f * double(v.size() - 1))];
 }
 
-// gemm_r<NT> as the model launches it, stamping (RP_STAMPS): `args(i)` gives the i-th call's
-// arguments (its weights' copy); the third call's stamps are read
-template <int NT>
-void gemm_r_timeline(const std::function<GemmArgs(int)> & args, float * parts_buf,
-                     cudaStream_t s) {
-    auto kernel = gemm_r<NT, GM_WARPS, 16 / GM_WARPS, gemm_r_xch(NT), RP_STAMPS>;
-    const int smem = gemm_r_smem<NT>();
+// `kernel` (a build of gemm_r or gemm_rb stamping: RP_STAMPS, `smem` bytes) on its plan,
+// `what` naming it: `args(i)` gives the i-th call's arguments (its weights' copy); the third
+// call's stamps are read
+template <typename F>
+void timeline(const char * what, F kernel, int smem, const std::function<GemmArgs(int)> & args,
+              float * parts_buf, cudaStream_t s) {
     const int per_sm = ctas_per_sm(kernel, GM_WARPS * 32, smem);
     const GemmPlan plan = gemm_r_plan_at(args(0), GM_WARPS, per_sm);
     const size_t n = size_t(plan.grid.x) * plan.grid.y;
@@ -687,9 +689,9 @@ void gemm_r_timeline(const std::function<GemmArgs(int)> & args, float * parts_bu
     for (double b : busy) {
         slots_busy += b / (span * per_sm * g_sms);
     }
-    std::printf("         timeline: %zu CTAs (%u x %u), %d chunks each, %d an SM, %.2f GHz; span "
-                "%.2f us, CTA slots busy %.0f %%\n",
-                n, plan.grid.x, plan.grid.y, plan.per_part, per_sm, ghz, span,
+    std::printf("         timeline (%s): %zu CTAs (%u x %u), %d chunks each, %d an SM, %.2f GHz; "
+                "span %.2f us, CTA slots busy %.0f %%\n",
+                what, n, plan.grid.x, plan.grid.y, plan.per_part, per_sm, ghz, span,
                 100 * slots_busy);
     auto spread = [](const char * what, const std::vector<double> & v) {
         std::printf(" %s %.2f / %.2f / %.2f", what, quantile(v, 0.1), quantile(v, 0.5),
@@ -726,6 +728,16 @@ void gemm_r_timeline(const std::function<GemmArgs(int)> & args, float * parts_bu
         }
     }
     std::printf("\n");
+}
+
+// gemm_r<NT> and gemm_rb<NT> as the model builds them, stamping, each on its own plan
+template <int NT>
+void gemm_r_timeline(const std::function<GemmArgs(int)> & args, float * parts_buf,
+                     cudaStream_t s) {
+    timeline("gemm_r", gemm_r<NT, GM_WARPS, 16 / GM_WARPS, gemm_r_xch(NT), RP_STAMPS>,
+             gemm_r_smem<NT>(), args, parts_buf, s);
+    timeline("gemm_rb", gemm_rb<NT, GemmRB<NT>::minb, RP_STAMPS>, GemmRB<NT>::smem, args,
+             parts_buf, s);
 }
 
 // Past 16 columns (a prefill's): gemm_r over slices of NT tiles of 8 columns, in turn. (A CTA

@@ -483,7 +483,8 @@ template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT)>
 // the 5 x 132 CTA slots gets about 5 or more chunks (the FFN's stacked up and gate 39.5 us where
 // 43.1, and 41.2 for gemm_r at 5 CTAs an SM; ffn down 22.7 where 23.4; qkv 15.2 where 15.6), 5-9
 // % slower where it gets 3 or fewer (attn out 11.7 where 11.1); at 2-8 columns ffn down 18.1-18.4
-// where 19.3-19.6 (session 39). sm_90 and newer.
+// where 19.3-19.6 (session 39). sm_90 and newer. SKIP: RP_STAMPS alone (bench-kernels'
+// --timeline), as gemm_r's.
 
 // the mbarrier at shared address `bar` expects `count` arrivals a phase
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -550,8 +551,9 @@ template <int NT> __host__ __device__ constexpr int gemm_rb_smem() {
            GM_WARPS * RB_STAGES * 8;
 }
 
-template <int NT, int MINB>
+template <int NT, int MINB, int SKIP = 0>
 __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a) {
+    static_assert((SKIP & ~RP_STAMPS) == 0, "gemm_rb leaves nothing out");
     constexpr int W = GM_WARPS, P = 8, ST = RB_STAGES;
     constexpr int X_STAGE = NT * GM_COL_TILE * RP_X_PITCH;
     constexpr int W_STAGE = W * RB_WARP_BYTES;
@@ -565,6 +567,13 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     const int chunk0 = blockIdx.y * a.per_part;
     const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
     const bool mine = row0 + warp * 16 < a.nrows;
+    if constexpr (SKIP & RP_STAMPS) {
+        uint32_t sm;
+        asm("mov.u32 %0, %%smid;" : "=r"(sm));
+        stamp<SKIP>(a, RP_AT_SM, sm);
+        stamp<SKIP>(a, RP_AT_START_NS, global_ns());
+        stamp_clock<SKIP>(a, RP_AT_START);
+    }
     // this warp's mbarriers, one a stage, after the stages
     const uint32_t bars = shared_at(smem) + ST * (X_STAGE + W_STAGE) + warp * ST * 8;
     const uint32_t w_dst = shared_at(smem) + ST * X_STAGE + warp * RB_WARP_BYTES;
@@ -612,8 +621,14 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
         copy_x(c);
     }
     for (int ch = 0; ch < nchunks; ch++) {
+        if (ch < RP_STAMP_CHUNKS) {
+            stamp_clock<SKIP>(a, RP_AT_CHUNK + ch);
+        }
         copy_wait<ST - 2>();
         __syncthreads();  // chunk ch's activations landed for all; chunk ch - 1 read by all
+        if (ch == 0) {
+            stamp_clock<SKIP>(a, RP_AT_FIRST_BARRIER);
+        }
         copy_x(ch + ST - 1);
         fetch(ch + ST - 1);
         if (!mine) {
@@ -651,17 +666,24 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
         }
     }
     copy_wait<0>();
+    stamp_clock<SKIP>(a, RP_AT_LOOP_END);
 
     LUCEPY_PDL_LAUNCH();
 
     if (mine) {
         store_tile<NT>(a, total, row0 + warp * 16, g, t);
     }
+    if constexpr (SKIP & RP_STAMPS) {
+        __syncthreads();  // every warp's tile stored
+        stamp_clock<SKIP>(a, RP_AT_END);
+        stamp<SKIP>(a, RP_AT_END_NS, global_ns());
+    }
 }
 
 // gemm_rb's build at MINB CTAs an SM, as GemmR names gemm_r's
 template <int NT, int MINB = 5> struct GemmRB {
     static constexpr int warps = GM_WARPS;
+    static constexpr int minb = MINB;
     static constexpr int smem = gemm_rb_smem<NT>();
     static auto kernel() { return gemm_rb<NT, MINB>; }
 };
