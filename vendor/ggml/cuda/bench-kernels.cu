@@ -492,176 +492,47 @@ void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
     launch_build<GemmR<NT, W, MINB, XCH>, MOST, PLAN_SM>(a, parts_buf, s);
 }
 
-// gemm_rb on a hybrid plan (an experiment, session 40): whole CTAs (all chunks of a 64-row
-// block, written to dst) for as many row blocks as every SM takes alike, the rest of the row
-// blocks split into parts of few chunks (their sums into a.parts [part][col][nrows], then added
-// into dst by a small kernel), so that each SM's share is even without smaller CTAs (the FFN
-// stack: 528 whole CTAs and 16 blocks in 7 parts of 3 chunks, where gemm_rb's one part left 16
-// SMs a fifth whole CTA).
-struct Hybrid {
-    int whole;  // CTAs 0 .. whole - 1: row block blockIdx.x, every chunk
-    int parts;  // the rest: row block whole + j / parts, part j % parts of `per` chunks
-    int per;
-};
-
-template <int NT, int MINB>
-__global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb_hybrid(const GemmArgs a,
-                                                                      const Hybrid h) {
-    constexpr int W = GM_WARPS, P = 8, ST = RB_STAGES;
-    constexpr int X_STAGE = NT * GM_COL_TILE * RP_X_PITCH;
-    constexpr int W_STAGE = W * RB_WARP_BYTES;
-    extern __shared__ __align__(16) uint8_t smem[];
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int g = lane / 4;
-    const int t = lane % 4;
-    const int nchunks_all = a.npieces / P;
-    const bool whole = int(blockIdx.x) < h.whole;
-    const int j = int(blockIdx.x) - h.whole;
-    const int block = whole ? int(blockIdx.x) : h.whole + j / h.parts;
-    const int part = whole ? 0 : j % h.parts;
-    const int row0 = block * W * 16;
-    const int chunk0 = whole ? 0 : part * h.per;
-    const int nchunks = whole ? nchunks_all : max(0, min(h.per, nchunks_all - chunk0));
-    const bool mine = row0 + warp * 16 < a.nrows;
-    const uint32_t bars = shared_at(smem) + ST * (X_STAGE + W_STAGE) + warp * ST * 8;
-    const uint32_t w_dst = shared_at(smem) + ST * X_STAGE + warp * RB_WARP_BYTES;
-    const uint8_t * w_src = warp_tile_at(a, row0, warp, chunk0, a.npieces / RP_GROUP);
-    auto fetch = [&](int ch) {
-        if (mine && lane == 0 && ch < nchunks) {
-            async_proxy_fence();
-            mbar_copy(bars + 8 * (ch % ST), w_dst + (ch % ST) * W_STAGE,
-                      w_src + int64_t(ch) * RB_WARP_BYTES, RB_WARP_BYTES);
-        }
-    };
-    if (lane == 0) {
-        for (int c = 0; c < ST; c++) {
-            mbar_init(bars + 8 * c, 1);
-        }
-        mbar_init_fence();
-    }
-    __syncwarp();
-    for (int c = 0; c < ST - 1; c++) {
-        fetch(c);
-    }
-    const ActCopy<NT, W * 32> x_copy(a, chunk0);
-    auto copy_x = [&](int ch) {
-        if (ch < nchunks) {
-            x_copy.issue(smem + (ch % ST) * X_STAGE, a.npieces, ch);
-        }
-        copy_commit();
-    };
-    float acc[NT][4] = {};
-    float total[NT][4] = {};
-    const int nsegs = segments(a.npieces);
-    const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
-    uint32_t x_lane[4];
-    activation_lanes(smem, g, t, x_lane);
-    const uint32_t w_lane = opaque(w_dst + 16 * lane);
-    LUCEPY_PDL_SYNC();
-    for (int c = 0; c < ST - 1; c++) {
-        copy_x(c);
-    }
-    for (int ch = 0; ch < nchunks; ch++) {
-        copy_wait<ST - 2>();
-        __syncthreads();
-        copy_x(ch + ST - 1);
-        fetch(ch + ST - 1);
-        if (!mine) {
-            continue;
-        }
-        const int s = ch % ST;
-        mbar_wait(bars + 8 * s, uint32_t(ch / ST) & 1u);
-        const bool flush = ch + 1 == nchunks || ((chunk0 + ch) & 1);
-        float inv[NT][2];
-        if (flush) {
-            next_inv<NT>(xi, nsegs, inv);
-        }
-#pragma unroll
-        for (int jj = 0; jj < 2; jj++) {
-            const uint32_t at = w_lane + s * W_STAGE + jj * RP_BYTES;
-            const uint4 qa = load_shared(at);
-            const uint4 qb = load_shared(at + 512);
-            const uint32_t d = load_shared_word(at + 1024 - 12 * lane);
-            const uint32_t da = __byte_perm(d, 0, 0x1010);
-            const uint32_t db = __byte_perm(d, 0, 0x3232);
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                uint32_t lo[4], hi[4];
-                lane_words<0>(word(qa, w), word(qb, w), da, db, lo, hi);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const uint4 x = load_shared(x_lane[w] + s * X_STAGE +
-                                                nt * GM_COL_TILE * RP_X_PITCH + 4 * jj * 64);
-                    word_mmas<0>(acc[nt], acc[nt], lo, hi, x);
-                }
-            }
-        }
-        if (flush) {
-            flush_segment<NT>(acc, total, inv);
-        }
-    }
-    copy_wait<0>();
-    LUCEPY_PDL_LAUNCH();
-    if (mine) {
-        float * out = whole ? a.dst : a.parts + int64_t(part) * a.ncols * a.nrows;
-        const int64_t stride = whole ? a.dst_stride : a.nrows;
-        const int row = row0 + warp * 16;
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int r = row + g + 8 * (q / 2);
-                const int col = nt * GM_COL_TILE + 2 * t + q % 2;
-                if (r < a.nrows && col < a.ncols) {
-                    out[col * stride + r] = total[nt][q];
-                }
-            }
-        }
-    }
-}
-
-// dst rows from0 on = their parts' sums (the hybrid plan's split blocks)
+// gemm_rb on its hybrid plan (lucepy-plan.h's hybrid_of, as lucepy-mm.cu's hybrid_plan takes it
+// for the FFN's stacked up and gate; where it takes none, gemm_rb's own plan), every block's
+// part 0 and the split blocks' other parts into a.parts, then dst by sum_rows_from (every row:
+// the model's glu_halves reads the parts as they are, so this times a little more). On an
+// H200 the stack at 16 columns 36.97 us where 39.86 (docs/BENCHMARKS.md, session 40: a
+// bench-only kernel then, adding up the split rows alone).
+// dst = a hybrid plan's parts: part 0 for rows before from0, the sum of every part from there
 __global__ void sum_rows_from(const float * parts, int nparts, int nrows, int ncols, int from0,
                               float * dst, int64_t dst_stride) {
-    const int n = nrows - from0;
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-    if (i >= int64_t(n) * ncols) {
+    if (i >= int64_t(nrows) * ncols) {
         return;
     }
-    const int col = int(i / n);
-    const int row = from0 + int(i % n);
+    const int col = int(i / nrows);
+    const int row = int(i % nrows);
     float v = parts[int64_t(col) * nrows + row];
-    for (int p = 1; p < nparts; p++) {
+    for (int p = 1; row >= from0 && p < nparts; p++) {
         v += parts[int64_t(p) * ncols * nrows + int64_t(col) * nrows + row];
     }
     dst[col * dst_stride + row] = v;
 }
 
 template <int NT, int MINB> void launch_rb_hybrid(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    auto kernel = gemm_rb_hybrid<NT, MINB>;
-    const int smem = gemm_rb_smem<NT>();
-    raise_smem(kernel, smem);
-    const int blocks = (a.nrows + 63) / 64;
-    const int nchunks = a.npieces / 8;
-    Hybrid h = {blocks / g_sms * g_sms, 1, nchunks};
-    const int rest = blocks - h.whole;
-    if (rest > 0) {
-        const int want = std::max(1, std::min(nchunks, g_sms / rest));
-        h.per = (nchunks + want - 1) / want;
-        h.parts = (nchunks + h.per - 1) / h.per;
+    using R = GemmRB<NT, MINB>;
+    auto kernel = R::hybrid_kernel();
+    const int per_sm = ctas_per_sm(kernel, GM_WARPS * 32, R::smem);
+    const int blocks = (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
+    const Hybrid h = hybrid_of(blocks, a.npieces / 8, g_sms, per_sm);
+    if (h.whole == 0) {
+        launch_build<R>(a, parts_buf, s);
+        return;
     }
-    if (h.parts == 1) {
-        h.whole = blocks;  // every block whole
-    }
+    a.whole = h.whole;
+    a.hparts = h.parts;
+    a.per_part = h.per;
     a.parts = parts_buf;
-    kernel<<<unsigned(h.whole + (blocks - h.whole) * h.parts), GM_WARPS * 32, smem, s>>>(a, h);
-    if (h.whole < blocks) {
-        const int64_t n = int64_t(a.nrows - h.whole * 64) * a.ncols;
-        sum_rows_from<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.parts, h.parts, a.nrows,
-                                                                a.ncols, h.whole * 64, a.dst,
-                                                                a.dst_stride);
-    }
+    kernel<<<unsigned(h.whole + (blocks - h.whole) * h.parts), GM_WARPS * 32, R::smem, s>>>(a);
+    const int64_t n = int64_t(a.nrows) * a.ncols;
+    sum_rows_from<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.parts, h.parts, a.nrows, a.ncols,
+                                                            h.whole * GM_WARPS * 16, a.dst,
+                                                            a.dst_stride);
 }
 
 template <int NT> std::vector<GemmVariant> gemm_r_variants() {
@@ -684,7 +555,7 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // gemm_rb in even shares of the tiles, one part, a CTA a slot (3-4 tiles each on the FFN
     // stack, where 16 SMs ran a fifth 64-row CTA and ended 6.7 us after the rest): the stack
     // the same at 16 columns, 5 % faster at 8 (still slower than gemm_r there), the rest slower;
-    // gemm_rb_hybrid (above): the stack at 16 columns 36.97 us where 39.86, qkv slower)
+    // the hybrid plan (launch_rb_hybrid above): the stack at 16 columns 36.97 us where 39.86)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-mm.cu's where bulk_product
             {"rp bulk <= 2 parts", launch_build<GemmRB<NT>, 2>},
