@@ -2035,11 +2035,10 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // 5 CTAs an SM, a chunk of activations a stage: 96 registers, none spilled (on an H200 the
     // stack at 16 columns 41.2 us where 4 CTAs take 43.0, at 8 31.9 where 35.3; the other
     // products no faster so: docs/BENCHMARKS.md, session 37); at two column tiles gemm_rb
-    // (39.5 us at 16 columns: session 38)
+    // (39.5 us at 16 columns: session 38), on its hybrid plan where one applies (session 40)
+    const bool bulk = ncols > GM_COL_TILE && bulk_product<2>(ctx.device, g);
     GemmArgs h = g;
-    const GemmPlan hybrid = ncols > GM_COL_TILE && bulk_product<2>(ctx.device, g)
-                                ? hybrid_plan(ctx.device, h)
-                                : GemmPlan{};
+    const GemmPlan hybrid = bulk ? hybrid_plan(ctx.device, h) : GemmPlan{};
     if (ncols <= GM_COL_TILE) {
         go(GemmR<1, GM_WARPS, 5, 1>());
     } else if (h.whole > 0) {  // every block's part 0 in buf, the split blocks' parts after
@@ -2058,7 +2057,7 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
                           ctx.stream(), int64_t(h.whole) * GM_WARPS * 16);
         g_bulk.fetch_add(1, std::memory_order_relaxed);
         g_hybrid.fetch_add(1, std::memory_order_relaxed);
-    } else if (bulk_product<2>(ctx.device, g)) {
+    } else if (bulk) {
         go(GemmRB<2>());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {

@@ -69,6 +69,7 @@ inline int gemm_parts_by_cost(int nrows, int npieces, int ncols, int cta_rows, i
     }
     return best;
 }
+
 // gemm_rb's hybrid plan (lucepy-mm.cu's hybrid_plan) for `blocks` row blocks of `nchunks`
 // chunks on `sms` SMs of `per_sm` CTA slots: `whole` CTAs take every chunk of a block, for as
 // many blocks as every SM takes alike (at least 2 an SM, fewer than its slots); the other blocks
