@@ -89,10 +89,11 @@ def test_a_hybrid_plan_evens_the_sms_shares(tmp_path):
     lines = "".join(" ".join(map(str, c)) + "\n" for c in cases)
     out = subprocess.run([exe], input=lines, capture_output=True, text=True, check=True).stdout
     got = [tuple(map(int, line.split())) for line in out.splitlines()]
-    assert got[0] == (528, 7, 3)
-    assert got[1:] == [(0, 0, 0)] * 5 + [(264, 2, 1)]
-    for (blocks, chunks, sms, _), (whole, parts, per) in zip(cases, got, strict=True):
+    assert got[0] == (528, 7, 3, 640)
+    assert got[1:] == [(0, 0, 0, 0)] * 5 + [(264, 2, 1, 336)]
+    for (blocks, chunks, sms, _), (whole, parts, per, ctas) in zip(cases, got, strict=True):
         if whole:
+            assert ctas == whole + (blocks - whole) * parts
             assert whole % sms == 0 and (blocks - whole) * parts <= sms
             assert per * parts >= chunks > per * (parts - 1)  # every chunk, no part empty
 

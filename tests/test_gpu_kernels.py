@@ -160,6 +160,12 @@ def assert_products_near(mats, ours, theirs, x, label: str) -> None:
         assert rel_err(ours[i], exact).max() <= bound, f"{label} matrix {i}"
 
 
+def on_h200(lib, device) -> bool:
+    """Whether ``device`` is an H200: the kernels' routes that tests assert are its (132 SMs, its
+    CTA slots); another GPU may take others."""
+    return any(d.name == device and "H200" in d.description for d in list_devices(lib))
+
+
 def compute_capability(index: int) -> float:
     """The GPU's compute capability as nvidia-smi reports it (9.0 for an H100 or H200)."""
     out = subprocess.run(
@@ -590,7 +596,7 @@ def test_gpu_ffn_gate_and_up_are_one_product(k, n, n_ff, cuda):
     16 columns is on a hybrid plan on an H200 (544 row blocks of the stack: 528 whole CTAs, the
     other 16 blocks in parts)."""
     lib, device, kernels = cuda
-    h200 = any(d.name == device and "H200" in d.description for d in list_devices(lib))
+    h200 = on_h200(lib, device)
     shapes = [(n_ff, n), (n_ff, n), (n, n_ff)]  # (rows, row length): gate, up, down
     mats = [weights_of(lib, "q4_0", 90 + i, rows=r, n=c) for i, (r, c) in enumerate(shapes)]
     weights = [(t, c, raw) for (t, raw, _), (_, c) in zip(mats, shapes, strict=True)]
@@ -695,8 +701,7 @@ def test_gpu_repacked_q4_0_products_by_bulk_copies_match_the_exact_math(rows, n,
     its residual ADD (the sum one product of ours, bit for bit the product and ggml's ADD
     apart), for new inputs too (the CUDA graph replayed)."""
     lib, device, kernels = cuda
-    # the routes are an H200's (132 SMs: its CTA slots); another GPU may take others
-    h200 = any(d.name == device and "H200" in d.description for d in list_devices(lib))
+    h200 = on_h200(lib, device)
     mats = [weights_of(lib, "q4_0", 61, rows=rows, n=n)]
     weights = [(t, raw) for t, raw, _ in mats]
     rng = np.random.default_rng(62)

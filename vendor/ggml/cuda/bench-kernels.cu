@@ -518,8 +518,7 @@ template <int NT, int MINB> void launch_rb_hybrid(GemmArgs a, float * parts_buf,
     using R = GemmRB<NT, MINB>;
     auto kernel = R::hybrid_kernel();
     const int per_sm = ctas_per_sm(kernel, GM_WARPS * 32, R::smem);
-    const int blocks = (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
-    const Hybrid h = hybrid_of(blocks, a.npieces / 8, g_sms, per_sm);
+    const Hybrid h = hybrid_of(row_blocks(a), a.npieces / 8, g_sms, per_sm);
     if (h.whole == 0) {
         launch_build<R>(a, parts_buf, s);
         return;
@@ -528,7 +527,7 @@ template <int NT, int MINB> void launch_rb_hybrid(GemmArgs a, float * parts_buf,
     a.hparts = h.parts;
     a.per_part = h.per;
     a.parts = parts_buf;
-    kernel<<<unsigned(h.whole + (blocks - h.whole) * h.parts), GM_WARPS * 32, R::smem, s>>>(a);
+    kernel<<<unsigned(h.ctas), GM_WARPS * 32, R::smem, s>>>(a);
     const int64_t n = int64_t(a.nrows) * a.ncols;
     sum_rows_from<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.parts, h.parts, a.nrows, a.ncols,
                                                             h.whole * GM_WARPS * 16, a.dst,

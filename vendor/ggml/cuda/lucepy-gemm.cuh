@@ -522,6 +522,11 @@ struct GemmArgs {
 
 constexpr int GM_WARPS = 4;  // a CTA's warps, each an mma tile of 16 rows
 
+// the row blocks of a product's CTAs of GM_WARPS tiles (gemm_r's and gemm_rb's)
+inline int row_blocks(const GemmArgs & a) {
+    return (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
+}
+
 // Chunks of P pieces (P % pieces-a-block == 0), ST in flight, NT tiles of 8 columns, W warps.
 template <int K, int NT, int P, int ST = 2, int W = GM_WARPS> struct Gm {
     using L = Layout<K>;

@@ -839,8 +839,8 @@ template <int NT> bool bulk_product(int device, const GemmArgs & a) {
     if (ggml_cuda_info().devices[device].cc < 900) {
         return false;
     }
-    const int64_t tiles = (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
-    return tiles * (a.npieces / 8) >= (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
+    return int64_t(row_blocks(a)) * (a.npieces / 8) >=
+           (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
 }
 
 // 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few
@@ -1940,16 +1940,15 @@ int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgrap
 // blocks (one whole round) slower (docs/BENCHMARKS.md, session 40).
 GemmPlan hybrid_plan(int device, GemmArgs & a) {
     const int sms = ggml_cuda_info().devices[device].nsm;
-    const Hybrid h = hybrid_of((a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16), a.npieces / 8, sms,
-                               slots_of_build<GemmRB<2>>(device) / sms);
+    const Hybrid h =
+        hybrid_of(row_blocks(a), a.npieces / 8, sms, slots_of_build<GemmRB<2>>(device) / sms);
     a.whole = h.whole;
     if (h.whole == 0) {
         return {};
     }
     a.hparts = h.parts;
     a.per_part = h.per;
-    const int blocks = (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
-    return {dim3(unsigned(h.whole + (blocks - h.whole) * h.parts), 1), h.per};
+    return {dim3(unsigned(h.ctas), 1), h.per};
 }
 
 // An FFN's two products of one input and their SWIGLU from node i, a MUL_MAT (a verify's gate

@@ -73,11 +73,13 @@ inline int gemm_parts_by_cost(int nrows, int npieces, int ncols, int cta_rows, i
 // gemm_rb's hybrid plan (lucepy-mm.cu's hybrid_plan) for `blocks` row blocks of `nchunks`
 // chunks on `sms` SMs of `per_sm` CTA slots: `whole` CTAs take every chunk of a block, for as
 // many blocks as every SM takes alike (at least 2 an SM, fewer than its slots); the other blocks
-// go in `parts` parts of `per` chunks, about one more slot an SM. whole 0: no such plan.
+// go in `parts` parts of `per` chunks, about one more slot an SM; `ctas` in all. whole 0: no
+// such plan.
 struct Hybrid {
     int whole = 0;
     int parts = 0;
     int per = 0;
+    int ctas = 0;
 };
 
 inline Hybrid hybrid_of(int blocks, int nchunks, int sms, int64_t per_sm) {
@@ -95,6 +97,7 @@ inline Hybrid hybrid_of(int blocks, int nchunks, int sms, int64_t per_sm) {
     h.whole = rounds * sms;
     h.parts = parts;
     h.per = per;
+    h.ctas = h.whole + rest * parts;
     return h;
 }
 }  // namespace lucepy
