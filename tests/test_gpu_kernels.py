@@ -50,13 +50,14 @@ def cuda():
     kernels.set(None)
 
 
-def computed(lib, device, consts, inputs, build, feeds, after_set=None, tensors=32):
+def computed(lib, device, consts, inputs, build, feeds, after_set=None, tensors=32, allocated=None):
     """One graph on a backend of its own (ggml-cuda keeps CUDA graphs per backend, and one
     captured by an earlier call with the other kernels switched on could be replayed): tensors
     ``consts`` ([(ggml type, ne0, ne1, raw)], set once) and f32 ``inputs`` ([(ne0, ne1)]),
     ``build(ctx, consts, inputs)`` giving its outputs, computed once per entry of ``feeds`` (one
     array a input, set anew each time); ``after_set(tensors)`` once the consts are set; room for
-    ``tensors`` tensors. Returns, per feed, each output as [ne1, ne0]."""
+    ``tensors`` tensors; ``allocated()`` once the graph has its memory. Returns, per feed, each
+    output as [ne1, ne0]."""
     backend = open_backend(lib, device)
     ctx = Context(lib, tensors, graph_nodes=64)
     cs = [
@@ -74,6 +75,8 @@ def computed(lib, device, consts, inputs, build, feeds, after_set=None, tensors=
         lib.ggml_build_forward_expand(gf, out)
     alloc = Allocator(lib, backend)
     alloc.alloc(gf)
+    if allocated is not None:
+        allocated()
     results = []
     for feed in feeds:
         for t, values in zip(ins, feed, strict=True):
@@ -815,7 +818,7 @@ HEADS = 4  # heads of 128 channels that the conv tests l2-norm, as qwen35 norms 
 L2_EPS = 1e-6 / 128
 
 
-def conv_steps(lib, device, w, states, news, keep_x=True):
+def conv_steps(lib, device, w, states, news, keep_x=True, fresh=None):
     """qwen35's conv step as its graph writes it (models/qwen35.py ``_conv`` and ``_l2_norm``):
     the saved K - 1 columns of each of N sequences (``states`` [N * C, K - 1]) joined with t new
     ones (``news`` [N * t, C], a token's channels a row), the new tail copied over the saved
@@ -823,16 +826,33 @@ def conv_steps(lib, device, w, states, news, keep_x=True):
     HEADS heads of 128 channels; computed once per pair of ``states`` and ``news``. Returns,
     per pair, [the state after, the SiLU [N * t, C], the normed heads [N * t, HEADS * 128], and
     with ``keep_x`` the joined columns [N * C, K - 1 + t]] (``computed``; without, nothing reads
-    them after the conv, as in a decode)."""
+    them after the conv, as in a decode). With ``fresh`` (a list), the new columns are a copy
+    made in the graph (a CONT, as a product's result would be), whose memory the allocator may
+    give the conv once the concat has read it; ``fresh`` then gets whether it did."""
     C, K = w.shape
     K1, N, t = K - 1, states[0].shape[0] // C, news[0].shape[0] // (states[0].shape[0] // C)
+    made = []
 
     def build(c, ts, ins):
-        return conv_nodes(lib, c, ts[0], *ins, (C, K, N, t), keep_x)
+        state, new = ins
+        if fresh is not None:
+            new = lib.ggml_cont(c, new)
+            made.append(new)
+        outs = conv_nodes(lib, c, ts[0], state, new, (C, K, N, t), keep_x)
+        made.append(outs[1].view_src)  # the SiLU's reshape: the SiLU
+        return outs
+
+    def allocated():
+        if fresh is not None:
+            node = made[1]
+            ops = [node.src[0]] if node.src[0] != ffi.NULL else []  # the SiLU's conv
+            at = int(ffi.cast("uintptr_t", made[0].data))
+            fresh.append(any(int(ffi.cast("uintptr_t", u.data)) == at for u in [node, *ops]))
 
     consts = [(GGML_TYPE_F32, K, C, np.ascontiguousarray(w, dtype=np.float32))]
     inputs = [(K1, C * N), (C, t * N)]
-    return computed(lib, device, consts, inputs, build, list(zip(states, news, strict=True)))
+    feeds = list(zip(states, news, strict=True))
+    return computed(lib, device, consts, inputs, build, feeds, allocated=allocated)
 
 
 def conv_nodes(lib, c, w, state, new, shape, keep_x):
@@ -906,6 +926,26 @@ def test_gpu_conv_step_is_one_kernel(t, C, keep_x, cuda):
             np.testing.assert_array_equal(ours[j][3], joined_2d)
             if theirs is not None:
                 np.testing.assert_array_equal(ours[j][3], theirs[j][3])
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_gpu_conv_step_keeps_the_new_tail_where_the_conv_lies_over_the_new_columns(t, cuda):
+    """qwen35's conv step whose new columns are a result of the graph (as a lone qkv product's
+    are, where a layer's products cannot be stacked: types), so that the allocator gives the
+    conv or its SiLU those bytes once the concat has read them: the state after is still the
+    new columns themselves, not the conv written over them (one group of tokens: the tail from
+    the kernel's shared copy); every result as the plain test's bounds say."""
+    lib, device, kernels = cuda
+    C, K, N = 1152, 4, 2
+    rng = np.random.default_rng(70 + t)
+    w = rng.normal(size=(C, K)).astype(np.float32)
+    states = [rng.normal(size=(N * C, K - 1)).astype(np.float32) for _ in range(2)]
+    news = [rng.normal(size=(N * t, C)).astype(np.float32) for _ in range(2)]
+    fresh = []
+    ours = conv_steps(lib, device, w, states, news, keep_x=False, fresh=fresh)
+    assert fresh == [True], "the conv or its SiLU did not take the new columns' bytes"
+    for j, (state, new) in enumerate(zip(states, news, strict=True)):
+        assert_conv_step(w, state, new, t, ours[j], None)
 
 
 def assert_conv_step(w, state, new, t, ours, theirs):

@@ -827,7 +827,8 @@ __device__ __forceinline__ void gate_element(const DeltaGates & g, int e) {
 // Only the first group reads the saved columns (a group is at least K - 1 tokens), and its
 // thread writes its channel's tail after them; the host checks that what is written aliases
 // nothing read, or only what the same thread has read already (with one group: the new columns
-// as the conv or its SiLU; the conv as its SiLU) or, for the tail, the saved columns. (A
+// as the conv or its SiLU, the tail's new columns then taken from the CTA's copy of them in
+// shared memory, session 40; the conv as its SiLU) or, for the tail, the saved columns. (A
 // 16-token verify in groups of 4 tokens: 320 CTAs where a group of 16 made 80, each token's
 // head norm a barrier; docs/BENCHMARKS.md, session 27.) With `heads`, the first heads
 // x CONV_THREADS channels of the SiLU are also RMS-normed a head of CONV_THREADS channels at a
@@ -944,10 +945,13 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a, cons
             }
         }
         if (i0 == 0) {  // the tail, after this thread's reads of its channel's saved columns
+            // In one group the CTA holds every joined column (lo 0), and the conv or its SiLU may
+            // have been written over the new columns (the host allows it then): the tail comes
+            // from the copy in shared memory. In groups nothing lies over the new columns.
             float * tail = a.tail + (int64_t(n) * a.C + c) * K1;
 #pragma unroll
             for (int j = 0; j < K1; j++) {
-                tail[j] = column(a.t + j);
+                tail[j] = i1 == a.t ? joined[mine * JW + a.t + j] : column(a.t + j);
             }
         }
     }
