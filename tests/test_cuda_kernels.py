@@ -77,27 +77,6 @@ def test_a_product_splits_into_parts_as_its_rows_allow(tmp_path):
     assert by_cost[(5120, 544)] == 6
 
 
-def test_a_hybrid_plan_evens_the_sms_shares(tmp_path):
-    """hybrid_of (lucepy-plan.h, gemm_rb's hybrid plan): the FFN's stacked up and gate of the
-    27B-shaped model on an H200 (544 blocks of 64 rows, 20 chunks, 132 SMs of 5 slots) takes
-    528 whole CTAs and its other 16 blocks in 7 parts of 3 chunks (one slot more an SM at most);
-    products of fewer than two blocks an SM, of a multiple of the SMs, or that would fill every
-    slot with whole CTAs take none."""
-    exe = host_build(tmp_path, "hybrid_host")
-    cases = [(544, 20, 132, 5), (258, 20, 132, 5), (160, 20, 132, 5), (80, 68, 132, 5),
-             (528, 20, 132, 5), (700, 20, 132, 5), (300, 2, 132, 5)]  # fmt: skip
-    lines = "".join(" ".join(map(str, c)) + "\n" for c in cases)
-    out = subprocess.run([exe], input=lines, capture_output=True, text=True, check=True).stdout
-    got = [tuple(map(int, line.split())) for line in out.splitlines()]
-    assert got[0] == (528, 7, 3, 640)
-    assert got[1:] == [(0, 0, 0, 0)] * 5 + [(264, 2, 1, 336)]
-    for (blocks, chunks, sms, _), (whole, parts, per, ctas) in zip(cases, got, strict=True):
-        if whole:
-            assert ctas == whole + (blocks - whole) * parts
-            assert whole % sms == 0 and (blocks - whole) * parts <= sms
-            assert per * parts >= chunks > per * (parts - 1)  # every chunk, no part empty
-
-
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_pieces_equal_ggml_values(kind, host_check):
     """Each 32-value piece of each row, unpacked by the kernels' code, times int8 activations,

@@ -595,9 +595,9 @@ def test_gpu_ffn_gate_and_up_are_one_product(k, n, n_ff, cuda):
     and applies the gate (counted as two products and an op); the GLU's result and the down
     product no further from the exact math than twice ggml's kernels on the blocks; new inputs,
     new results (the CUDA graph replayed). With the gate product kept as an output, each product
-    on its own (no op), the GLU's result the same within float rounding. The 27B-shaped FFN at
-    16 columns is on a hybrid plan on an H200 (544 row blocks of the stack: 528 whole CTAs, the
-    other 16 blocks in parts)."""
+    on its own (no op), the GLU's result the same within float rounding. On an H200 the
+    27B-shaped FFN's two products at 16 columns are gemm_rb's (bulk_product: the stack's 544 row
+    blocks of 20 chunks, the down's 80 of 68), the small FFN's gemm_r's."""
     lib, device, kernels = cuda
     h200 = on_h200(lib, device)
     shapes = [(n_ff, n), (n_ff, n), (n, n_ff)]  # (rows, row length): gate, up, down
@@ -611,10 +611,10 @@ def test_gpu_ffn_gate_and_up_are_one_product(k, n, n_ff, cuda):
         out = ffn_products(lib, device, weights, feeds, keep_gate, repack=kernels)
         return out, (kernels.calls - calls, kernels.ops - ops)
 
-    hybrid = kernels.hybrid
+    bulk = kernels.bulk
     assert run(xs[:1])[1] == (3, 1)
     if h200:
-        assert kernels.hybrid - hybrid == int(n_ff == 17408), "the stack's plan"
+        assert kernels.bulk - bulk == (2 if n_ff == 17408 else 0), "gemm_rb's products"
     kept, counts = run(xs[:1], keep_gate=True)
     assert counts == (3, 0)
     ours, _ = run(xs)

@@ -25,7 +25,6 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_copies(void);
     int64_t lucepy_cuda_kernels_joined(void);
     int64_t lucepy_cuda_kernels_bulk(void);
-    int64_t lucepy_cuda_kernels_hybrid(void);
     int lucepy_cuda_repack(void * tensor);
     """
 )
@@ -91,12 +90,6 @@ class CudaKernels:
         """Of the products, those of ``gemm_rb`` (each warp's weights by Hopper's TMA unit: the
         big ones at 2-16 columns, lucepy-mm.cu's ``bulk_product``), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_bulk())
-
-    @property
-    def hybrid(self) -> int:
-        """Of those, the ones on a hybrid plan (whole CTAs for the row blocks every SM takes alike,
-        the rest in parts: lucepy-mm.cu's ``hybrid_plan``, the FFN's stacked up and gate)."""
-        return int(self.handle.lucepy_cuda_kernels_hybrid())
 
     def repack(self, tensor: Any) -> bool:
         """Rewrite a Q4_0 weight in a CUDA device's memory in place into lucepy's layout

@@ -492,48 +492,6 @@ void launch_gemm_r(GemmArgs a, float * parts_buf, cudaStream_t s) {
     launch_build<GemmR<NT, W, MINB, XCH>, MOST, PLAN_SM>(a, parts_buf, s);
 }
 
-// gemm_rb on its hybrid plan (lucepy-plan.h's hybrid_of, as lucepy-mm.cu's hybrid_plan takes it
-// for the FFN's stacked up and gate; where it takes none, gemm_rb's own plan), every block's
-// part 0 and the split blocks' other parts into a.parts, then dst by sum_rows_from (every row:
-// the model's glu_halves reads the parts as they are, so this times a little more). On an
-// H200 the stack at 16 columns 36.97 us where 39.86 (docs/BENCHMARKS.md, session 40: a
-// bench-only kernel then, adding up the split rows alone).
-// dst = a hybrid plan's parts: part 0 for rows before from0, the sum of every part from there
-__global__ void sum_rows_from(const float * parts, int nparts, int nrows, int ncols, int from0,
-                              float * dst, int64_t dst_stride) {
-    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-    if (i >= int64_t(nrows) * ncols) {
-        return;
-    }
-    const int col = int(i / nrows);
-    const int row = int(i % nrows);
-    float v = parts[int64_t(col) * nrows + row];
-    for (int p = 1; row >= from0 && p < nparts; p++) {
-        v += parts[int64_t(p) * ncols * nrows + int64_t(col) * nrows + row];
-    }
-    dst[col * dst_stride + row] = v;
-}
-
-template <int NT, int MINB> void launch_rb_hybrid(GemmArgs a, float * parts_buf, cudaStream_t s) {
-    using R = GemmRB<NT, MINB>;
-    auto kernel = R::hybrid_kernel();
-    const int per_sm = ctas_per_sm(kernel, GM_WARPS * 32, R::smem);
-    const Hybrid h = hybrid_of(row_blocks(a), a.npieces / 8, g_sms, per_sm);
-    if (h.whole == 0) {
-        launch_build<R>(a, parts_buf, s);
-        return;
-    }
-    a.whole = h.whole;
-    a.hparts = h.parts;
-    a.per_part = h.per;
-    a.parts = parts_buf;
-    kernel<<<unsigned(h.ctas), GM_WARPS * 32, R::smem, s>>>(a);
-    const int64_t n = int64_t(a.nrows) * a.ncols;
-    sum_rows_from<<<unsigned((n + 255) / 256), 256, 0, s>>>(a.parts, h.parts, a.nrows, a.ncols,
-                                                            h.whole * GM_WARPS * 16, a.dst,
-                                                            a.dst_stride);
-}
-
 template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // (capped parts, session 26: at 16 columns only the FFN up gained, 3 %; session 28: even
     // shares of the (tile, chunk) steps in one wave, and the last CTA of a tile adding its
@@ -554,7 +512,9 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // gemm_rb in even shares of the tiles, one part, a CTA a slot (3-4 tiles each on the FFN
     // stack, where 16 SMs ran a fifth 64-row CTA and ended 6.7 us after the rest): the stack
     // the same at 16 columns, 5 % faster at 8 (still slower than gemm_r there), the rest slower;
-    // the hybrid plan (launch_rb_hybrid above): the stack at 16 columns 36.97 us where 39.86)
+    // gemm_rb on a hybrid plan (whole CTAs for the row blocks every SM takes alike, the rest
+    // in parts of a few chunks): the stack at 16 columns 36.97 us where 39.86 alone, qkv slower;
+    // in the model (session 41) its stack no sooner and glu_halves 3 us slower: removed)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-mm.cu's where bulk_product
             {"rp bulk <= 2 parts", launch_build<GemmRB<NT>, 2>},
@@ -562,7 +522,6 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
             {"rp bulk <= 4 parts", launch_build<GemmRB<NT>, 4>},
             {"rp bulk <= 6 parts", launch_build<GemmRB<NT>, 6>},
             {"rp bulk 4 CTAs an SM", launch_build<GemmRB<NT, 4>>},
-            {"rp bulk hybrid", launch_rb_hybrid<NT, 5>},
             {"rp other chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3 - gemm_r_xch(NT)>},
             {"rp 8 warps", launch_gemm_r<NT, 8>},
             {"rp 3 chunks a barrier", launch_gemm_r<NT, 4, 4, 16, 3>},

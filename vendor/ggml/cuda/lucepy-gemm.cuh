@@ -325,14 +325,12 @@ __device__ __forceinline__ float parts_sum(const float * p, int nparts, int64_t 
 // model, 34 segments of 16 columns, then fits the H200 at once: a warp a piece took a second
 // wave of CTAs); writes the result, and its halves as to_halves writes them (padding columns
 // zeros). Each element read and written by one lane (with one part, the result may be written
-// over a or b). Of a hybrid plan's product (gemm_rb, lucepy-mm.cu's hybrid_plan), the rows
-// before `split_from` (of a's then b's, one run) have one part (0: every row nparts).
+// over a or b).
 constexpr int GLU_WARPS = GM_SEG / 2;
 
 __global__ void __launch_bounds__(GLU_WARPS * 32)
     glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
-               int64_t part_stride, float * dst, int npieces, int ncols, Halves out,
-               int64_t split_from) {
+               int64_t part_stride, float * dst, int npieces, int ncols, Halves out) {
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // a and b: the kernels before have finished
     const int seg = blockIdx.x;
@@ -345,13 +343,9 @@ __global__ void __launch_bounds__(GLU_WARPS * 32)
     for (int i = 0; i < 2; i++) {  // both pieces' loads in flight before the arithmetic
         p[i] = seg * GM_SEG + threadIdx.x / 32 + i * GLU_WARPS;
         here[i] = c < ncols && p[i] < npieces;
-        const int64_t e = int64_t(p[i]) * 32 + threadIdx.x % 32;
-        const int64_t at = c * col_stride + e;
-        // (a hybrid plan's whole blocks: one part below split_from, b's rows npieces 32 on)
-        const int na = e >= split_from ? nparts : 1;
-        const int nb = e + int64_t(npieces) * 32 >= split_from ? nparts : 1;
-        x[i] = here[i] ? parts_sum(a + at, na, part_stride) : 0.0f;
-        y[i] = here[i] ? parts_sum(b + at, nb, part_stride) : 0.0f;
+        const int64_t at = c * col_stride + int64_t(p[i]) * 32 + threadIdx.x % 32;
+        x[i] = here[i] ? parts_sum(a + at, nparts, part_stride) : 0.0f;
+        y[i] = here[i] ? parts_sum(b + at, nparts, part_stride) : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -513,19 +507,9 @@ struct GemmArgs {
     int ncols;           // columns to write (the halves hold padded_cols of them)
     int per_part;        // chunks a part of the pieces takes (gridDim.y parts)
     uint64_t * stamps;   // or null: gemm_r's timelines (RP_STAMPS: bench-kernels --timeline)
-    // gemm_rb's hybrid plan (whole 0: none): CTA i < whole takes row block i and every chunk,
-    // into part 0; the others block whole + j / hparts (j = i - whole), part j % hparts of
-    // per_part chunks; every CTA's sums into a.parts (hybrid_plan, lucepy-mm.cu)
-    int whole;
-    int hparts;
 };
 
 constexpr int GM_WARPS = 4;  // a CTA's warps, each an mma tile of 16 rows
-
-// the row blocks of a product's CTAs of GM_WARPS tiles (gemm_r's and gemm_rb's)
-inline int row_blocks(const GemmArgs & a) {
-    return (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
-}
 
 // Chunks of P pieces (P % pieces-a-block == 0), ST in flight, NT tiles of 8 columns, W warps.
 template <int K, int NT, int P, int ST = 2, int W = GM_WARPS> struct Gm {
@@ -662,11 +646,9 @@ __device__ __forceinline__ void flush_segment(float (&acc)[NT][4], float (&total
 // split in parts
 template <int NT>
 __device__ __forceinline__ void store_tile(const GemmArgs & a, const float (&total)[NT][4],
-                                           int row, int g, int t, int part = -1) {
-    // (part >= 0: a hybrid plan's, into that part)
-    const bool split = gridDim.y > 1 || part >= 0;
-    float * out = split ? a.parts + int64_t(part >= 0 ? part : blockIdx.y) * a.ncols * a.nrows
-                        : a.dst;
+                                           int row, int g, int t) {
+    const bool split = gridDim.y > 1;
+    float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
     const int64_t stride = split ? a.nrows : a.dst_stride;
     const float * residual = split ? nullptr : a.residual;
 #pragma unroll

@@ -70,7 +70,6 @@ std::atomic<int64_t> g_ops{0};
 std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
 std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
 std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
-std::atomic<int64_t> g_hybrid{0};  // of those, on a hybrid plan (hybrid_plan)
 
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -397,12 +396,11 @@ void launch_norm_halves(const float * x, int64_t x_stride, const float * w, floa
 // glu_halves of `ncols` columns of `npieces` pieces (its arguments), a CTA a segment of a column
 void launch_glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
                        int64_t part_stride, float * dst, int npieces, int ncols,
-                       const Halves & out, cudaStream_t stream, int64_t split_from = 0) {
+                       const Halves & out, cudaStream_t stream) {
     const dim3 grid{unsigned(segments(npieces)), unsigned(padded_cols(ncols))};
     ggml_cuda_kernel_launch(glu_halves,
                             ggml_cuda_kernel_launch_params(grid, GLU_WARPS * 32, 0, stream), a, b,
-                            col_stride, nparts, part_stride, dst, npieces, ncols, out,
-                            split_from);
+                            col_stride, nparts, part_stride, dst, npieces, ncols, out);
 }
 
 // The RMS norm times a weight after a product's residual ADD, whose result a product of ours
@@ -839,8 +837,8 @@ template <int NT> bool bulk_product(int device, const GemmArgs & a) {
     if (ggml_cuda_info().devices[device].cc < 900) {
         return false;
     }
-    return int64_t(row_blocks(a)) * (a.npieces / 8) >=
-           (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
+    const int64_t tiles = (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
+    return tiles * (a.npieces / 8) >= (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
 }
 
 // 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few
@@ -1931,26 +1929,6 @@ int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgrap
     return (i_mul > 0 ? i_mul : i_add) - i;
 }
 
-// gemm_rb's hybrid plan for `a` (GemmArgs' whole, hparts, per_part; the CTAs in grid.x), or
-// whole 0 where it does not apply: whole CTAs, every chunk of a row block, for as many blocks as
-// every SM takes alike (at least 2 an SM, fewer than its slots), and the other blocks in parts
-// of a few chunks that fill one more slot an SM. On an H200 the FFN's stacked up and gate at 16
-// columns (544 blocks: 528 whole, 16 in 7 parts of 3 chunks) took 36.97 us alone where gemm_rb's
-// one part (16 SMs a fifth whole CTA, ending 6.7 us after the rest) took 39.86; qkv's 160
-// blocks (one whole round) slower (docs/BENCHMARKS.md, session 40).
-GemmPlan hybrid_plan(int device, GemmArgs & a) {
-    const int sms = ggml_cuda_info().devices[device].nsm;
-    const Hybrid h =
-        hybrid_of(row_blocks(a), a.npieces / 8, sms, slots_of_build<GemmRB<2>>(device) / sms);
-    a.whole = h.whole;
-    if (h.whole == 0) {
-        return {};
-    }
-    a.hparts = h.parts;
-    a.per_part = h.per;
-    return {dim3(unsigned(h.ctas), 1), h.per};
-}
-
 // An FFN's two products of one input and their SWIGLU from node i, a MUL_MAT (a verify's gate
 // and up, 2-16 columns, both repacked Q4_0 matrices of one shape): one gemm_r over both
 // matrices' rows (the GLU's first source's first), its parts added by glu_halves as it applies
@@ -2034,29 +2012,10 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // 5 CTAs an SM, a chunk of activations a stage: 96 registers, none spilled (on an H200 the
     // stack at 16 columns 41.2 us where 4 CTAs take 43.0, at 8 31.9 where 35.3; the other
     // products no faster so: docs/BENCHMARKS.md, session 37); at two column tiles gemm_rb
-    // (39.5 us at 16 columns: session 38), on its hybrid plan where one applies (session 40)
-    const bool bulk = ncols > GM_COL_TILE && bulk_product<2>(ctx.device, g);
-    GemmArgs h = g;
-    const GemmPlan hybrid = bulk ? hybrid_plan(ctx.device, h) : GemmPlan{};
+    // (39.5 us at 16 columns: session 38)
     if (ncols <= GM_COL_TILE) {
         go(GemmR<1, GM_WARPS, 5, 1>());
-    } else if (h.whole > 0) {  // every block's part 0 in buf, the split blocks' parts after
-        float * buf = sums.alloc(size_t(h.hparts) * ncols * 2 * n);
-        h.parts = buf;
-        h.dst = buf;
-        h.dst_stride = 2 * n;
-        using R = GemmRB<2>;
-        static int64_t slots[GGML_CUDA_MAX_DEVICES] = {};
-        slots_of(R::hybrid_kernel(), R::smem, ctx.device, slots);  // (its shared memory raised)
-        ggml_cuda_kernel_launch(
-            R::hybrid_kernel(),
-            ggml_cuda_kernel_launch_params(hybrid.grid, GM_WARPS * 32, R::smem, ctx.stream()), h);
-        launch_glu_halves(buf, buf + n, 2 * n, h.hparts, 2 * n * ncols,
-                          static_cast<float *>(glu->data), int(n / 32), int(ncols), out,
-                          ctx.stream(), int64_t(h.whole) * GM_WARPS * 16);
-        g_bulk.fetch_add(1, std::memory_order_relaxed);
-        g_hybrid.fetch_add(1, std::memory_order_relaxed);
-    } else if (bulk) {
+    } else if (bulk_product<2>(ctx.device, g)) {
         go(GemmRB<2>());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {
@@ -2531,7 +2490,6 @@ std::atomic<int64_t> g_ops{0};
 std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
 std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
 std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
-std::atomic<int64_t> g_hybrid{0};  // of those, on a hybrid plan (hybrid_plan)
 }  // namespace lucepy
 
 #endif
@@ -2579,10 +2537,6 @@ int64_t lucepy_cuda_kernels_joined(void) {
 
 int64_t lucepy_cuda_kernels_bulk(void) {
     return lucepy::g_bulk.load(std::memory_order_relaxed);
-}
-
-int64_t lucepy_cuda_kernels_hybrid(void) {
-    return lucepy::g_hybrid.load(std::memory_order_relaxed);
 }
 
 int lucepy_cuda_repack(struct ggml_tensor * t) {

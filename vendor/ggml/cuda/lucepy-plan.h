@@ -69,35 +69,4 @@ inline int gemm_parts_by_cost(int nrows, int npieces, int ncols, int cta_rows, i
     }
     return best;
 }
-
-// gemm_rb's hybrid plan (lucepy-mm.cu's hybrid_plan) for `blocks` row blocks of `nchunks`
-// chunks on `sms` SMs of `per_sm` CTA slots: `whole` CTAs take every chunk of a block, for as
-// many blocks as every SM takes alike (at least 2 an SM, fewer than its slots); the other blocks
-// go in `parts` parts of `per` chunks, about one more slot an SM; `ctas` in all. whole 0: no
-// such plan.
-struct Hybrid {
-    int whole = 0;
-    int parts = 0;
-    int per = 0;
-    int ctas = 0;
-};
-
-inline Hybrid hybrid_of(int blocks, int nchunks, int sms, int64_t per_sm) {
-    Hybrid h;
-    const int rounds = blocks / sms, rest = blocks % sms;
-    if (rounds < 2 || rounds >= per_sm || rest == 0) {
-        return h;
-    }
-    const int want = std::max(1, std::min(nchunks, sms / rest));
-    const int per = (nchunks + want - 1) / want;
-    const int parts = (nchunks + per - 1) / per;
-    if (parts < 2) {
-        return h;
-    }
-    h.whole = rounds * sms;
-    h.parts = parts;
-    h.per = per;
-    h.ctas = h.whole + rest * parts;
-    return h;
-}
 }  // namespace lucepy

@@ -484,8 +484,7 @@ template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT)>
 // 43.1, and 41.2 for gemm_r at 5 CTAs an SM; ffn down 22.7 where 23.4; qkv 15.2 where 15.6), 5-9
 // % slower where it gets 3 or fewer (attn out 11.7 where 11.1); at 2-8 columns ffn down 18.1-18.4
 // where 19.3-19.6 (session 39). sm_90 and newer. SKIP: RP_STAMPS alone (bench-kernels'
-// --timeline), as gemm_r's. HYBRID: the CTAs on a.whole's hybrid plan (GemmArgs), a build of
-// its own so that the others' code stays as it was.
+// --timeline), as gemm_r's.
 
 // the mbarrier at shared address `bar` expects `count` arrivals a phase
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -552,7 +551,7 @@ template <int NT> __host__ __device__ constexpr int gemm_rb_smem() {
            GM_WARPS * RB_STAGES * 8;
 }
 
-template <int NT, int MINB, int SKIP = 0, bool HYBRID = false>
+template <int NT, int MINB, int SKIP = 0>
 __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a) {
     static_assert((SKIP & ~RP_STAMPS) == 0, "gemm_rb leaves nothing out");
     constexpr int W = GM_WARPS, P = 8, ST = RB_STAGES;
@@ -563,16 +562,10 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     const int warp = threadIdx.x / 32;
     const int g = lane / 4;
     const int t = lane % 4;
+    const int row0 = blockIdx.x * W * 16;
     const int nchunks_all = a.npieces / P;
-    // the CTA's row block and part: gridDim's, or a hybrid plan's (a.whole > 0)
-    const int j = int(blockIdx.x) - a.whole;
-    const bool hybrid = HYBRID && a.whole > 0;
-    const bool whole = hybrid && j < 0;
-    const int block = !hybrid || whole ? int(blockIdx.x) : a.whole + j / a.hparts;
-    const int part = !hybrid ? int(blockIdx.y) : whole ? 0 : j % a.hparts;
-    const int row0 = block * W * 16;
-    const int chunk0 = whole ? 0 : part * a.per_part;
-    const int nchunks = whole ? nchunks_all : max(0, min(a.per_part, nchunks_all - chunk0));
+    const int chunk0 = blockIdx.y * a.per_part;
+    const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
     const bool mine = row0 + warp * 16 < a.nrows;
     if constexpr (SKIP & RP_STAMPS) {
         uint32_t sm;
@@ -678,7 +671,7 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     LUCEPY_PDL_LAUNCH();
 
     if (mine) {
-        store_tile<NT>(a, total, row0 + warp * 16, g, t, hybrid ? part : -1);
+        store_tile<NT>(a, total, row0 + warp * 16, g, t);
     }
     if constexpr (SKIP & RP_STAMPS) {
         __syncthreads();  // every warp's tile stored
@@ -693,7 +686,6 @@ template <int NT, int MINB = 5> struct GemmRB {
     static constexpr int minb = MINB;
     static constexpr int smem = gemm_rb_smem<NT>();
     static auto kernel() { return gemm_rb<NT, MINB>; }
-    static auto hybrid_kernel() { return gemm_rb<NT, MINB, 0, true>; }
 };
 
 // One column on a repacked Q4_0 matrix (a.w), the activations as `quantize` writes them (one
