@@ -22,7 +22,7 @@
 #pragma once
 
 #include "lucepy-kernels.cuh"  // copy_async, the PDL hooks
-#include "lucepy-plan.h"     // gemm_parts
+#include "lucepy-plan.h"     // gemm_parts, row_tiles
 
 #include <cuda_fp16.h>
 
@@ -876,7 +876,7 @@ struct GemmPlan {
 inline GemmPlan gemm_plan_in(int nrows, int npieces, int cta_rows, int P, int parts) {
     const int nchunks = (npieces + P - 1) / P;
     const int per_part = (nchunks + parts - 1) / parts;
-    return {dim3(unsigned((nrows + cta_rows - 1) / cta_rows),
+    return {dim3(unsigned(row_tiles(nrows, cta_rows)),
                  unsigned((nchunks + per_part - 1) / per_part)),
             per_part};
 }

@@ -41,9 +41,8 @@ constexpr int MIN_GEMM_COLS = 3;
 constexpr int GGML_VECTOR_COLS = 8;
 
 bool gemm_fills(int64_t nrows, int64_t npieces, int device) {
-    const int64_t tiles = (nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
     const int64_t parts = gemm_max_parts(npieces, gemm_chunk<Q4_0>());
-    return tiles * parts >= ggml_cuda_info().devices[device].nsm;
+    return row_tiles(nrows, GM_WARPS * 16) * parts >= ggml_cuda_info().devices[device].nsm;
 }
 
 // whether lucepy's kernels take a product of `ncols` columns with this weight (as far as its
@@ -837,8 +836,8 @@ template <int NT> bool bulk_product(int device, const GemmArgs & a) {
     if (ggml_cuda_info().devices[device].cc < 900) {
         return false;
     }
-    const int64_t tiles = (a.nrows + GM_WARPS * 16 - 1) / (GM_WARPS * 16);
-    return tiles * (a.npieces / 8) >= (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
+    return row_tiles(a.nrows, GM_WARPS * 16) * (a.npieces / 8) >=
+           (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
 }
 
 // 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few

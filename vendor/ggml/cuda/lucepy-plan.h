@@ -8,6 +8,11 @@
 
 namespace lucepy {
 
+// The CTAs of `cta_rows` rows that cover `nrows` rows (a product's row tiles)
+inline int64_t row_tiles(int64_t nrows, int cta_rows) {
+    return (nrows + cta_rows - 1) / cta_rows;
+}
+
 // The most parts a product of `npieces` pieces splits into: at most `most`, every part keeping
 // at least 2 chunks of P pieces.
 inline int gemm_max_parts(int64_t npieces, int P, int most = 16) {
@@ -23,7 +28,7 @@ inline int gemm_max_parts(int64_t npieces, int P, int most = 16) {
 // part more filled 5 % more of the GPU: its 16-column product took 26 us, 20 chunks in a row.)
 inline int gemm_parts(int nrows, int npieces, int cta_rows, int P, int64_t slots,
                       int most = 16) {
-    const int64_t tiles = (nrows + cta_rows - 1) / cta_rows;
+    const int64_t tiles = row_tiles(nrows, cta_rows);
     const int top = gemm_max_parts(npieces, P, most);
     int best = 1;
     double fill = 0.0;
@@ -49,7 +54,7 @@ inline int gemm_parts(int nrows, int npieces, int cta_rows, int P, int64_t slots
 // were up to 13 % faster (the FFN's up, and its up and gate as one product, 16 columns).
 inline int gemm_parts_by_cost(int nrows, int npieces, int ncols, int cta_rows, int P,
                               int64_t slots, int most = 16) {
-    const int64_t tiles = (nrows + cta_rows - 1) / cta_rows;
+    const int64_t tiles = row_tiles(nrows, cta_rows);
     const int64_t nchunks = (npieces + P - 1) / P;
     const int top = gemm_max_parts(npieces, P, most);
     int best = 1;
