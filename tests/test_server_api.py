@@ -197,6 +197,22 @@ def test_fields_that_ask_for_nothing_are_accepted(served, body):
     assert httpx.post(srv.url + "/v1/chat/completions", json=request).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ],
+)
+def test_any_model_name_gets_the_served_model(served, path, body):
+    """The request's ``model`` is not checked (as llama-server does: clients often send a name of
+    their own); the answer names the model served, as ``/v1/models`` does."""
+    srv, client, _ = served
+    reply = httpx.post(srv.url + path, json={"model": "gpt-4o", "max_tokens": 2, **body})
+    assert reply.status_code == 200
+    assert reply.json()["model"] == "tiny" == client.models.list().data[0].id
+
+
 SCHEMA = {
     "type": "object",
     "properties": {
