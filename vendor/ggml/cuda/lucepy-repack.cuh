@@ -205,6 +205,26 @@ template <int SKIP> __device__ __forceinline__ void stamp_clock(const GemmArgs &
     }
 }
 
+// with RP_STAMPS, a CTA's first stamps: its SM, the global timer and its SM's clock
+template <int SKIP> __device__ __forceinline__ void stamp_start(const GemmArgs & a) {
+    if constexpr (SKIP & RP_STAMPS) {
+        uint32_t sm;
+        asm("mov.u32 %0, %%smid;" : "=r"(sm));
+        stamp<SKIP>(a, RP_AT_SM, sm);
+        stamp<SKIP>(a, RP_AT_START_NS, global_ns());
+        stamp_clock<SKIP>(a, RP_AT_START);
+    }
+}
+
+// with RP_STAMPS, a CTA's last stamps, once every warp has stored its tile (the whole CTA calls it)
+template <int SKIP> __device__ __forceinline__ void stamp_end(const GemmArgs & a) {
+    if constexpr (SKIP & RP_STAMPS) {
+        __syncthreads();
+        stamp_clock<SKIP>(a, RP_AT_END);
+        stamp<SKIP>(a, RP_AT_END_NS, global_ns());
+    }
+}
+
 // a lane's A registers of a word's low and high nibbles, rows g (qa) and g + 8 (qb)
 template <int SKIP>
 __device__ __forceinline__ void lane_words(uint32_t qa, uint32_t qb, uint32_t da, uint32_t db,
@@ -327,13 +347,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     const int chunk0 = blockIdx.y * a.per_part;
     const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
     const bool mine = warp * 16 < rows;
-    if constexpr (SKIP & RP_STAMPS) {
-        uint32_t sm;
-        asm("mov.u32 %0, %%smid;" : "=r"(sm));
-        stamp<SKIP>(a, RP_AT_SM, sm);
-        stamp<SKIP>(a, RP_AT_START_NS, global_ns());
-        stamp_clock<SKIP>(a, RP_AT_START);
-    }
+    stamp_start<SKIP>(a);
 
     const ActCopy<NT, W * 32> x_copy(a, chunk0);
     auto issue_x = [&](int q) {  // stage q's chunks: q XCH on
@@ -451,11 +465,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     if (mine) {
         store_tile<NT>(a, total, row0 + warp * 16, g, t);
     }
-    if constexpr (SKIP & RP_STAMPS) {
-        __syncthreads();  // every warp's tile stored
-        stamp_clock<SKIP>(a, RP_AT_END);
-        stamp<SKIP>(a, RP_AT_END_NS, global_ns());
-    }
+    stamp_end<SKIP>(a);
 }
 
 template <int NT, int XCH = gemm_r_xch(NT)> __host__ __device__ constexpr int gemm_r_smem() {
@@ -567,13 +577,7 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     const int chunk0 = blockIdx.y * a.per_part;
     const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
     const bool mine = row0 + warp * 16 < a.nrows;
-    if constexpr (SKIP & RP_STAMPS) {
-        uint32_t sm;
-        asm("mov.u32 %0, %%smid;" : "=r"(sm));
-        stamp<SKIP>(a, RP_AT_SM, sm);
-        stamp<SKIP>(a, RP_AT_START_NS, global_ns());
-        stamp_clock<SKIP>(a, RP_AT_START);
-    }
+    stamp_start<SKIP>(a);
     // this warp's mbarriers, one a stage, after the stages
     const uint32_t bars = shared_at(smem) + ST * (X_STAGE + W_STAGE) + warp * ST * 8;
     const uint32_t w_dst = shared_at(smem) + ST * X_STAGE + warp * RB_WARP_BYTES;
@@ -673,11 +677,7 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     if (mine) {
         store_tile<NT>(a, total, row0 + warp * 16, g, t);
     }
-    if constexpr (SKIP & RP_STAMPS) {
-        __syncthreads();  // every warp's tile stored
-        stamp_clock<SKIP>(a, RP_AT_END);
-        stamp<SKIP>(a, RP_AT_END_NS, global_ns());
-    }
+    stamp_end<SKIP>(a);
 }
 
 // gemm_rb's build at MINB CTAs an SM, as GemmR names gemm_r's
