@@ -33,7 +33,7 @@ GPU = "cuda:0"
 # not a multiple of a CTA's rows (4 of gemv's, 64 of gemm's): idle warps at the end; and enough
 # for gemm to take 3-8 columns (19 row tiles, 8 parts: a CTA for each of 132 multiprocessors)
 ROWS = 1201
-OURS = {1, *range(3, 17)}  # column counts lucepy's kernels take (lucepy-mm.cu: 2 is ggml's)
+OURS = set(range(1, 17))  # column counts lucepy's kernels take (lucepy-mm.cu: MIN_GEMM_COLS)
 N = 4096
 EPS = 1e-6  # of the RMS norms
 
@@ -204,7 +204,7 @@ def test_gpu_kernels_are_on_by_default_from_compute_capability_9(cuda):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_gpu_kernels_match_the_exact_math_for_1_to_16_columns(kind, cuda):
-    """Every count of columns a DFlash verify takes (2 is ggml's: measured faster there).
+    """Every count of columns a DFlash verify takes.
     Column 1 of gemm's is scaled far past a half's range (gemm multiplies halves: each segment
     of 512 activations is scaled by a power of two first; ggml's q8_1 sums overflow there, so
     its bound comes from the unscaled columns), and column 0 has a segment of zeros."""

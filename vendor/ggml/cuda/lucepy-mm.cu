@@ -29,10 +29,11 @@
 namespace lucepy {
 
 constexpr int MAX_COLS = 16;  // one column: gemv; 3 to 16: gemm (a DFlash verify's rows)
-// 2 columns: ggml's kernels (dp4a, like gemv), which verified 2 tokens of the 27B-shaped Q4_0
-// model on the H200 in 11.6 ms against gemm's 13.1; 3 columns gemm: 12.6 against ggml's 12.4
-// ms on Q4_0, 14.6 against 16.1 on Q4_K_M (docs/BENCHMARKS.md).
-constexpr int MIN_GEMM_COLS = 3;
+// 2 columns: gemm too. ggml's kernels (dp4a, like gemv) verified 2 tokens of the 27B-shaped Q4_0
+// model on the H200 in 11.6 ms against gemm's 13.1 when gemm was new (session 18), so 2 was
+// theirs; in session 41 the model with gemm at 3 columns took 8.64 ms (Q4_0 blocks) and 10.76
+// (Q4_K_M) where 2 columns on ggml's took 9.12 and 11.79 (docs/BENCHMARKS.md).
+constexpr int MIN_GEMM_COLS = 2;
 // Up to GGML_VECTOR_COLS columns (ggml's MMVQ_MAX_BATCH_SIZE), a product too small to give gemm
 // a CTA for each of the GPU's multiprocessors (row tiles times the most parts its pieces allow)
 // is ggml's too: there its vector kernel is faster (SmolLM2-135M's products of 576-1,536 rows,
