@@ -300,7 +300,7 @@ def test_gpu_fused_gate_and_swiglu_match_the_exact_math(kind, cuda):
 def test_gpu_rms_norm_prepares_the_activations_of_its_products(kind, k, cuda):
     """An RMS norm times its weight whose result two products read (Q and K, or up and gate) is
     one kernel of ours that also prepares that result for them: int8 planes for one column (Q8_0
-    two), halves for 3-16. The products take it (one preparation, counted as a norm's), the
+    two), halves for 2-16. The products take it (one preparation, counted as a norm's), the
     norm's result is ggml's, and the products are within twice ggml's error of the exact math;
     with new inputs (the CUDA graph captured and replayed) the new products."""
     lib, device, kernels = cuda
@@ -462,7 +462,7 @@ def gated_norm_products(lib, device, weights, norm, xs, zs, op, cols=1, wide=0):
 )
 def test_gpu_gated_norm_quantizes_for_its_products(kind, op, n, cols, cuda):
     """A gated norm of short rows (qwen35's DeltaNet output: 48 heads of 128 a token) whose result
-    two products read as one column (a decode) or as 3-16 columns of whole rows (a verify) is one
+    two products read as one column (a decode) or as 2-16 columns of whole rows (a verify) is one
     kernel of ours that also prepares it for them (int8 planes, or halves): one preparation
     (counted as fused), the norm and the gated result ggml's within float rounding, the products
     within twice ggml's error of the exact math, new products for new inputs (the CUDA graph
@@ -541,7 +541,7 @@ def glu_products(lib, device, weights, gates, ups):
 
 @pytest.mark.parametrize(("kind", "k"), [("q4_0", 16), ("q6_k", 3)])
 def test_gpu_glu_prepares_halves_for_its_products(kind, k, cuda):
-    """A SWIGLU whose result two products read as 3-16 columns (a verify's FFN down) is one
+    """A SWIGLU whose result two products read as 2-16 columns (a verify's FFN down) is one
     kernel of ours that also writes the products' halves: one preparation (counted as fused),
     the result ggml's within float rounding, the products within twice ggml's error of the
     exact math, new products for new inputs (the CUDA graph replayed)."""
@@ -663,7 +663,7 @@ def residual_products(lib, device, weights, xs, rs, keep, repack=None):
     [("q4_0", 16, False), ("q4_k", 3, False), ("q4_0", 9, True), ("q4_0", 16, True)],
 )
 def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
-    """A product of 3-16 columns and the ADD of a residual after it (a verify layer's output
+    """A product of 2-16 columns and the ADD of a residual after it (a verify layer's output
     and its skip connection) is one product of ours that writes the sum (counted as an op),
     bit for bit what the product and ggml's ADD give apart (the product kept as an output
     too), on blocks and on repacked weights, for new inputs too (the CUDA graph replayed)."""
