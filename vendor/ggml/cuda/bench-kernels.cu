@@ -13,6 +13,7 @@
 //     (BENCH_FEW=1: of gemm's launches only lucepy-mm.cu's, beside the repacked Q4_0's)
 //     ./bench-kernels --sum-norm   (a verify's residual sum and next RMS norm: gemm_sum and
 //     norm_halves against sum_norm_halves, their results compared byte for byte)
+//     ./bench-kernels --overlap   (a product on a second stream beside the DeltaNet recurrence)
 //     BENCH_FEW=1 ./bench-kernels --kind q4_0 --cols 16 --anatomy   (the repacked Q4_0's gemm_r
 //     beside itself with parts of its work left out: its loads alone, its compute alone, ...)
 //     ./bench-kernels --kind q4_0 --cols 8,16 --timeline   (gemm_r's and gemm_rb's CTAs, each
@@ -1294,6 +1295,202 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
     CHECK(cudaFree(w));
 }
 
+// --- --overlap: a product beside the DeltaNet recurrence, on two streams ----------------------
+//
+// A verify layer of qwen35 runs its stacked inputs' product (qkv, z, alpha, beta: 16,480 rows),
+// then the conv step and the recurrence (about 15 us at 16 tokens, latency-bound: 384 CTAs of 4
+// warps), and only the gated norm after them reads z. Were z's 6,144 rows a product of their own
+// on a second stream beside the conv and the recurrence, the stacked product would lose a third
+// of its rows. Whether the two share the SMs well enough: `delta_net` (the 27B-shaped model's 48
+// heads, 16 tokens) alone, z's product (6,144 x 5,120 repacked Q4_0, 16 columns: gemm_r<2> as
+// lucepy-mm.cu launches it, and planned for 1-3 CTAs an SM) alone, the two one after the other,
+// and the two side by side (fork and join in the graph), us a call. Each side's results are
+// compared byte for byte with its own run alone.
+struct DnBuffers {
+    float *q, *k, *v, *g, *beta, *states, *pristine, *attn;
+    int H = 48, hk = 16, T = 16, copies = 20;
+    int64_t state_floats() const { return int64_t(DN_S) * DN_S * H; }
+};
+
+DnBuffers make_dn(std::mt19937 & rng) {
+    DnBuffers b;
+    std::normal_distribution<float> nd(0.0f, 1.0f / std::sqrt(float(DN_S)));
+    std::uniform_real_distribution<float> gate(-1.0f, -0.05f), beta(0.05f, 0.95f);
+    auto upload = [](const std::vector<float> & h, float ** d) {
+        CHECK(cudaMalloc(d, h.size() * sizeof(float)));
+        CHECK(cudaMemcpy(*d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+    };
+    auto random = [&](size_t n, auto & dist, float times, float ** d) {
+        std::vector<float> h(n);
+        for (float & x : h) {
+            x = dist(rng) * times;
+        }
+        upload(h, d);
+    };
+    random(size_t(DN_S) * b.hk * b.T, nd, 1.0f, &b.q);
+    random(size_t(DN_S) * b.hk * b.T, nd, 1.0f, &b.k);
+    random(size_t(DN_S) * b.H * b.T, nd, 8.0f, &b.v);
+    random(size_t(b.H) * b.T, gate, 1.0f, &b.g);
+    random(size_t(b.H) * b.T, beta, 1.0f, &b.beta);
+    random(size_t(b.state_floats()), nd, 1.0f, &b.pristine);
+    CHECK(cudaMalloc(&b.states, size_t(b.state_floats()) * b.copies * sizeof(float)));
+    for (int c = 0; c < b.copies; c++) {
+        CHECK(cudaMemcpy(b.states + b.state_floats() * c, b.pristine,
+                         size_t(b.state_floats()) * sizeof(float), cudaMemcpyDeviceToDevice));
+    }
+    CHECK(cudaMalloc(&b.attn, size_t(DN_S) * b.H * b.T * sizeof(float)));
+    return b;
+}
+
+// the recurrence of state copy `c` in place, as a verify runs it (no PDL here)
+void launch_dn(const DnBuffers & b, int c, cudaStream_t s) {
+    DeltaNetArgs a = {};
+    a.q = b.q;
+    a.k = b.k;
+    a.sq1 = DN_S;
+    a.sq2 = int64_t(DN_S) * b.hk;
+    a.sq3 = a.sq2 * b.T;
+    a.v = b.v;
+    a.sv1 = DN_S;
+    a.sv2 = int64_t(DN_S) * b.H;
+    a.sv3 = a.sv2 * b.T;
+    a.g = b.g;
+    a.beta = b.beta;
+    a.sb1 = 1;
+    a.sb2 = b.H;
+    a.sb3 = int64_t(b.H) * b.T;
+    a.s0 = b.states + b.state_floats() * c;
+    a.attn = b.attn;
+    a.state = b.states + b.state_floats() * c;
+    a.H = b.H;
+    a.N = 1;
+    a.T = b.T;
+    a.hk = b.hk;
+    a.rq3 = 1;
+    a.scale = 1.0f / std::sqrt(float(DN_S));
+    delta_net<<<dim3(unsigned(b.H), 1, unsigned(DN_Z)), DN_WARPS * 32, 0, s>>>(a);
+}
+
+void bench_overlap(cudaStream_t s, std::mt19937 & rng) {
+    constexpr int K = 5120, ROWS = 6144, NCOLS = 16;
+    const int npieces = K / 32;
+    const int64_t row_bytes = int64_t(npieces) * 18;
+    const int64_t mat_bytes = row_bytes * ROWS;
+    const int copies = int((int64_t(1) << 30) / mat_bytes);
+    std::vector<uint8_t> host(mat_bytes);
+    for (int64_t b = 0; b < mat_bytes / 18; b++) {
+        fill_block(Q4_0, host.data() + b * 18, rng);
+    }
+    const std::vector<uint8_t> rp = host_repack(host.data(), row_bytes, ROWS, npieces);
+    uint8_t * wr;
+    CHECK(cudaMalloc(&wr, size_t(mat_bytes) * copies));
+    for (int c = 0; c < copies; c++) {
+        CHECK(cudaMemcpy(wr + mat_bytes * c, rp.data(), size_t(mat_bytes),
+                         cudaMemcpyHostToDevice));
+    }
+    std::vector<float> x(size_t(NCOLS) * K);
+    std::uniform_real_distribution<float> val(-1.0f, 1.0f);
+    for (float & v : x) {
+        v = val(rng);
+    }
+    float *dx, *dst, *parts;
+    uint8_t * act;
+    CHECK(cudaMalloc(&dx, x.size() * sizeof(float)));
+    CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&act, size_t(halves_bytes(npieces, NCOLS))));
+    CHECK(cudaMalloc(&dst, size_t(NCOLS) * ROWS * sizeof(float)));
+    CHECK(cudaMalloc(&parts, size_t(16) * NCOLS * ROWS * sizeof(float)));
+    const Halves halves = halves_at(act, npieces, NCOLS);
+    to_halves<<<dim3(unsigned(segments(npieces)), unsigned(padded_cols(NCOLS))), TH_THREADS, 0,
+                s>>>(dx, K, npieces, NCOLS, halves);
+    GemmArgs g = {};
+    g.row_stride = row_bytes;
+    g.x = halves;
+    g.dst = dst;
+    g.dst_stride = ROWS;
+    g.nrows = ROWS;
+    g.npieces = npieces;
+    g.ncols = NCOLS;
+    const DnBuffers dn = make_dn(rng);
+
+    cudaStream_t s2;
+    CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    cudaEvent_t fork, join;
+    CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    using Launch = void (*)(GemmArgs, float *, cudaStream_t);
+    const std::pair<const char *, Launch> plans[] = {
+        {"gemm_r<2>, its plan", launch_build<GemmR<2>>},
+        {"gemm_r<2>, 1 CTA an SM", launch_build<GemmR<2>, 16, 1>},
+        {"gemm_r<2>, 2 CTAs an SM", launch_build<GemmR<2>, 16, 2>},
+        {"gemm_r<2>, 3 CTAs an SM", launch_build<GemmR<2>, 16, 3>}};
+    auto product = [&](Launch launch, int i, cudaStream_t on) {
+        GemmArgs b = g;
+        b.w = wr + mat_bytes * (i % copies);
+        launch(b, parts, on);
+    };
+    // both sides once from the pristine state: what each writes, alone or side by side
+    auto results = [&](auto run) {
+        CHECK(cudaMemcpy(dn.states, dn.pristine, size_t(dn.state_floats()) * sizeof(float),
+                         cudaMemcpyDeviceToDevice));
+        CHECK(cudaMemset(dst, 0, size_t(NCOLS) * ROWS * sizeof(float)));
+        CHECK(cudaMemset(dn.attn, 0, size_t(DN_S) * dn.H * dn.T * sizeof(float)));
+        run();
+        CHECK(cudaStreamSynchronize(s));
+        CHECK(cudaGetLastError());
+        std::vector<float> out(size_t(NCOLS) * ROWS + size_t(DN_S) * dn.H * dn.T);
+        CHECK(cudaMemcpy(out.data(), dst, size_t(NCOLS) * ROWS * sizeof(float),
+                         cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(out.data() + size_t(NCOLS) * ROWS, dn.attn,
+                         size_t(DN_S) * dn.H * dn.T * sizeof(float), cudaMemcpyDeviceToHost));
+        return out;
+    };
+    const float t_dn = time_calls(s, [&](int i) { launch_dn(dn, i % dn.copies, s); });
+    std::printf("overlap: delta_net alone (48 heads, 16 tokens) %7.2f us\n", t_dn);
+    for (const auto & plan : plans) {
+        const Launch launch = plan.second;
+        const float t_p = time_calls(s, [&](int i) { product(launch, i, s); });
+        const float t_serial = time_calls(s, [&](int i) {
+            launch_dn(dn, i % dn.copies, s);
+            product(launch, i, s);
+        });
+        auto side_by_side = [&](int i, bool product_first) {
+            CHECK(cudaEventRecord(fork, s));
+            CHECK(cudaStreamWaitEvent(s2, fork, 0));
+            if (product_first) {
+                product(launch, i, s2);
+                launch_dn(dn, i % dn.copies, s);
+            } else {
+                launch_dn(dn, i % dn.copies, s);
+                product(launch, i, s2);
+            }
+            CHECK(cudaEventRecord(join, s2));
+            CHECK(cudaStreamWaitEvent(s, join, 0));
+        };
+        const std::vector<float> alone = results([&] {
+            launch_dn(dn, 0, s);
+            product(launch, 0, s);
+        });
+        const std::vector<float> both = results([&] { side_by_side(0, false); });
+        const bool same = both == alone;
+        failures += !same;
+        const float t_both = time_calls(s, [&](int i) { side_by_side(i, false); });
+        const float t_first = time_calls(s, [&](int i) { side_by_side(i, true); });
+        std::printf("  z's product, %-24s alone %7.2f us, after delta_net %7.2f, beside it %7.2f "
+                    "(launched first %7.2f)%s\n",
+                    plan.first, t_p, t_serial, t_both, t_first, same ? "" : "  WRONG");
+    }
+    CHECK(cudaEventDestroy(fork));
+    CHECK(cudaEventDestroy(join));
+    CHECK(cudaStreamDestroy(s2));
+    for (float * p : {dn.q, dn.k, dn.v, dn.g, dn.beta, dn.states, dn.pristine, dn.attn, dx, dst,
+                      parts}) {
+        CHECK(cudaFree(p));
+    }
+    CHECK(cudaFree(wr));
+    CHECK(cudaFree(act));
+}
+
 }  // namespace
 
 int main(int argc, char ** argv) {
@@ -1302,11 +1499,14 @@ int main(int argc, char ** argv) {
     const char * only_shape = nullptr;
     std::vector<int> cols;  // --cols 2,4,8,16: gemm against one column
     bool sum_norm = false;  // --sum-norm: a verify's residual sum and next norm, 2 kernels or 1
+    bool overlap = false;   // --overlap: z's product beside the DeltaNet recurrence
     for (int i = 1; i < argc; i++) {
         if (std::strcmp(argv[i], "--quick") == 0) {
             quick = true;
         } else if (std::strcmp(argv[i], "--sum-norm") == 0) {
             sum_norm = true;
+        } else if (std::strcmp(argv[i], "--overlap") == 0) {
+            overlap = true;
         } else if (std::strcmp(argv[i], "--anatomy") == 0) {
             g_anatomy = true;
         } else if (std::strcmp(argv[i], "--timeline") == 0) {
@@ -1329,7 +1529,7 @@ int main(int argc, char ** argv) {
         } else {
             std::fprintf(stderr,
                          "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16] "
-                         "[--sum-norm] [--anatomy] [--timeline]\n",
+                         "[--sum-norm] [--overlap] [--anatomy] [--timeline]\n",
                          argv[0]);
             return 2;
         }
@@ -1344,6 +1544,12 @@ int main(int argc, char ** argv) {
     cudaStream_t s;
     CHECK(cudaStreamCreate(&s));
     std::mt19937 rng(7);
+    if (overlap) {
+        bench_overlap(s, rng);
+        std::printf(failures ? "%d WRONG\n" : "side by side, both wrote their own bytes\n",
+                    failures);
+        return failures ? 1 : 0;
+    }
     if (sum_norm) {  // the parts gemm_r splits the model's 5,120-row products into: 1, 3-5
         for (int ncols : {2, 9, 16}) {
             for (int nparts : {1, 3, 4, 5}) {
