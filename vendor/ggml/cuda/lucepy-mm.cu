@@ -28,7 +28,7 @@
 
 namespace lucepy {
 
-constexpr int MAX_COLS = 16;  // one column: gemv; 3 to 16: gemm (a DFlash verify's rows)
+constexpr int MAX_COLS = 16;  // one column: gemv; 2 to 16: gemm (a DFlash verify's rows)
 // 2 columns: gemm too. ggml's kernels (dp4a, like gemv) verified 2 tokens of the 27B-shaped Q4_0
 // model on the H200 in 11.6 ms against gemm's 13.1 when gemm was new (session 17), so 2 was
 // theirs; in session 41 the model with gemm at 3 columns took 8.64 ms (Q4_0 blocks) and 10.76
