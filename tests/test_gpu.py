@@ -106,7 +106,8 @@ def gpu_forward(engine, tokens: list[int], forced) -> tuple[np.ndarray, np.ndarr
 
 # the tiny models compared with llama.cpp (tools/make_gpu_ref.py makes their references)
 PARITY = [(name, wtype) for name in ("base", "odd") for wtype in ("f32", "q8_0")]
-REPACKED = ("wide", "q4_0")  # a model whose Q4_0 rows lucepy's CUDA layout takes
+# models whose Q4_0 or Q4_K rows lucepy's CUDA layout takes
+REPACKED = [("wide", "q4_0"), ("wide", "q4_k")]
 
 
 def assert_like_llama_cpp(engine, path, wtype, tmp_path, chunks=(CHUNK,)) -> None:
@@ -150,20 +151,21 @@ def test_gpu_logits_match_llama_cpp(name, wtype, gpu_engine, tiny_model, tmp_pat
     assert_like_llama_cpp(engine, tiny_model(name, wtype), wtype, tmp_path)
 
 
-def test_gpu_repacked_q4_0_matches_llama_cpp(gpu_engine, tiny_model, tmp_path):
-    """A Q4_0 model whose rows lucepy's CUDA layout takes is repacked at load by default and
-    computed by the repacked kernels: its prompt in chunks of 24 (64 columns' tiles, gemm_rq, and
-    a tail of 8, gemm_r) and of 16 (gemm_r's two column tiles), its decode steps (gemv_r), within
-    twice llama.cpp's error against the exact math, as any quantized model here."""
+@pytest.mark.parametrize(("name", "wtype"), REPACKED)
+def test_gpu_repacked_model_matches_llama_cpp(name, wtype, gpu_engine, tiny_model, tmp_path):
+    """A Q4_0 or Q4_K model whose rows lucepy's CUDA layout takes is repacked at load by default
+    and computed by the repacked kernels: its prompt in chunks of 24 (64 columns' tiles, gemm_rq,
+    and a tail of 8, gemm_r) and of 16 (gemm_r's two column tiles), its decode steps (gemv_r),
+    within twice llama.cpp's error against the exact math, as any quantized model here."""
     kernels = cuda_kernels(load())
     assert kernels is not None, "a CUDA build with lucepy's kernels (lucepy backends build cuda)"
     kernels.set(True)  # whatever this GPU's default
     try:
-        engine = gpu_engine(*REPACKED)
+        engine = gpu_engine(name, wtype)
     finally:
         kernels.set(None)
     repacked = set(engine.shard.weights.repacked)
-    with GGUFFile(tiny_model(*REPACKED)) as f:
+    with GGUFFile(tiny_model(name, wtype)) as f:
         alone = {  # weights no stack takes in (qwen35's stacks: their keys end in .stacked)
             name
             for name in f.tensors
@@ -174,7 +176,7 @@ def test_gpu_repacked_q4_0_matches_llama_cpp(gpu_engine, tiny_model, tmp_path):
     assert alone <= repacked, f"not repacked: {sorted(alone - repacked)}"
     assert any(name.endswith(".stacked") for name in repacked), repacked
     calls = kernels.calls
-    assert_like_llama_cpp(engine, tiny_model(*REPACKED), REPACKED[1], tmp_path, (CHUNK, 16))
+    assert_like_llama_cpp(engine, tiny_model(name, wtype), wtype, tmp_path, (CHUNK, 16))
     assert kernels.calls > calls
 
 

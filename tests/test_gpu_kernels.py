@@ -233,17 +233,19 @@ def test_gpu_kernels_match_the_exact_math_for_1_to_16_columns(kind, cuda):
         assert np.isfinite(ours).all() and err.max() <= bound, f"{kind} x {k}: {worst}"
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "q4_k"])
 @pytest.mark.parametrize("rows", [320, 336])
-def test_gpu_repacked_q4_0_matches_the_exact_math_at_every_column_count(rows, cuda):
-    """A Q4_0 matrix repacked in place (lucepy_cuda_repack, lucepy-repack.cuh's layout) is read by
-    lucepy's kernels alone at every count of columns: one (gemv_r), 2-16 (gemm_r), more (gemm_rq,
-    here also past whole tiles of 64), and ggml's fused gate; each no further from the exact math
-    than twice ggml's kernels on the blocks. 320 rows (tiles of 64, not of 128) or 336 (a last
-    CTA of 16 rows, as qwen35's stacked DeltaNet inputs have), 2,048 values."""
+def test_gpu_repacked_matrix_matches_the_exact_math_at_every_column_count(kind, rows, cuda):
+    """A Q4_0 or Q4_K matrix repacked in place (lucepy_cuda_repack, lucepy-repack.cuh's layout) is
+    read by lucepy's kernels alone at every count of columns: one (gemv_r), 2-16 (gemm_r), more
+    (gemm_rq, here also past whole tiles of 64), and ggml's fused gate; each no further from the
+    exact math than twice ggml's kernels on the blocks. 320 rows (tiles of 64, not of 128) or 336
+    (a last CTA of 16 rows, as qwen35's stacked DeltaNet inputs have), 2,048 values (8 of Q4_K's
+    super-blocks)."""
     lib, device, kernels = cuda
     n = 2048
-    gtype, raw, exact_w = weights_of(lib, "q4_0", 21, rows=rows, n=n)
-    _, gate_raw, gate_w = weights_of(lib, "q4_0", 23, rows=rows, n=n)
+    gtype, raw, exact_w = weights_of(lib, kind, 21, rows=rows, n=n)
+    _, gate_raw, gate_w = weights_of(lib, kind, 23, rows=rows, n=n)
     rng = np.random.default_rng(22)
     for k in (1, 2, 3, 8, 9, 16, 17, 64, 100):
         x = rng.normal(size=(k, n)).astype(np.float32)
@@ -588,11 +590,20 @@ def ffn_products(lib, device, weights, xs, keep_gate=False, repack=None):
     return computed(lib, device, consts, [(n, k)], build, [(x,) for x in xs], after_set)
 
 
-@pytest.mark.parametrize(("k", "n", "n_ff"), [(3, 2048, 512), (16, 2048, 512), (16, 5120, 17408)])
-def test_gpu_ffn_gate_and_up_are_one_product(k, n, n_ff, cuda):
-    """A verify's FFN on repacked Q4_0 (3-16 columns): the gate and up products of one input and
-    their SWIGLU are one product of ours over both matrices and one kernel that adds its parts
-    and applies the gate (counted as two products and an op); the GLU's result and the down
+@pytest.mark.parametrize(
+    ("kind", "k", "n", "n_ff"),
+    [
+        ("q4_0", 3, 2048, 512),
+        ("q4_0", 16, 2048, 512),
+        ("q4_0", 16, 5120, 17408),
+        ("q4_k", 3, 2048, 512),
+        ("q4_k", 16, 5120, 17408),
+    ],
+)
+def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
+    """A verify's FFN on repacked Q4_0 or Q4_K (3-16 columns): the gate and up products of one
+    input and their SWIGLU are one product of ours over both matrices and one kernel that adds its
+    parts and applies the gate (counted as two products and an op); the GLU's result and the down
     product no further from the exact math than twice ggml's kernels on the blocks; new inputs,
     new results (the CUDA graph replayed). With the gate product kept as an output, each product
     on its own (no op), the GLU's result the same within float rounding. On an H200 the
@@ -601,7 +612,7 @@ def test_gpu_ffn_gate_and_up_are_one_product(k, n, n_ff, cuda):
     lib, device, kernels = cuda
     h200 = on_h200(lib, device)
     shapes = [(n_ff, n), (n_ff, n), (n, n_ff)]  # (rows, row length): gate, up, down
-    mats = [weights_of(lib, "q4_0", 90 + i, rows=r, n=c) for i, (r, c) in enumerate(shapes)]
+    mats = [weights_of(lib, kind, 90 + i, rows=r, n=c) for i, (r, c) in enumerate(shapes)]
     weights = [(t, c, raw) for (t, raw, _), (_, c) in zip(mats, shapes, strict=True)]
     rng = np.random.default_rng(93)
     xs = [rng.normal(size=(k, n)).astype(np.float32) for _ in range(3)]
@@ -693,11 +704,16 @@ def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
 
 
 @pytest.mark.parametrize(
-    ("rows", "n", "cols"), [(10240, 5120, (8, 9, 16)), (5120, 17408, (2, 5, 8, 16))]
+    ("kind", "rows", "n", "cols"),
+    [
+        ("q4_0", 10240, 5120, (8, 9, 16)),
+        ("q4_0", 5120, 17408, (2, 5, 8, 16)),
+        ("q4_k", 5120, 17408, (2, 16)),
+    ],
 )
-def test_gpu_repacked_q4_0_products_by_bulk_copies_match_the_exact_math(rows, n, cols, cuda):
-    """Repacked Q4_0 products big enough for gemm_rb on an H200 (its weights by the TMA unit:
-    lucepy-mm.cu's bulk_product): the 27B-shaped model's attention qkv, 10,240 x 5,120 (4.8
+def test_gpu_repacked_products_by_bulk_copies_match_the_exact_math(kind, rows, n, cols, cuda):
+    """Repacked Q4_0 (and Q4_K) products big enough for gemm_rb on an H200 (its weights by the TMA
+    unit: lucepy-mm.cu's bulk_product): the 27B-shaped model's attention qkv, 10,240 x 5,120 (4.8
     chunks a CTA slot at two column tiles: gemm_rb at 9-16 columns; 4.0 at one: gemm_r at 8),
     and its ffn down, 5,120 x 17,408 (6.9 a slot at one tile: gemm_rb at 2-8 columns too). Each
     no further from the exact math than twice ggml's kernels on the blocks, in parts and with
@@ -705,7 +721,7 @@ def test_gpu_repacked_q4_0_products_by_bulk_copies_match_the_exact_math(rows, n,
     apart), for new inputs too (the CUDA graph replayed)."""
     lib, device, kernels = cuda
     h200 = on_h200(lib, device)
-    mats = [weights_of(lib, "q4_0", 61, rows=rows, n=n)]
+    mats = [weights_of(lib, kind, 61, rows=rows, n=n)]
     weights = [(t, raw) for t, raw, _ in mats]
     rng = np.random.default_rng(62)
     for k in cols:

@@ -14,6 +14,7 @@ from lucepy.testing.tiny import (
     SPECIAL_TOKENS,
     Qwen35Spec,
     build_vocab,
+    encode_q4_k,
     main,
     write_qwen35,
 )
@@ -90,6 +91,37 @@ def test_quantized_tensors_follow_f32(files):
         tol = np.abs(ref).reshape(-1, 32).max(axis=1).repeat(32) / 127 * 0.6 + 1e-6
         assert (np.abs(got - ref).reshape(-1) <= tol).all(), t.name
     assert n_quantized > 0
+
+
+def test_q4_k_blocks_hold_their_values(tmp_path):
+    """The tests' Q4_K encoder (gguf-py has none): ggml's block layout, as gguf-py decodes it,
+    each value within its piece's step (the piece's range over 15, through the 6-bit scale) of
+    the original; a wide tiny model in Q4_K, every matmul weight of 256-value rows in it, loads
+    in llama.cpp and gives logits that vary."""
+    rng = np.random.default_rng(3)
+    x = (rng.normal(size=(8, 512)) / 8).astype(np.float32)
+    x[0, :32] = 0.0  # a piece of zeros
+    x[1, 32:64] = np.abs(x[1, 32:64])  # a piece with no negative value (min 0)
+    got = gguf.quants.dequantize(encode_q4_k(x), gguf.GGMLQuantizationType.Q4_K).reshape(x.shape)
+    pieces = x.reshape(8, 16, 32)
+    span = pieces.max(axis=2) - np.minimum(pieces.min(axis=2), 0)
+    step = (span / 15 * 1.1 + 1e-6).repeat(32).reshape(x.shape)
+    assert (np.abs(got - x) <= step).all()
+    np.testing.assert_array_equal(got[0, :32], 0.0)
+    path = write_qwen35(
+        tmp_path / "k.gguf", weight_type="q4_k", n_embd=256, n_ff=512, ssm_state_size=64,
+        ssm_time_step_rank=8,
+    )  # fmt: skip
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q4_K
+    assert types["output.weight"] == gguf.GGMLQuantizationType.Q4_K
+    model = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
+    try:
+        model.eval(model.tokenize(TEXT.encode()))
+        logits = np.asarray(model.scores[: model.n_tokens])
+    finally:
+        model.close()
+    assert np.isfinite(logits).all() and (logits.std(axis=-1) > 0.1).all()
 
 
 def test_small_tensors_stay_f32(files):

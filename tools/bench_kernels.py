@@ -1,6 +1,6 @@
 """Issue 19's benchmark: lucepy with its own CUDA kernels against lucepy with ggml's, on the same
 patched build (LUCEPY_CUDA_KERNELS=1 or =0 forces ours on or off, whatever the default), and with
-its own on Q4_0 weights repacked at load (LUCEPY_CUDA_REPACK=1), against llama-bench of the
+its own on Q4_0 and Q4_K weights repacked at load (LUCEPY_CUDA_REPACK=1), against llama-bench of the
 unpatched build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same model and GPU, in one run.
 
     python tools/bench_kernels.py measure MODEL --device cuda:0 --json kernels.json
@@ -30,7 +30,7 @@ from bench_gpu import CHUNK, DECODE_TOKENS, Bench, llama_rows
 
 from lucepy.decode.verify_len import median_s
 
-# lucepy's kernels, the same with its Q4_0 weights repacked (LUCEPY_CUDA_REPACK=1), ggml's
+# lucepy's kernels, the same with its Q4_0 and Q4_K weights repacked (LUCEPY_CUDA_REPACK=1), ggml's
 CHOICES = ("lucepy", "repacked", "ggml")
 MAX_K = 16
 

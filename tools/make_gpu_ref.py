@@ -53,7 +53,7 @@ class Model(NamedTuple):
 def tiny_models(tmp: Path) -> Iterator[Model]:
     """Each model the GPU tests compare with llama.cpp: the tiny qwen35 models they write
     (conftest.py), and the converter-made gemma4 fixture."""
-    for name, wtype in [*PARITY, REPACKED]:
+    for name, wtype in [*PARITY, *REPACKED]:
         hp = HPARAMS[name]
         path = write_qwen35(tmp / f"{name}-{wtype}.gguf", weight_type=wtype, **hp)
         with GGUFFile(path) as f:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if found:
         print(f"to make it again: {FIX}", file=sys.stderr)
         return 1
-    print(f"{args.out}: current for all {len(PARITY) + 2} tiny models")
+    print(f"{args.out}: current for all {len(PARITY) + len(REPACKED) + 1} tiny models")
     return 0
 
 

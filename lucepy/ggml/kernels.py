@@ -92,7 +92,7 @@ class CudaKernels:
         return int(self.handle.lucepy_cuda_kernels_bulk())
 
     def repack(self, tensor: Any) -> bool:
-        """Rewrite a Q4_0 weight in a CUDA device's memory in place into lucepy's layout
+        """Rewrite a Q4_0 or Q4_K weight in a CUDA device's memory in place into lucepy's layout
         (vendor/ggml/cuda/lucepy-repack.cuh), after which lucepy's kernels take every product of
         it and nothing else may read it; False, having done nothing, for a tensor they do not
         take (another type, rows not a multiple of 16 or of 256 values, not on a device where

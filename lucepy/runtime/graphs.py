@@ -364,7 +364,7 @@ def _spec(f: GGUFFile, source: str | tuple[str, ...]) -> tuple[int, tuple[int, .
 
 
 def _repack(lib: Lib, backend: Backend, weights: dict[str, Any], what: str) -> list[str]:
-    """The Q4_0 ``weights`` (read by products alone) rewritten in place into the layout of
+    """The Q4_0 and Q4_K ``weights`` (read by products alone) rewritten in place into the layout of
     lucepy's CUDA kernels (vendor/ggml/cuda/lucepy-repack.cuh, decision 12), those the kernels
     take, on a local GPU where they are on; LUCEPY_CUDA_REPACK=0 leaves them as blocks. Their
     names."""

@@ -40,8 +40,10 @@ WEIGHT_TYPES = {
     "f16": (QType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (QType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "q4_k": (QType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),  # every matmul weight Q4_K (no Q6_K mix)
 }
 _QBLOCK = 32  # q8_0 and q4_0 block length
+_KBLOCK = 256  # a K-quant's super-block
 
 
 @dataclass(frozen=True)
@@ -225,9 +227,12 @@ def param_count(s: Qwen35Spec) -> int:
 
 
 def tensor_type(t: TensorPlan, s: Qwen35Spec) -> QType:
-    """Only 2D matmul weights with whole 32-blocks per row are stored as weight_type."""
-    if t.init == "dense" and len(t.ne) == 2 and t.ne[0] % _QBLOCK == 0:
-        return WEIGHT_TYPES[s.weight_type][0]
+    """Only 2D matmul weights with whole blocks per row (32 values, Q4_K's 256) are stored as
+    weight_type."""
+    qtype = WEIGHT_TYPES[s.weight_type][0]
+    block = _KBLOCK if qtype == QType.Q4_K else _QBLOCK
+    if t.init == "dense" and len(t.ne) == 2 and t.ne[0] % block == 0:
+        return qtype
     return QType.F32
 
 
@@ -260,7 +265,39 @@ def encode(values: np.ndarray, qtype: QType) -> np.ndarray:
         return values
     if qtype == QType.F16:
         return values.astype(np.float16)
+    if qtype == QType.Q4_K:
+        return encode_q4_k(values)
     return gguf.quants.quantize(values, qtype)
+
+
+def encode_q4_k(values: np.ndarray) -> np.ndarray:
+    """Rows of ``values`` (a multiple of 256 long) as Q4_K blocks (gguf-py has no Q4_K encoder):
+    each 32-value piece's range as a scale and a min (value = d sc q - dmin m, q 0-15), sc and m
+    6-bit multiples of the block's d and dmin, packed as ggml's block_q4_K. A plain min/max fit,
+    not ggml's search: any valid Q4_K serves the tests, which compare kernels on these bytes."""
+    rows = values.reshape(-1, _KBLOCK).astype(np.float32)
+    pieces = rows.reshape(len(rows), 8, 32)
+    lo = np.minimum(pieces.min(axis=2), 0.0)  # the min to add back: -m, so m >= 0
+    span = pieces.max(axis=2) - lo
+    d = (span.max(axis=1) / 15 / 63).astype(np.float16)
+    dmin = (-lo.min(axis=1) / 63).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    mf = dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df > 0, np.rint(span / 15 / df), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(mf > 0, np.rint(-lo / mf), 0).clip(0, 63).astype(np.uint8)
+        step = (df * sc)[:, :, None]
+        q = np.where(step > 0, np.rint((pieces + (mf * m)[:, :, None]) / step), 0)
+    q = q.clip(0, 15).astype(np.uint8)
+    scales = np.zeros((len(rows), 12), dtype=np.uint8)
+    scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(len(rows), 128)  # pieces 2j, 2j + 1
+    blocks = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1
+    )
+    return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 144)
 
 
 # --- writing ---

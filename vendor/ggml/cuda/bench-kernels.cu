@@ -760,7 +760,19 @@ void launch_gemm_r_slices(GemmArgs a, float * parts_buf, cudaStream_t s) {
     }
 }
 
-std::vector<GemmVariant> gemm_r_variants_of(int ncols) {
+// Q4_K repacked (repack_q4_k): gemm_r and gemm_rb as the Q4_0 layout's model builds
+template <int NT> std::vector<GemmVariant> gemm_rk_variants() {
+    return {{"rk", launch_build<GemmR<NT, 4, 4, gemm_r_xch(NT), true>>},
+            {"rk 5 CTAs an SM", launch_build<GemmR<NT, 4, 5, gemm_r_xch(NT), true>>},
+            {"rk bulk", launch_build<GemmRB<NT, 5, true>>},
+            {"rk bulk <= 3 parts", launch_build<GemmRB<NT, 5, true>, 3>}};
+}
+
+std::vector<GemmVariant> gemm_r_variants_of(int ncols, int k = Q4_0) {
+    if (k == Q4_K) {
+        return ncols <= 8 ? gemm_rk_variants<1>() : ncols <= 16 ? gemm_rk_variants<2>()
+                                                                : std::vector<GemmVariant>{};
+    }
     if (ncols <= 8) {
         return g_anatomy ? gemm_r_anatomy<1>() : gemm_r_variants<1>();
     }
@@ -774,10 +786,11 @@ std::vector<GemmVariant> gemm_r_variants_of(int ncols) {
     return out;
 }
 
-template <int SPLIT, int U, bool GATE = false> void launch_gemv_r(const Args & a, cudaStream_t s) {
+template <int SPLIT, int U, bool GATE = false, bool RK = false>
+void launch_gemv_r(const Args & a, cudaStream_t s) {
     constexpr int WARPS = gemv_r_warps<SPLIT>();
     const int64_t warps = int64_t(a.nrows / RP_ROWS) * SPLIT;
-    gemv_r<SPLIT, U, GATE><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
+    gemv_r<SPLIT, U, GATE, RK><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
 }
 
 // Q4_0 rows rearranged as gemm_r and gemv_r read them (lucepy-repack.cuh: the layout), on the host
@@ -801,10 +814,10 @@ std::vector<uint8_t> host_repack(const uint8_t * src, int64_t row_stride, int nr
     return out;
 }
 
-template <int MT> void launch_gemm_rq(const GemmArgs & a, cudaStream_t s) {
-    raise_smem(gemm_rq<MT>, gemm_rq_smem<MT>());
+template <int MT, bool RK = false> void launch_gemm_rq(const GemmArgs & a, cudaStream_t s) {
+    raise_smem(gemm_rq<MT, RK>, gemm_rq_smem<MT>());
     const dim3 grid(unsigned(a.nrows / (64 * MT)), unsigned(a.ncols / RQ_COLS));
-    gemm_rq<MT><<<grid, 128, gemm_rq_smem<MT>(), s>>>(a);
+    gemm_rq<MT, RK><<<grid, 128, gemm_rq_smem<MT>(), s>>>(a);
 }
 
 // One column with ggml's fused gate (SwiGLU), the gate another copy of the same matrix: gemv as
@@ -814,9 +827,14 @@ void bench_fused_gate(int k, const Shape & sh, const std::vector<uint8_t> & host
                       int copies, const Args & a1, const std::vector<int8_t> & hq,
                       const std::vector<float2> & hds, int unit, float * dst, cudaStream_t s) {
     const int npieces = sh.k / 32;
-    const std::pair<const char *, void (*)(const Args &, cudaStream_t)> fused[] = {
-        {"split 2", launch_gemv_r<2, 1, true>}, {"split 4", launch_gemv_r<4, 1, true>},
-        {"split 8", launch_gemv_r<8, 1, true>}};
+    using Fused = std::pair<const char *, void (*)(const Args &, cudaStream_t)>;
+    const std::vector<Fused> fused =
+        k == Q4_K ? std::vector<Fused>{{"rk split 2", launch_gemv_r<2, 2, true, true>},
+                                       {"rk split 4", launch_gemv_r<4, 2, true, true>},
+                                       {"rk split 8", launch_gemv_r<8, 2, true, true>}}
+                  : std::vector<Fused>{{"split 2", launch_gemv_r<2, 1, true>},
+                                       {"split 4", launch_gemv_r<4, 1, true>},
+                                       {"split 8", launch_gemv_r<8, 1, true>}};
     const Variant gemv_gate = variants_of(k, true, unit)[0];
     for (int side = 0; side < 1 + int(std::size(fused)); side++) {
         uint8_t * const base = side == 0 ? w : wr;
@@ -885,14 +903,16 @@ void bench_prefill(int k, const Shape & sh, const std::vector<uint8_t> & host, i
     g.nrows = sh.rows;
     g.npieces = npieces;
     g.ncols = ncols;
+    const bool rk = k == Q4_K;
     const std::pair<const char *, void (*)(const GemmArgs &, cudaStream_t)> kernels[] = {
-        {"rq 64 rows", launch_gemm_rq<1>}, {"rq 128 rows", launch_gemm_rq<2>}};
+        {"rq 64 rows", rk ? launch_gemm_rq<1, true> : launch_gemm_rq<1>},
+        {"rq 128 rows", rk ? launch_gemm_rq<2, true> : launch_gemm_rq<2>}};
     std::vector<int> check_rows;
     for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 37)) {
         check_rows.push_back(r);
     }
     for (const auto & kernel : kernels) {
-        if (sh.rows % (kernel.second == launch_gemm_rq<1> ? 64 : 128) != 0) {
+        if (sh.rows % (&kernel == &kernels[0] ? 64 : 128) != 0) {
             continue;
         }
         CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));
@@ -950,7 +970,16 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         CHECK(cudaMemcpy(w + mat_bytes * c, host.data(), size_t(mat_bytes),
                          cudaMemcpyHostToDevice));
     }
-    uint8_t * wr = nullptr;  // Q4_0: the same copies repacked, for gemm_r
+    uint8_t * wr = nullptr;  // Q4_0 and Q4_K: the same copies repacked, for gemm_r
+    if (k == Q4_K && repackable(sh.rows, npieces)) {  // by the device (the results are checked)
+        CHECK(cudaMalloc(&wr, size_t(mat_bytes) * made));
+        const dim3 grid(unsigned(npieces / 8), unsigned(sh.rows / RP_ROWS));
+        for (int c = 0; c < made; c++) {
+            repack_q4_k<<<grid, 128, 0, s>>>(w + mat_bytes * c, row_bytes, npieces / RP_GROUP,
+                                             wr + mat_bytes * c);
+        }
+        CHECK(cudaGetLastError());
+    }
     if (k == Q4_0 && repackable(sh.rows, npieces)) {
         const std::vector<uint8_t> rp = host_repack(host.data(), row_bytes, sh.rows, npieces);
         CHECK(cudaMalloc(&wr, size_t(mat_bytes) * made));
@@ -1015,11 +1044,20 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         std::vector<float2> hds(npieces);
         CHECK(cudaMemcpy(hq.data(), xq, hq.size(), cudaMemcpyDeviceToHost));
         CHECK(cudaMemcpy(hds.data(), xds, hds.size() * sizeof(float2), cudaMemcpyDeviceToHost));
-        const std::pair<const char *, void (*)(const Args &, cudaStream_t)> gemv_rs[] = {
-            {"split 2", launch_gemv_r<2, 1>},   {"split 4", launch_gemv_r<4, 1>},
-            {"split 8", launch_gemv_r<8, 1>},   {"split 16", launch_gemv_r<16, 1>},
-            {"split 32", launch_gemv_r<32, 1>}, {"split 4 U2", launch_gemv_r<4, 2>},
-            {"split 8 U2", launch_gemv_r<8, 2>}, {"split 16 U2", launch_gemv_r<16, 2>}};
+        using GemvR = std::pair<const char *, void (*)(const Args &, cudaStream_t)>;
+        const std::vector<GemvR> gemv_rs =
+            k == Q4_K ? std::vector<GemvR>{{"rk split 2", launch_gemv_r<2, 2, false, true>},
+                                           {"rk split 4", launch_gemv_r<4, 2, false, true>},
+                                           {"rk split 8", launch_gemv_r<8, 2, false, true>},
+                                           {"rk split 16", launch_gemv_r<16, 2, false, true>}}
+                      : std::vector<GemvR>{{"split 2", launch_gemv_r<2, 1>},
+                                           {"split 4", launch_gemv_r<4, 1>},
+                                           {"split 8", launch_gemv_r<8, 1>},
+                                           {"split 16", launch_gemv_r<16, 1>},
+                                           {"split 32", launch_gemv_r<32, 1>},
+                                           {"split 4 U2", launch_gemv_r<4, 2>},
+                                           {"split 8 U2", launch_gemv_r<8, 2>},
+                                           {"split 16 U2", launch_gemv_r<16, 2>}};
         for (const auto & variant : gemv_rs) {
             const char * name = variant.first;
             void (*const launch)(const Args &, cudaStream_t) = variant.second;
@@ -1103,7 +1141,7 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         }
         const size_t n_plain = vs.size();
         if (wr) {
-            for (const GemmVariant & v : gemm_r_variants_of(ncols)) {
+            for (const GemmVariant & v : gemm_r_variants_of(ncols, k)) {
                 vs.push_back(v);
             }
         }

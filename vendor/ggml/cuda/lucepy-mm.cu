@@ -117,7 +117,7 @@ struct Wanted {
 
 struct ContextState;
 void scan(ContextState & st);  // what the hooks ask of the graph, learnt once a graph (below)
-bool repacked_of(const ggml_tensor * t);  // a repacked Q4_0 matrix's bytes (below)
+bool repacked_of(const ggml_tensor * t);  // a repacked Q4_0 or Q4_K matrix's bytes (below)
 
 struct ContextState {
     uint64_t graph = 1;
@@ -674,17 +674,23 @@ uint8_t * product_activations(ggml_backend_cuda_context & ctx, ContextState & st
     return buf;
 }
 
-// --- Q4_0 repacked (lucepy-repack.cuh) ----------------------------------------------------------
+// --- Q4_0 and Q4_K repacked (lucepy-repack.cuh) ---------------------------------------------------
 //
-// lucepy_cuda_repack rewrites a Q4_0 weight in place into lucepy's layout and records its bytes;
-// from then on every product of them is ours (repacked_mul_mat), whatever LUCEPY_CUDA_KERNELS
-// says, since ggml's kernels cannot read them.
+// lucepy_cuda_repack rewrites a Q4_0 or Q4_K weight in place into lucepy's layout and records its
+// bytes; from then on every product of them is ours (repacked_mul_mat), whatever
+// LUCEPY_CUDA_KERNELS says, since ggml's kernels cannot read them.
 
 struct Repacked {
     uintptr_t end;
     int64_t ne0;        // values a row
     int64_t row_bytes;  // of a row of blocks
+    ggml_type type;     // the blocks' (Q4_0, Q4_K)
 };
+
+// whether lucepy-repack.cuh's layout takes a matrix of these blocks
+bool repackable_type(ggml_type type) {
+    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_K;
+}
 
 std::mutex g_rp_mutex;
 std::map<uintptr_t, Repacked> g_repacked;  // by the first byte
@@ -695,7 +701,7 @@ std::atomic<int> g_n_repacked{0};
 // them aborts, as no kernel could compute it. (Other ops' reads are not seen here: only a matrix
 // that products alone read may be repacked.)
 bool repacked_of(const ggml_tensor * t) {
-    if (g_n_repacked.load(std::memory_order_relaxed) == 0 || t->type != GGML_TYPE_Q4_0 ||
+    if (g_n_repacked.load(std::memory_order_relaxed) == 0 || !repackable_type(t->type) ||
         t->data == nullptr) {
         return false;
     }
@@ -715,13 +721,13 @@ bool repacked_of(const ggml_tensor * t) {
         begin = found->first;
         r = found->second;
     }
-    const bool whole_tiles = t->ne[0] == r.ne0 && t->nb[1] == r.row_bytes &&
+    const bool whole_tiles = t->type == r.type && t->ne[0] == r.ne0 && t->nb[1] == r.row_bytes &&
                              (at - begin) % uintptr_t(RP_ROWS * r.row_bytes) == 0 &&
                              t->ne[1] % RP_ROWS == 0 && t->ne[2] == 1 && t->ne[3] == 1 &&
                              at + ggml_nbytes(t) <= r.end;
     if (!whole_tiles) {
-        GGML_ABORT("lucepy: a read of a repacked Q4_0 matrix that is not whole tiles of 16 of its "
-                   "rows (%s); repack only matrices that products alone read",
+        GGML_ABORT("lucepy: a read of a repacked matrix that is not whole tiles of 16 of its rows "
+                   "in its type (%s); repack only matrices that products alone read",
                    t->name);
     }
     return true;
@@ -793,7 +799,7 @@ bool fusion_taken(const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tenso
 
 // SPLIT warps a tile of gemv_r (bench-kernels.cu on the 27B-shaped model's products, H200: 4 at
 // 1,088 tiles, 8 at 320-640, 32 at 64; with the fused gate 8 at 1,088)
-template <bool GATE> void launch_gemv_r(const Args & a, cudaStream_t stream) {
+template <bool GATE, bool RK = false> void launch_gemv_r(const Args & a, cudaStream_t stream) {
     const int64_t tiles = a.nrows / RP_ROWS;
     auto go = [&](auto kernel, int split) {
         const int warps = split > 4 ? split : 4;
@@ -801,6 +807,20 @@ template <bool GATE> void launch_gemv_r(const Args & a, cudaStream_t stream) {
         ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(grid, warps * 32, 0, stream),
                                 a);
     };
+    if constexpr (RK) {  // a super-block (two groups) a step: H200, session 42
+        if (GATE) {
+            go(gemv_r<4, 2, GATE, true>, 4);
+        } else if (tiles >= 2048 || (tiles >= 512 && tiles < 1024)) {
+            go(gemv_r<4, 2, GATE, true>, 4);
+        } else if (tiles >= 1024) {
+            go(gemv_r<2, 2, GATE, true>, 2);
+        } else if (tiles >= 256) {
+            go(gemv_r<8, 2, GATE, true>, 8);
+        } else {
+            go(gemv_r<32, 2, GATE, true>, 32);
+        }
+        return;
+    }
     if (tiles >= 1024 && !GATE) {
         go(gemv_r<4, 1, GATE>, 4);
     } else if (tiles >= 256) {
@@ -842,7 +862,7 @@ template <int NT> bool bulk_product(int device, const GemmArgs & a) {
 }
 
 // 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few
-template <int NT>
+template <int NT, bool RK = false>
 void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
                    const NormAfter * norm = nullptr) {
     auto go = [&](auto build) {
@@ -850,43 +870,37 @@ void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
         launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, base), base, norm);
     };
     if (bulk_product<NT>(ctx.device, base)) {
-        go(GemmRB<NT>());
+        go(GemmRB<NT, 5, RK>());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {
-        go(GemmR<NT>());
+        go(GemmR<NT, GM_WARPS, 16 / GM_WARPS, gemm_r_xch(NT), RK>());
     }
 }
 
 // a prefill's columns: to_halves_col into scratch (whole tiles of 64 columns), then gemm_rq
-template <int MT> void launch_gemm_rq(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
+template <int MT, bool RK = false>
+void launch_gemm_rq(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
     static bool raised[GGML_CUDA_MAX_DEVICES] = {};
     once_a_device(raised, ctx.device, [] {
-        CUDA_CHECK(cudaFuncSetAttribute(gemm_rq<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        CUDA_CHECK(cudaFuncSetAttribute(gemm_rq<MT, RK>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         gemm_rq_smem<MT>()));
     });
     const dim3 grid(unsigned((a.nrows + 64 * MT - 1) / (64 * MT)),
                     unsigned((a.ncols + RQ_COLS - 1) / RQ_COLS));
     ggml_cuda_kernel_launch(
-        gemm_rq<MT>, ggml_cuda_kernel_launch_params(grid, 128, gemm_rq_smem<MT>(), ctx.stream()),
-        a);
+        gemm_rq<MT, RK>,
+        ggml_cuda_kernel_launch_params(grid, 128, gemm_rq_smem<MT>(), ctx.stream()), a);
 }
 
-void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
-                      const ggml_tensor * src1, ggml_tensor * dst,
-                      const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual,
-                      const NormAfter * norm) {
+// repacked_mul_mat's products, on Q4_K's layout (RK) or Q4_0's
+template <bool RK>
+void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
+                         const ggml_tensor * src1, ggml_tensor * dst,
+                         const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual,
+                         const NormAfter * norm) {
     const int64_t ncols = src1->ne[1];
     const int64_t npieces = src0->ne[0] / 32;
-    const bool plain = src1->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 &&
-                       src1->ne[0] == src0->ne[0] && dst->ne[0] == src0->ne[1] &&
-                       dst->ne[1] == ncols && src1->ne[2] == 1 && src1->ne[3] == 1 &&
-                       src1->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) &&
-                       src1->nb[1] % sizeof(float) == 0 && dst->nb[1] % sizeof(float) == 0 &&
-                       ncols >= 1 && ncols < INT32_MAX;
-    if (!plain || !fusion_taken(fusion, src0, true, ncols)) {
-        GGML_ABORT("lucepy: a product of a repacked Q4_0 matrix (%s) that its kernels do not take",
-                   src0->name);
-    }
     cudaStream_t stream = ctx.stream();
     ContextState & st = state_of(ctx);
     ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
@@ -895,9 +909,9 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
             src0, dst, fusion,
             planes_at(product_activations(ctx, st, src1, npieces, 1, scratch), npieces, 1, 1));
         if (a.gate) {
-            launch_gemv_r<true>(a, stream);
+            launch_gemv_r<true, RK>(a, stream);
         } else {
-            launch_gemv_r<false>(a, stream);
+            launch_gemv_r<false, RK>(a, stream);
         }
         return;
     }
@@ -908,9 +922,9 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                       int(ncols)),
             residual);
         if (ncols <= GM_COL_TILE) {
-            launch_gemm_r<1>(ctx, g, norm);
+            launch_gemm_r<1, RK>(ctx, g, norm);
         } else {
-            launch_gemm_r<2>(ctx, g, norm);
+            launch_gemm_r<2, RK>(ctx, g, norm);
         }
         return;
     }
@@ -922,9 +936,31 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                             static_cast<const float *>(src1->data),
                             int64_t(src1->nb[1] / sizeof(float)), int(npieces), g.x);
     if (g.nrows % 128 == 0) {
-        launch_gemm_rq<2>(ctx, g);
+        launch_gemm_rq<2, RK>(ctx, g);
     } else {
-        launch_gemm_rq<1>(ctx, g);
+        launch_gemm_rq<1, RK>(ctx, g);
+    }
+}
+
+void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
+                      const ggml_tensor * src1, ggml_tensor * dst,
+                      const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual,
+                      const NormAfter * norm) {
+    const int64_t ncols = src1->ne[1];
+    const bool plain = src1->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 &&
+                       src1->ne[0] == src0->ne[0] && dst->ne[0] == src0->ne[1] &&
+                       dst->ne[1] == ncols && src1->ne[2] == 1 && src1->ne[3] == 1 &&
+                       src1->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) &&
+                       src1->nb[1] % sizeof(float) == 0 && dst->nb[1] % sizeof(float) == 0 &&
+                       ncols >= 1 && ncols < INT32_MAX;
+    if (!plain || !fusion_taken(fusion, src0, true, ncols)) {
+        GGML_ABORT("lucepy: a product of a repacked matrix (%s) that its kernels do not take",
+                   src0->name);
+    }
+    if (src0->type == GGML_TYPE_Q4_K) {
+        repacked_mul_mat_of<true>(ctx, src0, src1, dst, fusion, residual, norm);
+    } else {
+        repacked_mul_mat_of<false>(ctx, src0, src1, dst, fusion, residual, norm);
     }
 }
 
@@ -1930,7 +1966,7 @@ int mul_mat_add_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgrap
 }
 
 // An FFN's two products of one input and their SWIGLU from node i, a MUL_MAT (a verify's gate
-// and up, 2-16 columns, both repacked Q4_0 matrices of one shape): one gemm_r over both
+// and up, 2-16 columns, both repacked matrices of one type and shape): one gemm_r over both
 // matrices' rows (the GLU's first source's first), its parts added by glu_halves as it applies
 // the gate and writes the GLU's result and the down product's halves. The products' results are
 // never written (the GLU alone reads them). On the H200 one launch over the two took 44.8 us
@@ -2013,13 +2049,15 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // stack at 16 columns 41.2 us where 4 CTAs take 43.0, at 8 31.9 where 35.3; the other
     // products no faster so: docs/BENCHMARKS.md, session 37); at two column tiles gemm_rb
     // (39.5 us at 16 columns: session 38)
+    // (Q4_K's layout the same builds)
+    const bool rk = wa->type == GGML_TYPE_Q4_K;
     if (ncols <= GM_COL_TILE) {
-        go(GemmR<1, GM_WARPS, 5, 1>());
+        rk ? go(GemmR<1, GM_WARPS, 5, 1, true>()) : go(GemmR<1, GM_WARPS, 5, 1>());
     } else if (bulk_product<2>(ctx.device, g)) {
-        go(GemmRB<2>());
+        rk ? go(GemmRB<2, 5, true>()) : go(GemmRB<2>());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {
-        go(GemmR<2, GM_WARPS, 5, 1>());
+        rk ? go(GemmR<2, GM_WARPS, 5, 1, true>()) : go(GemmR<2, GM_WARPS, 5, 1>());
     }
     g_calls.fetch_add(2, std::memory_order_relaxed);
     g_ops.fetch_add(1, std::memory_order_relaxed);
@@ -2542,7 +2580,7 @@ int64_t lucepy_cuda_kernels_bulk(void) {
 int lucepy_cuda_repack(struct ggml_tensor * t) {
 #if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
     using namespace lucepy;
-    const bool shape = t->type == GGML_TYPE_Q4_0 && t->view_src == nullptr && t->data &&
+    const bool shape = repackable_type(t->type) && t->view_src == nullptr && t->data &&
                        ggml_is_contiguous(t) && t->ne[2] == 1 && t->ne[3] == 1 &&
                        t->ne[1] % RP_ROWS == 0 && t->ne[0] % (32 * 8) == 0 &&
                        t->ne[0] / 32 < INT32_MAX && t->ne[1] < INT32_MAX;
@@ -2561,13 +2599,20 @@ int lucepy_cuda_repack(struct ggml_tensor * t) {
     CUDA_CHECK(cudaMalloc(&copy, n));
     CUDA_CHECK(cudaMemcpy(copy, t->data, n, cudaMemcpyDeviceToDevice));
     const int ngroups = int(t->ne[0] / 32 / RP_GROUP);
-    repack_q4_0<<<dim3(unsigned(ngroups), unsigned(t->ne[1] / RP_ROWS)), 64>>>(
-        copy, int64_t(t->nb[1]), ngroups, static_cast<uint8_t *>(t->data));
+    const unsigned tiles = unsigned(t->ne[1] / RP_ROWS);
+    if (t->type == GGML_TYPE_Q4_K) {  // a CTA a tile's super-block (two groups)
+        repack_q4_k<<<dim3(unsigned(ngroups / 2), tiles), 128>>>(
+            copy, int64_t(t->nb[1]), ngroups, static_cast<uint8_t *>(t->data));
+    } else {
+        repack_q4_0<<<dim3(unsigned(ngroups), tiles), 64>>>(copy, int64_t(t->nb[1]), ngroups,
+                                                           static_cast<uint8_t *>(t->data));
+    }
     CUDA_CHECK(cudaGetLastError());
     CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaFree(copy));
     std::lock_guard<std::mutex> lock(g_rp_mutex);
-    g_repacked[uintptr_t(t->data)] = {uintptr_t(t->data) + n, t->ne[0], int64_t(t->nb[1])};
+    g_repacked[uintptr_t(t->data)] = {uintptr_t(t->data) + n, t->ne[0], int64_t(t->nb[1]),
+                                      t->type};
     g_n_repacked.fetch_add(1, std::memory_order_relaxed);
     return 1;
 #else

@@ -99,6 +99,121 @@ __device__ __forceinline__ void word_halves(uint32_t q, __half2 d, __half2 (&lo)
     hi[1] = __hmul2(__hfma2(h2(and_or(q8, 0x00F000F0u, 0x64006400u)), sixteenth, less), d);
 }
 
+// --- Q4_K repacked -----------------------------------------------------------------------------
+//
+// Q4_K in the same layout and bytes (a super-block, 144 bytes, is 8 pieces: two groups of a
+// tile): each piece's nibbles in Q4_0's order (byte b: values b and b + 16), so that the kernels
+// read and unpack them alike, and a group's 128 bytes of scales a word a lane: lane (g, t)'s word
+// of group grp holds piece 4 grp + t's 6-bit scale and min of row g (bits 0-5, 6-11) and of row
+// g + 8 (12-17, 18-23), and in bits 24-31 byte 4 (grp % 2) + t of its quad's record, the halves d
+// and dmin of row g, then of row g + 8, so that a super-block's two groups hold the whole record.
+// A piece's value is d sc q - dmin m (q of 0-15): the products on halves take round(d sc) and
+// round(dmin m) as gemm does on the blocks, gemv_r's f32 sums d sc and dmin m exactly.
+
+// Q4_K rows (row_stride bytes apart) into that layout at `out` (another buffer): a CTA a tile's
+// super-block, thread (r, p) piece p of row r, and for r < 8 the word of lane (r, p % 4) of group
+// p / 4. Grid (super-blocks, tiles), 128 threads.
+__global__ void __launch_bounds__(128) repack_q4_k(const uint8_t * w, int64_t row_stride,
+                                                   int ngroups, uint8_t * out) {
+    const int sb = blockIdx.x;
+    const int tile = blockIdx.y;
+    const int r = threadIdx.x / 8;
+    const int p = threadIdx.x % 8;
+    auto block = [&](int row) {
+        return w + int64_t(RP_ROWS * tile + row) * row_stride + int64_t(sb) * 144;
+    };
+    auto scale_min = [](const uint8_t * b, int j, int & sc, int & m) {  // ggml's get_scale_min_k4
+        const uint8_t * q = b + 4;
+        if (j < 4) {
+            sc = q[j] & 63;
+            m = q[j + 4] & 63;
+        } else {
+            sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+            m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        }
+    };
+    const uint8_t * b = block(r);
+    const uint8_t * qs = b + 16 + 32 * (p / 2);
+    const int shift = 4 * (p % 2);
+    uint32_t words[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        uint32_t v = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int at = 4 * k + i;  // byte at of the piece: values at and at + 16
+            const uint32_t lo = (qs[at] >> shift) & 0x0F;
+            const uint32_t hi = (qs[at + 16] >> shift) & 0x0F;
+            v |= (lo | (hi << 4)) << (8 * i);
+        }
+        words[k] = v;
+    }
+    const int grp = 2 * sb + p / 4;
+    uint8_t * o = out + repacked_at(tile, grp, ngroups);
+    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * (p % 4)) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+    if (r < 8) {
+        const uint8_t * b8 = block(r + 8);
+        int sc, m, sc8, m8;
+        scale_min(b, p, sc, m);
+        scale_min(b8, p, sc8, m8);
+        const uint8_t rec = p < 4 ? b[p] : b8[p - 4];  // byte p: d, dmin of row r, of row r + 8
+        const uint32_t word = uint32_t(sc) | uint32_t(m) << 6 | uint32_t(sc8) << 12 |
+                              uint32_t(m8) << 18 | uint32_t(rec) << 24;
+        *reinterpret_cast<uint32_t *>(o + 1024 + 4 * (4 * r + p % 4)) = word;
+    }
+}
+
+// byte t of the result: the top byte of w in lane t of this lane's quad
+__device__ __forceinline__ uint32_t quad_top_bytes(uint32_t w, int t) {
+    const uint32_t x = w >> 24;
+    const uint32_t o1 = __shfl_xor_sync(0xFFFFFFFFu, x, 1);
+    const uint32_t y = (t & 1) ? (o1 | (x << 8)) : (x | (o1 << 8));
+    const uint32_t o2 = __shfl_xor_sync(0xFFFFFFFFu, y, 2);
+    return (t & 2) ? (o2 | (y << 16)) : (y | (o2 << 16));
+}
+
+// a super-block's record for this lane's rows from its words of the two groups: (d of row g, of
+// row g + 8) and (dmin of row g, of row g + 8), as halves
+__device__ __forceinline__ void rk_record(uint32_t w_even, uint32_t w_odd, int t, uint32_t & dd,
+                                          uint32_t & mm) {
+    const uint32_t rg = quad_top_bytes(w_even, t);
+    const uint32_t rg8 = quad_top_bytes(w_odd, t);
+    dd = __byte_perm(rg, rg8, 0x5410);
+    mm = __byte_perm(rg, rg8, 0x7632);
+}
+
+// A group's factors for this lane's piece, from its word and the record: (s, s) of rows g and
+// g + 8 (da, db) and (-m, -m) (ma, mb), s = round(d sc), m = round(dmin m)
+__device__ __forceinline__ void rk_group(uint32_t w, uint32_t dd, uint32_t mm, uint32_t & da,
+                                         uint32_t & db, uint32_t & ma, uint32_t & mb) {
+    auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
+    const __half2 magic = h2(0x64006400u);  // 1024
+    const uint32_t sc = (w & 0x3Fu) | ((w << 4) & 0x3F0000u) | 0x64006400u;
+    const uint32_t mn = ((w >> 6) & 0x3Fu) | ((w >> 2) & 0x3F0000u) | 0x64006400u;
+    const __half2 s = __hmul2(h2(dd), __hsub2(h2(sc), magic));
+    const __half2 m = __hmul2(h2(mm), __hsub2(magic, h2(mn)));  // dmin times -m: exact negation
+    da = __byte_perm(as_u32(s), 0, 0x1010);
+    db = __byte_perm(as_u32(s), 0, 0x3232);
+    ma = __byte_perm(as_u32(m), 0, 0x1010);
+    mb = __byte_perm(as_u32(m), 0, 0x3232);
+}
+
+// word_halves for Q4_K repacked: q s - m (q of 0-15 exact: 1024 + q less 1024, and 1024 + 16 q
+// times 1/16 less 64), one rounding as gemm's hfma2 on the blocks
+__device__ __forceinline__ void word_halves_k(uint32_t q, __half2 s, __half2 m, __half2 (&lo)[2],
+                                              __half2 (&hi)[2]) {
+    auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
+    const __half2 magic = h2(0x64006400u);      // 1024
+    const __half2 sixteenth = h2(0x2C002C00u);  // 1/16
+    const __half2 less = h2(0xD400D400u);       // -64
+    const uint32_t q8 = q >> 8;
+    lo[0] = __hfma2(__hsub2(h2(and_or(q, 0x000F000Fu, 0x64006400u)), magic), s, m);
+    lo[1] = __hfma2(__hsub2(h2(and_or(q8, 0x000F000Fu, 0x64006400u)), magic), s, m);
+    hi[0] = __hfma2(__hfma2(h2(and_or(q, 0x00F000F0u, 0x64006400u)), sixteenth, less), s, m);
+    hi[1] = __hfma2(__hfma2(h2(and_or(q8, 0x00F000F0u, 0x64006400u)), sixteenth, less), s, m);
+}
+
 __device__ __forceinline__ uint4 load_stream(const uint4 * p) {
     uint4 v;
     asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -246,6 +361,23 @@ __device__ __forceinline__ void lane_words(uint32_t qa, uint32_t qb, uint32_t da
     }
 }
 
+// lane_words for Q4_K repacked: (s, s), (-m, -m) of rows g (da, ma) and g + 8 (db, mb)
+__device__ __forceinline__ void lane_words_k(uint32_t qa, uint32_t qb, uint32_t da, uint32_t db,
+                                             uint32_t ma, uint32_t mb, uint32_t (&lo)[4],
+                                             uint32_t (&hi)[4]) {
+    auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
+    __half2 alo[2], ahi[2], blo[2], bhi[2];
+    word_halves_k(qa, h2(da), h2(ma), alo, ahi);
+    word_halves_k(qb, h2(db), h2(mb), blo, bhi);
+#pragma unroll
+    for (int i = 0; i < 2; i++) {  // lane_words' k order
+        lo[2 * i] = as_u32(alo[i]);
+        lo[2 * i + 1] = as_u32(blo[i]);
+        hi[2 * i] = as_u32(ahi[i]);
+        hi[2 * i + 1] = as_u32(bhi[i]);
+    }
+}
+
 // a word's two mmas into a column tile's two chains (or, left out, its registers kept alive)
 template <int SKIP>
 __device__ __forceinline__ void word_mmas(float (&acc)[4], float (&acc2)[4],
@@ -330,8 +462,10 @@ __device__ __forceinline__ void next_inv(const float *& xi, int nsegs, float (&i
 //
 // XCH chunks of activations a stage, and a barrier: gemm_r_xch's (docs/BENCHMARKS.md, session 34).
 // SKIP: RpSkip's parts left out.
-template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), int SKIP = 0>
+template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), int SKIP = 0,
+          bool RK = false>
 __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
+    static_assert(!RK || SKIP == 0, "Q4_K repacked: nothing left out");
     constexpr int P = 8;   // pieces a chunk: two groups
     static_assert(GM_SEG == 2 * P, "a segment is two chunks");
     constexpr int ST = 2;  // the activations' stages: chunk ch's is ch / XCH % 2
@@ -412,14 +546,28 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
         if (flush) {
             next_inv<NT>(xi, nsegs, inv);
         }
+        [[maybe_unused]] uint32_t dd = 0, mm = 0;  // Q4_K: the chunk's super-block record
+        if constexpr (RK) {
+            rk_record(cur[0].d, cur[1].d, t, dd, mm);
+        }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            const uint32_t da = __byte_perm(cur[j].d, 0, 0x1010);
-            const uint32_t db = __byte_perm(cur[j].d, 0, 0x3232);
+            uint32_t da, db;
+            [[maybe_unused]] uint32_t ma = 0, mb = 0;
+            if constexpr (RK) {
+                rk_group(cur[j].d, dd, mm, da, db, ma, mb);
+            } else {
+                da = __byte_perm(cur[j].d, 0, 0x1010);
+                db = __byte_perm(cur[j].d, 0, 0x3232);
+            }
 #pragma unroll
             for (int w = 0; w < 4; w++) {
                 uint32_t a_lo[4], a_hi[4];
-                lane_words<SKIP>(word(cur[j].a, w), word(cur[j].b, w), da, db, a_lo, a_hi);
+                if constexpr (RK) {
+                    lane_words_k(word(cur[j].a, w), word(cur[j].b, w), da, db, ma, mb, a_lo, a_hi);
+                } else {
+                    lane_words<SKIP>(word(cur[j].a, w), word(cur[j].b, w), da, db, a_lo, a_hi);
+                }
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     const uint32_t at =
@@ -475,10 +623,11 @@ template <int NT, int XCH = gemm_r_xch(NT)> __host__ __device__ constexpr int ge
 // One build of gemm_r (its template's arguments but SKIP): its kernel and its shared memory named
 // together, so that a plan and a launch of it cannot take another build's (lucepy-mm.cu,
 // bench-kernels.cu)
-template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT)> struct GemmR {
+template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), bool RK = false>
+struct GemmR {
     static constexpr int warps = W;
     static constexpr int smem = gemm_r_smem<NT, XCH>();
-    static auto kernel() { return gemm_r<NT, W, MINB, XCH>; }
+    static auto kernel() { return gemm_r<NT, W, MINB, XCH, 0, RK>; }
 };
 
 // --- gemm_rb: gemm_r with each warp's weights fetched by the TMA unit -----------------------
@@ -561,7 +710,7 @@ template <int NT> __host__ __device__ constexpr int gemm_rb_smem() {
            GM_WARPS * RB_STAGES * 8;
 }
 
-template <int NT, int MINB, int SKIP = 0>
+template <int NT, int MINB, int SKIP = 0, bool RK = false>
 __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a) {
     static_assert((SKIP & ~RP_STAMPS) == 0, "gemm_rb leaves nothing out");
     constexpr int W = GM_WARPS, P = 8, ST = RB_STAGES;
@@ -645,18 +794,33 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
         if (flush) {
             next_inv<NT>(xi, nsegs, inv);
         }
+        [[maybe_unused]] uint32_t dd = 0, mm = 0;  // Q4_K: the chunk's super-block record
+        if constexpr (RK) {
+            const uint32_t at = w_lane + s * W_STAGE + 1024 - 12 * lane;
+            rk_record(load_shared_word(at), load_shared_word(at + RP_BYTES), t, dd, mm);
+        }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const uint32_t at = w_lane + s * W_STAGE + j * RP_BYTES;
             const uint4 qa = load_shared(at);
             const uint4 qb = load_shared(at + 512);
             const uint32_t d = load_shared_word(at + 1024 - 12 * lane);  // 1024 + 4 lane
-            const uint32_t da = __byte_perm(d, 0, 0x1010);
-            const uint32_t db = __byte_perm(d, 0, 0x3232);
+            uint32_t da, db;
+            [[maybe_unused]] uint32_t ma = 0, mb = 0;
+            if constexpr (RK) {
+                rk_group(d, dd, mm, da, db, ma, mb);
+            } else {
+                da = __byte_perm(d, 0, 0x1010);
+                db = __byte_perm(d, 0, 0x3232);
+            }
 #pragma unroll
             for (int w = 0; w < 4; w++) {
                 uint32_t lo[4], hi[4];
-                lane_words<0>(word(qa, w), word(qb, w), da, db, lo, hi);
+                if constexpr (RK) {
+                    lane_words_k(word(qa, w), word(qb, w), da, db, ma, mb, lo, hi);
+                } else {
+                    lane_words<0>(word(qa, w), word(qb, w), da, db, lo, hi);
+                }
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     const uint4 x = load_shared(x_lane[w] + s * X_STAGE +
@@ -681,11 +845,11 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
 }
 
 // gemm_rb's build at MINB CTAs an SM, as GemmR names gemm_r's
-template <int NT, int MINB = 5> struct GemmRB {
+template <int NT, int MINB = 5, bool RK = false> struct GemmRB {
     static constexpr int warps = GM_WARPS;
     static constexpr int minb = MINB;
     static constexpr int smem = gemm_rb_smem<NT>();
-    static auto kernel() { return gemm_rb<NT, MINB>; }
+    static auto kernel() { return gemm_rb<NT, MINB, 0, RK>; }
 };
 
 // One column on a repacked Q4_0 matrix (a.w), the activations as `quantize` writes them (one
@@ -716,8 +880,35 @@ __device__ __forceinline__ void dot_group(const RpGroup & q, const int (&xl)[4],
     acc_b += d.y * (ds.x * float(sb) - 8.0f * ds.y);
 }
 
-template <int SPLIT, int U = 1, bool GATE = false>
+// dot_group on Q4_K repacked: f = (d sc of rows g, g + 8; dmin m of rows g, g + 8), exact in f32
+__device__ __forceinline__ void dot_group_k(const RpGroup & q, const int (&xl)[4],
+                                            const int (&xh)[4], float2 ds, float4 f,
+                                            float & acc_a, float & acc_b) {
+    int sa = 0, sb = 0;
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        const uint32_t qa = word(q.a, w);
+        const uint32_t qb = word(q.b, w);
+        sa = dp4a(int(qa & 0x0F0F0F0Fu), xl[w], sa);
+        sa = dp4a(int((qa >> 4) & 0x0F0F0F0Fu), xh[w], sa);
+        sb = dp4a(int(qb & 0x0F0F0F0Fu), xl[w], sb);
+        sb = dp4a(int((qb >> 4) & 0x0F0F0F0Fu), xh[w], sb);
+    }
+    acc_a += f.x * (ds.x * float(sa)) - f.z * ds.y;
+    acc_b += f.y * (ds.x * float(sb)) - f.w * ds.y;
+}
+
+// a Q4_K group's factors for dot_group_k, from its word and the super-block's record
+__device__ __forceinline__ float4 rk_factors(uint32_t w, uint32_t dd, uint32_t mm) {
+    const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&dd));
+    const float2 m = __half22float2(*reinterpret_cast<const __half2 *>(&mm));
+    return make_float4(d.x * float(w & 63u), d.y * float((w >> 12) & 63u),
+                       m.x * float((w >> 6) & 63u), m.y * float((w >> 18) & 63u));
+}
+
+template <int SPLIT, int U = 1, bool GATE = false, bool RK = false>
 __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args a) {
+    static_assert(!RK || U == 2, "Q4_K repacked: a super-block's two groups at a time");
     constexpr int WARPS = gemv_r_warps<SPLIT>();
     constexpr int M = GATE ? 2 : 1;  // matrices: the product's, the gate's
     const int lane = threadIdx.x % 32;
@@ -726,7 +917,8 @@ __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args 
     const int tile = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
     const int part = warp % SPLIT;
     const int ngroups = a.npieces / RP_GROUP;
-    const int per = (ngroups + SPLIT - 1) / SPLIT;
+    // (Q4_K: whole super-blocks a part)
+    const int per = RK ? 2 * ((ngroups + 2 * SPLIT - 1) / (2 * SPLIT)) : (ngroups + SPLIT - 1) / SPLIT;
     const int g0 = min(ngroups, part * per);
     const int g1 = tile < a.nrows / RP_ROWS ? min(ngroups, g0 + per) : g0;
     const uint8_t * base[M];
@@ -751,6 +943,18 @@ __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args 
     float acc[M][2] = {};
     for (int grp = g0; grp < g1; grp += U) {
         load(nxt, grp + U);
+        float4 f[M][U];  // Q4_K: each group's factors
+        if constexpr (RK) {
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                uint32_t dd, mm;
+                rk_record(cur[m][0].d, cur[m][1].d, t, dd, mm);
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    f[m][u] = rk_factors(cur[m][u].d, dd, mm);
+                }
+            }
+        }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             if (grp + u < g1) {
@@ -763,7 +967,11 @@ __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args 
                 const int xh[4] = {xhi.x, xhi.y, xhi.z, xhi.w};
 #pragma unroll
                 for (int m = 0; m < M; m++) {
-                    dot_group(cur[m][u], xl, xh, ds, acc[m][0], acc[m][1]);
+                    if constexpr (RK) {
+                        dot_group_k(cur[m][u], xl, xh, ds, f[m][u], acc[m][0], acc[m][1]);
+                    } else {
+                        dot_group(cur[m][u], xl, xh, ds, acc[m][0], acc[m][1]);
+                    }
                 }
             }
         }
@@ -869,7 +1077,7 @@ template <int MT> __host__ __device__ constexpr int gemm_rq_smem() {
     return 2 * rq_stage<MT>();
 }
 
-template <int MT>
+template <int MT, bool RK = false>
 __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a) {
     constexpr int STAGE = rq_stage<MT>();
     extern __shared__ __align__(16) uint8_t smem[];
@@ -931,23 +1139,40 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
         const uint8_t * ws = st + warp * MT * RP_BYTES;
         const uint8_t * xs = st + 4 * MT * RP_BYTES;
         uint4 qa[MT], qb[MT];
-        uint32_t da[MT], db[MT];
+        uint32_t da[MT], db[MT], ma[MT], mb[MT];
 #pragma unroll
         for (int m = 0; m < MT; m++) {
             qa[m] = reinterpret_cast<const uint4 *>(ws + m * RP_BYTES)[lane];
             qb[m] = reinterpret_cast<const uint4 *>(ws + m * RP_BYTES + 512)[lane];
             const uint32_t d = reinterpret_cast<const uint32_t *>(ws + m * RP_BYTES + 1024)[lane];
-            da[m] = __byte_perm(d, 0, 0x1010);
-            db[m] = __byte_perm(d, 0, 0x3232);
+            if constexpr (RK) {  // the super-block's other group's word from memory
+                const uint32_t other = __ldg(
+                    reinterpret_cast<const uint32_t *>(wsrc + m * tile_bytes +
+                                                       int64_t(grp ^ 1) * RP_BYTES + 1024) +
+                    lane);
+                uint32_t dd, mm;
+                rk_record(grp % 2 ? other : d, grp % 2 ? d : other, t, dd, mm);
+                rk_group(d, dd, mm, da[m], db[m], ma[m], mb[m]);
+            } else {
+                da[m] = __byte_perm(d, 0, 0x1010);
+                db[m] = __byte_perm(d, 0, 0x3232);
+                ma[m] = mb[m] = 0;
+            }
         }
 #pragma unroll
         for (int w = 0; w < 4; w++) {
             uint32_t lo[MT][4], hi[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; m++) {
+                auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
                 __half2 alo[2], ahi[2], blo[2], bhi[2];
-                word_halves(word(qa[m], w), *reinterpret_cast<const __half2 *>(&da[m]), alo, ahi);
-                word_halves(word(qb[m], w), *reinterpret_cast<const __half2 *>(&db[m]), blo, bhi);
+                if constexpr (RK) {
+                    word_halves_k(word(qa[m], w), h2(da[m]), h2(ma[m]), alo, ahi);
+                    word_halves_k(word(qb[m], w), h2(db[m]), h2(mb[m]), blo, bhi);
+                } else {
+                    word_halves(word(qa[m], w), h2(da[m]), alo, ahi);
+                    word_halves(word(qb[m], w), h2(db[m]), blo, bhi);
+                }
                 lo[m][0] = as_u32(alo[0]), lo[m][1] = as_u32(blo[0]);
                 lo[m][2] = as_u32(alo[1]), lo[m][3] = as_u32(blo[1]);
                 hi[m][0] = as_u32(ahi[0]), hi[m][1] = as_u32(bhi[0]);
