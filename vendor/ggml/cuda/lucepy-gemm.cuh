@@ -551,6 +551,10 @@ __device__ __forceinline__ uint32_t as_u32(__half2 h) {
     return *reinterpret_cast<const uint32_t *>(&h);
 }
 
+__device__ __forceinline__ __half2 as_h2(uint32_t u) {
+    return *reinterpret_cast<const __half2 *>(&u);
+}
+
 // d (16x8, f32) += a (16x16, halves) b (16x8, halves)
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                           uint32_t b1) {

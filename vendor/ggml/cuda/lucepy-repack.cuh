@@ -88,15 +88,14 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
 // 16 on), the high nibbles taken in place (1024 + 16 n, times 1/16 less 72: n - 8, exact).
 __device__ __forceinline__ void word_halves(uint32_t q, __half2 d, __half2 (&lo)[2],
                                             __half2 (&hi)[2]) {
-    auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
-    const __half2 off = h2(0x64086408u);        // 1032
-    const __half2 sixteenth = h2(0x2C002C00u);  // 1/16
-    const __half2 less = h2(0xD480D480u);       // -72
+    const __half2 off = as_h2(0x64086408u);        // 1032
+    const __half2 sixteenth = as_h2(0x2C002C00u);  // 1/16
+    const __half2 less = as_h2(0xD480D480u);       // -72
     const uint32_t q8 = q >> 8;
-    lo[0] = __hmul2(__hsub2(h2(and_or(q, 0x000F000Fu, 0x64006400u)), off), d);
-    lo[1] = __hmul2(__hsub2(h2(and_or(q8, 0x000F000Fu, 0x64006400u)), off), d);
-    hi[0] = __hmul2(__hfma2(h2(and_or(q, 0x00F000F0u, 0x64006400u)), sixteenth, less), d);
-    hi[1] = __hmul2(__hfma2(h2(and_or(q8, 0x00F000F0u, 0x64006400u)), sixteenth, less), d);
+    lo[0] = __hmul2(__hsub2(as_h2(and_or(q, 0x000F000Fu, 0x64006400u)), off), d);
+    lo[1] = __hmul2(__hsub2(as_h2(and_or(q8, 0x000F000Fu, 0x64006400u)), off), d);
+    hi[0] = __hmul2(__hfma2(as_h2(and_or(q, 0x00F000F0u, 0x64006400u)), sixteenth, less), d);
+    hi[1] = __hmul2(__hfma2(as_h2(and_or(q8, 0x00F000F0u, 0x64006400u)), sixteenth, less), d);
 }
 
 // --- Q4_K repacked -----------------------------------------------------------------------------
@@ -187,12 +186,11 @@ __device__ __forceinline__ void rk_record(uint32_t w_even, uint32_t w_odd, int t
 // g + 8 (da, db) and (-m, -m) (ma, mb), s = round(d sc), m = round(dmin m)
 __device__ __forceinline__ void rk_group(uint32_t w, uint32_t dd, uint32_t mm, uint32_t & da,
                                          uint32_t & db, uint32_t & ma, uint32_t & mb) {
-    auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
-    const __half2 magic = h2(0x64006400u);  // 1024
+    const __half2 magic = as_h2(0x64006400u);  // 1024
     const uint32_t sc = (w & 0x3Fu) | ((w << 4) & 0x3F0000u) | 0x64006400u;
     const uint32_t mn = ((w >> 6) & 0x3Fu) | ((w >> 2) & 0x3F0000u) | 0x64006400u;
-    const __half2 s = __hmul2(h2(dd), __hsub2(h2(sc), magic));
-    const __half2 m = __hmul2(h2(mm), __hsub2(magic, h2(mn)));  // dmin times -m: exact negation
+    const __half2 s = __hmul2(as_h2(dd), __hsub2(as_h2(sc), magic));
+    const __half2 m = __hmul2(as_h2(mm), __hsub2(magic, as_h2(mn)));  // dmin times -m: exact negation
     da = __byte_perm(as_u32(s), 0, 0x1010);
     db = __byte_perm(as_u32(s), 0, 0x3232);
     ma = __byte_perm(as_u32(m), 0, 0x1010);
@@ -203,15 +201,14 @@ __device__ __forceinline__ void rk_group(uint32_t w, uint32_t dd, uint32_t mm, u
 // times 1/16 less 64), one rounding as gemm's hfma2 on the blocks
 __device__ __forceinline__ void word_halves_k(uint32_t q, __half2 s, __half2 m, __half2 (&lo)[2],
                                               __half2 (&hi)[2]) {
-    auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
-    const __half2 magic = h2(0x64006400u);      // 1024
-    const __half2 sixteenth = h2(0x2C002C00u);  // 1/16
-    const __half2 less = h2(0xD400D400u);       // -64
+    const __half2 magic = as_h2(0x64006400u);      // 1024
+    const __half2 sixteenth = as_h2(0x2C002C00u);  // 1/16
+    const __half2 less = as_h2(0xD400D400u);       // -64
     const uint32_t q8 = q >> 8;
-    lo[0] = __hfma2(__hsub2(h2(and_or(q, 0x000F000Fu, 0x64006400u)), magic), s, m);
-    lo[1] = __hfma2(__hsub2(h2(and_or(q8, 0x000F000Fu, 0x64006400u)), magic), s, m);
-    hi[0] = __hfma2(__hfma2(h2(and_or(q, 0x00F000F0u, 0x64006400u)), sixteenth, less), s, m);
-    hi[1] = __hfma2(__hfma2(h2(and_or(q8, 0x00F000F0u, 0x64006400u)), sixteenth, less), s, m);
+    lo[0] = __hfma2(__hsub2(as_h2(and_or(q, 0x000F000Fu, 0x64006400u)), magic), s, m);
+    lo[1] = __hfma2(__hsub2(as_h2(and_or(q8, 0x000F000Fu, 0x64006400u)), magic), s, m);
+    hi[0] = __hfma2(__hfma2(as_h2(and_or(q, 0x00F000F0u, 0x64006400u)), sixteenth, less), s, m);
+    hi[1] = __hfma2(__hfma2(as_h2(and_or(q8, 0x00F000F0u, 0x64006400u)), sixteenth, less), s, m);
 }
 
 __device__ __forceinline__ uint4 load_stream(const uint4 * p) {
@@ -365,10 +362,9 @@ __device__ __forceinline__ void lane_words(uint32_t qa, uint32_t qb, uint32_t da
 __device__ __forceinline__ void lane_words_k(uint32_t qa, uint32_t qb, uint32_t da, uint32_t db,
                                              uint32_t ma, uint32_t mb, uint32_t (&lo)[4],
                                              uint32_t (&hi)[4]) {
-    auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
     __half2 alo[2], ahi[2], blo[2], bhi[2];
-    word_halves_k(qa, h2(da), h2(ma), alo, ahi);
-    word_halves_k(qb, h2(db), h2(mb), blo, bhi);
+    word_halves_k(qa, as_h2(da), as_h2(ma), alo, ahi);
+    word_halves_k(qb, as_h2(db), as_h2(mb), blo, bhi);
 #pragma unroll
     for (int i = 0; i < 2; i++) {  // lane_words' k order
         lo[2 * i] = as_u32(alo[i]);
@@ -1164,14 +1160,13 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
             uint32_t lo[MT][4], hi[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; m++) {
-                auto h2 = [](uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); };
                 __half2 alo[2], ahi[2], blo[2], bhi[2];
                 if constexpr (RK) {
-                    word_halves_k(word(qa[m], w), h2(da[m]), h2(ma[m]), alo, ahi);
-                    word_halves_k(word(qb[m], w), h2(db[m]), h2(mb[m]), blo, bhi);
+                    word_halves_k(word(qa[m], w), as_h2(da[m]), as_h2(ma[m]), alo, ahi);
+                    word_halves_k(word(qb[m], w), as_h2(db[m]), as_h2(mb[m]), blo, bhi);
                 } else {
-                    word_halves(word(qa[m], w), h2(da[m]), alo, ahi);
-                    word_halves(word(qb[m], w), h2(db[m]), blo, bhi);
+                    word_halves(word(qa[m], w), as_h2(da[m]), alo, ahi);
+                    word_halves(word(qb[m], w), as_h2(db[m]), blo, bhi);
                 }
                 lo[m][0] = as_u32(alo[0]), lo[m][1] = as_u32(blo[0]);
                 lo[m][2] = as_u32(alo[1]), lo[m][3] = as_u32(blo[1]);
