@@ -106,8 +106,9 @@ def gpu_forward(engine, tokens: list[int], forced) -> tuple[np.ndarray, np.ndarr
 
 # the tiny models compared with llama.cpp (tools/make_gpu_ref.py makes their references)
 PARITY = [(name, wtype) for name in ("base", "odd") for wtype in ("f32", "q8_0")]
-# models whose Q4_0 or Q4_K rows lucepy's CUDA layout takes
-REPACKED = [("wide", "q4_0"), ("wide", "q4_k")]
+# models whose Q4_0 or Q4_K rows lucepy's CUDA layout takes (q4_k_mix: the DeltaNet's qkv and the
+# attention's V in Q8_0, so that z, beta and alpha are one product, and Q and K another)
+REPACKED = [("wide", "q4_0"), ("wide", "q4_k"), ("wide", "q4_k_mix")]
 
 
 def assert_like_llama_cpp(engine, path, wtype, tmp_path, chunks=(CHUNK,)) -> None:
@@ -175,6 +176,9 @@ def test_gpu_repacked_model_matches_llama_cpp(name, wtype, gpu_engine, tiny_mode
     assert len(alone) == 1 + engine.params.n_layer * 2
     assert alone <= repacked, f"not repacked: {sorted(alone - repacked)}"
     assert any(name.endswith(".stacked") for name in repacked), repacked
+    if wtype == "q4_k_mix":
+        stacks = {name.split(".")[2] for name in repacked if name.endswith(".stacked")}
+        assert stacks == {"ssm_zba", "attn_qk"}, stacks
     calls = kernels.calls
     assert_like_llama_cpp(engine, tiny_model(name, wtype), wtype, tmp_path, (CHUNK, 16))
     assert kernels.calls > calls

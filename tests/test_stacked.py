@@ -69,6 +69,24 @@ def test_stacked_products_equal_separate_ones(path, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+def test_products_of_mixed_types_stack_in_the_largest_groups_they_allow(tiny_model, monkeypatch):
+    """Where the DeltaNet's qkv and half the attention layers' V differ in type from the rest
+    (as llama-quantize's Q4_K_M makes them), z, beta and alpha are one product and so are Q and
+    K, V's and qkv's apart; the logits are the separate products' to the bit."""
+    path = tiny_model("wide", "q4_k_mix")
+    keys, prompt, steps = run(path, True, monkeypatch)
+    none, prompt0, steps0 = run(path, False, monkeypatch)
+    with GGUFFile(path) as f:
+        n_layer = int(f.get("qwen35.block_count"))
+        attention = {il for il in range(n_layer) if f"blk.{il}.attn_q.weight" in f.tensors}
+    stacks = {il: "attn_qk" if il in attention else "ssm_zba" for il in range(n_layer)}
+    want = [f"blk.{il}.{key}.stacked" for il, key in stacks.items()]
+    assert sorted(keys) == sorted(want) and not none
+    np.testing.assert_array_equal(prompt, prompt0)
+    for a, b in zip(steps, steps0, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_stack_whose_parts_repack_otherwise_is_kept_apart(monkeypatch):
     """Parts that would land in another buffer type than their stack (a CPU repacks by row
     count) are loaded apart, under their own names."""

@@ -161,7 +161,7 @@ def report(args: argparse.Namespace) -> int:
         f"# lucepy's CUDA kernels: {got.get('model', '?')} on {got.get('device', '?')}",
         "",
         f"| test | llama.cpp ({args.llama_build}) | lucepy, ggml's kernels | lucepy, own kernels "
-        "| own, Q4_0 repacked | own / llama.cpp | repacked / llama.cpp | own / ggml's |",
+        "| own, repacked | own / llama.cpp | repacked / llama.cpp | own / ggml's |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, key, llama_key in rows:

@@ -42,14 +42,18 @@ _MATMUL_SUFFIXES += ("ffn_up.weight", "ffn_down.weight", "_shexp.weight", "_exps
 # products of one input that the loader stacks into one (Architecture.stacked), the first that
 # can be of those sharing a weight: a delta-net layer's four input projections as one (beta's
 # and alpha's 2 x 48 rows of the 27B-shaped model ride along in the large product: a decode
-# launches 48 mat-vecs fewer, a verify 48 products and their sums, docs/BENCHMARKS.md), else as
-# two pairs where the four cannot be one (types); attention's Q, K and V. (A CPU may repack the
-# small pair otherwise than the rest: the loader then keeps that stack apart.)
+# launches 48 mat-vecs fewer, a verify 48 products and their sums, docs/BENCHMARKS.md), else
+# in the largest groups their types allow: llama-quantize's Q4_K_M gives the DeltaNet's qkv Q5_K
+# and the rest Q4_K (z, beta and alpha one product), and half the attention layers' V Q6_K (Q
+# and K one). (A CPU may repack the small pair otherwise than the rest: the loader then keeps
+# that stack apart.)
 _STACKS = {
     "ssm_in.stacked": ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
     "ssm_qkvz.stacked": ("attn_qkv", "attn_gate"),
+    "ssm_zba.stacked": ("attn_gate", "ssm_beta", "ssm_alpha"),
     "ssm_ba.stacked": ("ssm_beta", "ssm_alpha"),
     "attn_qkv.stacked": ("attn_q", "attn_k", "attn_v"),
+    "attn_qk.stacked": ("attn_q", "attn_k"),
 }
 
 

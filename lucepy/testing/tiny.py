@@ -41,7 +41,13 @@ WEIGHT_TYPES = {
     "q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (QType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
     "q4_k": (QType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),  # every matmul weight Q4_K (no Q6_K mix)
+    # Q4_K but the weights that llama-quantize's Q4_K_M gives a type of their own (the DeltaNet's
+    # qkv Q5_K, some attention V Q6_K), here Q8_0: the products of one input that can be stacked
+    # as Q4_K_M's can
+    "q4_k_mix": (QType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
 }
+# q4_k_mix's weights of another type (name endings), and that type
+_MIXED = (("attn_qkv.weight", "attn_v.weight"), QType.Q8_0)
 _QBLOCK = 32  # q8_0 and q4_0 block length
 _KBLOCK = 256  # a K-quant's super-block
 
@@ -230,6 +236,8 @@ def tensor_type(t: TensorPlan, s: Qwen35Spec) -> QType:
     """Only 2D matmul weights with whole blocks per row (32 values, Q4_K's 256) are stored as
     weight_type."""
     qtype = WEIGHT_TYPES[s.weight_type][0]
+    if s.weight_type == "q4_k_mix" and t.name.endswith(_MIXED[0]):
+        qtype = _MIXED[1]
     block = _KBLOCK if qtype == QType.Q4_K else _QBLOCK
     if t.init == "dense" and len(t.ne) == 2 and t.ne[0] % block == 0:
         return qtype

@@ -515,7 +515,11 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // the same at 16 columns, 5 % faster at 8 (still slower than gemm_r there), the rest slower;
     // gemm_rb on a hybrid plan (whole CTAs for the row blocks every SM takes alike, the rest
     // in parts of a few chunks): the stack at 16 columns 36.97 us where 39.86 alone, qkv slower;
-    // in the model (session 41) its stack no sooner and glu_halves 3 us slower: removed)
+    // in the model (session 41) its stack no sooner and glu_halves 3 us slower: removed;
+    // session 43: at 16 columns each column tile its own warp, two warps reading a tile's
+    // weights from gemm_rb's shared stage (72-74 registers, 3 or 6 CTAs an SM), 1.3-1.5x
+    // gemm_rb's time on every product: the unpacking done twice costs more than the shorter
+    // chains gain)
     return {{"repacked", launch_gemm_r<NT, 4>},
             {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-mm.cu's where bulk_product
             {"rp bulk <= 2 parts", launch_build<GemmRB<NT>, 2>},
