@@ -165,9 +165,9 @@ template <> LUCEPY_HD void ints<Q8_0>(const uint8_t * b, int, int t, int & lo, i
 // Q4_K: half d, half dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles. Pieces 2g and
 // 2g + 1 share bytes 32g..32g+31 (low nibbles, then high ones); piece j is d*sc[j]*q - dmin*m[j].
 // (Q5_K's first 16 bytes are the same.)
-template <> LUCEPY_HD Scales scales<Q4_K>(const uint8_t * b, int at) {
-    const uint8_t * sm = b + 4;
-    int sc, m;
+// piece `at`'s 6-bit scale and min from a super-block's 12 bytes of them (`sm`, Q4_K's bytes 4-15;
+// repack_q4_k copies them into its layout as these integers)
+LUCEPY_HD void scale_min_k4(const uint8_t * sm, int at, int & sc, int & m) {
     if (at < 4) {
         sc = sm[at] & 63;
         m = sm[at + 4] & 63;
@@ -175,6 +175,11 @@ template <> LUCEPY_HD Scales scales<Q4_K>(const uint8_t * b, int at) {
         sc = (sm[at + 4] & 0x0F) | ((sm[at - 4] >> 6) << 4);
         m = (sm[at + 4] >> 4) | ((sm[at] >> 6) << 4);
     }
+}
+
+template <> LUCEPY_HD Scales scales<Q4_K>(const uint8_t * b, int at) {
+    int sc, m;
+    scale_min_k4(b + 4, at, sc, m);
     const float s = load_half(b) * float(sc);
     return {s, s, load_half(b + 2) * float(m)};
 }

@@ -121,16 +121,6 @@ __global__ void __launch_bounds__(128) repack_q4_k(const uint8_t * w, int64_t ro
     auto block = [&](int row) {
         return w + int64_t(RP_ROWS * tile + row) * row_stride + int64_t(sb) * 144;
     };
-    auto scale_min = [](const uint8_t * b, int j, int & sc, int & m) {  // ggml's get_scale_min_k4
-        const uint8_t * q = b + 4;
-        if (j < 4) {
-            sc = q[j] & 63;
-            m = q[j + 4] & 63;
-        } else {
-            sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-            m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        }
-    };
     const uint8_t * b = block(r);
     const uint8_t * qs = b + 16 + 32 * (p / 2);
     const int shift = 4 * (p % 2);
@@ -154,8 +144,8 @@ __global__ void __launch_bounds__(128) repack_q4_k(const uint8_t * w, int64_t ro
     if (r < 8) {
         const uint8_t * b8 = block(r + 8);
         int sc, m, sc8, m8;
-        scale_min(b, p, sc, m);
-        scale_min(b8, p, sc8, m8);
+        scale_min_k4(b + 4, p, sc, m);
+        scale_min_k4(b8 + 4, p, sc8, m8);
         const uint8_t rec = p < 4 ? b[p] : b8[p - 4];  // byte p: d, dmin of row r, of row r + 8
         const uint32_t word = uint32_t(sc) | uint32_t(m) << 6 | uint32_t(sc8) << 12 |
                               uint32_t(m8) << 18 | uint32_t(rec) << 24;
@@ -800,7 +790,8 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
             const uint32_t at = w_lane + s * W_STAGE + j * RP_BYTES;
             const uint4 qa = load_shared(at);
             const uint4 qb = load_shared(at + 512);
-            const uint32_t d = load_shared_word(at + 1024 - 12 * lane);  // 1024 + 4 lane
+            // 1024 + 4 lane (with RK, the same words as the record's: ptxas loads each once)
+            const uint32_t d = load_shared_word(at + 1024 - 12 * lane);
             uint32_t da, db;
             [[maybe_unused]] uint32_t ma = 0, mb = 0;
             if constexpr (RK) {
