@@ -15,6 +15,7 @@ from lucepy.testing.tiny import (
     Qwen35Spec,
     build_vocab,
     encode_q4_k,
+    encode_q6_k,
     main,
     write_qwen35,
 )
@@ -122,6 +123,46 @@ def test_q4_k_blocks_hold_their_values(tmp_path):
     finally:
         model.close()
     assert np.isfinite(logits).all() and (logits.std(axis=-1) > 0.1).all()
+
+
+def test_q6_k_blocks_hold_their_values(tmp_path):
+    """The tests' Q6_K encoder (gguf-py has none): ggml's block layout, as gguf-py decodes it,
+    each value within half its step (the half piece's largest magnitude over 31, up to d more)
+    of the original; a wide tiny model in Q6_K loads in llama.cpp, and lucepy's logits on the CPU
+    (ggml's Q6_K products) are llama.cpp's within the q8_0 models' bound."""
+    from lucepy.runtime.config import RuntimeConfig
+    from lucepy.runtime.engine import Engine
+
+    rng = np.random.default_rng(5)
+    x = (rng.normal(size=(8, 512)) / 8).astype(np.float32)
+    x[0, :16] = 0.0  # a half piece of zeros
+    x[1, 16:32] /= 1000  # one far smaller than its block's largest
+    blocks = encode_q6_k(x)
+    got = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K).reshape(x.shape)
+    amax = np.abs(x.reshape(8, 2, 16, 16)).max(axis=3)
+    d = blocks.reshape(8, 2, 210)[:, :, 208:].copy().view(np.float16).astype(np.float32)
+    bound = ((amax / 31 + d) / 2 * 1.001).repeat(16).reshape(x.shape)
+    assert (np.abs(got - x) <= bound).all()
+    np.testing.assert_array_equal(got[0, :16], 0.0)
+    path = write_qwen35(
+        tmp_path / "k6.gguf", weight_type="q6_k", n_embd=256, n_ff=512, ssm_state_size=64,
+        ssm_time_step_rank=8,
+    )  # fmt: skip
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q6_K
+    assert types["output.weight"] == gguf.GGMLQuantizationType.Q6_K
+    model = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
+    try:
+        tokens = model.tokenize(TEXT.encode())
+        model.eval(tokens)
+        ref = np.asarray(model.scores[: model.n_tokens])
+    finally:
+        model.close()
+    assert np.isfinite(ref).all() and (ref.std(axis=-1) > 0.1).all()
+    with Engine(path, RuntimeConfig(threads=2, max_ctx=256), tokenizer=False) as engine:
+        ours = engine.prefill(tokens, all_logits=True)
+    err = np.linalg.norm(ours - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert err.max() <= 2e-2, err
 
 
 def test_small_tensors_stay_f32(files):

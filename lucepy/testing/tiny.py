@@ -45,6 +45,7 @@ WEIGHT_TYPES = {
     # qkv Q5_K, some attention V Q6_K), here Q8_0: the products of one input that can be stacked
     # as Q4_K_M's can
     "q4_k_mix": (QType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "q6_k": (QType.Q6_K, LlamaFileType.MOSTLY_Q6_K),  # every matmul weight of 256-value rows
 }
 # q4_k_mix's weights of another type (name endings), and that type
 _MIXED = (("attn_qkv.weight", "attn_v.weight"), QType.Q8_0)
@@ -238,7 +239,7 @@ def tensor_type(t: TensorPlan, s: Qwen35Spec) -> QType:
     qtype = WEIGHT_TYPES[s.weight_type][0]
     if s.weight_type == "q4_k_mix" and t.name.endswith(_MIXED[0]):
         qtype = _MIXED[1]
-    block = _KBLOCK if qtype == QType.Q4_K else _QBLOCK
+    block = _KBLOCK if qtype in (QType.Q4_K, QType.Q6_K) else _QBLOCK
     if t.init == "dense" and len(t.ne) == 2 and t.ne[0] % block == 0:
         return qtype
     return QType.F32
@@ -275,6 +276,8 @@ def encode(values: np.ndarray, qtype: QType) -> np.ndarray:
         return values.astype(np.float16)
     if qtype == QType.Q4_K:
         return encode_q4_k(values)
+    if qtype == QType.Q6_K:
+        return encode_q6_k(values)
     return gguf.quants.quantize(values, qtype)
 
 
@@ -306,6 +309,34 @@ def encode_q4_k(values: np.ndarray) -> np.ndarray:
         [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1
     )
     return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 144)
+
+
+def encode_q6_k(values: np.ndarray) -> np.ndarray:
+    """Rows of ``values`` (a multiple of 256 long) as Q6_K blocks (gguf-py has no Q6_K encoder):
+    each 16-value half piece's largest magnitude over 31, rounded up to a multiple of the block's
+    d (sc of 8 bits), as its step (value = d sc (q - 32), q 1-63), packed as ggml's block_q6_K
+    (low nibbles, high bit pairs, scales, d). A plain fit, not ggml's search: any valid Q6_K
+    serves the tests."""
+    rows = values.reshape(-1, _KBLOCK).astype(np.float32)
+    n = len(rows)
+    subs = rows.reshape(n, 16, 16)
+    amax = np.abs(subs).max(axis=2)
+    d = (amax.max(axis=1) / 31 / 126).astype(np.float16)  # room for d's rounding to a half
+    df = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df > 0, np.ceil(amax / 31 / df), 0).clip(0, 127).astype(np.int8)
+        step = (df * sc.astype(np.float32))[:, :, None]
+        q = np.where(step > 0, np.rint(subs / step), 0)
+    q6 = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [half][quarter][l]
+    ql = np.concatenate(
+        [(q6[:, :, 0] & 0xF) | ((q6[:, :, 2] & 0xF) << 4),
+         (q6[:, :, 1] & 0xF) | ((q6[:, :, 3] & 0xF) << 4)],
+        axis=2,
+    ).reshape(n, 128)  # fmt: skip
+    qh = (q6[:, :, 0] >> 4) | ((q6[:, :, 1] >> 4) << 2) | ((q6[:, :, 2] >> 4) << 4)
+    qh = (qh | ((q6[:, :, 3] >> 4) << 6)).reshape(n, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 210)
 
 
 # --- writing ---
