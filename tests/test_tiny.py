@@ -94,6 +94,26 @@ def test_quantized_tensors_follow_f32(files):
     assert n_quantized > 0
 
 
+def wide_model_in_llama_cpp(tmp_path, wtype: str, qtype) -> tuple:
+    """A wide tiny model (rows of 256 values) in ``wtype``, its matmul weights of that ggml type,
+    run by llama.cpp on TEXT: (its path, the tokens, their logits, which vary)."""
+    path = write_qwen35(
+        tmp_path / f"{wtype}.gguf", weight_type=wtype, n_embd=256, n_ff=512, ssm_state_size=64,
+        ssm_time_step_rank=8,
+    )  # fmt: skip
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_down.weight"] == qtype and types["output.weight"] == qtype
+    model = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
+    try:
+        tokens = model.tokenize(TEXT.encode())
+        model.eval(tokens)
+        logits = np.asarray(model.scores[: model.n_tokens])
+    finally:
+        model.close()
+    assert np.isfinite(logits).all() and (logits.std(axis=-1) > 0.1).all()
+    return path, tokens, logits
+
+
 def test_q4_k_blocks_hold_their_values(tmp_path):
     """The tests' Q4_K encoder (gguf-py has none): ggml's block layout, as gguf-py decodes it,
     each value within its piece's step (the piece's range over 15, through the 6-bit scale) of
@@ -109,20 +129,7 @@ def test_q4_k_blocks_hold_their_values(tmp_path):
     step = (span / 15 * 1.1 + 1e-6).repeat(32).reshape(x.shape)
     assert (np.abs(got - x) <= step).all()
     np.testing.assert_array_equal(got[0, :32], 0.0)
-    path = write_qwen35(
-        tmp_path / "k.gguf", weight_type="q4_k", n_embd=256, n_ff=512, ssm_state_size=64,
-        ssm_time_step_rank=8,
-    )  # fmt: skip
-    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
-    assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q4_K
-    assert types["output.weight"] == gguf.GGMLQuantizationType.Q4_K
-    model = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
-    try:
-        model.eval(model.tokenize(TEXT.encode()))
-        logits = np.asarray(model.scores[: model.n_tokens])
-    finally:
-        model.close()
-    assert np.isfinite(logits).all() and (logits.std(axis=-1) > 0.1).all()
+    wide_model_in_llama_cpp(tmp_path, "q4_k", gguf.GGMLQuantizationType.Q4_K)
 
 
 def test_q6_k_blocks_hold_their_values(tmp_path):
@@ -144,21 +151,7 @@ def test_q6_k_blocks_hold_their_values(tmp_path):
     bound = ((amax / 31 + d) / 2 * 1.001).repeat(16).reshape(x.shape)
     assert (np.abs(got - x) <= bound).all()
     np.testing.assert_array_equal(got[0, :16], 0.0)
-    path = write_qwen35(
-        tmp_path / "k6.gguf", weight_type="q6_k", n_embd=256, n_ff=512, ssm_state_size=64,
-        ssm_time_step_rank=8,
-    )  # fmt: skip
-    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
-    assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q6_K
-    assert types["output.weight"] == gguf.GGMLQuantizationType.Q6_K
-    model = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
-    try:
-        tokens = model.tokenize(TEXT.encode())
-        model.eval(tokens)
-        ref = np.asarray(model.scores[: model.n_tokens])
-    finally:
-        model.close()
-    assert np.isfinite(ref).all() and (ref.std(axis=-1) > 0.1).all()
+    path, tokens, ref = wide_model_in_llama_cpp(tmp_path, "q6_k", gguf.GGMLQuantizationType.Q6_K)
     with Engine(path, RuntimeConfig(threads=2, max_ctx=256), tokenizer=False) as engine:
         ours = engine.prefill(tokens, all_logits=True)
     err = np.linalg.norm(ours - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
