@@ -47,8 +47,8 @@ WEIGHT_TYPES = {
     "q4_k_mix": (QType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
     "q6_k": (QType.Q6_K, LlamaFileType.MOSTLY_Q6_K),  # every matmul weight of 256-value rows
 }
-# q4_k_mix's weights of another type (name endings), and that type
-_MIXED = (("attn_qkv.weight", "attn_v.weight"), QType.Q8_0)
+# weight types whose some weights are of another type: the name endings, that type
+_OTHER_TYPES = {"q4_k_mix": (("attn_qkv.weight", "attn_v.weight"), QType.Q8_0)}
 _QBLOCK = 32  # q8_0 and q4_0 block length
 _KBLOCK = 256  # a K-quant's super-block
 
@@ -237,8 +237,9 @@ def tensor_type(t: TensorPlan, s: Qwen35Spec) -> QType:
     """Only 2D matmul weights with whole blocks per row (32 values, Q4_K's 256) are stored as
     weight_type."""
     qtype = WEIGHT_TYPES[s.weight_type][0]
-    if s.weight_type == "q4_k_mix" and t.name.endswith(_MIXED[0]):
-        qtype = _MIXED[1]
+    endings, other = _OTHER_TYPES.get(s.weight_type, ((), qtype))
+    if t.name.endswith(endings):
+        qtype = other
     block = _KBLOCK if qtype in (QType.Q4_K, QType.Q6_K) else _QBLOCK
     if t.init == "dense" and len(t.ne) == 2 and t.ne[0] % block == 0:
         return qtype

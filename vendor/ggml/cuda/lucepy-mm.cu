@@ -808,9 +808,7 @@ template <bool GATE, bool RK = false> void launch_gemv_r(const Args & a, cudaStr
                                 a);
     };
     if constexpr (RK) {  // a super-block (two groups) a step: H200, session 42
-        if (GATE) {
-            go(gemv_r<4, 2, GATE, true>, 4);
-        } else if (tiles >= 2048 || (tiles >= 512 && tiles < 1024)) {
+        if (GATE || tiles >= 2048 || (tiles >= 512 && tiles < 1024)) {
             go(gemv_r<4, 2, GATE, true>, 4);
         } else if (tiles >= 1024) {
             go(gemv_r<2, 2, GATE, true>, 2);

@@ -327,6 +327,20 @@ template <int SKIP> __device__ __forceinline__ void stamp_end(const GemmArgs & a
     }
 }
 
+// rows g's (a) and g + 8's (b) halves of a word as a lane's A registers, in the mma's k order:
+// row g's pair, row g + 8's, then their next pair
+__device__ __forceinline__ void k_order(const __half2 (&alo)[2], const __half2 (&ahi)[2],
+                                        const __half2 (&blo)[2], const __half2 (&bhi)[2],
+                                        uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        lo[2 * i] = as_u32(alo[i]);
+        lo[2 * i + 1] = as_u32(blo[i]);
+        hi[2 * i] = as_u32(ahi[i]);
+        hi[2 * i + 1] = as_u32(bhi[i]);
+    }
+}
+
 // a lane's A registers of a word's low and high nibbles, rows g (qa) and g + 8 (qb)
 template <int SKIP>
 __device__ __forceinline__ void lane_words(uint32_t qa, uint32_t qb, uint32_t da, uint32_t db,
@@ -337,15 +351,9 @@ __device__ __forceinline__ void lane_words(uint32_t qa, uint32_t qb, uint32_t da
         return;
     }
     __half2 alo[2], ahi[2], blo[2], bhi[2];
-    word_halves(qa, *reinterpret_cast<const __half2 *>(&da), alo, ahi);
-    word_halves(qb, *reinterpret_cast<const __half2 *>(&db), blo, bhi);
-#pragma unroll
-    for (int i = 0; i < 2; i++) {  // k order: row g's pair, row g + 8's, then their next pair
-        lo[2 * i] = as_u32(alo[i]);
-        lo[2 * i + 1] = as_u32(blo[i]);
-        hi[2 * i] = as_u32(ahi[i]);
-        hi[2 * i + 1] = as_u32(bhi[i]);
-    }
+    word_halves(qa, as_h2(da), alo, ahi);
+    word_halves(qb, as_h2(db), blo, bhi);
+    k_order(alo, ahi, blo, bhi, lo, hi);
 }
 
 // lane_words for Q4_K repacked: (s, s), (-m, -m) of rows g (da, ma) and g + 8 (db, mb)
@@ -355,13 +363,7 @@ __device__ __forceinline__ void lane_words_k(uint32_t qa, uint32_t qb, uint32_t 
     __half2 alo[2], ahi[2], blo[2], bhi[2];
     word_halves_k(qa, as_h2(da), as_h2(ma), alo, ahi);
     word_halves_k(qb, as_h2(db), as_h2(mb), blo, bhi);
-#pragma unroll
-    for (int i = 0; i < 2; i++) {  // lane_words' k order
-        lo[2 * i] = as_u32(alo[i]);
-        lo[2 * i + 1] = as_u32(blo[i]);
-        hi[2 * i] = as_u32(ahi[i]);
-        hi[2 * i + 1] = as_u32(bhi[i]);
-    }
+    k_order(alo, ahi, blo, bhi, lo, hi);
 }
 
 // a word's two mmas into a column tile's two chains (or, left out, its registers kept alive)
@@ -848,11 +850,12 @@ template <int SPLIT> __host__ __device__ constexpr int gemv_r_warps() {
     return SPLIT > 4 ? SPLIT : 4;
 }
 
-// a lane's sums of piece t of rows g and g + 8 (the nibbles 0-15; the 8 comes off in ds.y)
-__device__ __forceinline__ void dot_group(const RpGroup & q, const int (&xl)[4],
-                                          const int (&xh)[4], float2 ds, float & acc_a,
-                                          float & acc_b) {
-    int sa = 0, sb = 0;
+// the integer sums of a lane's piece t of rows g (sa) and g + 8 (sb), its nibbles 0-15, with the
+// activations of its low (xl) and high (xh) values
+__device__ __forceinline__ void group_sums(const RpGroup & q, const int (&xl)[4],
+                                           const int (&xh)[4], int & sa, int & sb) {
+    sa = 0;
+    sb = 0;
 #pragma unroll
     for (int w = 0; w < 4; w++) {
         const uint32_t qa = word(q.a, w);
@@ -862,7 +865,15 @@ __device__ __forceinline__ void dot_group(const RpGroup & q, const int (&xl)[4],
         sb = dp4a(int(qb & 0x0F0F0F0Fu), xl[w], sb);
         sb = dp4a(int((qb >> 4) & 0x0F0F0F0Fu), xh[w], sb);
     }
-    const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&q.d));
+}
+
+// a lane's sums of piece t of rows g and g + 8 (the nibbles 0-15; the 8 comes off in ds.y)
+__device__ __forceinline__ void dot_group(const RpGroup & q, const int (&xl)[4],
+                                          const int (&xh)[4], float2 ds, float & acc_a,
+                                          float & acc_b) {
+    int sa, sb;
+    group_sums(q, xl, xh, sa, sb);
+    const float2 d = __half22float2(as_h2(q.d));
     acc_a += d.x * (ds.x * float(sa) - 8.0f * ds.y);
     acc_b += d.y * (ds.x * float(sb) - 8.0f * ds.y);
 }
@@ -871,24 +882,16 @@ __device__ __forceinline__ void dot_group(const RpGroup & q, const int (&xl)[4],
 __device__ __forceinline__ void dot_group_k(const RpGroup & q, const int (&xl)[4],
                                             const int (&xh)[4], float2 ds, float4 f,
                                             float & acc_a, float & acc_b) {
-    int sa = 0, sb = 0;
-#pragma unroll
-    for (int w = 0; w < 4; w++) {
-        const uint32_t qa = word(q.a, w);
-        const uint32_t qb = word(q.b, w);
-        sa = dp4a(int(qa & 0x0F0F0F0Fu), xl[w], sa);
-        sa = dp4a(int((qa >> 4) & 0x0F0F0F0Fu), xh[w], sa);
-        sb = dp4a(int(qb & 0x0F0F0F0Fu), xl[w], sb);
-        sb = dp4a(int((qb >> 4) & 0x0F0F0F0Fu), xh[w], sb);
-    }
+    int sa, sb;
+    group_sums(q, xl, xh, sa, sb);
     acc_a += f.x * (ds.x * float(sa)) - f.z * ds.y;
     acc_b += f.y * (ds.x * float(sb)) - f.w * ds.y;
 }
 
 // a Q4_K group's factors for dot_group_k, from its word and the super-block's record
 __device__ __forceinline__ float4 rk_factors(uint32_t w, uint32_t dd, uint32_t mm) {
-    const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&dd));
-    const float2 m = __half22float2(*reinterpret_cast<const __half2 *>(&mm));
+    const float2 d = __half22float2(as_h2(dd));
+    const float2 m = __half22float2(as_h2(mm));
     return make_float4(d.x * float(w & 63u), d.y * float((w >> 12) & 63u),
                        m.x * float((w >> 6) & 63u), m.y * float((w >> 18) & 63u));
 }
