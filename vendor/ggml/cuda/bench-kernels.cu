@@ -956,199 +956,6 @@ constexpr int MAX_GEMM_COLS = 16;  // gemm's; past them only gemm_r's slices
 
 // One product (a gate fused or not: a verify's rows take up and gate apart) times 1 column
 // (gemv, the split lucepy-mm.cu chooses) and times each count of `cols`, against one column.
-// --- an experiment (session 43): Q6_K repacked, one column ------------------------------------
-//
-// The Q4_0 layout's tiles of 16 rows and groups of 4 pieces, at Q6_K's 26.25 bytes a piece (1,680
-// a group, a super-block two groups, the blocks' bytes):
-//   - bytes 0..1023: the low nibbles of row r's piece p at 64 r + 16 p, in Q4_0's order (byte b:
-//     values b and b + 16);
-//   - 1024..1535: lane (g, t)'s high bit pairs at 16 lane: words A and B of row g, then of row
-//     g + 8; byte i of A holds in bits 2w, 2w + 1 the pair of value 4w + i, B of value 16 + 4w + i;
-//   - 1536..1663: lane (g, t)'s 4 signed scales at 4 lane (row g's values 0-15, 16-31, then
-//     row g + 8's);
-//   - 1664..1679: the halves d of rows 0-7 (a super-block's first group) or 8-15 (its second).
-// Values are q - 32 (q of 0-63) times d and the value's scale. gemv_r6 takes a super-block a step
-// (dp4a on the 6-bit values, each half piece's sum of activations taken apart for the 32).
-// Measured on the H200 (docs/BENCHMARKS.md, session 43): 0.59-0.73x the blocks' gemv's time at
-// its best split; the 2-16 column kernel on it is not built yet.
-
-constexpr int R6_BYTES = RP_ROWS * RP_GROUP * 105 / 4;  // 1,680
-
-// Q6_K rows into that layout: a CTA a tile's super-block, thread (r, p) piece p of row r.
-// Grid (super-blocks, tiles), 128 threads.
-__global__ void __launch_bounds__(128) repack_q6_k(const uint8_t * w, int64_t row_stride,
-                                                   int ngroups, uint8_t * out) {
-    const int sb = blockIdx.x;
-    const int tile = blockIdx.y;
-    const int r = threadIdx.x / 8;
-    const int p = threadIdx.x % 8;
-    const uint8_t * b = w + int64_t(RP_ROWS * tile + r) * row_stride + int64_t(sb) * 210;
-    const int h = p / 4;
-    const int k = p % 4;
-    const uint8_t * ql = b + 64 * h + 32 * (k % 2);
-    const uint8_t * qh = b + 128 + 32 * h;
-    uint8_t q[32];  // the piece's values, 0-63
-    for (int i = 0; i < 32; i++) {
-        q[i] = uint8_t(((ql[i] >> (4 * (k / 2))) & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4));
-    }
-    uint8_t * o = out + (int64_t(tile) * ngroups + 2 * sb + p / 4) * R6_BYTES;
-    const int j = p % 4;
-    uint32_t nib[4];
-    for (int c = 0; c < 4; c++) {
-        uint32_t v = 0;
-        for (int i = 0; i < 4; i++) {
-            const int at = 4 * c + i;
-            v |= uint32_t((q[at] & 0x0F) | ((q[at + 16] & 0x0F) << 4)) << (8 * i);
-        }
-        nib[c] = v;
-    }
-    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * j) = make_uint4(nib[0], nib[1], nib[2], nib[3]);
-    uint32_t hw[2] = {};
-    for (int half = 0; half < 2; half++) {
-        for (int wd = 0; wd < 4; wd++) {
-            for (int i = 0; i < 4; i++) {
-                hw[half] |= uint32_t(q[16 * half + 4 * wd + i] >> 4) << (8 * i + 2 * wd);
-            }
-        }
-    }
-    const int lane = 4 * (r % 8) + j;
-    *reinterpret_cast<uint2 *>(o + 1024 + 16 * lane + 8 * (r / 8)) = make_uint2(hw[0], hw[1]);
-    const uint8_t * sc = b + 192 + 2 * p;
-    o[1536 + 4 * lane + 2 * (r / 8)] = sc[0];
-    o[1536 + 4 * lane + 2 * (r / 8) + 1] = sc[1];
-    if (p == 0) {  // the row's d, in the super-block's group of its half of the rows
-        uint8_t * od = out + (int64_t(tile) * ngroups + 2 * sb + r / 8) * R6_BYTES;
-        od[1664 + 2 * (r % 8)] = b[208];
-        od[1664 + 2 * (r % 8) + 1] = b[209];
-    }
-}
-
-struct R6Group {
-    uint4 a, b, h;  // nibbles of rows g and g + 8; high pairs
-    uint32_t sc;    // the 4 scales
-    uint32_t d;     // the d of this group's half of the rows (row g, or g + 8)
-};
-
-__device__ __forceinline__ R6Group load_r6(const uint8_t * group, int lane) {
-    const uint4 * q = reinterpret_cast<const uint4 *>(group) + lane;
-    return {load_stream(q), load_stream(q + 32), load_stream(q + 64),
-            __ldg(reinterpret_cast<const uint32_t *>(group + 1536) + lane),
-            uint32_t(__ldg(reinterpret_cast<const unsigned short *>(group + 1664) + lane / 4))};
-}
-
-// the values (0-63) of word w of a row's piece: its low nibbles and pairs (lo), its high ones (hi)
-template <int W>
-__device__ __forceinline__ void r6_word(uint32_t q, uint32_t ha, uint32_t hb, int & lo, int & hi) {
-    uint32_t sa = ha >> 2, sb = hb >> 2;  // each pair to bits 4-5 of its byte
-    if constexpr (W < 3) {
-        sa = ha << (4 - 2 * W);
-        sb = hb << (4 - 2 * W);
-    }
-    lo = int((q & 0x0F0F0F0Fu) | (sa & 0x30303030u));
-    hi = int(((q >> 4) & 0x0F0F0F0Fu) | (sb & 0x30303030u));
-}
-
-// a row's piece times the activations: sum over its halves of scale (sum q x - 32 sum x)
-__device__ __forceinline__ int r6_row(uint4 q, uint32_t ha, uint32_t hb, int sc0, int sc1,
-                                      const int (&xl)[4], const int (&xh)[4], int sxl, int sxh) {
-    int sl = 0, sh = 0, lo, hi;
-    r6_word<0>(q.x, ha, hb, lo, hi);
-    sl = dp4a(lo, xl[0], sl);
-    sh = dp4a(hi, xh[0], sh);
-    r6_word<1>(q.y, ha, hb, lo, hi);
-    sl = dp4a(lo, xl[1], sl);
-    sh = dp4a(hi, xh[1], sh);
-    r6_word<2>(q.z, ha, hb, lo, hi);
-    sl = dp4a(lo, xl[2], sl);
-    sh = dp4a(hi, xh[2], sh);
-    r6_word<3>(q.w, ha, hb, lo, hi);
-    sl = dp4a(lo, xl[3], sl);
-    sh = dp4a(hi, xh[3], sh);
-    return sc0 * (sl - 32 * sxl) + sc1 * (sh - 32 * sxh);
-}
-
-template <int SPLIT>
-__global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r6(const Args a) {
-    constexpr int WARPS = gemv_r_warps<SPLIT>();
-    constexpr int U = 2;
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int t = lane % 4;
-    const int tile = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
-    const int part = warp % SPLIT;
-    const int ngroups = a.npieces / RP_GROUP;
-    const int per = 2 * ((ngroups + 2 * SPLIT - 1) / (2 * SPLIT));
-    const int g0 = min(ngroups, part * per);
-    const int g1 = tile < a.nrows / RP_ROWS ? min(ngroups, g0 + per) : g0;
-    const uint8_t * base = a.w + int64_t(tile) * ngroups * R6_BYTES;
-    R6Group cur[U], nxt[U];
-    auto load = [&](R6Group (&buf)[U], int first) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            if (first + u < g1) {
-                buf[u] = load_r6(base + int64_t(first + u) * R6_BYTES, lane);
-            }
-        }
-    };
-    load(cur, g0);
-    LUCEPY_PDL_SYNC();
-    float acc[2] = {};
-    for (int grp = g0; grp < g1; grp += U) {
-        load(nxt, grp + U);
-        const float2 d = make_float2(__half2float(__ushort_as_half((unsigned short) cur[0].d)),
-                                     __half2float(__ushort_as_half((unsigned short) cur[1].d)));
-        float dx[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int piece = 4 * (grp + u) + t;
-            const int4 * xp = reinterpret_cast<const int4 *>(a.xq) + 2 * piece;
-            const int4 xlo = __ldg(xp);
-            const int4 xhi = __ldg(xp + 1);
-            dx[u] = __ldg(a.xds + piece).x;
-            const int xl[4] = {xlo.x, xlo.y, xlo.z, xlo.w};
-            const int xh[4] = {xhi.x, xhi.y, xhi.z, xhi.w};
-            int sxl = 0, sxh = 0;
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                sxl = dp4a(0x01010101, xl[w], sxl);
-                sxh = dp4a(0x01010101, xh[w], sxh);
-            }
-            const R6Group & q = cur[u];
-            const int sc = int(q.sc);
-            const int va = r6_row(q.a, q.h.x, q.h.y, int(int8_t(sc)), int(int8_t(sc >> 8)), xl, xh,
-                                  sxl, sxh);
-            const int vb = r6_row(q.b, q.h.z, q.h.w, int(int8_t(sc >> 16)), sc >> 24, xl, xh,
-                                  sxl, sxh);
-            acc[0] += d.x * (dx[u] * float(va));
-            acc[1] += d.y * (dx[u] * float(vb));
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            cur[u] = nxt[u];
-        }
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        acc[0] += __shfl_xor_sync(0xFFFFFFFFu, acc[0], off);
-        acc[1] += __shfl_xor_sync(0xFFFFFFFFu, acc[1], off);
-    }
-    LUCEPY_PDL_LAUNCH();
-    __shared__ float sums[WARPS][16];
-    if (t == 0) {
-        sums[warp][lane / 4] = acc[0];
-        sums[warp][lane / 4 + 8] = acc[1];
-    }
-    __syncthreads();
-    if (part == 0 && lane < 16 && tile < a.nrows / RP_ROWS) {
-        float v = 0.0f;
-#pragma unroll
-        for (int p = 0; p < SPLIT; p++) {
-            v += sums[warp + p][lane];
-        }
-        a.dst[tile * RP_ROWS + lane] = v;
-    }
-}
-
 template <int SPLIT> void launch_gemv_r6(const Args & a, cudaStream_t s) {
     constexpr int WARPS = gemv_r_warps<SPLIT>();
     const int64_t warps = int64_t(a.nrows / RP_ROWS) * SPLIT;
@@ -1401,9 +1208,17 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
                 vs.push_back(v);
             }
         }
+        const size_t n_wr = vs.size();
+        if (w6 && ncols <= 8) {  // Q6_K repacked at 2-16 columns: gemm_r6 (not yet run)
+            vs.push_back({"r6 bulk", launch_build<GemmR6<1, 6>>});
+            vs.push_back({"r6 bulk 5 CTAs", launch_build<GemmR6<1, 5>>});
+        } else if (w6 && ncols <= 16) {
+            vs.push_back({"r6 bulk", launch_build<GemmR6<2, 5>>});
+            vs.push_back({"r6 bulk 4 CTAs", launch_build<GemmR6<2, 4>>});
+        }
         for (size_t vi = 0; vi < vs.size(); vi++) {
             const GemmVariant & v = vs[vi];
-            uint8_t * const base = vi < n_plain ? w : wr;
+            uint8_t * const base = vi < n_plain ? w : vi < n_wr ? wr : w6;
             auto run = [&](int i) {
                 GemmArgs b = g;
                 b.w = base + mat_bytes * (i % copies);

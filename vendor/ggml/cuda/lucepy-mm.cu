@@ -117,7 +117,7 @@ struct Wanted {
 
 struct ContextState;
 void scan(ContextState & st);  // what the hooks ask of the graph, learnt once a graph (below)
-bool repacked_of(const ggml_tensor * t);  // a repacked Q4_0 or Q4_K matrix's bytes (below)
+bool repacked_of(const ggml_tensor * t);  // a repacked Q4_0, Q4_K or Q6_K matrix's bytes (below)
 
 struct ContextState {
     uint64_t graph = 1;
@@ -674,9 +674,10 @@ uint8_t * product_activations(ggml_backend_cuda_context & ctx, ContextState & st
     return buf;
 }
 
-// --- Q4_0 and Q4_K repacked (lucepy-repack.cuh) ---------------------------------------------------
+// --- Q4_0, Q4_K and Q6_K repacked (lucepy-repack.cuh) -------------------------------------------
 //
-// lucepy_cuda_repack rewrites a Q4_0 or Q4_K weight in place into lucepy's layout and records its
+// lucepy_cuda_repack rewrites a Q4_0, Q4_K or Q6_K weight in place into lucepy's layout (Q6_K on
+// compute capability 9.0 and newer: its 2-16 column kernel is gemm_rb's) and records its
 // bytes; from then on every product of them is ours (repacked_mul_mat), whatever
 // LUCEPY_CUDA_KERNELS says, since ggml's kernels cannot read them.
 
@@ -684,12 +685,12 @@ struct Repacked {
     uintptr_t end;
     int64_t ne0;        // values a row
     int64_t row_bytes;  // of a row of blocks
-    ggml_type type;     // the blocks' (Q4_0, Q4_K)
+    ggml_type type;     // the blocks' (Q4_0, Q4_K, Q6_K)
 };
 
 // whether lucepy-repack.cuh's layout takes a matrix of these blocks
 bool repackable_type(ggml_type type) {
-    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_K;
+    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
 }
 
 std::mutex g_rp_mutex;
@@ -828,6 +829,30 @@ template <bool GATE, bool RK = false> void launch_gemv_r(const Args & a, cudaStr
     }
 }
 
+// One column on Q6_K's layout: gemv_r6, its split by the tiles (H200, session 43, alone: 4 on
+// the 27B-shaped model's head, ffn down, qkv and attn out shapes, 2 at 1,024-2,047 tiles, 16 on
+// 64)
+template <bool GATE> void launch_gemv_r6(const Args & a, cudaStream_t stream) {
+    const int64_t tiles = a.nrows / RP_ROWS;
+    auto go = [&](auto kernel, int split) {
+        const int warps = split > 4 ? split : 4;
+        const dim3 grid(unsigned((tiles * split + warps - 1) / warps));
+        ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(grid, warps * 32, 0, stream),
+                                a);
+    };
+    if (tiles < 128) {  // (with the gate 8: 16 warps of its registers spill)
+        if constexpr (GATE) {
+            go(gemv_r6<8, true>, 8);
+        } else {
+            go(gemv_r6<16, false>, 16);
+        }
+    } else if (tiles >= 1024 && tiles < 2048) {
+        go(gemv_r6<2, GATE>, 2);
+    } else {
+        go(gemv_r6<4, GATE>, 4);
+    }
+}
+
 // The CTAs of build R (GemmR, GemmRB) that the device holds at once
 template <typename R> int64_t slots_of_build(int device) {
     static_assert(R::warps == GM_WARPS, "lucepy-mm.cu launches CTAs of GM_WARPS warps");
@@ -859,20 +884,38 @@ template <int NT> bool bulk_product(int device, const GemmArgs & a) {
            (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
 }
 
-// 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few
-template <int NT, bool RK = false>
+// 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few; on
+// Q6_K's layout (R6) gemm_r6 always
+template <int NT, bool RK = false, bool R6 = false>
 void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
                    const NormAfter * norm = nullptr) {
     auto go = [&](auto build) {
         using R = decltype(build);
         launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, base), base, norm);
     };
-    if (bulk_product<NT>(ctx.device, base)) {
+    if constexpr (R6) {
+        go(GemmR6<NT, NT == 2 ? 5 : 6>());
+        g_bulk.fetch_add(1, std::memory_order_relaxed);
+    } else if (bulk_product<NT>(ctx.device, base)) {
         go(GemmRB<NT, 5, RK>());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {
         go(GemmR<NT, GM_WARPS, 16 / GM_WARPS, gemm_r_xch(NT), RK>());
     }
+}
+
+// a prefill's columns on Q6_K's layout: gemm_rq6, as launch_gemm_rq
+template <int MT> void launch_gemm_rq6(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
+    static bool raised[GGML_CUDA_MAX_DEVICES] = {};
+    once_a_device(raised, ctx.device, [] {
+        CUDA_CHECK(cudaFuncSetAttribute(gemm_rq6<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        gemm_rq6_smem<MT>()));
+    });
+    const dim3 grid(unsigned((a.nrows + 64 * MT - 1) / (64 * MT)),
+                    unsigned((a.ncols + RQ_COLS - 1) / RQ_COLS));
+    ggml_cuda_kernel_launch(
+        gemm_rq6<MT>, ggml_cuda_kernel_launch_params(grid, 128, gemm_rq6_smem<MT>(), ctx.stream()),
+        a);
 }
 
 // a prefill's columns: to_halves_col into scratch (whole tiles of 64 columns), then gemm_rq
@@ -891,8 +934,8 @@ void launch_gemm_rq(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
         ggml_cuda_kernel_launch_params(grid, 128, gemm_rq_smem<MT>(), ctx.stream()), a);
 }
 
-// repacked_mul_mat's products, on Q4_K's layout (RK) or Q4_0's
-template <bool RK>
+// repacked_mul_mat's products, on Q4_K's layout (RK), Q6_K's (R6) or Q4_0's
+template <bool RK, bool R6 = false>
 void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                          const ggml_tensor * src1, ggml_tensor * dst,
                          const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual,
@@ -906,7 +949,9 @@ void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         const Args a = gemv_args(
             src0, dst, fusion,
             planes_at(product_activations(ctx, st, src1, npieces, 1, scratch), npieces, 1, 1));
-        if (a.gate) {
+        if constexpr (R6) {
+            a.gate ? launch_gemv_r6<true>(a, stream) : launch_gemv_r6<false>(a, stream);
+        } else if (a.gate) {
             launch_gemv_r<true, RK>(a, stream);
         } else {
             launch_gemv_r<false, RK>(a, stream);
@@ -920,9 +965,9 @@ void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
                       int(ncols)),
             residual);
         if (ncols <= GM_COL_TILE) {
-            launch_gemm_r<1, RK>(ctx, g, norm);
+            launch_gemm_r<1, RK, R6>(ctx, g, norm);
         } else {
-            launch_gemm_r<2, RK>(ctx, g, norm);
+            launch_gemm_r<2, RK, R6>(ctx, g, norm);
         }
         return;
     }
@@ -933,7 +978,9 @@ void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
                             ggml_cuda_kernel_launch_params(dim3(unsigned(ncols)), 256, 0, stream),
                             static_cast<const float *>(src1->data),
                             int64_t(src1->nb[1] / sizeof(float)), int(npieces), g.x);
-    if (g.nrows % 128 == 0) {
+    if constexpr (R6) {
+        g.nrows % 128 == 0 ? launch_gemm_rq6<2>(ctx, g) : launch_gemm_rq6<1>(ctx, g);
+    } else if (g.nrows % 128 == 0) {
         launch_gemm_rq<2, RK>(ctx, g);
     } else {
         launch_gemm_rq<1, RK>(ctx, g);
@@ -957,6 +1004,8 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
     }
     if (src0->type == GGML_TYPE_Q4_K) {
         repacked_mul_mat_of<true>(ctx, src0, src1, dst, fusion, residual, norm);
+    } else if (src0->type == GGML_TYPE_Q6_K) {
+        repacked_mul_mat_of<false, true>(ctx, src0, src1, dst, fusion, residual, norm);
     } else {
         repacked_mul_mat_of<false>(ctx, src0, src1, dst, fusion, residual, norm);
     }
@@ -2049,7 +2098,10 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // (39.5 us at 16 columns: session 38)
     // (Q4_K's layout the same builds)
     const bool rk = wa->type == GGML_TYPE_Q4_K;
-    if (ncols <= GM_COL_TILE) {
+    if (wa->type == GGML_TYPE_Q6_K) {  // (Q6_K's layout: gemm_r6, gemm_rb's)
+        ncols <= GM_COL_TILE ? go(GemmR6<1, 6>()) : go(GemmR6<2, 5>());
+        g_bulk.fetch_add(1, std::memory_order_relaxed);
+    } else if (ncols <= GM_COL_TILE) {
         rk ? go(GemmR<1, GM_WARPS, 5, 1, true>()) : go(GemmR<1, GM_WARPS, 5, 1>());
     } else if (bulk_product<2>(ctx.device, g)) {
         rk ? go(GemmRB<2, 5, true>()) : go(GemmRB<2>());
@@ -2591,6 +2643,9 @@ int lucepy_cuda_repack(struct ggml_tensor * t) {
         (void) cudaGetLastError();
         return 0;
     }
+    if (t->type == GGML_TYPE_Q6_K && ggml_cuda_info().devices[attr.device].cc < 900) {
+        return 0;  // (its 2-16 column kernel takes its weights by the TMA unit)
+    }
     ggml_cuda_set_device(attr.device);
     const size_t n = ggml_nbytes(t);
     uint8_t * copy = nullptr;
@@ -2600,6 +2655,9 @@ int lucepy_cuda_repack(struct ggml_tensor * t) {
     const unsigned tiles = unsigned(t->ne[1] / RP_ROWS);
     if (t->type == GGML_TYPE_Q4_K) {  // a CTA a tile's super-block (two groups)
         repack_q4_k<<<dim3(unsigned(ngroups / 2), tiles), 128>>>(
+            copy, int64_t(t->nb[1]), ngroups, static_cast<uint8_t *>(t->data));
+    } else if (t->type == GGML_TYPE_Q6_K) {  // the same
+        repack_q6_k<<<dim3(unsigned(ngroups / 2), tiles), 128>>>(
             copy, int64_t(t->nb[1]), ngroups, static_cast<uint8_t *>(t->data));
     } else {
         repack_q4_0<<<dim3(unsigned(ngroups), tiles), 64>>>(copy, int64_t(t->nb[1]), ngroups,

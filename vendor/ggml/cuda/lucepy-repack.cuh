@@ -1205,4 +1205,538 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
     }
 }
 
+// --- Q6_K repacked -----------------------------------------------------------------------------
+//
+// The Q4_0 layout's tiles of 16 rows and groups of 4 pieces, at Q6_K's 26.25 bytes a piece (1,680
+// a group, a super-block two groups, the blocks' bytes):
+//   - bytes 0..1023: the low nibbles of row r's piece p at 64 r + 16 p, in Q4_0's order (byte b:
+//     values b and b + 16);
+//   - 1024..1535: lane (g, t)'s high bit pairs at 16 lane: words A and B of row g, then of row
+//     g + 8; byte i of A holds in bits 2w, 2w + 1 the pair of value 4w + i, B of value 16 + 4w + i;
+//   - 1536..1663: lane (g, t)'s 4 signed scales at 4 lane (row g's values 0-15, 16-31, then
+//     row g + 8's);
+//   - 1664..1679: the halves d of rows 0-7 (a super-block's first group) or 8-15 (its second).
+// Values are q - 32 (q of 0-63) times d and the value's scale. One column: gemv_r6, a super-block
+// a step, dp4a on the 6-bit values, each half piece's sum of activations taken apart for the 32
+// (on an H200 alone 0.59-0.73x the blocks' gemv's time: docs/BENCHMARKS.md, session 43); 2-16
+// columns gemm_r6 (gemm_rb's, sm_90 and newer), more gemm_rq6 (gemm_rq's): the 6-bit values to
+// halves as word_halves does Q4_0's, d sc rounded to a half as gemm does on the blocks.
+
+constexpr int R6_BYTES = RP_ROWS * RP_GROUP * 105 / 4;  // 1,680
+
+// Q6_K rows into that layout: a CTA a tile's super-block, thread (r, p) piece p of row r.
+// Grid (super-blocks, tiles), 128 threads.
+__global__ void __launch_bounds__(128) repack_q6_k(const uint8_t * w, int64_t row_stride,
+                                                   int ngroups, uint8_t * out) {
+    const int sb = blockIdx.x;
+    const int tile = blockIdx.y;
+    const int r = threadIdx.x / 8;
+    const int p = threadIdx.x % 8;
+    const uint8_t * b = w + int64_t(RP_ROWS * tile + r) * row_stride + int64_t(sb) * 210;
+    const int h = p / 4;
+    const int k = p % 4;
+    const uint8_t * ql = b + 64 * h + 32 * (k % 2);
+    const uint8_t * qh = b + 128 + 32 * h;
+    uint8_t q[32];  // the piece's values, 0-63
+    for (int i = 0; i < 32; i++) {
+        q[i] = uint8_t(((ql[i] >> (4 * (k / 2))) & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4));
+    }
+    uint8_t * o = out + (int64_t(tile) * ngroups + 2 * sb + p / 4) * R6_BYTES;
+    const int j = p % 4;
+    uint32_t nib[4];
+    for (int c = 0; c < 4; c++) {
+        uint32_t v = 0;
+        for (int i = 0; i < 4; i++) {
+            const int at = 4 * c + i;
+            v |= uint32_t((q[at] & 0x0F) | ((q[at + 16] & 0x0F) << 4)) << (8 * i);
+        }
+        nib[c] = v;
+    }
+    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * j) = make_uint4(nib[0], nib[1], nib[2], nib[3]);
+    uint32_t hw[2] = {};
+    for (int half = 0; half < 2; half++) {
+        for (int wd = 0; wd < 4; wd++) {
+            for (int i = 0; i < 4; i++) {
+                hw[half] |= uint32_t(q[16 * half + 4 * wd + i] >> 4) << (8 * i + 2 * wd);
+            }
+        }
+    }
+    const int lane = 4 * (r % 8) + j;
+    *reinterpret_cast<uint2 *>(o + 1024 + 16 * lane + 8 * (r / 8)) = make_uint2(hw[0], hw[1]);
+    const uint8_t * sc = b + 192 + 2 * p;
+    o[1536 + 4 * lane + 2 * (r / 8)] = sc[0];
+    o[1536 + 4 * lane + 2 * (r / 8) + 1] = sc[1];
+    if (p == 0) {  // the row's d, in the super-block's group of its half of the rows
+        uint8_t * od = out + (int64_t(tile) * ngroups + 2 * sb + r / 8) * R6_BYTES;
+        od[1664 + 2 * (r % 8)] = b[208];
+        od[1664 + 2 * (r % 8) + 1] = b[209];
+    }
+}
+
+struct R6Group {
+    uint4 a, b, h;  // nibbles of rows g and g + 8; high pairs
+    uint32_t sc;    // the 4 scales
+    uint32_t d;     // the d of this group's half of the rows (row g, or g + 8)
+};
+
+__device__ __forceinline__ R6Group load_r6(const uint8_t * group, int lane) {
+    const uint4 * q = reinterpret_cast<const uint4 *>(group) + lane;
+    return {load_stream(q), load_stream(q + 32), load_stream(q + 64),
+            __ldg(reinterpret_cast<const uint32_t *>(group + 1536) + lane),
+            uint32_t(__ldg(reinterpret_cast<const unsigned short *>(group + 1664) + lane / 4))};
+}
+
+// the values (0-63) of word w of a row's piece: its low nibbles and pairs (lo), its high ones (hi)
+template <int W>
+__device__ __forceinline__ void r6_word(uint32_t q, uint32_t ha, uint32_t hb, int & lo, int & hi) {
+    uint32_t sa = ha >> 2, sb = hb >> 2;  // each pair to bits 4-5 of its byte
+    if constexpr (W < 3) {
+        sa = ha << (4 - 2 * W);
+        sb = hb << (4 - 2 * W);
+    }
+    lo = int((q & 0x0F0F0F0Fu) | (sa & 0x30303030u));
+    hi = int(((q >> 4) & 0x0F0F0F0Fu) | (sb & 0x30303030u));
+}
+
+// a row's piece times the activations: sum over its halves of scale (sum q x - 32 sum x)
+__device__ __forceinline__ int r6_row(uint4 q, uint32_t ha, uint32_t hb, int sc0, int sc1,
+                                      const int (&xl)[4], const int (&xh)[4], int sxl, int sxh) {
+    int sl = 0, sh = 0, lo, hi;
+    r6_word<0>(q.x, ha, hb, lo, hi);
+    sl = dp4a(lo, xl[0], sl);
+    sh = dp4a(hi, xh[0], sh);
+    r6_word<1>(q.y, ha, hb, lo, hi);
+    sl = dp4a(lo, xl[1], sl);
+    sh = dp4a(hi, xh[1], sh);
+    r6_word<2>(q.z, ha, hb, lo, hi);
+    sl = dp4a(lo, xl[2], sl);
+    sh = dp4a(hi, xh[2], sh);
+    r6_word<3>(q.w, ha, hb, lo, hi);
+    sl = dp4a(lo, xl[3], sl);
+    sh = dp4a(hi, xh[3], sh);
+    return sc0 * (sl - 32 * sxl) + sc1 * (sh - 32 * sxh);
+}
+
+// a lane's share of a super-block's two groups (cur) for rows g (acc_a) and g + 8 (acc_b)
+__device__ __forceinline__ void r6_dot(const R6Group (&cur)[2], const Args & a, int grp, int t,
+                                       float & acc_a, float & acc_b) {
+    const float da = __half2float(__ushort_as_half((unsigned short) cur[0].d));
+    const float db = __half2float(__ushort_as_half((unsigned short) cur[1].d));
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const int piece = 4 * (grp + u) + t;
+        const int4 * xp = reinterpret_cast<const int4 *>(a.xq) + 2 * piece;
+        const int4 xlo = __ldg(xp);
+        const int4 xhi = __ldg(xp + 1);
+        const float dx = __ldg(a.xds + piece).x;
+        const int xl[4] = {xlo.x, xlo.y, xlo.z, xlo.w};
+        const int xh[4] = {xhi.x, xhi.y, xhi.z, xhi.w};
+        int sxl = 0, sxh = 0;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            sxl = dp4a(0x01010101, xl[w], sxl);
+            sxh = dp4a(0x01010101, xh[w], sxh);
+        }
+        const R6Group & q = cur[u];
+        const int sc = int(q.sc);
+        const int va =
+            r6_row(q.a, q.h.x, q.h.y, int(int8_t(sc)), int(int8_t(sc >> 8)), xl, xh, sxl, sxh);
+        const int vb =
+            r6_row(q.b, q.h.z, q.h.w, int(int8_t(sc >> 16)), sc >> 24, xl, xh, sxl, sxh);
+        acc_a += da * (dx * float(va));
+        acc_b += db * (dx * float(vb));
+    }
+}
+
+// One column on a repacked Q6_K matrix (a.w), the activations as `quantize` writes them (one
+// plane), and with GATE ggml's fused gate (a.gate repacked alike), as gemv_r: SPLIT warps a tile
+// of 16 rows, each a range of its super-blocks.
+template <int SPLIT, bool GATE = false>
+__global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r6(const Args a) {
+    constexpr int WARPS = gemv_r_warps<SPLIT>();
+    constexpr int M = GATE ? 2 : 1;  // matrices: the product's, the gate's
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int t = lane % 4;
+    const int tile = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
+    const int part = warp % SPLIT;
+    const int ngroups = a.npieces / RP_GROUP;
+    const int per = 2 * ((ngroups + 2 * SPLIT - 1) / (2 * SPLIT));  // whole super-blocks a part
+    const int g0 = min(ngroups, part * per);
+    const int g1 = tile < a.nrows / RP_ROWS ? min(ngroups, g0 + per) : g0;
+    const uint8_t * base[M];
+    base[0] = a.w + int64_t(tile) * ngroups * R6_BYTES;
+    if constexpr (GATE) {
+        base[1] = a.gate + int64_t(tile) * ngroups * R6_BYTES;
+    }
+    R6Group cur[M][2], nxt[M][2];
+    auto load = [&](R6Group (&buf)[M][2], int first) {
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                if (first + u < g1) {
+                    buf[m][u] = load_r6(base[m] + int64_t(first + u) * R6_BYTES, lane);
+                }
+            }
+        }
+    };
+    load(cur, g0);  // weights: no kernel before this one writes them
+    LUCEPY_PDL_SYNC();
+    float acc[M][2] = {};
+    for (int grp = g0; grp < g1; grp += 2) {
+        load(nxt, grp + 2);
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            r6_dot(cur[m], a, grp, t, acc[m][0], acc[m][1]);
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                cur[m][u] = nxt[m][u];
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {  // the quad's 4 pieces
+            acc[m][0] += __shfl_xor_sync(0xFFFFFFFFu, acc[m][0], off);
+            acc[m][1] += __shfl_xor_sync(0xFFFFFFFFu, acc[m][1], off);
+        }
+    }
+    LUCEPY_PDL_LAUNCH();
+    __shared__ float sums[M][WARPS][16];
+    if (t == 0) {
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            sums[m][warp][lane / 4] = acc[m][0];
+            sums[m][warp][lane / 4 + 8] = acc[m][1];
+        }
+    }
+    __syncthreads();
+    if (part == 0 && lane < 16 && tile < a.nrows / RP_ROWS) {
+        const int row = tile * RP_ROWS + lane;
+        float v[M] = {};
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+#pragma unroll
+            for (int p = 0; p < SPLIT; p++) {
+                v[m] += sums[m][warp + p][lane];
+            }
+        }
+        float out = v[0] + (a.x_bias ? a.x_bias[row] : 0.0f);
+        if constexpr (GATE) {
+            out = glu(a.glu_op, out, v[1] + (a.gate_bias ? a.gate_bias[row] : 0.0f));
+        }
+        a.dst[row] = out;
+    }
+}
+
+// A lane's halves of word w of a row's piece, as word_halves gives Q4_0's: (v - 32) s, v the
+// 6-bit values (r6_word's bytes), s the scale of values 0-15 (lo) or 16-31 (hi)
+__device__ __forceinline__ void r6_halves(uint32_t bytes, __half2 s, __half2 (&out)[2]) {
+    const __half2 off = as_h2(0x64206420u);  // 1056: 1024 + v less 1056 is v - 32, exact
+    out[0] = __hmul2(__hsub2(as_h2(and_or(bytes, 0x003F003Fu, 0x64006400u)), off), s);
+    out[1] = __hmul2(__hsub2(as_h2(and_or(bytes >> 8, 0x003F003Fu, 0x64006400u)), off), s);
+}
+
+// gemm_rb on the Q6_K layout above: a chunk a super-block (two groups, 3,360 bytes a warp's
+// tile), the same activations, k order, sums, stores and second matrix (a.w2)
+constexpr int R6_WARP_BYTES = 2 * R6_BYTES;
+
+template <int NT> __host__ __device__ constexpr int gemm_r6_smem() {
+    return RB_STAGES * (NT * GM_COL_TILE * RP_X_PITCH + GM_WARPS * R6_WARP_BYTES) +
+           GM_WARPS * RB_STAGES * 8;
+}
+
+template <int NT, int MINB>
+__global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_r6(const GemmArgs a) {
+    constexpr int W = GM_WARPS, P = 8, ST = RB_STAGES;
+    constexpr int X_STAGE = NT * GM_COL_TILE * RP_X_PITCH;
+    constexpr int W_STAGE = W * R6_WARP_BYTES;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * W * 16;
+    const int nchunks_all = a.npieces / P;
+    const int chunk0 = blockIdx.y * a.per_part;
+    const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
+    const bool mine = row0 + warp * 16 < a.nrows;
+    const uint32_t bars = shared_at(smem) + ST * (X_STAGE + W_STAGE) + warp * ST * 8;
+    const uint32_t w_dst = shared_at(smem) + ST * X_STAGE + warp * R6_WARP_BYTES;
+    const int ngroups = a.npieces / RP_GROUP;
+    const bool second = a.w2 != nullptr && row0 >= a.rows2;  // the second matrix's rows
+    const int64_t tile = (row0 - (second ? a.rows2 : 0)) / RP_ROWS + warp;
+    const uint8_t * w_src =
+        (second ? a.w2 : a.w) + (tile * ngroups + 2 * int64_t(chunk0)) * R6_BYTES;
+    auto fetch = [&](int ch) {
+        if (mine && lane == 0 && ch < nchunks) {
+            async_proxy_fence();
+            mbar_copy(bars + 8 * (ch % ST), w_dst + (ch % ST) * W_STAGE,
+                      w_src + int64_t(ch) * R6_WARP_BYTES, R6_WARP_BYTES);
+        }
+    };
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < ST; s++) {
+            mbar_init(bars + 8 * s, 1);
+        }
+        mbar_init_fence();
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < ST - 1; c++) {
+        fetch(c);
+    }
+    const ActCopy<NT, W * 32> x_copy(a, chunk0);
+    auto copy_x = [&](int ch) {
+        if (ch < nchunks) {
+            x_copy.issue(smem + (ch % ST) * X_STAGE, a.npieces, ch);
+        }
+        copy_commit();
+    };
+    float acc[NT][4] = {};
+    float total[NT][4] = {};
+    const int nsegs = segments(a.npieces);
+    const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
+    uint32_t x_lane[4];
+    activation_lanes(smem, g, t, x_lane);
+    const uint32_t w_lane = opaque(w_dst + 16 * lane);
+    const uint32_t w_d = opaque(w_dst + 1664 + 2 * g);
+
+    LUCEPY_PDL_SYNC();
+#pragma unroll
+    for (int c = 0; c < ST - 1; c++) {
+        copy_x(c);
+    }
+    for (int ch = 0; ch < nchunks; ch++) {
+        copy_wait<ST - 2>();
+        __syncthreads();
+        copy_x(ch + ST - 1);
+        fetch(ch + ST - 1);
+        if (!mine) {
+            continue;
+        }
+        const int s = ch % ST;
+        mbar_wait(bars + 8 * s, uint32_t(ch / ST) & 1u);
+        const bool flush = ch + 1 == nchunks || ((chunk0 + ch) & 1);
+        float inv[NT][2];
+        if (flush) {
+            next_inv<NT>(xi, nsegs, inv);
+        }
+        // the d of rows g (the first group's) and g + 8 (the second's)
+        const uint32_t dw = load_shared_word(w_d + s * W_STAGE - 2 * (g & 1)) >> (16 * (g & 1));
+        const uint32_t dw8 =
+            load_shared_word(w_d + s * W_STAGE + R6_BYTES - 2 * (g & 1)) >> (16 * (g & 1));
+        const float da = __half2float(__ushort_as_half((unsigned short) (dw & 0xFFFFu)));
+        const float db = __half2float(__ushort_as_half((unsigned short) (dw8 & 0xFFFFu)));
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const uint32_t at = w_lane + s * W_STAGE + j * R6_BYTES;
+            const uint4 qa = load_shared(at);
+            const uint4 qb = load_shared(at + 512);
+            const uint4 h = load_shared(at + 1024);
+            const int sc = int(load_shared_word(at + 1536 - 12 * lane));  // 1536 + 4 lane
+            const __half2 sa_lo = __float2half2_rn(da * float(int8_t(sc)));
+            const __half2 sa_hi = __float2half2_rn(da * float(int8_t(sc >> 8)));
+            const __half2 sb_lo = __float2half2_rn(db * float(int8_t(sc >> 16)));
+            const __half2 sb_hi = __float2half2_rn(db * float(sc >> 24));
+            auto word_mma = [&](auto wc, uint32_t qaw, uint32_t qbw) {
+                constexpr int w = decltype(wc)::value;
+                int alo, ahi, blo, bhi;
+                r6_word<w>(qaw, h.x, h.y, alo, ahi);
+                r6_word<w>(qbw, h.z, h.w, blo, bhi);
+                __half2 a_lo[2], a_hi[2], b_lo[2], b_hi[2];
+                r6_halves(uint32_t(alo), sa_lo, a_lo);
+                r6_halves(uint32_t(ahi), sa_hi, a_hi);
+                r6_halves(uint32_t(blo), sb_lo, b_lo);
+                r6_halves(uint32_t(bhi), sb_hi, b_hi);
+                uint32_t lo[4], hi[4];
+#pragma unroll
+                for (int i = 0; i < 2; i++) {  // lane_words' k order
+                    lo[2 * i] = as_u32(a_lo[i]);
+                    lo[2 * i + 1] = as_u32(b_lo[i]);
+                    hi[2 * i] = as_u32(a_hi[i]);
+                    hi[2 * i + 1] = as_u32(b_hi[i]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 x = load_shared(x_lane[w] + s * X_STAGE +
+                                                nt * GM_COL_TILE * RP_X_PITCH + 4 * j * 64);
+                    word_mmas<0>(acc[nt], acc[nt], lo, hi, x);
+                }
+            };
+            word_mma(std::integral_constant<int, 0>(), qa.x, qb.x);
+            word_mma(std::integral_constant<int, 1>(), qa.y, qb.y);
+            word_mma(std::integral_constant<int, 2>(), qa.z, qb.z);
+            word_mma(std::integral_constant<int, 3>(), qa.w, qb.w);
+        }
+        if (flush) {
+            flush_segment<NT>(acc, total, inv);
+        }
+    }
+    copy_wait<0>();
+    LUCEPY_PDL_LAUNCH();
+    if (mine) {
+        store_tile<NT>(a, total, row0 + warp * 16, g, t);
+    }
+}
+
+template <int NT, int MINB = 5> struct GemmR6 {
+    static constexpr int warps = GM_WARPS;
+    static constexpr int smem = gemm_r6_smem<NT>();
+    static auto kernel() { return gemm_r6<NT, MINB>; }
+};
+
+// A prefill's columns on a repacked Q6_K matrix: gemm_rq on its layout (a group a step, each
+// warp's MT tiles of 1,680 bytes copied into the stage, the d of the other half of the rows from
+// the super-block's other group in memory)
+template <int MT> __host__ __device__ constexpr int rq6_stage() {
+    return 4 * MT * R6_BYTES + RQ_COLS * RQ_XP;
+}
+
+template <int MT> __host__ __device__ constexpr int gemm_rq6_smem() {
+    return 2 * rq6_stage<MT>();
+}
+
+template <int MT>
+__global__ void __launch_bounds__(128, MT == 1 ? 3 : 2) gemm_rq6(const GemmArgs a) {
+    constexpr int STAGE = rq6_stage<MT>();
+    constexpr int U4 = R6_BYTES / 16;  // a tile's 16-byte copies a group
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int tid = threadIdx.x;
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * 64 * MT;
+    const int col0 = blockIdx.y * RQ_COLS;
+    const int ngroups = a.npieces / RP_GROUP;
+    const int64_t tile_bytes = int64_t(ngroups) * R6_BYTES;
+    const uint8_t * wsrc = a.w + int64_t(row0 / RP_ROWS + warp * MT) * tile_bytes;
+    const bool mine = row0 + warp * MT * 16 < a.nrows;  // this warp's tiles are rows
+
+    auto issue = [&](int grp) {
+        if (grp < ngroups) {
+            uint8_t * st = smem + (grp % 2) * STAGE;
+            uint8_t * ws = st + warp * MT * R6_BYTES;
+#pragma unroll
+            for (int m = 0; m < MT && mine; m++) {
+                const uint8_t * src = wsrc + m * tile_bytes + int64_t(grp) * R6_BYTES;
+#pragma unroll
+                for (int k = 0; k < (U4 + 31) / 32; k++) {
+                    const int i = lane + 32 * k;
+                    if (i < U4) {
+                        copy_async<16>(ws + m * R6_BYTES + 16 * i, src + 16 * i);
+                    }
+                }
+            }
+            uint8_t * xs = st + 4 * MT * R6_BYTES;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int i = tid + 128 * k;
+                const int c = i / 16;
+                const int p = i / 4 % 4;
+                const int u = i % 4;
+                const uint4 * src = a.x.xh + (int64_t(col0 + c) * a.npieces + 4 * grp + p) * 4 + u;
+                copy_async<16, true>(xs + c * RQ_XP + 64 * p + 16 * (u ^ (p / 2 % 2)),
+                                     reinterpret_cast<const uint8_t *>(src));
+            }
+        }
+        copy_commit();
+    };
+
+    float acc[MT][8][4] = {};
+    const int swz = t / 2 % 2;
+    LUCEPY_PDL_SYNC();  // the activations: the kernel before has finished
+    issue(0);
+    for (int grp = 0; grp < ngroups; grp++) {
+        issue(grp + 1);
+        copy_wait<1>();
+        __syncthreads();  // group grp has landed for every warp
+        if (!mine) {
+            __syncthreads();  // (the stage's refill waits for every warp)
+            continue;
+        }
+        const uint8_t * st = smem + (grp % 2) * STAGE;
+        const uint8_t * ws = st + warp * MT * R6_BYTES;
+        const uint8_t * xs = st + 4 * MT * R6_BYTES;
+        uint4 qa[MT], qb[MT], h[MT];
+        __half2 sa_lo[MT], sa_hi[MT], sb_lo[MT], sb_hi[MT];
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            const uint8_t * wm = ws + m * R6_BYTES;
+            qa[m] = reinterpret_cast<const uint4 *>(wm)[lane];
+            qb[m] = reinterpret_cast<const uint4 *>(wm + 512)[lane];
+            h[m] = reinterpret_cast<const uint4 *>(wm + 1024)[lane];
+            const int sc = reinterpret_cast<const int *>(wm + 1536)[lane];
+            // this group's d are rows g's (an even group) or g + 8's; the other's from memory
+            const float mine_d = __half2float(reinterpret_cast<const __half *>(wm + 1664)[g]);
+            const float other_d = __half2float(reinterpret_cast<const __half *>(
+                wsrc + m * tile_bytes + int64_t(grp ^ 1) * R6_BYTES + 1664)[g]);
+            const float da = grp % 2 ? other_d : mine_d;
+            const float db = grp % 2 ? mine_d : other_d;
+            sa_lo[m] = __float2half2_rn(da * float(int8_t(sc)));
+            sa_hi[m] = __float2half2_rn(da * float(int8_t(sc >> 8)));
+            sb_lo[m] = __float2half2_rn(db * float(int8_t(sc >> 16)));
+            sb_hi[m] = __float2half2_rn(db * float(sc >> 24));
+        }
+        auto word_step = [&](auto wc) {
+            constexpr int w = decltype(wc)::value;
+            uint32_t lo[MT][4], hi[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; m++) {
+                int alo, ahi, blo, bhi;
+                r6_word<w>(word(qa[m], w), h[m].x, h[m].y, alo, ahi);
+                r6_word<w>(word(qb[m], w), h[m].z, h[m].w, blo, bhi);
+                __half2 a_lo[2], a_hi[2], b_lo[2], b_hi[2];
+                r6_halves(uint32_t(alo), sa_lo[m], a_lo);
+                r6_halves(uint32_t(ahi), sa_hi[m], a_hi);
+                r6_halves(uint32_t(blo), sb_lo[m], b_lo);
+                r6_halves(uint32_t(bhi), sb_hi[m], b_hi);
+                lo[m][0] = as_u32(a_lo[0]), lo[m][1] = as_u32(b_lo[0]);
+                lo[m][2] = as_u32(a_lo[1]), lo[m][3] = as_u32(b_lo[1]);
+                hi[m][0] = as_u32(a_hi[0]), hi[m][1] = as_u32(b_hi[0]);
+                hi[m][2] = as_u32(a_hi[1]), hi[m][3] = as_u32(b_hi[1]);
+            }
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const uint4 x = *reinterpret_cast<const uint4 *>(
+                    xs + (8 * n + g) * RQ_XP + 64 * t + 16 * (w ^ swz));
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+                    mma_16816(acc[m][n], lo[m], x.x, x.y);
+                    mma_16816(acc[m][n], hi[m], x.z, x.w);
+                }
+            }
+        };
+        word_step(std::integral_constant<int, 0>());
+        word_step(std::integral_constant<int, 1>());
+        word_step(std::integral_constant<int, 2>());
+        word_step(std::integral_constant<int, 3>());
+        __syncthreads();  // every warp is done with this stage before it is refilled
+    }
+    copy_wait<0>();
+    LUCEPY_PDL_LAUNCH();
+    if (!mine) {
+        return;
+    }
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const int c = col0 + 8 * n + 2 * t;
+        const float inv[2] = {a.x.xinv[c], a.x.xinv[c + 1]};
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int row = row0 + (warp * MT + m) * 16 + g + 8 * (j / 2);
+                if (c + j % 2 < a.ncols) {
+                    a.dst[(c + j % 2) * a.dst_stride + row] = acc[m][n][j] * inv[j % 2];
+                }
+            }
+        }
+    }
+}
+
 }  // namespace lucepy
