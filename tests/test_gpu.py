@@ -106,9 +106,15 @@ def gpu_forward(engine, tokens: list[int], forced) -> tuple[np.ndarray, np.ndarr
 
 # the tiny models compared with llama.cpp (tools/make_gpu_ref.py makes their references)
 PARITY = [(name, wtype) for name in ("base", "odd") for wtype in ("f32", "q8_0")]
-# models whose Q4_0, Q4_K or Q6_K rows lucepy's CUDA layout takes (q4_k_mix: the DeltaNet's qkv
-# and the attention's V in Q8_0, so that z, beta and alpha are one product, and Q and K another)
-REPACKED = [("wide", "q4_0"), ("wide", "q4_k"), ("wide", "q4_k_mix"), ("wide", "q6_k")]
+# models whose Q4_0, Q4_K, Q5_K or Q6_K rows lucepy's CUDA layouts take (q4_k_mix: the DeltaNet's
+# qkv and the attention's V in Q8_0, so that z, beta and alpha are one product, Q and K another)
+REPACKED = [
+    ("wide", "q4_0"),
+    ("wide", "q4_k"),
+    ("wide", "q4_k_mix"),
+    ("wide", "q5_k"),
+    ("wide", "q6_k"),
+]
 
 
 def assert_like_llama_cpp(engine, path, wtype, tmp_path, chunks=(CHUNK,)) -> None:
@@ -154,10 +160,11 @@ def test_gpu_logits_match_llama_cpp(name, wtype, gpu_engine, tiny_model, tmp_pat
 
 @pytest.mark.parametrize(("name", "wtype"), REPACKED)
 def test_gpu_repacked_model_matches_llama_cpp(name, wtype, gpu_engine, tiny_model, tmp_path):
-    """A Q4_0, Q4_K or Q6_K model whose rows lucepy's CUDA layout takes is repacked at load by
-    default and computed by the repacked kernels: its prompt in chunks of 24 (64 columns' tiles,
-    gemm_rq, and a tail of 8, gemm_r) and of 16 (gemm_r's two column tiles), its decode steps
-    (gemv_r), within twice llama.cpp's error against the exact math, as any quantized model here."""
+    """A Q4_0, Q4_K, Q5_K or Q6_K model whose rows lucepy's CUDA layouts take is repacked at load
+    by default and computed by the repacked kernels: its prompt in chunks of 24 (64 columns'
+    tiles, gemm_rq, and a tail of 8, gemm_r or gemm_rb) and of 16 (two column tiles), its decode
+    steps (gemv_r), within twice llama.cpp's error against the exact math, as any quantized model
+    here."""
     kernels = cuda_kernels(load())
     assert kernels is not None, "a CUDA build with lucepy's kernels (lucepy backends build cuda)"
     kernels.set(True)  # whatever this GPU's default

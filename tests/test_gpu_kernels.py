@@ -36,6 +36,7 @@ ROWS = 1201
 OURS = set(range(1, 17))  # column counts lucepy's kernels take (lucepy-mm.cu: MIN_GEMM_COLS)
 N = 4096
 EPS = 1e-6  # of the RMS norms
+BULK_ONLY = ("q5_k", "q6_k")  # repacked, gemm_rb's at 2-16 columns always (lucepy-mm.cu)
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +234,10 @@ def test_gpu_kernels_match_the_exact_math_for_1_to_16_columns(kind, cuda):
         assert np.isfinite(ours).all() and err.max() <= bound, f"{kind} x {k}: {worst}"
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows", [320, 336])
 def test_gpu_repacked_matrix_matches_the_exact_math_at_every_column_count(kind, rows, cuda):
-    """A Q4_0, Q4_K or Q6_K matrix repacked in place (lucepy_cuda_repack, lucepy-repack.cuh's
+    """A Q4_0, Q4_K, Q5_K or Q6_K matrix repacked in place (lucepy_cuda_repack, lucepy-repack.cuh's
     layout) is read by lucepy's kernels alone at every count of columns: one (gemv_r), 2-16
     (gemm_r), more (gemm_rq, here also past whole tiles of 64), and ggml's fused gate; each no
     further from the exact math than twice ggml's kernels on the blocks. 320 rows (tiles of 64, not
@@ -598,20 +599,21 @@ def ffn_products(lib, device, weights, xs, keep_gate=False, repack=None):
         ("q4_0", 16, 5120, 17408),
         ("q4_k", 3, 2048, 512),
         ("q4_k", 16, 5120, 17408),
+        ("q5_k", 3, 2048, 512),
         ("q6_k", 3, 2048, 512),
         ("q6_k", 16, 5120, 17408),
     ],
 )
 def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
-    """A verify's FFN on repacked Q4_0, Q4_K or Q6_K (3-16 columns): the gate and up products of one
-    input and their SWIGLU are one product of ours over both matrices and one kernel that adds its
-    parts and applies the gate (counted as two products and an op); the GLU's result and the down
-    product no further from the exact math than twice ggml's kernels on the blocks; new inputs,
-    new results (the CUDA graph replayed). With the gate product kept as an output, each product
-    on its own (no op), the GLU's result the same within float rounding. On an H200 the
-    27B-shaped FFN's two products at 16 columns are gemm_rb's (bulk_product: the stack's 544 row
-    blocks of 20 chunks, the down's 80 of 68), the small FFN's gemm_r's; Q6_K's always gemm_r6,
-    gemm_rb's on its layout."""
+    """A verify's FFN on repacked Q4_0, Q4_K, Q5_K or Q6_K (3-16 columns): the gate and up
+    products of one input and their SWIGLU are one product of ours over both matrices and one
+    kernel that adds its parts and applies the gate (counted as two products and an op); the
+    GLU's result and the down product no further from the exact math than twice ggml's kernels on
+    the blocks; new inputs, new results (the CUDA graph replayed). With the gate product kept as
+    an output, each product on its own (no op), the GLU's result the same within float rounding.
+    On an H200 the 27B-shaped FFN's two products at 16 columns are gemm_rb's (bulk_product: the
+    stack's 544 row blocks of 20 chunks, the down's 80 of 68), the small FFN's gemm_r's; Q5_K's
+    and Q6_K's always gemm_rb's."""
     lib, device, kernels = cuda
     h200 = on_h200(lib, device)
     shapes = [(n_ff, n), (n_ff, n), (n, n_ff)]  # (rows, row length): gate, up, down
@@ -628,7 +630,7 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
     bulk = kernels.bulk
     assert run(xs[:1])[1] == (3, 1)
     if h200:
-        want = 2 if n_ff == 17408 or kind == "q6_k" else 0
+        want = 2 if n_ff == 17408 or kind in BULK_ONLY else 0
         assert kernels.bulk - bulk == want, "gemm_rb's products"
     kept, counts = run(xs[:1], keep_gate=True)
     assert counts == (3, 0)
@@ -713,17 +715,19 @@ def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
         ("q4_0", 10240, 5120, (8, 9, 16)),
         ("q4_0", 5120, 17408, (2, 5, 8, 16)),
         ("q4_k", 5120, 17408, (2, 16)),
+        ("q5_k", 5120, 17408, (2, 16)),
         ("q6_k", 5120, 17408, (2, 16)),
     ],
 )
 def test_gpu_repacked_products_by_bulk_copies_match_the_exact_math(kind, rows, n, cols, cuda):
-    """Repacked Q4_0 (and Q4_K, Q6_K) products big enough for gemm_rb on an H200 (its weights by the
-    TMA unit: lucepy-mm.cu's bulk_product): the 27B-shaped model's attention qkv, 10,240 x 5,120
-    (4.8 chunks a CTA slot at two column tiles: gemm_rb at 9-16 columns; 4.0 at one: gemm_r at 8),
-    and its ffn down, 5,120 x 17,408 (6.9 a slot at one tile: gemm_rb at 2-8 columns too). Each no
-    further from the exact math than twice ggml's kernels on the blocks, in parts and with its
-    residual ADD (the sum one product of ours, bit for bit the product and ggml's ADD apart), for
-    new inputs too (the CUDA graph replayed)."""
+    """Repacked Q4_0 (and Q4_K, Q5_K, Q6_K) products big enough for gemm_rb on an H200 (its
+    weights by the TMA unit: lucepy-mm.cu's bulk_product): the 27B-shaped model's attention qkv,
+    10,240 x 5,120 (4.8 chunks a CTA slot at two column tiles: gemm_rb at 9-16 columns; 4.0 at
+    one: gemm_r at 8), and its ffn down, 5,120 x 17,408 (6.9 a slot at one tile: gemm_rb at 2-8
+    columns too; Q5_K's and Q6_K's gemm_rb always). Each no further from the exact math than
+    twice ggml's kernels on the blocks, in parts and with its residual ADD (the sum one product
+    of ours, bit for bit the product and ggml's ADD apart), for new inputs too (the CUDA graph
+    replayed)."""
     lib, device, kernels = cuda
     h200 = on_h200(lib, device)
     mats = [weights_of(lib, kind, 61, rows=rows, n=n)]
@@ -735,7 +739,7 @@ def test_gpu_repacked_products_by_bulk_copies_match_the_exact_math(kind, rows, n
         [[ours]] = products(lib, device, weights, xs[:1], repack=kernels)
         assert kernels.calls - calls == 1, f"{k} columns"
         if h200:
-            route = int(rows == 5120 or k > 8 or kind == "q6_k")  # (Q6_K's: gemm_r6 always)
+            route = int(rows == 5120 or k > 8 or kind in BULK_ONLY)
             assert kernels.bulk - bulk == route, f"{k} columns: route"
         kernels.set(False)
         try:

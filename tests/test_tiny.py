@@ -15,6 +15,7 @@ from lucepy.testing.tiny import (
     Qwen35Spec,
     build_vocab,
     encode_q4_k,
+    encode_q5_k,
     encode_q6_k,
     main,
     write_qwen35,
@@ -114,6 +115,18 @@ def wide_model_in_llama_cpp(tmp_path, wtype: str, qtype) -> tuple:
     return path, tokens, logits
 
 
+def assert_cpu_logits_near(path, tokens, ref) -> None:
+    """lucepy's logits of ``tokens`` on the CPU are ``ref`` (llama.cpp's) within the q8_0
+    models' bound."""
+    from lucepy.runtime.config import RuntimeConfig
+    from lucepy.runtime.engine import Engine
+
+    with Engine(path, RuntimeConfig(threads=2, max_ctx=256), tokenizer=False) as engine:
+        ours = engine.prefill(tokens, all_logits=True)
+    err = np.linalg.norm(ours - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert err.max() <= 2e-2, err
+
+
 def test_q4_k_blocks_hold_their_values(tmp_path):
     """The tests' Q4_K encoder (gguf-py has none): ggml's block layout, as gguf-py decodes it,
     each value within its piece's step (the piece's range over 15, through the 6-bit scale) of
@@ -132,14 +145,30 @@ def test_q4_k_blocks_hold_their_values(tmp_path):
     wide_model_in_llama_cpp(tmp_path, "q4_k", gguf.GGMLQuantizationType.Q4_K)
 
 
+def test_q5_k_blocks_hold_their_values(tmp_path):
+    """The tests' Q5_K encoder (gguf-py has none): ggml's block layout, as gguf-py decodes it,
+    each value within its piece's step (the piece's range over 31, through the 6-bit scale) of
+    the original; a wide tiny model in Q5_K loads in llama.cpp, and lucepy's logits on the CPU
+    (ggml's Q5_K products) are llama.cpp's within the q8_0 models' bound."""
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=(8, 512)) / 8).astype(np.float32)
+    x[0, :32] = 0.0  # a piece of zeros
+    x[1, 32:64] = np.abs(x[1, 32:64])  # a piece with no negative value (min 0)
+    got = gguf.quants.dequantize(encode_q5_k(x), gguf.GGMLQuantizationType.Q5_K).reshape(x.shape)
+    pieces = x.reshape(8, 16, 32)
+    span = pieces.max(axis=2) - np.minimum(pieces.min(axis=2), 0)
+    step = (span / 31 * 1.1 + 1e-6).repeat(32).reshape(x.shape)
+    assert (np.abs(got - x) <= step).all()
+    np.testing.assert_array_equal(got[0, :32], 0.0)
+    path, tokens, ref = wide_model_in_llama_cpp(tmp_path, "q5_k", gguf.GGMLQuantizationType.Q5_K)
+    assert_cpu_logits_near(path, tokens, ref)
+
+
 def test_q6_k_blocks_hold_their_values(tmp_path):
     """The tests' Q6_K encoder (gguf-py has none): ggml's block layout, as gguf-py decodes it,
     each value within half its step (the half piece's largest magnitude over 31, up to d more)
     of the original; a wide tiny model in Q6_K loads in llama.cpp, and lucepy's logits on the CPU
     (ggml's Q6_K products) are llama.cpp's within the q8_0 models' bound."""
-    from lucepy.runtime.config import RuntimeConfig
-    from lucepy.runtime.engine import Engine
-
     rng = np.random.default_rng(5)
     x = (rng.normal(size=(8, 512)) / 8).astype(np.float32)
     x[0, :16] = 0.0  # a half piece of zeros
@@ -152,10 +181,7 @@ def test_q6_k_blocks_hold_their_values(tmp_path):
     assert (np.abs(got - x) <= bound).all()
     np.testing.assert_array_equal(got[0, :16], 0.0)
     path, tokens, ref = wide_model_in_llama_cpp(tmp_path, "q6_k", gguf.GGMLQuantizationType.Q6_K)
-    with Engine(path, RuntimeConfig(threads=2, max_ctx=256), tokenizer=False) as engine:
-        ours = engine.prefill(tokens, all_logits=True)
-    err = np.linalg.norm(ours - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
-    assert err.max() <= 2e-2, err
+    assert_cpu_logits_near(path, tokens, ref)
 
 
 def test_small_tensors_stay_f32(files):

@@ -45,6 +45,7 @@ WEIGHT_TYPES = {
     # qkv Q5_K, some attention V Q6_K), here Q8_0: the products of one input that can be stacked
     # as Q4_K_M's can
     "q4_k_mix": (QType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "q5_k": (QType.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),  # every matmul weight of 256-value rows
     "q6_k": (QType.Q6_K, LlamaFileType.MOSTLY_Q6_K),  # every matmul weight of 256-value rows
 }
 # weight types whose some weights are of another type: the name endings, that type
@@ -240,7 +241,7 @@ def tensor_type(t: TensorPlan, s: Qwen35Spec) -> QType:
     endings, other = _OTHER_TYPES.get(s.weight_type, ((), qtype))
     if t.name.endswith(endings):
         qtype = other
-    block = _KBLOCK if qtype in (QType.Q4_K, QType.Q6_K) else _QBLOCK
+    block = _KBLOCK if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else _QBLOCK
     if t.init == "dense" and len(t.ne) == 2 and t.ne[0] % block == 0:
         return qtype
     return QType.F32
@@ -277,39 +278,66 @@ def encode(values: np.ndarray, qtype: QType) -> np.ndarray:
         return values.astype(np.float16)
     if qtype == QType.Q4_K:
         return encode_q4_k(values)
+    if qtype == QType.Q5_K:
+        return encode_q5_k(values)
     if qtype == QType.Q6_K:
         return encode_q6_k(values)
     return gguf.quants.quantize(values, qtype)
 
 
-def encode_q4_k(values: np.ndarray) -> np.ndarray:
-    """Rows of ``values`` (a multiple of 256 long) as Q4_K blocks (gguf-py has no Q4_K encoder):
-    each 32-value piece's range as a scale and a min (value = d sc q - dmin m, q 0-15), sc and m
-    6-bit multiples of the block's d and dmin, packed as ggml's block_q4_K. A plain min/max fit,
-    not ggml's search: any valid Q4_K serves the tests, which compare kernels on these bytes."""
+def _scale_min_fit(values: np.ndarray, top: int):
+    """Rows of ``values`` (a multiple of 256 long) fitted as Q4_K's and Q5_K's super-blocks do:
+    each 32-value piece's range as a scale and a min (value = d sc q - dmin m, q 0-``top``), sc
+    and m 6-bit multiples of the block's d and dmin. A plain min/max fit, not ggml's search: any
+    valid block serves the tests, which compare kernels on these bytes. Returns the super-blocks'
+    count, their d and dmin (f16), their 12 bytes of packed scales and mins, and q [n, 8, 32]."""
     rows = values.reshape(-1, _KBLOCK).astype(np.float32)
     pieces = rows.reshape(len(rows), 8, 32)
     lo = np.minimum(pieces.min(axis=2), 0.0)  # the min to add back: -m, so m >= 0
     span = pieces.max(axis=2) - lo
-    d = (span.max(axis=1) / 15 / 63).astype(np.float16)
+    d = (span.max(axis=1) / top / 63).astype(np.float16)
     dmin = (-lo.min(axis=1) / 63).astype(np.float16)
     df = d.astype(np.float32)[:, None]
     mf = dmin.astype(np.float32)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(df > 0, np.rint(span / 15 / df), 0).clip(0, 63).astype(np.uint8)
+        sc = np.where(df > 0, np.rint(span / top / df), 0).clip(0, 63).astype(np.uint8)
         m = np.where(mf > 0, np.rint(-lo / mf), 0).clip(0, 63).astype(np.uint8)
         step = (df * sc)[:, :, None]
         q = np.where(step > 0, np.rint((pieces + (mf * m)[:, :, None]) / step), 0)
-    q = q.clip(0, 15).astype(np.uint8)
+    q = q.clip(0, top).astype(np.uint8)
     scales = np.zeros((len(rows), 12), dtype=np.uint8)
     scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
     scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
-    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(len(rows), 128)  # pieces 2j, 2j + 1
+    return len(rows), d, dmin, scales, q
+
+
+def encode_q4_k(values: np.ndarray) -> np.ndarray:
+    """Rows of ``values`` (a multiple of 256 long) as Q4_K blocks (gguf-py has no Q4_K encoder):
+    _scale_min_fit's q of 0-15, packed as ggml's block_q4_K."""
+    n, d, dmin, scales, q = _scale_min_fit(values, 15)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)  # pieces 2j, 2j + 1
     blocks = np.concatenate(
         [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1
     )
     return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 144)
+
+
+def encode_q5_k(values: np.ndarray) -> np.ndarray:
+    """Rows of ``values`` (a multiple of 256 long) as Q5_K blocks (gguf-py has no Q5_K encoder):
+    _scale_min_fit's q of 0-31, packed as ggml's block_q5_K (the low nibbles as Q4_K's, value
+    l of piece p's fifth bit in bit p of byte l of qh)."""
+    n, d, dmin, scales, q = _scale_min_fit(values, 31)
+    low = q & 0x0F
+    qs = (low[:, 0::2, :] | (low[:, 1::2, :] << 4)).reshape(n, 128)
+    qh = ((q >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(
+        axis=1, dtype=np.uint8
+    )  # the bits are apart: their sum is their or
+    blocks = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qh, qs],
+        axis=1,
+    )
+    return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 176)
 
 
 def encode_q6_k(values: np.ndarray) -> np.ndarray:

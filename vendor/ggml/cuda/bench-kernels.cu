@@ -19,9 +19,8 @@
 //     ./bench-kernels --kind q4_0 --cols 8,16 --timeline   (gemm_r's and gemm_rb's CTAs, each
 //     stamping its start, first barrier, chunks and end: their lives, waits and the tail)
 //     BENCH_IN_L2=1 ...   (each matrix one copy, read from the L2 cache where it fits)
-//     BENCH_FEW=1 ./bench-kernels --kind q6_K --cols 1,2,16   (Q6_K repacked: gemv_r6's splits
-//     against the blocks' gemv, gemm_r6 against their gemm; --kind q5_K --cols 1: the experiment
-//     Q5_K repacked, gemv_r5's splits)
+//     BENCH_FEW=1 ./bench-kernels --kind q6_K --cols 1,2,16   (Q6_K repacked: gemv_r's splits
+//     against the blocks' gemv, gemm_rb against their gemm; --kind q5_K the same for Q5_K)
 //
 // The weights are random bytes with finite scales, several copies of each matrix in turn so that
 // no call finds its weights in the L2 cache. Times: a CUDA graph of 20 calls, replayed 10 times,
@@ -771,8 +770,8 @@ void launch_gemm_r_slices(GemmArgs a, float * parts_buf, cudaStream_t s) {
 template <int NT> std::vector<GemmVariant> gemm_rk_variants() {
     return {{"rk", launch_build<GemmR<NT, 4, 4, gemm_r_xch(NT), true>>},
             {"rk 5 CTAs an SM", launch_build<GemmR<NT, 4, 5, gemm_r_xch(NT), true>>},
-            {"rk bulk", launch_build<GemmRB<NT, 5, true>>},
-            {"rk bulk <= 3 parts", launch_build<GemmRB<NT, 5, true>, 3>}};
+            {"rk bulk", launch_build<GemmRB<NT, 5, RpQ4_K>>},
+            {"rk bulk <= 3 parts", launch_build<GemmRB<NT, 5, RpQ4_K>, 3>}};
 }
 
 std::vector<GemmVariant> gemm_r_variants_of(int ncols, int k = Q4_0) {
@@ -793,11 +792,11 @@ std::vector<GemmVariant> gemm_r_variants_of(int ncols, int k = Q4_0) {
     return out;
 }
 
-template <int SPLIT, int U, bool GATE = false, bool RK = false>
+template <int SPLIT, int U, bool GATE = false, class L = RpQ4_0>
 void launch_gemv_r(const Args & a, cudaStream_t s) {
     constexpr int WARPS = gemv_r_warps<SPLIT>();
     const int64_t warps = int64_t(a.nrows / RP_ROWS) * SPLIT;
-    gemv_r<SPLIT, U, GATE, RK><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
+    gemv_r<SPLIT, U, GATE, L><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
 }
 
 // Q4_0 rows rearranged as gemm_r and gemv_r read them (lucepy-repack.cuh: the layout), on the host
@@ -821,10 +820,10 @@ std::vector<uint8_t> host_repack(const uint8_t * src, int64_t row_stride, int nr
     return out;
 }
 
-template <int MT, bool RK = false> void launch_gemm_rq(const GemmArgs & a, cudaStream_t s) {
-    raise_smem(gemm_rq<MT, RK>, gemm_rq_smem<MT>());
+template <int MT, class L = RpQ4_0> void launch_gemm_rq(const GemmArgs & a, cudaStream_t s) {
+    raise_smem(gemm_rq<MT, L>, gemm_rq_smem<MT, L>());
     const dim3 grid(unsigned(a.nrows / (64 * MT)), unsigned(a.ncols / RQ_COLS));
-    gemm_rq<MT, RK><<<grid, 128, gemm_rq_smem<MT>(), s>>>(a);
+    gemm_rq<MT, L><<<grid, 128, gemm_rq_smem<MT, L>(), s>>>(a);
 }
 
 // One column with ggml's fused gate (SwiGLU), the gate another copy of the same matrix: gemv as
@@ -836,9 +835,9 @@ void bench_fused_gate(int k, const Shape & sh, const std::vector<uint8_t> & host
     const int npieces = sh.k / 32;
     using Fused = std::pair<const char *, void (*)(const Args &, cudaStream_t)>;
     const std::vector<Fused> fused =
-        k == Q4_K ? std::vector<Fused>{{"rk split 2", launch_gemv_r<2, 2, true, true>},
-                                       {"rk split 4", launch_gemv_r<4, 2, true, true>},
-                                       {"rk split 8", launch_gemv_r<8, 2, true, true>}}
+        k == Q4_K ? std::vector<Fused>{{"rk split 2", launch_gemv_r<2, 2, true, RpQ4_K>},
+                                       {"rk split 4", launch_gemv_r<4, 2, true, RpQ4_K>},
+                                       {"rk split 8", launch_gemv_r<8, 2, true, RpQ4_K>}}
                   : std::vector<Fused>{{"split 2", launch_gemv_r<2, 1, true>},
                                        {"split 4", launch_gemv_r<4, 1, true>},
                                        {"split 8", launch_gemv_r<8, 1, true>}};
@@ -912,8 +911,8 @@ void bench_prefill(int k, const Shape & sh, const std::vector<uint8_t> & host, i
     g.ncols = ncols;
     const bool rk = k == Q4_K;
     const std::pair<const char *, void (*)(const GemmArgs &, cudaStream_t)> kernels[] = {
-        {"rq 64 rows", rk ? launch_gemm_rq<1, true> : launch_gemm_rq<1>},
-        {"rq 128 rows", rk ? launch_gemm_rq<2, true> : launch_gemm_rq<2>}};
+        {"rq 64 rows", rk ? launch_gemm_rq<1, RpQ4_K> : launch_gemm_rq<1>},
+        {"rq 128 rows", rk ? launch_gemm_rq<2, RpQ4_K> : launch_gemm_rq<2>}};
     std::vector<int> check_rows;
     for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 37)) {
         check_rows.push_back(r);
@@ -957,169 +956,6 @@ constexpr int MAX_GEMM_COLS = 16;  // gemm's; past them only gemm_r's slices
 
 // One product (a gate fused or not: a verify's rows take up and gate apart) times 1 column
 // (gemv, the split lucepy-mm.cu chooses) and times each count of `cols`, against one column.
-// --- an experiment (session 43, not yet run): Q5_K repacked, one column -----------------------
-//
-// Q4_K's layout (repack_q4_k) with each value's fifth bit beside it, 1,408 bytes a group (22 a
-// piece, the blocks' bytes): bytes 0..1023 the nibbles as Q4_K's; 1024..1279 lane (g, t)'s fifth
-// bits of piece t of rows g and g + 8, a word each at 8 lane: byte i holds in bit w the fifth
-// bit of value 4w + i and in bit 4 + w that of value 16 + 4w + i; 1280..1407 the lanes' words
-// of 6-bit scales and mins and record bytes as Q4_K's at 1024.
-constexpr int R5_BYTES = RP_ROWS * RP_GROUP * 22;  // 1,408
-
-// Q5_K rows into that layout: a CTA a tile's super-block, thread (r, p) piece p of row r.
-__global__ void __launch_bounds__(128) repack_q5_k(const uint8_t * w, int64_t row_stride,
-                                                   int ngroups, uint8_t * out) {
-    const int sb = blockIdx.x;
-    const int tile = blockIdx.y;
-    const int r = threadIdx.x / 8;
-    const int p = threadIdx.x % 8;
-    auto block = [&](int row) {
-        return w + int64_t(RP_ROWS * tile + row) * row_stride + int64_t(sb) * 176;
-    };
-    const uint8_t * b = block(r);
-    const uint8_t * qs = b + 48 + 32 * (p / 2);
-    const uint8_t * qh = b + 16;
-    const int shift = 4 * (p % 2);
-    uint32_t words[4];
-    uint32_t fifth = 0;
-    for (int k = 0; k < 4; k++) {
-        uint32_t v = 0;
-        for (int i = 0; i < 4; i++) {
-            const int at = 4 * k + i;  // byte at of the piece: values at and at + 16
-            v |= (((qs[at] >> shift) & 0x0Fu) | (((qs[at + 16] >> shift) & 0x0Fu) << 4)) << (8 * i);
-            fifth |= uint32_t((qh[at] >> p) & 1) << (8 * i + k);
-            fifth |= uint32_t((qh[at + 16] >> p) & 1) << (8 * i + 4 + k);
-        }
-        words[k] = v;
-    }
-    uint8_t * o = out + (int64_t(tile) * ngroups + 2 * sb + p / 4) * R5_BYTES;
-    const int j = p % 4;
-    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * j) =
-        make_uint4(words[0], words[1], words[2], words[3]);
-    const int lane = 4 * (r % 8) + j;
-    *reinterpret_cast<uint32_t *>(o + 1024 + 8 * lane + 4 * (r / 8)) = fifth;
-    if (r < 8) {
-        const uint8_t * b8 = block(r + 8);
-        int sc, m, sc8, m8;
-        scale_min_k4(b + 4, p, sc, m);
-        scale_min_k4(b8 + 4, p, sc8, m8);
-        const uint8_t rec = p < 4 ? b[p] : b8[p - 4];  // byte p: d, dmin of row r, of row r + 8
-        const uint32_t word = uint32_t(sc) | uint32_t(m) << 6 | uint32_t(sc8) << 12 |
-                              uint32_t(m8) << 18 | uint32_t(rec) << 24;
-        *reinterpret_cast<uint32_t *>(o + 1280 + 4 * (4 * r + j)) = word;
-    }
-}
-
-struct R5Group {
-    uint4 a, b;  // nibbles of rows g and g + 8
-    uint2 h;     // their fifth bits
-    uint32_t d;  // the lane's word of scales, mins and record
-};
-
-__device__ __forceinline__ R5Group load_r5(const uint8_t * group, int lane) {
-    const uint4 * q = reinterpret_cast<const uint4 *>(group) + lane;
-    return {load_stream(q), load_stream(q + 32),
-            __ldg(reinterpret_cast<const uint2 *>(group + 1024) + lane),
-            __ldg(reinterpret_cast<const uint32_t *>(group + 1280) + lane)};
-}
-
-// dot_group_k with the fifth bits: values 0-31
-__device__ __forceinline__ void dot_group_k5(const R5Group & q, const int (&xl)[4],
-                                             const int (&xh)[4], float2 ds, float4 f,
-                                             float & acc_a, float & acc_b) {
-    int sa = 0, sb = 0;
-#pragma unroll
-    for (int w = 0; w < 4; w++) {
-        const uint32_t qa = word(q.a, w);
-        const uint32_t qb = word(q.b, w);
-        sa = dp4a(int((qa & 0x0F0F0F0Fu) | ((q.h.x << (4 - w)) & 0x10101010u)), xl[w], sa);
-        sa = dp4a(int(((qa >> 4) & 0x0F0F0F0Fu) | ((q.h.x >> w) & 0x10101010u)), xh[w], sa);
-        sb = dp4a(int((qb & 0x0F0F0F0Fu) | ((q.h.y << (4 - w)) & 0x10101010u)), xl[w], sb);
-        sb = dp4a(int(((qb >> 4) & 0x0F0F0F0Fu) | ((q.h.y >> w) & 0x10101010u)), xh[w], sb);
-    }
-    acc_a += f.x * (ds.x * float(sa)) - f.z * ds.y;
-    acc_b += f.y * (ds.x * float(sb)) - f.w * ds.y;
-}
-
-template <int SPLIT>
-__global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r5(const Args a) {
-    constexpr int WARPS = gemv_r_warps<SPLIT>();
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int t = lane % 4;
-    const int tile = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
-    const int part = warp % SPLIT;
-    const int ngroups = a.npieces / RP_GROUP;
-    const int per = 2 * ((ngroups + 2 * SPLIT - 1) / (2 * SPLIT));
-    const int g0 = min(ngroups, part * per);
-    const int g1 = tile < a.nrows / RP_ROWS ? min(ngroups, g0 + per) : g0;
-    const uint8_t * base = a.w + int64_t(tile) * ngroups * R5_BYTES;
-    R5Group cur[2], nxt[2];
-    auto load = [&](R5Group (&buf)[2], int first) {
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            if (first + u < g1) {
-                buf[u] = load_r5(base + int64_t(first + u) * R5_BYTES, lane);
-            }
-        }
-    };
-    load(cur, g0);
-    LUCEPY_PDL_SYNC();
-    float acc[2] = {};
-    for (int grp = g0; grp < g1; grp += 2) {
-        load(nxt, grp + 2);
-        uint32_t dd, mm;
-        rk_record(cur[0].d, cur[1].d, t, dd, mm);
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int piece = 4 * (grp + u) + t;
-            const int4 * xp = reinterpret_cast<const int4 *>(a.xq) + 2 * piece;
-            const int4 xlo = __ldg(xp);
-            const int4 xhi = __ldg(xp + 1);
-            const float2 ds = __ldg(a.xds + piece);
-            const int xl[4] = {xlo.x, xlo.y, xlo.z, xlo.w};
-            const int xh[4] = {xhi.x, xhi.y, xhi.z, xhi.w};
-            dot_group_k5(cur[u], xl, xh, ds, rk_factors(cur[u].d, dd, mm), acc[0], acc[1]);
-        }
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            cur[u] = nxt[u];
-        }
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        acc[0] += __shfl_xor_sync(0xFFFFFFFFu, acc[0], off);
-        acc[1] += __shfl_xor_sync(0xFFFFFFFFu, acc[1], off);
-    }
-    LUCEPY_PDL_LAUNCH();
-    __shared__ float sums[WARPS][16];
-    if (t == 0) {
-        sums[warp][lane / 4] = acc[0];
-        sums[warp][lane / 4 + 8] = acc[1];
-    }
-    __syncthreads();
-    if (part == 0 && lane < 16 && tile < a.nrows / RP_ROWS) {
-        float v = 0.0f;
-#pragma unroll
-        for (int p = 0; p < SPLIT; p++) {
-            v += sums[warp + p][lane];
-        }
-        a.dst[tile * RP_ROWS + lane] = v;
-    }
-}
-
-template <int SPLIT> void launch_gemv_r5(const Args & a, cudaStream_t s) {
-    constexpr int WARPS = gemv_r_warps<SPLIT>();
-    const int64_t warps = int64_t(a.nrows / RP_ROWS) * SPLIT;
-    gemv_r5<SPLIT><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
-}
-
-template <int SPLIT> void launch_gemv_r6(const Args & a, cudaStream_t s) {
-    constexpr int WARPS = gemv_r_warps<SPLIT>();
-    const int64_t warps = int64_t(a.nrows / RP_ROWS) * SPLIT;
-    gemv_r6<SPLIT><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
-}
-
 void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStream_t s,
                 std::mt19937 & rng) {
     const int npieces = sh.k / 32;
@@ -1150,7 +986,7 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         }
         CHECK(cudaGetLastError());
     }
-    // Q6_K repacked (repack_q6_k) and the experiment Q5_K repacked (repack_q5_k), by the device
+    // Q6_K and Q5_K repacked (repack_q6_k, repack_q5_k), by the device
     uint8_t * w6 = nullptr;
     if ((k == Q6_K || k == Q5_K) && repackable(sh.rows, npieces)) {
         CHECK(cudaMalloc(&w6, size_t(mat_bytes) * made));
@@ -1228,10 +1064,10 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         CHECK(cudaMemcpy(hds.data(), xds, hds.size() * sizeof(float2), cudaMemcpyDeviceToHost));
         using GemvR = std::pair<const char *, void (*)(const Args &, cudaStream_t)>;
         const std::vector<GemvR> gemv_rs =
-            k == Q4_K ? std::vector<GemvR>{{"rk split 2", launch_gemv_r<2, 2, false, true>},
-                                           {"rk split 4", launch_gemv_r<4, 2, false, true>},
-                                           {"rk split 8", launch_gemv_r<8, 2, false, true>},
-                                           {"rk split 16", launch_gemv_r<16, 2, false, true>}}
+            k == Q4_K ? std::vector<GemvR>{{"rk split 2", launch_gemv_r<2, 2, false, RpQ4_K>},
+                                           {"rk split 4", launch_gemv_r<4, 2, false, RpQ4_K>},
+                                           {"rk split 8", launch_gemv_r<8, 2, false, RpQ4_K>},
+                                           {"rk split 16", launch_gemv_r<16, 2, false, RpQ4_K>}}
                       : std::vector<GemvR>{{"split 2", launch_gemv_r<2, 1>},
                                            {"split 4", launch_gemv_r<4, 1>},
                                            {"split 8", launch_gemv_r<8, 1>},
@@ -1281,15 +1117,14 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         CHECK(cudaMemcpy(hds.data(), xds, hds.size() * sizeof(float2), cudaMemcpyDeviceToHost));
         using GemvR = std::pair<const char *, void (*)(const Args &, cudaStream_t)>;
         const std::vector<GemvR> r6s =
-            k == Q6_K ? std::vector<GemvR>{{"r6 split 1", launch_gemv_r6<1>},
-                                           {"r6 split 2", launch_gemv_r6<2>},
-                                           {"r6 split 4", launch_gemv_r6<4>},
-                                           {"r6 split 8", launch_gemv_r6<8>},
-                                           {"r6 split 16", launch_gemv_r6<16>}}
-                      : std::vector<GemvR>{{"r5 split 2", launch_gemv_r5<2>},
-                                           {"r5 split 4", launch_gemv_r5<4>},
-                                           {"r5 split 8", launch_gemv_r5<8>},
-                                           {"r5 split 16", launch_gemv_r5<16>}};
+            k == Q6_K ? std::vector<GemvR>{{"r6 split 2", launch_gemv_r<2, 2, false, RpQ6_K>},
+                                           {"r6 split 4", launch_gemv_r<4, 2, false, RpQ6_K>},
+                                           {"r6 split 8", launch_gemv_r<8, 2, false, RpQ6_K>},
+                                           {"r6 split 16", launch_gemv_r<16, 2, false, RpQ6_K>}}
+                      : std::vector<GemvR>{{"r5 split 2", launch_gemv_r<2, 2, false, RpQ5_K>},
+                                           {"r5 split 4", launch_gemv_r<4, 2, false, RpQ5_K>},
+                                           {"r5 split 8", launch_gemv_r<8, 2, false, RpQ5_K>},
+                                           {"r5 split 16", launch_gemv_r<16, 2, false, RpQ5_K>}};
         for (const GemvR & variant : r6s) {
             const char * name = variant.first;
             void (*const launch)(const Args &, cudaStream_t) = variant.second;
@@ -1374,12 +1209,16 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
             }
         }
         const size_t n_wr = vs.size();
-        if (w6 && k == Q6_K && ncols <= 8) {  // Q6_K repacked at 2-16 columns: gemm_r6
-            vs.push_back({"r6 bulk", launch_build<GemmR6<1, 6>>});
-            vs.push_back({"r6 bulk 5 CTAs", launch_build<GemmR6<1, 5>>});
+        if (w6 && k == Q6_K && ncols <= 8) {  // Q6_K repacked at 2-16 columns: gemm_rb
+            vs.push_back({"r6 bulk", launch_build<GemmRB<1, 6, RpQ6_K>>});
+            vs.push_back({"r6 bulk 5 CTAs", launch_build<GemmRB<1, 5, RpQ6_K>>});
         } else if (w6 && k == Q6_K && ncols <= 16) {
-            vs.push_back({"r6 bulk", launch_build<GemmR6<2, 5>>});
-            vs.push_back({"r6 bulk 4 CTAs", launch_build<GemmR6<2, 4>>});
+            vs.push_back({"r6 bulk", launch_build<GemmRB<2, 5, RpQ6_K>>});
+            vs.push_back({"r6 bulk 4 CTAs", launch_build<GemmRB<2, 4, RpQ6_K>>});
+        } else if (w6 && ncols <= 8) {  // Q5_K's the same
+            vs.push_back({"r5 bulk", launch_build<GemmRB<1, 6, RpQ5_K>>});
+        } else if (w6 && ncols <= 16) {
+            vs.push_back({"r5 bulk", launch_build<GemmRB<2, 5, RpQ5_K>>});
         }
         for (size_t vi = 0; vi < vs.size(); vi++) {
             const GemmVariant & v = vs[vi];

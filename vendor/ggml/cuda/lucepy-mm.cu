@@ -117,7 +117,7 @@ struct Wanted {
 
 struct ContextState;
 void scan(ContextState & st);  // what the hooks ask of the graph, learnt once a graph (below)
-bool repacked_of(const ggml_tensor * t);  // a repacked Q4_0, Q4_K or Q6_K matrix's bytes (below)
+bool repacked_of(const ggml_tensor * t);  // a repacked matrix's bytes (below)
 
 struct ContextState {
     uint64_t graph = 1;
@@ -674,23 +674,30 @@ uint8_t * product_activations(ggml_backend_cuda_context & ctx, ContextState & st
     return buf;
 }
 
-// --- Q4_0, Q4_K and Q6_K repacked (lucepy-repack.cuh) -------------------------------------------
+// --- Q4_0, Q4_K, Q5_K and Q6_K repacked (lucepy-repack.cuh) -------------------------------------
 //
-// lucepy_cuda_repack rewrites a Q4_0, Q4_K or Q6_K weight in place into lucepy's layout (Q6_K on
-// compute capability 9.0 and newer: its 2-16 column kernel is gemm_rb's) and records its
-// bytes; from then on every product of them is ours (repacked_mul_mat), whatever
+// lucepy_cuda_repack rewrites a Q4_0, Q4_K, Q5_K or Q6_K weight in place into lucepy's layout
+// (Q5_K and Q6_K on compute capability 9.0 and newer: their 2-16 column kernel is gemm_rb) and
+// records its bytes; from then on every product of them is ours (repacked_mul_mat), whatever
 // LUCEPY_CUDA_KERNELS says, since ggml's kernels cannot read them.
 
 struct Repacked {
     uintptr_t end;
     int64_t ne0;        // values a row
     int64_t row_bytes;  // of a row of blocks
-    ggml_type type;     // the blocks' (Q4_0, Q4_K, Q6_K)
+    ggml_type type;     // the blocks' (Q4_0, Q4_K, Q5_K, Q6_K)
 };
 
-// whether lucepy-repack.cuh's layout takes a matrix of these blocks
+// whether lucepy-repack.cuh's layouts take a matrix of these blocks
 bool repackable_type(ggml_type type) {
-    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
+    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K ||
+           type == GGML_TYPE_Q6_K;
+}
+
+// whether the layout of these blocks needs gemm_rb (the TMA unit: compute capability 9.0 and
+// newer) at 2-16 columns
+bool bulk_only_type(ggml_type type) {
+    return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
 }
 
 std::mutex g_rp_mutex;
@@ -798,9 +805,12 @@ bool fusion_taken(const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tenso
            (!any || ncols == 1);
 }
 
-// SPLIT warps a tile of gemv_r (bench-kernels.cu on the 27B-shaped model's products, H200: 4 at
-// 1,088 tiles, 8 at 320-640, 32 at 64; with the fused gate 8 at 1,088)
-template <bool GATE, bool RK = false> void launch_gemv_r(const Args & a, cudaStream_t stream) {
+// SPLIT warps a tile of gemv_r on layout L (bench-kernels.cu on the 27B-shaped model's products,
+// H200: Q4_0 4 at 1,088 tiles, 8 at 320-640, 32 at 64, with the fused gate 8 at 1,088; the K
+// types a super-block a step: Q4_K's splits (session 42) Q5_K's best too where measured (session
+// 44: 2 at 1,030-1,088 tiles, 4 at 640 and 2,176, 8 at 320), Q6_K's its own (session 43: 4 on the
+// head, ffn down, qkv and attn out shapes, 2 at 1,024-2,047 tiles, 16 on 64))
+template <bool GATE, class L = RpQ4_0> void launch_gemv_r(const Args & a, cudaStream_t stream) {
     const int64_t tiles = a.nrows / RP_ROWS;
     auto go = [&](auto kernel, int split) {
         const int warps = split > 4 ? split : 4;
@@ -808,15 +818,30 @@ template <bool GATE, bool RK = false> void launch_gemv_r(const Args & a, cudaStr
         ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(grid, warps * 32, 0, stream),
                                 a);
     };
-    if constexpr (RK) {  // a super-block (two groups) a step: H200, session 42
-        if (GATE || tiles >= 2048 || (tiles >= 512 && tiles < 1024)) {
-            go(gemv_r<4, 2, GATE, true>, 4);
-        } else if (tiles >= 1024) {
-            go(gemv_r<2, 2, GATE, true>, 2);
-        } else if (tiles >= 256) {
-            go(gemv_r<8, 2, GATE, true>, 8);
+    if constexpr (std::is_same_v<L, RpQ6_K>) {
+        if (tiles < 128) {  // (with the gate 8: 16 warps of its registers spill)
+            if constexpr (GATE) {
+                go(gemv_r<8, 2, true, L>, 8);
+            } else {
+                go(gemv_r<16, 2, false, L>, 16);
+            }
+        } else if (tiles >= 1024 && tiles < 2048) {
+            go(gemv_r<2, 2, GATE, L>, 2);
         } else {
-            go(gemv_r<32, 2, GATE, true>, 32);
+            go(gemv_r<4, 2, GATE, L>, 4);
+        }
+        return;
+    } else if constexpr (L::pair) {
+        if (GATE || tiles >= 2048 || (tiles >= 512 && tiles < 1024)) {
+            go(gemv_r<4, 2, GATE, L>, 4);
+        } else if (tiles >= 1024) {
+            go(gemv_r<2, 2, GATE, L>, 2);
+        } else if (tiles >= 256) {
+            go(gemv_r<8, 2, GATE, L>, 8);
+        } else if constexpr (std::is_same_v<L, RpQ4_K>) {
+            go(gemv_r<32, 2, GATE, L>, 32);
+        } else {  // (Q5_K's registers spill at 32 warps a tile; 16 measured at 64 tiles)
+            go(gemv_r<16, 2, GATE, L>, 16);
         }
         return;
     }
@@ -826,30 +851,6 @@ template <bool GATE, bool RK = false> void launch_gemv_r(const Args & a, cudaStr
         go(gemv_r<8, 1, GATE>, 8);
     } else {
         go(gemv_r<32, 1, GATE>, 32);
-    }
-}
-
-// One column on Q6_K's layout: gemv_r6, its split by the tiles (H200, session 43, alone: 4 on
-// the 27B-shaped model's head, ffn down, qkv and attn out shapes, 2 at 1,024-2,047 tiles, 16 on
-// 64)
-template <bool GATE> void launch_gemv_r6(const Args & a, cudaStream_t stream) {
-    const int64_t tiles = a.nrows / RP_ROWS;
-    auto go = [&](auto kernel, int split) {
-        const int warps = split > 4 ? split : 4;
-        const dim3 grid(unsigned((tiles * split + warps - 1) / warps));
-        ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(grid, warps * 32, 0, stream),
-                                a);
-    };
-    if (tiles < 128) {  // (with the gate 8: 16 warps of its registers spill)
-        if constexpr (GATE) {
-            go(gemv_r6<8, true>, 8);
-        } else {
-            go(gemv_r6<16, false>, 16);
-        }
-    } else if (tiles >= 1024 && tiles < 2048) {
-        go(gemv_r6<2, GATE>, 2);
-    } else {
-        go(gemv_r6<4, GATE>, 4);
     }
 }
 
@@ -884,58 +885,45 @@ template <int NT> bool bulk_product(int device, const GemmArgs & a) {
            (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
 }
 
-// 2-16 columns: gemm_r, or gemm_rb where bulk_product, in parts where its rows are few; on
-// Q6_K's layout (R6) gemm_r6 always
-template <int NT, bool RK = false, bool R6 = false>
+// 2-16 columns on layout L: gemm_r, or gemm_rb where bulk_product, in parts where its rows are
+// few; gemm_rb always where gemm_r does not take the layout (Q5_K's, Q6_K's)
+template <int NT, class L = RpQ4_0>
 void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
                    const NormAfter * norm = nullptr) {
     auto go = [&](auto build) {
         using R = decltype(build);
         launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, base), base, norm);
     };
-    if constexpr (R6) {
-        go(GemmR6<NT, NT == 2 ? 5 : 6>());
+    if constexpr (!L::gemm_r) {
+        go(GemmRB<NT, NT == 2 ? 5 : 6, L>());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else if (bulk_product<NT>(ctx.device, base)) {
-        go(GemmRB<NT, 5, RK>());
+        go(GemmRB<NT, 5, L>());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {
-        go(GemmR<NT, GM_WARPS, 16 / GM_WARPS, gemm_r_xch(NT), RK>());
+        go(GemmR<NT, GM_WARPS, 16 / GM_WARPS, gemm_r_xch(NT), std::is_same_v<L, RpQ4_K>>());
     }
 }
 
-// a prefill's columns on Q6_K's layout: gemm_rq6, as launch_gemm_rq
-template <int MT> void launch_gemm_rq6(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
-    static bool raised[GGML_CUDA_MAX_DEVICES] = {};
-    once_a_device(raised, ctx.device, [] {
-        CUDA_CHECK(cudaFuncSetAttribute(gemm_rq6<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        gemm_rq6_smem<MT>()));
-    });
-    const dim3 grid(unsigned((a.nrows + 64 * MT - 1) / (64 * MT)),
-                    unsigned((a.ncols + RQ_COLS - 1) / RQ_COLS));
-    ggml_cuda_kernel_launch(
-        gemm_rq6<MT>, ggml_cuda_kernel_launch_params(grid, 128, gemm_rq6_smem<MT>(), ctx.stream()),
-        a);
-}
-
-// a prefill's columns: to_halves_col into scratch (whole tiles of 64 columns), then gemm_rq
-template <int MT, bool RK = false>
+// a prefill's columns on layout L: to_halves_col into scratch (whole tiles of 64 columns), then
+// gemm_rq
+template <int MT, class L = RpQ4_0>
 void launch_gemm_rq(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
     static bool raised[GGML_CUDA_MAX_DEVICES] = {};
     once_a_device(raised, ctx.device, [] {
-        CUDA_CHECK(cudaFuncSetAttribute(gemm_rq<MT, RK>,
+        CUDA_CHECK(cudaFuncSetAttribute(gemm_rq<MT, L>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        gemm_rq_smem<MT>()));
+                                        gemm_rq_smem<MT, L>()));
     });
     const dim3 grid(unsigned((a.nrows + 64 * MT - 1) / (64 * MT)),
                     unsigned((a.ncols + RQ_COLS - 1) / RQ_COLS));
     ggml_cuda_kernel_launch(
-        gemm_rq<MT, RK>,
-        ggml_cuda_kernel_launch_params(grid, 128, gemm_rq_smem<MT>(), ctx.stream()), a);
+        gemm_rq<MT, L>,
+        ggml_cuda_kernel_launch_params(grid, 128, gemm_rq_smem<MT, L>(), ctx.stream()), a);
 }
 
-// repacked_mul_mat's products, on Q4_K's layout (RK), Q6_K's (R6) or Q4_0's
-template <bool RK, bool R6 = false>
+// repacked_mul_mat's products on layout L
+template <class L>
 void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                          const ggml_tensor * src1, ggml_tensor * dst,
                          const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual,
@@ -949,13 +937,7 @@ void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
         const Args a = gemv_args(
             src0, dst, fusion,
             planes_at(product_activations(ctx, st, src1, npieces, 1, scratch), npieces, 1, 1));
-        if constexpr (R6) {
-            a.gate ? launch_gemv_r6<true>(a, stream) : launch_gemv_r6<false>(a, stream);
-        } else if (a.gate) {
-            launch_gemv_r<true, RK>(a, stream);
-        } else {
-            launch_gemv_r<false, RK>(a, stream);
-        }
+        a.gate ? launch_gemv_r<true, L>(a, stream) : launch_gemv_r<false, L>(a, stream);
         return;
     }
     if (ncols <= MAX_COLS) {
@@ -965,9 +947,9 @@ void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
                       int(ncols)),
             residual);
         if (ncols <= GM_COL_TILE) {
-            launch_gemm_r<1, RK, R6>(ctx, g, norm);
+            launch_gemm_r<1, L>(ctx, g, norm);
         } else {
-            launch_gemm_r<2, RK, R6>(ctx, g, norm);
+            launch_gemm_r<2, L>(ctx, g, norm);
         }
         return;
     }
@@ -978,13 +960,7 @@ void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
                             ggml_cuda_kernel_launch_params(dim3(unsigned(ncols)), 256, 0, stream),
                             static_cast<const float *>(src1->data),
                             int64_t(src1->nb[1] / sizeof(float)), int(npieces), g.x);
-    if constexpr (R6) {
-        g.nrows % 128 == 0 ? launch_gemm_rq6<2>(ctx, g) : launch_gemm_rq6<1>(ctx, g);
-    } else if (g.nrows % 128 == 0) {
-        launch_gemm_rq<2, RK>(ctx, g);
-    } else {
-        launch_gemm_rq<1, RK>(ctx, g);
-    }
+    g.nrows % 128 == 0 ? launch_gemm_rq<2, L>(ctx, g) : launch_gemm_rq<1, L>(ctx, g);
 }
 
 void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
@@ -1002,12 +978,18 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
         GGML_ABORT("lucepy: a product of a repacked matrix (%s) that its kernels do not take",
                    src0->name);
     }
-    if (src0->type == GGML_TYPE_Q4_K) {
-        repacked_mul_mat_of<true>(ctx, src0, src1, dst, fusion, residual, norm);
-    } else if (src0->type == GGML_TYPE_Q6_K) {
-        repacked_mul_mat_of<false, true>(ctx, src0, src1, dst, fusion, residual, norm);
-    } else {
-        repacked_mul_mat_of<false>(ctx, src0, src1, dst, fusion, residual, norm);
+    switch (src0->type) {
+        case GGML_TYPE_Q4_K:
+            repacked_mul_mat_of<RpQ4_K>(ctx, src0, src1, dst, fusion, residual, norm);
+            break;
+        case GGML_TYPE_Q5_K:
+            repacked_mul_mat_of<RpQ5_K>(ctx, src0, src1, dst, fusion, residual, norm);
+            break;
+        case GGML_TYPE_Q6_K:
+            repacked_mul_mat_of<RpQ6_K>(ctx, src0, src1, dst, fusion, residual, norm);
+            break;
+        default:
+            repacked_mul_mat_of<RpQ4_0>(ctx, src0, src1, dst, fusion, residual, norm);
     }
 }
 
@@ -2096,15 +2078,19 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // stack at 16 columns 41.2 us where 4 CTAs take 43.0, at 8 31.9 where 35.3; the other
     // products no faster so: docs/BENCHMARKS.md, session 37); at two column tiles gemm_rb
     // (39.5 us at 16 columns: session 38)
-    // (Q4_K's layout the same builds)
+    // (Q4_K's layout the same builds; Q5_K's and Q6_K's gemm_rb's always)
     const bool rk = wa->type == GGML_TYPE_Q4_K;
-    if (wa->type == GGML_TYPE_Q6_K) {  // (Q6_K's layout: gemm_r6, gemm_rb's)
-        ncols <= GM_COL_TILE ? go(GemmR6<1, 6>()) : go(GemmR6<2, 5>());
+    if (bulk_only_type(wa->type)) {
+        auto bulk = [&](auto layout) {
+            using L = decltype(layout);
+            ncols <= GM_COL_TILE ? go(GemmRB<1, 6, L>()) : go(GemmRB<2, 5, L>());
+        };
+        wa->type == GGML_TYPE_Q5_K ? bulk(RpQ5_K()) : bulk(RpQ6_K());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else if (ncols <= GM_COL_TILE) {
         rk ? go(GemmR<1, GM_WARPS, 5, 1, true>()) : go(GemmR<1, GM_WARPS, 5, 1>());
     } else if (bulk_product<2>(ctx.device, g)) {
-        rk ? go(GemmRB<2, 5, true>()) : go(GemmRB<2>());
+        rk ? go(GemmRB<2, 5, RpQ4_K>()) : go(GemmRB<2>());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {
         rk ? go(GemmR<2, GM_WARPS, 5, 1, true>()) : go(GemmR<2, GM_WARPS, 5, 1>());
@@ -2643,7 +2629,7 @@ int lucepy_cuda_repack(struct ggml_tensor * t) {
         (void) cudaGetLastError();
         return 0;
     }
-    if (t->type == GGML_TYPE_Q6_K && ggml_cuda_info().devices[attr.device].cc < 900) {
+    if (bulk_only_type(t->type) && ggml_cuda_info().devices[attr.device].cc < 900) {
         return 0;  // (its 2-16 column kernel takes its weights by the TMA unit)
     }
     ggml_cuda_set_device(attr.device);
@@ -2655,6 +2641,9 @@ int lucepy_cuda_repack(struct ggml_tensor * t) {
     const unsigned tiles = unsigned(t->ne[1] / RP_ROWS);
     if (t->type == GGML_TYPE_Q4_K) {  // a CTA a tile's super-block (two groups)
         repack_q4_k<<<dim3(unsigned(ngroups / 2), tiles), 128>>>(
+            copy, int64_t(t->nb[1]), ngroups, static_cast<uint8_t *>(t->data));
+    } else if (t->type == GGML_TYPE_Q5_K) {  // the same
+        repack_q5_k<<<dim3(unsigned(ngroups / 2), tiles), 128>>>(
             copy, int64_t(t->nb[1]), ngroups, static_cast<uint8_t *>(t->data));
     } else if (t->type == GGML_TYPE_Q6_K) {  // the same
         repack_q6_k<<<dim3(unsigned(ngroups / 2), tiles), 128>>>(

@@ -1,5 +1,7 @@
-// Q4_0 repacked for lucepy's CUDA kernels (repack_q4_0), and kernels for every column count on
-// it: one (gemv_r), 2-16 (gemm_r), a prefill's (to_halves_col, gemm_rq). lucepy-mm.cu takes the
+// Q4_0, Q4_K, Q5_K and Q6_K repacked for lucepy's CUDA kernels (repack_q4_0, repack_q4_k,
+// repack_q5_k, repack_q6_k), and kernels for every column count on them: one (gemv_r), 2-16
+// (gemm_r, gemm_rb), a prefill's (to_halves_col, gemm_rq), each written once for every layout
+// (RpQ4_0, RpQ4_K, RpQ5_K, RpQ6_K: what a layout makes different). lucepy-mm.cu takes the
 // products of matrices that lucepy_cuda_repack rewrote (LUCEPY_CUDA_REPACK=1: docs/architecture.md,
 // decision 12); bench-kernels.cu times and checks them alone.
 #pragma once
@@ -35,8 +37,10 @@ __host__ __device__ constexpr bool repackable(int64_t nrows, int64_t npieces) {
     return nrows % RP_ROWS == 0 && npieces % 8 == 0;
 }
 
-__host__ __device__ inline int64_t repacked_at(int64_t tile, int64_t group, int64_t ngroups) {
-    return (tile * ngroups + group) * RP_BYTES;
+// where group `group` of tile `tile` starts, groups of `bytes` (a layout's), ngroups a tile
+__host__ __device__ inline int64_t repacked_at(int64_t tile, int64_t group, int64_t ngroups,
+                                               int bytes = RP_BYTES) {
+    return (tile * ngroups + group) * bytes;
 }
 
 // Q4_0 rows (row_stride bytes apart) into the layout above at `out` (another buffer): a CTA a
@@ -61,14 +65,15 @@ __global__ void __launch_bounds__(64) repack_q4_0(const uint8_t * w, int64_t row
 }
 
 // the bytes of warp `warp`'s tile of 16 rows in the CTA's rows from row0 (of a.w, or of a.w2 from
-// a.rows2 on), from chunk chunk0 (two groups); ngroups is a.npieces / RP_GROUP (gemm_r works it
-// out where it did before this helper, which keeps its code as it was)
+// a.rows2 on), from chunk chunk0 (two groups of `bytes`); ngroups is a.npieces / RP_GROUP
+// (gemm_r works it out where it did before this helper, which keeps its code as it was)
 __device__ __forceinline__ const uint8_t * warp_tile_at(const GemmArgs & a, int row0, int warp,
-                                                        int chunk0, int ngroups) {
+                                                        int chunk0, int ngroups,
+                                                        int bytes = RP_BYTES) {
     const bool second = a.w2 != nullptr && row0 >= a.rows2;  // the second matrix's rows
     return (second ? a.w2 : a.w) +
            repacked_at((row0 - (second ? a.rows2 : 0) + warp * 16) / RP_ROWS,
-                       int64_t(chunk0) * 2, ngroups);
+                       int64_t(chunk0) * 2, ngroups, bytes);
 }
 
 // word k of a 16-byte load
@@ -216,6 +221,18 @@ __device__ __forceinline__ uint4 load_shared(uint32_t at) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "r"(at)
                  : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint32_t load_shared_word(uint32_t at) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint2 load_shared_pair(uint32_t at) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(at) : "memory");
     return v;
 }
 
@@ -618,11 +635,536 @@ struct GemmR {
     static auto kernel() { return gemm_r<NT, W, MINB, XCH, 0, RK>; }
 };
 
+// --- gemv_r's sums, for the layouts below -----------------------------------------------------
+
+template <int SPLIT> __host__ __device__ constexpr int gemv_r_warps() {
+    return SPLIT > 4 ? SPLIT : 4;
+}
+
+// the integer sums of a lane's piece t of rows g (sa) and g + 8 (sb), its nibbles 0-15, with the
+// activations of its low (xl) and high (xh) values
+__device__ __forceinline__ void group_sums(const RpGroup & q, const int (&xl)[4],
+                                           const int (&xh)[4], int & sa, int & sb) {
+    sa = 0;
+    sb = 0;
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        const uint32_t qa = word(q.a, w);
+        const uint32_t qb = word(q.b, w);
+        sa = dp4a(int(qa & 0x0F0F0F0Fu), xl[w], sa);
+        sa = dp4a(int((qa >> 4) & 0x0F0F0F0Fu), xh[w], sa);
+        sb = dp4a(int(qb & 0x0F0F0F0Fu), xl[w], sb);
+        sb = dp4a(int((qb >> 4) & 0x0F0F0F0Fu), xh[w], sb);
+    }
+}
+
+// a lane's sums of piece t of rows g and g + 8 (the nibbles 0-15; the 8 comes off in ds.y)
+__device__ __forceinline__ void dot_group(const RpGroup & q, const int (&xl)[4],
+                                          const int (&xh)[4], float2 ds, float & acc_a,
+                                          float & acc_b) {
+    int sa, sb;
+    group_sums(q, xl, xh, sa, sb);
+    const float2 d = __half22float2(as_h2(q.d));
+    acc_a += d.x * (ds.x * float(sa) - 8.0f * ds.y);
+    acc_b += d.y * (ds.x * float(sb) - 8.0f * ds.y);
+}
+
+// dot_group on Q4_K repacked: f = (d sc of rows g, g + 8; dmin m of rows g, g + 8), exact in f32
+__device__ __forceinline__ void dot_group_k(const RpGroup & q, const int (&xl)[4],
+                                            const int (&xh)[4], float2 ds, float4 f,
+                                            float & acc_a, float & acc_b) {
+    int sa, sb;
+    group_sums(q, xl, xh, sa, sb);
+    acc_a += f.x * (ds.x * float(sa)) - f.z * ds.y;
+    acc_b += f.y * (ds.x * float(sb)) - f.w * ds.y;
+}
+
+// a Q4_K group's factors for dot_group_k, from its word and the super-block's record
+__device__ __forceinline__ float4 rk_factors(uint32_t w, uint32_t dd, uint32_t mm) {
+    const float2 d = __half22float2(as_h2(dd));
+    const float2 m = __half22float2(as_h2(mm));
+    return make_float4(d.x * float(w & 63u), d.y * float((w >> 12) & 63u),
+                       m.x * float((w >> 6) & 63u), m.y * float((w >> 18) & 63u));
+}
+
+// --- Q6_K repacked -----------------------------------------------------------------------------
+//
+// The Q4_0 layout's tiles of 16 rows and groups of 4 pieces, at Q6_K's 26.25 bytes a piece (1,680
+// a group, a super-block two groups, the blocks' bytes):
+//   - bytes 0..1023: the low nibbles of row r's piece p at 64 r + 16 p, in Q4_0's order (byte b:
+//     values b and b + 16);
+//   - 1024..1535: lane (g, t)'s high bit pairs at 16 lane: words A and B of row g, then of row
+//     g + 8; byte i of A holds in bits 2w, 2w + 1 the pair of value 4w + i, B of value 16 + 4w + i;
+//   - 1536..1663: lane (g, t)'s 4 signed scales at 4 lane (row g's values 0-15, 16-31, then
+//     row g + 8's);
+//   - 1664..1679: the halves d of rows 0-7 (a super-block's first group) or 8-15 (its second).
+// Values are q - 32 (q of 0-63) times d and the value's scale. One column (RpQ6_K below): a
+// super-block a step, dp4a on the 6-bit values, each half piece's sum of activations taken apart
+// for the 32 (on an H200 alone 0.59-0.73x the blocks' gemv's time: docs/BENCHMARKS.md, session
+// 43); more columns: the 6-bit values to halves as word_halves does Q4_0's, d sc rounded to a
+// half as gemm does on the blocks. Its kernels need sm_90 and newer (gemm_rb at 2-16 columns).
+
+constexpr int R6_BYTES = RP_ROWS * RP_GROUP * 105 / 4;  // 1,680
+
+// Q6_K rows into that layout: a CTA a tile's super-block, thread (r, p) piece p of row r.
+// Grid (super-blocks, tiles), 128 threads.
+__global__ void __launch_bounds__(128) repack_q6_k(const uint8_t * w, int64_t row_stride,
+                                                   int ngroups, uint8_t * out) {
+    const int sb = blockIdx.x;
+    const int tile = blockIdx.y;
+    const int r = threadIdx.x / 8;
+    const int p = threadIdx.x % 8;
+    const uint8_t * b = w + int64_t(RP_ROWS * tile + r) * row_stride + int64_t(sb) * 210;
+    const int h = p / 4;
+    const int k = p % 4;
+    const uint8_t * ql = b + 64 * h + 32 * (k % 2);
+    const uint8_t * qh = b + 128 + 32 * h;
+    uint8_t q[32];  // the piece's values, 0-63
+    for (int i = 0; i < 32; i++) {
+        q[i] = uint8_t(((ql[i] >> (4 * (k / 2))) & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4));
+    }
+    uint8_t * o = out + (int64_t(tile) * ngroups + 2 * sb + p / 4) * R6_BYTES;
+    const int j = p % 4;
+    uint32_t nib[4];
+    for (int c = 0; c < 4; c++) {
+        uint32_t v = 0;
+        for (int i = 0; i < 4; i++) {
+            const int at = 4 * c + i;
+            v |= uint32_t((q[at] & 0x0F) | ((q[at + 16] & 0x0F) << 4)) << (8 * i);
+        }
+        nib[c] = v;
+    }
+    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * j) = make_uint4(nib[0], nib[1], nib[2], nib[3]);
+    uint32_t hw[2] = {};
+    for (int half = 0; half < 2; half++) {
+        for (int wd = 0; wd < 4; wd++) {
+            for (int i = 0; i < 4; i++) {
+                hw[half] |= uint32_t(q[16 * half + 4 * wd + i] >> 4) << (8 * i + 2 * wd);
+            }
+        }
+    }
+    const int lane = 4 * (r % 8) + j;
+    *reinterpret_cast<uint2 *>(o + 1024 + 16 * lane + 8 * (r / 8)) = make_uint2(hw[0], hw[1]);
+    const uint8_t * sc = b + 192 + 2 * p;
+    o[1536 + 4 * lane + 2 * (r / 8)] = sc[0];
+    o[1536 + 4 * lane + 2 * (r / 8) + 1] = sc[1];
+    if (p == 0) {  // the row's d, in the super-block's group of its half of the rows
+        uint8_t * od = out + (int64_t(tile) * ngroups + 2 * sb + r / 8) * R6_BYTES;
+        od[1664 + 2 * (r % 8)] = b[208];
+        od[1664 + 2 * (r % 8) + 1] = b[209];
+    }
+}
+
+struct R6Group {
+    uint4 a, b, h;  // nibbles of rows g and g + 8; high pairs
+    uint32_t sc;    // the 4 scales
+    uint32_t d;     // the d of this group's half of the rows (row g, or g + 8)
+};
+
+__device__ __forceinline__ R6Group load_r6(const uint8_t * group, int lane) {
+    const uint4 * q = reinterpret_cast<const uint4 *>(group) + lane;
+    return {load_stream(q), load_stream(q + 32), load_stream(q + 64),
+            __ldg(reinterpret_cast<const uint32_t *>(group + 1536) + lane),
+            uint32_t(__ldg(reinterpret_cast<const unsigned short *>(group + 1664) + lane / 4))};
+}
+
+// the values (0-63) of word w of a row's piece: its low nibbles and pairs (lo), its high ones (hi)
+// (w a constant where it is called: unrolled)
+__device__ __forceinline__ void r6_word(uint32_t q, uint32_t ha, uint32_t hb, int w, int & lo,
+                                        int & hi) {
+    uint32_t sa = ha >> 2, sb = hb >> 2;  // each pair to bits 4-5 of its byte
+    if (w < 3) {
+        sa = ha << (4 - 2 * w);
+        sb = hb << (4 - 2 * w);
+    }
+    lo = int((q & 0x0F0F0F0Fu) | (sa & 0x30303030u));
+    hi = int(((q >> 4) & 0x0F0F0F0Fu) | (sb & 0x30303030u));
+}
+
+// a row's piece times the activations: sum over its halves of scale (sum q x - 32 sum x)
+__device__ __forceinline__ int r6_row(uint4 q, uint32_t ha, uint32_t hb, int sc0, int sc1,
+                                      const int (&xl)[4], const int (&xh)[4], int sxl, int sxh) {
+    int sl = 0, sh = 0, lo, hi;
+    r6_word(q.x, ha, hb, 0, lo, hi);
+    sl = dp4a(lo, xl[0], sl);
+    sh = dp4a(hi, xh[0], sh);
+    r6_word(q.y, ha, hb, 1, lo, hi);
+    sl = dp4a(lo, xl[1], sl);
+    sh = dp4a(hi, xh[1], sh);
+    r6_word(q.z, ha, hb, 2, lo, hi);
+    sl = dp4a(lo, xl[2], sl);
+    sh = dp4a(hi, xh[2], sh);
+    r6_word(q.w, ha, hb, 3, lo, hi);
+    sl = dp4a(lo, xl[3], sl);
+    sh = dp4a(hi, xh[3], sh);
+    return sc0 * (sl - 32 * sxl) + sc1 * (sh - 32 * sxh);
+}
+
+// A lane's halves of word w of a row's piece, as word_halves gives Q4_0's: (v - 32) s, v the
+// 6-bit values (r6_word's bytes), s the scale of values 0-15 (lo) or 16-31 (hi)
+__device__ __forceinline__ void r6_halves(uint32_t bytes, __half2 s, __half2 (&out)[2]) {
+    const __half2 off = as_h2(0x64206420u);  // 1056: 1024 + v less 1056 is v - 32, exact
+    out[0] = __hmul2(__hsub2(as_h2(and_or(bytes, 0x003F003Fu, 0x64006400u)), off), s);
+    out[1] = __hmul2(__hsub2(as_h2(and_or(bytes >> 8, 0x003F003Fu, 0x64006400u)), off), s);
+}
+
+// --- Q5_K repacked -----------------------------------------------------------------------------
+//
+// Q4_K's layout (repack_q4_k) with each value's fifth bit beside it, 1,408 bytes a group (22 a
+// piece, the blocks' bytes): bytes 0..1023 the nibbles as Q4_K's; 1024..1279 lane (g, t)'s fifth
+// bits of piece t of rows g and g + 8, a word each at 8 lane: byte i holds in bit w the fifth
+// bit of value 4w + i and in bit 4 + w that of value 16 + 4w + i; 1280..1407 the lanes' words
+// of 6-bit scales and mins and record bytes as Q4_K's at 1024. Values d sc q - dmin m, q of
+// 0-31. On an H200 one column alone took 0.82-0.86x the blocks' gemv's time (session 44); its
+// kernels need sm_90 and newer, as Q6_K's.
+constexpr int R5_BYTES = RP_ROWS * RP_GROUP * 22;  // 1,408
+
+// Q5_K rows into that layout: a CTA a tile's super-block, thread (r, p) piece p of row r.
+__global__ void __launch_bounds__(128) repack_q5_k(const uint8_t * w, int64_t row_stride,
+                                                   int ngroups, uint8_t * out) {
+    const int sb = blockIdx.x;
+    const int tile = blockIdx.y;
+    const int r = threadIdx.x / 8;
+    const int p = threadIdx.x % 8;
+    auto block = [&](int row) {
+        return w + int64_t(RP_ROWS * tile + row) * row_stride + int64_t(sb) * 176;
+    };
+    const uint8_t * b = block(r);
+    const uint8_t * qs = b + 48 + 32 * (p / 2);
+    const uint8_t * qh = b + 16;
+    const int shift = 4 * (p % 2);
+    uint32_t words[4];
+    uint32_t fifth = 0;
+    for (int k = 0; k < 4; k++) {
+        uint32_t v = 0;
+        for (int i = 0; i < 4; i++) {
+            const int at = 4 * k + i;  // byte at of the piece: values at and at + 16
+            v |= (((qs[at] >> shift) & 0x0Fu) | (((qs[at + 16] >> shift) & 0x0Fu) << 4)) << (8 * i);
+            fifth |= uint32_t((qh[at] >> p) & 1) << (8 * i + k);
+            fifth |= uint32_t((qh[at + 16] >> p) & 1) << (8 * i + 4 + k);
+        }
+        words[k] = v;
+    }
+    uint8_t * o = out + (int64_t(tile) * ngroups + 2 * sb + p / 4) * R5_BYTES;
+    const int j = p % 4;
+    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * j) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+    const int lane = 4 * (r % 8) + j;
+    *reinterpret_cast<uint32_t *>(o + 1024 + 8 * lane + 4 * (r / 8)) = fifth;
+    if (r < 8) {
+        const uint8_t * b8 = block(r + 8);
+        int sc, m, sc8, m8;
+        scale_min_k4(b + 4, p, sc, m);
+        scale_min_k4(b8 + 4, p, sc8, m8);
+        const uint8_t rec = p < 4 ? b[p] : b8[p - 4];  // byte p: d, dmin of row r, of row r + 8
+        const uint32_t word = uint32_t(sc) | uint32_t(m) << 6 | uint32_t(sc8) << 12 |
+                              uint32_t(m8) << 18 | uint32_t(rec) << 24;
+        *reinterpret_cast<uint32_t *>(o + 1280 + 4 * (4 * r + j)) = word;
+    }
+}
+
+struct R5Group {
+    uint4 a, b;  // nibbles of rows g and g + 8
+    uint2 h;     // their fifth bits
+    uint32_t d;  // the lane's word of scales, mins and record
+};
+
+__device__ __forceinline__ R5Group load_r5(const uint8_t * group, int lane) {
+    const uint4 * q = reinterpret_cast<const uint4 *>(group) + lane;
+    return {load_stream(q), load_stream(q + 32),
+            __ldg(reinterpret_cast<const uint2 *>(group + 1024) + lane),
+            __ldg(reinterpret_cast<const uint32_t *>(group + 1280) + lane)};
+}
+
+// the values (0-31) of word w of a row's piece: its low nibbles with their fifth bits (lo), its
+// high ones (hi); h, the lane's fifth bits of that row
+// (w a constant where it is called: unrolled)
+__device__ __forceinline__ void r5_word(uint32_t q, uint32_t h, int w, uint32_t & lo,
+                                        uint32_t & hi) {
+    lo = (q & 0x0F0F0F0Fu) | ((h << (4 - w)) & 0x10101010u);
+    hi = ((q >> 4) & 0x0F0F0F0Fu) | ((h >> w) & 0x10101010u);
+}
+
+// dot_group_k with the fifth bits: values 0-31
+__device__ __forceinline__ void dot_group_k5(const R5Group & q, const int (&xl)[4],
+                                             const int (&xh)[4], float2 ds, float4 f,
+                                             float & acc_a, float & acc_b) {
+    int sa = 0, sb = 0;
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        uint32_t alo, ahi, blo, bhi;
+        r5_word(word(q.a, w), q.h.x, w, alo, ahi);
+        r5_word(word(q.b, w), q.h.y, w, blo, bhi);
+        sa = dp4a(int(alo), xl[w], sa);
+        sa = dp4a(int(ahi), xh[w], sa);
+        sb = dp4a(int(blo), xl[w], sb);
+        sb = dp4a(int(bhi), xh[w], sb);
+    }
+    acc_a += f.x * (ds.x * float(sa)) - f.z * ds.y;
+    acc_b += f.y * (ds.x * float(sb)) - f.w * ds.y;
+}
+
+// A lane's halves of word w of a row's piece, as word_halves_k gives Q4_K's: q s - m, q the
+// 5-bit values (r5_word's bytes; 1024 + q less 1024, exact), one rounding
+__device__ __forceinline__ void r5_halves(uint32_t bytes, __half2 s, __half2 m, __half2 (&out)[2]) {
+    const __half2 magic = as_h2(0x64006400u);  // 1024
+    out[0] = __hfma2(__hsub2(as_h2(and_or(bytes, 0x001F001Fu, 0x64006400u)), magic), s, m);
+    out[1] = __hfma2(__hsub2(as_h2(and_or(bytes >> 8, 0x001F001Fu, 0x64006400u)), magic), s, m);
+}
+
+// --- the layouts, as the kernels below walk them ----------------------------------------------
+//
+// gemv_r (one column), gemm_rb (2-16) and gemm_rq (a prefill's) walk every repacked layout alike:
+// tiles of 16 rows, groups of 4 pieces, lane (g, t) of a warp piece t of rows g and g + 8. What a
+// layout makes different, its struct below names (RpQ4_0, RpQ4_K, RpQ5_K, RpQ6_K):
+//   - bytes, a group's; pair: its super-block is two groups that share factors (the K types;
+//     a Q4_0 group stands alone); gemm_r: gemm_r (the weights by the lanes' loads, any
+//     compute capability) takes it too; rq_ctas, gemm_rq's CTAs an SM at one tile a warp;
+//   - for the halves' kernels (gemm_rb, gemm_rq): super_at, where in a group the word of this
+//     lane lies (from the lane's view of the group: its address plus 16 lane) that the other
+//     group of its super-block needs too; super, what the two words give
+//     (Sb); part, a lane's part of a group read through a view of it (SharedLane, PtrLane) with
+//     its super-block's Sb; words, the lane's A registers of word w of that part (w a
+//     constant where it is called: a template's lambda in its place changed gemm_rb's code);
+//   - for gemv_r's dp4a: Group and load, a lane's part of a group from memory; factors, those of
+//     a super-block's groups; dot, a group's sums into the lane's two rows.
+
+// A lane's view of a group: its load at byte off + stride x lane of the group. In shared memory
+// (gemm_rb), from `at`, the group's address plus 16 lane (kept in a register: opaque)
+struct SharedLane {
+    uint32_t at;
+    int lane;
+    __device__ __forceinline__ uint32_t addr(int off, int stride) const {
+        return at + off + (stride - 16) * lane;
+    }
+    __device__ __forceinline__ uint4 u4(int off) const { return load_shared(at + off); }
+    __device__ __forceinline__ uint2 u2(int off, int stride) const {
+        return load_shared_pair(addr(off, stride));
+    }
+    __device__ __forceinline__ uint32_t u32(int off, int stride) const {
+        return load_shared_word(addr(off, stride));
+    }
+};
+
+// the same through a generic pointer to the group (gemm_rq's stages)
+struct PtrLane {
+    const uint8_t * at;
+    int lane;
+    __device__ __forceinline__ uint4 u4(int off) const {
+        return reinterpret_cast<const uint4 *>(at + off)[lane];
+    }
+    __device__ __forceinline__ uint2 u2(int off, int stride) const {
+        return *reinterpret_cast<const uint2 *>(at + off + stride * lane);
+    }
+    __device__ __forceinline__ uint32_t u32(int off, int stride) const {
+        return *reinterpret_cast<const uint32_t *>(at + off + stride * lane);
+    }
+};
+
+struct RpQ4_0 {
+    static constexpr int bytes = RP_BYTES;
+    static constexpr bool pair = false;
+    static constexpr bool gemm_r = true;
+    static constexpr int rq_ctas = 4;
+    struct Sb {};
+    __device__ static int super_at(int, int) { return 0; }
+    __device__ static Sb super(uint32_t, uint32_t, int, int) { return {}; }
+    struct Part {
+        uint4 qa, qb;
+        uint32_t da, db;  // (d, d) of rows g and g + 8
+    };
+    template <class V> __device__ static Part part(const V & v, const Sb &) {
+        Part p;
+        p.qa = v.u4(0);
+        p.qb = v.u4(512);
+        const uint32_t d = v.u32(1024, 4);
+        p.da = __byte_perm(d, 0, 0x1010);
+        p.db = __byte_perm(d, 0, 0x3232);
+        return p;
+    }
+    __device__ static void words(const Part & p, int w, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+        lane_words<0>(word(p.qa, w), word(p.qb, w), p.da, p.db, lo, hi);
+    }
+    using Group = RpGroup;
+    __device__ static Group load(const uint8_t * group, int lane) {
+        return load_group(group, lane);
+    }
+    struct Factors {};
+    template <int U> __device__ static void factors(const Group (&)[U], int, Factors (&)[U]) {}
+    __device__ static void dot(const Group & q, const Factors &, const int (&xl)[4],
+                               const int (&xh)[4], float2 ds, float & acc_a, float & acc_b) {
+        dot_group(q, xl, xh, ds, acc_a, acc_b);
+    }
+};
+
+// Q4_K's and Q5_K's super-blocks: a record (d, dmin of the lane's two rows) from the two groups'
+// words of scales at `scales`
+template <int SCALES> struct RpRecord {
+    static constexpr bool pair = true;
+    struct Sb {
+        uint32_t dd, mm;
+    };
+    __device__ static int super_at(int lane, int) { return SCALES - 12 * lane; }  // + 4 lane
+    __device__ static Sb super(uint32_t even, uint32_t odd, int, int t) {
+        Sb s;
+        rk_record(even, odd, t, s.dd, s.mm);
+        return s;
+    }
+    template <class Group, int U>
+    __device__ static void factors(const Group (&cur)[U], int t, float4 (&f)[U]) {
+        uint32_t dd, mm;
+        rk_record(cur[0].d, cur[1].d, t, dd, mm);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            f[u] = rk_factors(cur[u].d, dd, mm);
+        }
+    }
+};
+
+struct RpQ4_K : RpRecord<1024> {
+    static constexpr int bytes = RP_BYTES;
+    static constexpr bool gemm_r = true;
+    static constexpr int rq_ctas = 4;
+    struct Part {
+        uint4 qa, qb;
+        uint32_t da, db, ma, mb;  // (s, s) and (-m, -m) of rows g and g + 8
+    };
+    template <class V> __device__ static Part part(const V & v, const Sb & sb) {
+        Part p;
+        p.qa = v.u4(0);
+        p.qb = v.u4(512);
+        rk_group(v.u32(1024, 4), sb.dd, sb.mm, p.da, p.db, p.ma, p.mb);
+        return p;
+    }
+    __device__ static void words(const Part & p, int w, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+        lane_words_k(word(p.qa, w), word(p.qb, w), p.da, p.db, p.ma, p.mb, lo, hi);
+    }
+    using Group = RpGroup;
+    __device__ static Group load(const uint8_t * group, int lane) {
+        return load_group(group, lane);
+    }
+    using Factors = float4;
+    __device__ static void dot(const Group & q, const Factors & f, const int (&xl)[4],
+                               const int (&xh)[4], float2 ds, float & acc_a, float & acc_b) {
+        dot_group_k(q, xl, xh, ds, f, acc_a, acc_b);
+    }
+};
+
+struct RpQ5_K : RpRecord<1280> {
+    static constexpr int bytes = R5_BYTES;
+    static constexpr bool gemm_r = false;
+    static constexpr int rq_ctas = 3;
+    struct Part {
+        uint4 qa, qb;
+        uint2 h;  // the fifth bits of rows g and g + 8
+        uint32_t da, db, ma, mb;
+    };
+    template <class V> __device__ static Part part(const V & v, const Sb & sb) {
+        Part p;
+        p.qa = v.u4(0);
+        p.qb = v.u4(512);
+        p.h = v.u2(1024, 8);
+        rk_group(v.u32(1280, 4), sb.dd, sb.mm, p.da, p.db, p.ma, p.mb);
+        return p;
+    }
+    __device__ static void words(const Part & p, int w, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+        uint32_t alo, ahi, blo, bhi;
+        r5_word(word(p.qa, w), p.h.x, w, alo, ahi);
+        r5_word(word(p.qb, w), p.h.y, w, blo, bhi);
+        __half2 a_lo[2], a_hi[2], b_lo[2], b_hi[2];
+        r5_halves(alo, as_h2(p.da), as_h2(p.ma), a_lo);
+        r5_halves(ahi, as_h2(p.da), as_h2(p.ma), a_hi);
+        r5_halves(blo, as_h2(p.db), as_h2(p.mb), b_lo);
+        r5_halves(bhi, as_h2(p.db), as_h2(p.mb), b_hi);
+        k_order(a_lo, a_hi, b_lo, b_hi, lo, hi);
+    }
+    using Group = R5Group;
+    __device__ static Group load(const uint8_t * group, int lane) { return load_r5(group, lane); }
+    using Factors = float4;
+    __device__ static void dot(const Group & q, const Factors & f, const int (&xl)[4],
+                               const int (&xh)[4], float2 ds, float & acc_a, float & acc_b) {
+        dot_group_k5(q, xl, xh, ds, f, acc_a, acc_b);
+    }
+};
+
+struct RpQ6_K {
+    static constexpr int bytes = R6_BYTES;
+    static constexpr bool pair = true;
+    static constexpr bool gemm_r = false;
+    static constexpr int rq_ctas = 3;
+    struct Sb {
+        float da, db;  // the d of rows g (the super-block's first group holds it) and g + 8
+    };
+    // the word of the halves d that holds row g's in the first group, g + 8's in the second
+    __device__ static int super_at(int lane, int g) { return 1664 + 4 * (g / 2) - 16 * lane; }
+    __device__ static Sb super(uint32_t even, uint32_t odd, int g, int) {
+        const int shift = 16 * (g & 1);
+        return {__half2float(__ushort_as_half((unsigned short) ((even >> shift) & 0xFFFFu))),
+                __half2float(__ushort_as_half((unsigned short) ((odd >> shift) & 0xFFFFu)))};
+    }
+    struct Part {
+        uint4 qa, qb, h;                    // nibbles of rows g and g + 8; high pairs
+        __half2 sa_lo, sa_hi, sb_lo, sb_hi;  // d sc of rows g and g + 8, values 0-15 and 16-31
+    };
+    template <class V> __device__ static Part part(const V & v, const Sb & sb) {
+        Part p;
+        p.qa = v.u4(0);
+        p.qb = v.u4(512);
+        p.h = v.u4(1024);
+        const int sc = int(v.u32(1536, 4));
+        p.sa_lo = __float2half2_rn(sb.da * float(int8_t(sc)));
+        p.sa_hi = __float2half2_rn(sb.da * float(int8_t(sc >> 8)));
+        p.sb_lo = __float2half2_rn(sb.db * float(int8_t(sc >> 16)));
+        p.sb_hi = __float2half2_rn(sb.db * float(sc >> 24));
+        return p;
+    }
+    __device__ static void words(const Part & p, int w, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+        int alo, ahi, blo, bhi;
+        r6_word(word(p.qa, w), p.h.x, p.h.y, w, alo, ahi);
+        r6_word(word(p.qb, w), p.h.z, p.h.w, w, blo, bhi);
+        __half2 a_lo[2], a_hi[2], b_lo[2], b_hi[2];
+        r6_halves(uint32_t(alo), p.sa_lo, a_lo);
+        r6_halves(uint32_t(ahi), p.sa_hi, a_hi);
+        r6_halves(uint32_t(blo), p.sb_lo, b_lo);
+        r6_halves(uint32_t(bhi), p.sb_hi, b_hi);
+        k_order(a_lo, a_hi, b_lo, b_hi, lo, hi);
+    }
+    using Group = R6Group;
+    __device__ static Group load(const uint8_t * group, int lane) { return load_r6(group, lane); }
+    using Factors = float2;  // (d of row g, of row g + 8), a super-block's
+    template <int U>
+    __device__ static void factors(const Group (&cur)[U], int, Factors (&f)[U]) {
+        const float2 d = make_float2(__half2float(__ushort_as_half((unsigned short) cur[0].d)),
+                                     __half2float(__ushort_as_half((unsigned short) cur[1].d)));
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            f[u] = d;
+        }
+    }
+    // a row's piece: the sums of its halves' activations taken apart for the 32
+    __device__ static void dot(const Group & q, const Factors & f, const int (&xl)[4],
+                               const int (&xh)[4], float2 ds, float & acc_a, float & acc_b) {
+        int sxl = 0, sxh = 0;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            sxl = dp4a(0x01010101, xl[w], sxl);
+            sxh = dp4a(0x01010101, xh[w], sxh);
+        }
+        const int sc = int(q.sc);
+        const int va =
+            r6_row(q.a, q.h.x, q.h.y, int(int8_t(sc)), int(int8_t(sc >> 8)), xl, xh, sxl, sxh);
+        const int vb =
+            r6_row(q.b, q.h.z, q.h.w, int(int8_t(sc >> 16)), sc >> 24, xl, xh, sxl, sxh);
+        acc_a += f.x * (ds.x * float(va));
+        acc_b += f.y * (ds.x * float(vb));
+    }
+};
+
 // --- gemm_rb: gemm_r with each warp's weights fetched by the TMA unit -----------------------
 //
-// The same products as gemm_r (2-16 columns on the repacked layout, its k order, activations and
-// sums), but each warp's weights of a chunk, its tile's 2,304 contiguous bytes, come by one bulk
-// copy (cp.async.bulk, Hopper's TMA unit) into shared memory, completing on the warp's mbarrier
+// The same products as gemm_r (2-16 columns on a repacked layout, its k order, activations and
+// sums), but each warp's weights of a chunk, its tile's two groups (2,304 contiguous bytes on
+// Q4_0's layout), come by one bulk copy (cp.async.bulk, Hopper's TMA unit) into shared memory, completing on the warp's mbarrier
 // of the stage, where gemm_r loads them into registers a chunk ahead (36 registers); the
 // activations' chunks are copied as gemm_r copies them, one a stage; both low and high nibbles'
 // mmas go into one chain. 89 registers at two column tiles: 5 CTAs an SM (73 at one: 6). On an
@@ -684,26 +1226,25 @@ __device__ __forceinline__ void async_proxy_fence() {
 #endif
 }
 
-__device__ __forceinline__ uint32_t load_shared_word(uint32_t at) {
-    uint32_t v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at) : "memory");
-    return v;
+constexpr int RB_STAGES = 2;  // chunks of activations and of weights in flight
+
+// a warp's weights of a chunk (two groups) on layout L
+template <class L> __host__ __device__ constexpr int rb_warp_bytes() {
+    return 2 * L::bytes;
 }
 
-constexpr int RB_STAGES = 2;                // chunks of activations and of weights in flight
-constexpr int RB_WARP_BYTES = 2 * RP_BYTES; // a warp's weights of a chunk
-
-template <int NT> __host__ __device__ constexpr int gemm_rb_smem() {
-    return RB_STAGES * (NT * GM_COL_TILE * RP_X_PITCH + GM_WARPS * RB_WARP_BYTES) +
+template <int NT, class L = RpQ4_0> __host__ __device__ constexpr int gemm_rb_smem() {
+    return RB_STAGES * (NT * GM_COL_TILE * RP_X_PITCH + GM_WARPS * rb_warp_bytes<L>()) +
            GM_WARPS * RB_STAGES * 8;
 }
 
-template <int NT, int MINB, int SKIP = 0, bool RK = false>
+template <int NT, int MINB, int SKIP = 0, class L = RpQ4_0>
 __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a) {
     static_assert((SKIP & ~RP_STAMPS) == 0, "gemm_rb leaves nothing out");
     constexpr int W = GM_WARPS, P = 8, ST = RB_STAGES;
     constexpr int X_STAGE = NT * GM_COL_TILE * RP_X_PITCH;
-    constexpr int W_STAGE = W * RB_WARP_BYTES;
+    constexpr int WB = rb_warp_bytes<L>();
+    constexpr int W_STAGE = W * WB;
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
@@ -717,14 +1258,14 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     stamp_start<SKIP>(a);
     // this warp's mbarriers, one a stage, after the stages
     const uint32_t bars = shared_at(smem) + ST * (X_STAGE + W_STAGE) + warp * ST * 8;
-    const uint32_t w_dst = shared_at(smem) + ST * X_STAGE + warp * RB_WARP_BYTES;
-    const uint8_t * w_src = warp_tile_at(a, row0, warp, chunk0, a.npieces / RP_GROUP);
+    const uint32_t w_dst = shared_at(smem) + ST * X_STAGE + warp * WB;
+    const uint8_t * w_src = warp_tile_at(a, row0, warp, chunk0, a.npieces / RP_GROUP, L::bytes);
     auto fetch = [&](int ch) {  // the weights of chunk ch: lane 0 of the warp
         if (mine && lane == 0 && ch < nchunks) {
             // this warp read the stage's last chunk before (it waited on its loads' results)
             async_proxy_fence();
             mbar_copy(bars + 8 * (ch % ST), w_dst + (ch % ST) * W_STAGE,
-                      w_src + int64_t(ch) * RB_WARP_BYTES, RB_WARP_BYTES);
+                      w_src + int64_t(ch) * WB, WB);
         }
     };
     if (lane == 0) {
@@ -782,34 +1323,20 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
         if (flush) {
             next_inv<NT>(xi, nsegs, inv);
         }
-        [[maybe_unused]] uint32_t dd = 0, mm = 0;  // Q4_K: the chunk's super-block record
-        if constexpr (RK) {
-            const uint32_t at = w_lane + s * W_STAGE + 1024 - 12 * lane;
-            rk_record(load_shared_word(at), load_shared_word(at + RP_BYTES), t, dd, mm);
+        typename L::Sb sb{};  // what the chunk's super-block's two groups share
+        if constexpr (L::pair) {
+            // (Q4_K's: the same words as part's, which ptxas loads once)
+            const uint32_t at = w_lane + s * W_STAGE + L::super_at(lane, g);
+            sb = L::super(load_shared_word(at), load_shared_word(at + L::bytes), g, t);
         }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            const uint32_t at = w_lane + s * W_STAGE + j * RP_BYTES;
-            const uint4 qa = load_shared(at);
-            const uint4 qb = load_shared(at + 512);
-            // 1024 + 4 lane (with RK, the same words as the record's: ptxas loads each once)
-            const uint32_t d = load_shared_word(at + 1024 - 12 * lane);
-            uint32_t da, db;
-            [[maybe_unused]] uint32_t ma = 0, mb = 0;
-            if constexpr (RK) {
-                rk_group(d, dd, mm, da, db, ma, mb);
-            } else {
-                da = __byte_perm(d, 0, 0x1010);
-                db = __byte_perm(d, 0, 0x3232);
-            }
+            const SharedLane group{w_lane + s * W_STAGE + j * L::bytes, lane};
+            const typename L::Part part = L::part(group, sb);
 #pragma unroll
             for (int w = 0; w < 4; w++) {
                 uint32_t lo[4], hi[4];
-                if constexpr (RK) {
-                    lane_words_k(word(qa, w), word(qb, w), da, db, ma, mb, lo, hi);
-                } else {
-                    lane_words<0>(word(qa, w), word(qb, w), da, db, lo, hi);
-                }
+                L::words(part, w, lo, hi);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     const uint4 x = load_shared(x_lane[w] + s * X_STAGE +
@@ -833,72 +1360,24 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     stamp_end<SKIP>(a);
 }
 
-// gemm_rb's build at MINB CTAs an SM, as GemmR names gemm_r's
-template <int NT, int MINB = 5, bool RK = false> struct GemmRB {
+// gemm_rb's build at MINB CTAs an SM on layout L, as GemmR names gemm_r's
+template <int NT, int MINB = 5, class L = RpQ4_0> struct GemmRB {
     static constexpr int warps = GM_WARPS;
     static constexpr int minb = MINB;
-    static constexpr int smem = gemm_rb_smem<NT>();
-    static auto kernel() { return gemm_rb<NT, MINB, 0, RK>; }
+    static constexpr int smem = gemm_rb_smem<NT, L>();
+    static auto kernel() { return gemm_rb<NT, MINB, 0, L>; }
 };
 
-// One column on a repacked Q4_0 matrix (a.w), the activations as `quantize` writes them (one
+// One column on a repacked matrix (a.w, layout L), the activations as `quantize` writes them (one
 // plane), and with GATE ggml's fused gate: a.gate repacked alike, dst = glu(W x + bias, G x +
-// gate bias). SPLIT warps share a tile of 16 rows, each a range of its groups, a CTA of
-// max(4, SPLIT) warps; lane (g, t) takes piece t of rows g and g + 8 of each group (8 dp4a a
-// row), U groups loaded ahead of the ones it multiplies.
-template <int SPLIT> __host__ __device__ constexpr int gemv_r_warps() {
-    return SPLIT > 4 ? SPLIT : 4;
-}
-
-// the integer sums of a lane's piece t of rows g (sa) and g + 8 (sb), its nibbles 0-15, with the
-// activations of its low (xl) and high (xh) values
-__device__ __forceinline__ void group_sums(const RpGroup & q, const int (&xl)[4],
-                                           const int (&xh)[4], int & sa, int & sb) {
-    sa = 0;
-    sb = 0;
-#pragma unroll
-    for (int w = 0; w < 4; w++) {
-        const uint32_t qa = word(q.a, w);
-        const uint32_t qb = word(q.b, w);
-        sa = dp4a(int(qa & 0x0F0F0F0Fu), xl[w], sa);
-        sa = dp4a(int((qa >> 4) & 0x0F0F0F0Fu), xh[w], sa);
-        sb = dp4a(int(qb & 0x0F0F0F0Fu), xl[w], sb);
-        sb = dp4a(int((qb >> 4) & 0x0F0F0F0Fu), xh[w], sb);
-    }
-}
-
-// a lane's sums of piece t of rows g and g + 8 (the nibbles 0-15; the 8 comes off in ds.y)
-__device__ __forceinline__ void dot_group(const RpGroup & q, const int (&xl)[4],
-                                          const int (&xh)[4], float2 ds, float & acc_a,
-                                          float & acc_b) {
-    int sa, sb;
-    group_sums(q, xl, xh, sa, sb);
-    const float2 d = __half22float2(as_h2(q.d));
-    acc_a += d.x * (ds.x * float(sa) - 8.0f * ds.y);
-    acc_b += d.y * (ds.x * float(sb) - 8.0f * ds.y);
-}
-
-// dot_group on Q4_K repacked: f = (d sc of rows g, g + 8; dmin m of rows g, g + 8), exact in f32
-__device__ __forceinline__ void dot_group_k(const RpGroup & q, const int (&xl)[4],
-                                            const int (&xh)[4], float2 ds, float4 f,
-                                            float & acc_a, float & acc_b) {
-    int sa, sb;
-    group_sums(q, xl, xh, sa, sb);
-    acc_a += f.x * (ds.x * float(sa)) - f.z * ds.y;
-    acc_b += f.y * (ds.x * float(sb)) - f.w * ds.y;
-}
-
-// a Q4_K group's factors for dot_group_k, from its word and the super-block's record
-__device__ __forceinline__ float4 rk_factors(uint32_t w, uint32_t dd, uint32_t mm) {
-    const float2 d = __half22float2(as_h2(dd));
-    const float2 m = __half22float2(as_h2(mm));
-    return make_float4(d.x * float(w & 63u), d.y * float((w >> 12) & 63u),
-                       m.x * float((w >> 6) & 63u), m.y * float((w >> 18) & 63u));
-}
-
-template <int SPLIT, int U = 1, bool GATE = false, bool RK = false>
+// gate bias). SPLIT warps share a tile of 16 rows, each a range of its groups (whole
+// super-blocks of a K type), a CTA of max(4, SPLIT) warps; lane (g, t) takes piece t of rows g
+// and g + 8 of each group (8 dp4a a row on Q4_0), U groups loaded ahead of the ones it
+// multiplies (a super-block's two for a K type).
+template <int SPLIT, int U = 1, bool GATE = false, class L = RpQ4_0>
 __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args a) {
-    static_assert(!RK || U == 2, "Q4_K repacked: a super-block's two groups at a time");
+    static_assert(!L::pair || U == 2, "a super-block's two groups at a time");
+    using Group = typename L::Group;
     constexpr int WARPS = gemv_r_warps<SPLIT>();
     constexpr int M = GATE ? 2 : 1;  // matrices: the product's, the gate's
     const int lane = threadIdx.x % 32;
@@ -907,23 +1386,24 @@ __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args 
     const int tile = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
     const int part = warp % SPLIT;
     const int ngroups = a.npieces / RP_GROUP;
-    // (Q4_K: whole super-blocks a part)
-    const int per = RK ? 2 * ((ngroups + 2 * SPLIT - 1) / (2 * SPLIT)) : (ngroups + SPLIT - 1) / SPLIT;
+    // (two groups a super-block: whole super-blocks a part)
+    const int per = L::pair ? 2 * ((ngroups + 2 * SPLIT - 1) / (2 * SPLIT))
+                            : (ngroups + SPLIT - 1) / SPLIT;
     const int g0 = min(ngroups, part * per);
     const int g1 = tile < a.nrows / RP_ROWS ? min(ngroups, g0 + per) : g0;
     const uint8_t * base[M];
-    base[0] = a.w + repacked_at(tile, 0, ngroups);
+    base[0] = a.w + repacked_at(tile, 0, ngroups, L::bytes);
     if constexpr (GATE) {
-        base[1] = a.gate + repacked_at(tile, 0, ngroups);
+        base[1] = a.gate + repacked_at(tile, 0, ngroups, L::bytes);
     }
-    RpGroup cur[M][U], nxt[M][U];
-    auto load = [&](RpGroup (&buf)[M][U], int first) {
+    Group cur[M][U], nxt[M][U];
+    auto load = [&](Group (&buf)[M][U], int first) {
 #pragma unroll
         for (int m = 0; m < M; m++) {
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 if (first + u < g1) {
-                    buf[m][u] = load_group(base[m] + int64_t(first + u) * RP_BYTES, lane);
+                    buf[m][u] = L::load(base[m] + int64_t(first + u) * L::bytes, lane);
                 }
             }
         }
@@ -933,17 +1413,10 @@ __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args 
     float acc[M][2] = {};
     for (int grp = g0; grp < g1; grp += U) {
         load(nxt, grp + U);
-        float4 f[M][U];  // Q4_K: each group's factors
-        if constexpr (RK) {
+        typename L::Factors f[M][U];  // each group's factors from its super-block
 #pragma unroll
-            for (int m = 0; m < M; m++) {
-                uint32_t dd, mm;
-                rk_record(cur[m][0].d, cur[m][1].d, t, dd, mm);
-#pragma unroll
-                for (int u = 0; u < U; u++) {
-                    f[m][u] = rk_factors(cur[m][u].d, dd, mm);
-                }
-            }
+        for (int m = 0; m < M; m++) {
+            L::factors(cur[m], t, f[m]);
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -957,11 +1430,7 @@ __global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r(const Args 
                 const int xh[4] = {xhi.x, xhi.y, xhi.z, xhi.w};
 #pragma unroll
                 for (int m = 0; m < M; m++) {
-                    if constexpr (RK) {
-                        dot_group_k(cur[m][u], xl, xh, ds, f[m][u], acc[m][0], acc[m][1]);
-                    } else {
-                        dot_group(cur[m][u], xl, xh, ds, acc[m][0], acc[m][1]);
-                    }
+                    L::dot(cur[m][u], f[m][u], xl, xh, ds, acc[m][0], acc[m][1]);
                 }
             }
         }
@@ -1059,17 +1528,19 @@ __global__ void __launch_bounds__(256) to_halves_col(const float * x, int64_t co
 constexpr int RQ_COLS = 64;
 constexpr int RQ_XP = 4 * 64 + 32;  // a column's group of halves, padded (bank groups)
 
-template <int MT> __host__ __device__ constexpr int rq_stage() {
-    return 4 * MT * RP_BYTES + RQ_COLS * RQ_XP;
+template <int MT, class L = RpQ4_0> __host__ __device__ constexpr int rq_stage() {
+    return 4 * MT * L::bytes + RQ_COLS * RQ_XP;
 }
 
-template <int MT> __host__ __device__ constexpr int gemm_rq_smem() {
-    return 2 * rq_stage<MT>();
+template <int MT, class L = RpQ4_0> __host__ __device__ constexpr int gemm_rq_smem() {
+    return 2 * rq_stage<MT, L>();
 }
 
-template <int MT, bool RK = false>
-__global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a) {
-    constexpr int STAGE = rq_stage<MT>();
+template <int MT, class L = RpQ4_0>
+__global__ void __launch_bounds__(128, MT == 1 ? L::rq_ctas : 2) gemm_rq(const GemmArgs a) {
+    constexpr int STAGE = rq_stage<MT, L>();
+    constexpr int BYTES = L::bytes;
+    constexpr int U4 = BYTES / 16;  // a tile's 16-byte copies a group
     extern __shared__ __align__(16) uint8_t smem[];
     const int tid = threadIdx.x;
     const int lane = tid % 32;
@@ -1079,26 +1550,26 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
     const int row0 = blockIdx.x * 64 * MT;
     const int col0 = blockIdx.y * RQ_COLS;
     const int ngroups = a.npieces / RP_GROUP;
-    const uint8_t * wsrc = a.w + repacked_at(row0 / RP_ROWS + warp * MT, 0, ngroups);
-    const int64_t tile_bytes = int64_t(ngroups) * RP_BYTES;
+    const uint8_t * wsrc = a.w + repacked_at(row0 / RP_ROWS + warp * MT, 0, ngroups, BYTES);
+    const int64_t tile_bytes = int64_t(ngroups) * BYTES;
     const bool mine = row0 + warp * MT * 16 < a.nrows;  // this warp's tiles are rows
 
     auto issue = [&](int grp) {
         if (grp < ngroups) {
             uint8_t * st = smem + (grp % 2) * STAGE;
-            uint8_t * ws = st + warp * MT * RP_BYTES;
+            uint8_t * ws = st + warp * MT * BYTES;
 #pragma unroll
             for (int m = 0; m < MT && mine; m++) {
-                const uint8_t * src = wsrc + m * tile_bytes + int64_t(grp) * RP_BYTES;
+                const uint8_t * src = wsrc + m * tile_bytes + int64_t(grp) * BYTES;
 #pragma unroll
-                for (int k = 0; k < 3; k++) {
+                for (int k = 0; k < (U4 + 31) / 32; k++) {
                     const int i = lane + 32 * k;
-                    if (i < RP_U4) {
-                        copy_async<16>(ws + m * RP_BYTES + 16 * i, src + 16 * i);
+                    if (i < U4) {
+                        copy_async<16>(ws + m * BYTES + 16 * i, src + 16 * i);
                     }
                 }
             }
-            uint8_t * xs = st + 4 * MT * RP_BYTES;
+            uint8_t * xs = st + 4 * MT * BYTES;
 #pragma unroll
             for (int k = 0; k < 8; k++) {
                 const int i = tid + 128 * k;
@@ -1126,46 +1597,28 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
             continue;
         }
         const uint8_t * st = smem + (grp % 2) * STAGE;
-        const uint8_t * ws = st + warp * MT * RP_BYTES;
-        const uint8_t * xs = st + 4 * MT * RP_BYTES;
-        uint4 qa[MT], qb[MT];
-        uint32_t da[MT], db[MT], ma[MT], mb[MT];
+        const uint8_t * ws = st + warp * MT * BYTES;
+        const uint8_t * xs = st + 4 * MT * BYTES;
+        typename L::Part part[MT];
 #pragma unroll
         for (int m = 0; m < MT; m++) {
-            qa[m] = reinterpret_cast<const uint4 *>(ws + m * RP_BYTES)[lane];
-            qb[m] = reinterpret_cast<const uint4 *>(ws + m * RP_BYTES + 512)[lane];
-            const uint32_t d = reinterpret_cast<const uint32_t *>(ws + m * RP_BYTES + 1024)[lane];
-            if constexpr (RK) {  // the super-block's other group's word from memory
-                const uint32_t other = __ldg(
-                    reinterpret_cast<const uint32_t *>(wsrc + m * tile_bytes +
-                                                       int64_t(grp ^ 1) * RP_BYTES + 1024) +
-                    lane);
-                uint32_t dd, mm;
-                rk_record(grp % 2 ? other : d, grp % 2 ? d : other, t, dd, mm);
-                rk_group(d, dd, mm, da[m], db[m], ma[m], mb[m]);
-            } else {
-                da[m] = __byte_perm(d, 0, 0x1010);
-                db[m] = __byte_perm(d, 0, 0x3232);
-                ma[m] = mb[m] = 0;
+            const PtrLane group{ws + m * BYTES, lane};
+            typename L::Sb sb{};
+            if constexpr (L::pair) {  // the super-block's other group's word from memory
+                const int at = 16 * lane + L::super_at(lane, g);
+                const uint32_t own = *reinterpret_cast<const uint32_t *>(ws + m * BYTES + at);
+                const uint32_t other = __ldg(reinterpret_cast<const uint32_t *>(
+                    wsrc + m * tile_bytes + int64_t(grp ^ 1) * BYTES + at));
+                sb = L::super(grp % 2 ? other : own, grp % 2 ? own : other, g, t);
             }
+            part[m] = L::part(group, sb);
         }
 #pragma unroll
         for (int w = 0; w < 4; w++) {
             uint32_t lo[MT][4], hi[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; m++) {
-                __half2 alo[2], ahi[2], blo[2], bhi[2];
-                if constexpr (RK) {
-                    word_halves_k(word(qa[m], w), as_h2(da[m]), as_h2(ma[m]), alo, ahi);
-                    word_halves_k(word(qb[m], w), as_h2(db[m]), as_h2(mb[m]), blo, bhi);
-                } else {
-                    word_halves(word(qa[m], w), as_h2(da[m]), alo, ahi);
-                    word_halves(word(qb[m], w), as_h2(db[m]), blo, bhi);
-                }
-                lo[m][0] = as_u32(alo[0]), lo[m][1] = as_u32(blo[0]);
-                lo[m][2] = as_u32(alo[1]), lo[m][3] = as_u32(blo[1]);
-                hi[m][0] = as_u32(ahi[0]), hi[m][1] = as_u32(bhi[0]);
-                hi[m][2] = as_u32(ahi[1]), hi[m][3] = as_u32(bhi[1]);
+                L::words(part[m], w, lo[m], hi[m]);
             }
 #pragma unroll
             for (int n = 0; n < 8; n++) {
@@ -1182,540 +1635,6 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : 2) gemm_rq(const GemmArgs a
         // groups, where no refill follows, the 27B-shaped model's pp512 measured 3,816 and 3,819
         // tok/s against 4,018-4,041 with it: session 30, docs/BENCHMARKS.md.)
         __syncthreads();
-    }
-    copy_wait<0>();
-    LUCEPY_PDL_LAUNCH();
-    if (!mine) {
-        return;
-    }
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        const int c = col0 + 8 * n + 2 * t;
-        const float inv[2] = {a.x.xinv[c], a.x.xinv[c + 1]};
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int row = row0 + (warp * MT + m) * 16 + g + 8 * (j / 2);
-                if (c + j % 2 < a.ncols) {
-                    a.dst[(c + j % 2) * a.dst_stride + row] = acc[m][n][j] * inv[j % 2];
-                }
-            }
-        }
-    }
-}
-
-// --- Q6_K repacked -----------------------------------------------------------------------------
-//
-// The Q4_0 layout's tiles of 16 rows and groups of 4 pieces, at Q6_K's 26.25 bytes a piece (1,680
-// a group, a super-block two groups, the blocks' bytes):
-//   - bytes 0..1023: the low nibbles of row r's piece p at 64 r + 16 p, in Q4_0's order (byte b:
-//     values b and b + 16);
-//   - 1024..1535: lane (g, t)'s high bit pairs at 16 lane: words A and B of row g, then of row
-//     g + 8; byte i of A holds in bits 2w, 2w + 1 the pair of value 4w + i, B of value 16 + 4w + i;
-//   - 1536..1663: lane (g, t)'s 4 signed scales at 4 lane (row g's values 0-15, 16-31, then
-//     row g + 8's);
-//   - 1664..1679: the halves d of rows 0-7 (a super-block's first group) or 8-15 (its second).
-// Values are q - 32 (q of 0-63) times d and the value's scale. One column: gemv_r6, a super-block
-// a step, dp4a on the 6-bit values, each half piece's sum of activations taken apart for the 32
-// (on an H200 alone 0.59-0.73x the blocks' gemv's time: docs/BENCHMARKS.md, session 43); 2-16
-// columns gemm_r6 (gemm_rb's, sm_90 and newer), more gemm_rq6 (gemm_rq's): the 6-bit values to
-// halves as word_halves does Q4_0's, d sc rounded to a half as gemm does on the blocks.
-
-constexpr int R6_BYTES = RP_ROWS * RP_GROUP * 105 / 4;  // 1,680
-
-// Q6_K rows into that layout: a CTA a tile's super-block, thread (r, p) piece p of row r.
-// Grid (super-blocks, tiles), 128 threads.
-__global__ void __launch_bounds__(128) repack_q6_k(const uint8_t * w, int64_t row_stride,
-                                                   int ngroups, uint8_t * out) {
-    const int sb = blockIdx.x;
-    const int tile = blockIdx.y;
-    const int r = threadIdx.x / 8;
-    const int p = threadIdx.x % 8;
-    const uint8_t * b = w + int64_t(RP_ROWS * tile + r) * row_stride + int64_t(sb) * 210;
-    const int h = p / 4;
-    const int k = p % 4;
-    const uint8_t * ql = b + 64 * h + 32 * (k % 2);
-    const uint8_t * qh = b + 128 + 32 * h;
-    uint8_t q[32];  // the piece's values, 0-63
-    for (int i = 0; i < 32; i++) {
-        q[i] = uint8_t(((ql[i] >> (4 * (k / 2))) & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4));
-    }
-    uint8_t * o = out + (int64_t(tile) * ngroups + 2 * sb + p / 4) * R6_BYTES;
-    const int j = p % 4;
-    uint32_t nib[4];
-    for (int c = 0; c < 4; c++) {
-        uint32_t v = 0;
-        for (int i = 0; i < 4; i++) {
-            const int at = 4 * c + i;
-            v |= uint32_t((q[at] & 0x0F) | ((q[at + 16] & 0x0F) << 4)) << (8 * i);
-        }
-        nib[c] = v;
-    }
-    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * j) = make_uint4(nib[0], nib[1], nib[2], nib[3]);
-    uint32_t hw[2] = {};
-    for (int half = 0; half < 2; half++) {
-        for (int wd = 0; wd < 4; wd++) {
-            for (int i = 0; i < 4; i++) {
-                hw[half] |= uint32_t(q[16 * half + 4 * wd + i] >> 4) << (8 * i + 2 * wd);
-            }
-        }
-    }
-    const int lane = 4 * (r % 8) + j;
-    *reinterpret_cast<uint2 *>(o + 1024 + 16 * lane + 8 * (r / 8)) = make_uint2(hw[0], hw[1]);
-    const uint8_t * sc = b + 192 + 2 * p;
-    o[1536 + 4 * lane + 2 * (r / 8)] = sc[0];
-    o[1536 + 4 * lane + 2 * (r / 8) + 1] = sc[1];
-    if (p == 0) {  // the row's d, in the super-block's group of its half of the rows
-        uint8_t * od = out + (int64_t(tile) * ngroups + 2 * sb + r / 8) * R6_BYTES;
-        od[1664 + 2 * (r % 8)] = b[208];
-        od[1664 + 2 * (r % 8) + 1] = b[209];
-    }
-}
-
-struct R6Group {
-    uint4 a, b, h;  // nibbles of rows g and g + 8; high pairs
-    uint32_t sc;    // the 4 scales
-    uint32_t d;     // the d of this group's half of the rows (row g, or g + 8)
-};
-
-__device__ __forceinline__ R6Group load_r6(const uint8_t * group, int lane) {
-    const uint4 * q = reinterpret_cast<const uint4 *>(group) + lane;
-    return {load_stream(q), load_stream(q + 32), load_stream(q + 64),
-            __ldg(reinterpret_cast<const uint32_t *>(group + 1536) + lane),
-            uint32_t(__ldg(reinterpret_cast<const unsigned short *>(group + 1664) + lane / 4))};
-}
-
-// the values (0-63) of word w of a row's piece: its low nibbles and pairs (lo), its high ones (hi)
-template <int W>
-__device__ __forceinline__ void r6_word(uint32_t q, uint32_t ha, uint32_t hb, int & lo, int & hi) {
-    uint32_t sa = ha >> 2, sb = hb >> 2;  // each pair to bits 4-5 of its byte
-    if constexpr (W < 3) {
-        sa = ha << (4 - 2 * W);
-        sb = hb << (4 - 2 * W);
-    }
-    lo = int((q & 0x0F0F0F0Fu) | (sa & 0x30303030u));
-    hi = int(((q >> 4) & 0x0F0F0F0Fu) | (sb & 0x30303030u));
-}
-
-// a row's piece times the activations: sum over its halves of scale (sum q x - 32 sum x)
-__device__ __forceinline__ int r6_row(uint4 q, uint32_t ha, uint32_t hb, int sc0, int sc1,
-                                      const int (&xl)[4], const int (&xh)[4], int sxl, int sxh) {
-    int sl = 0, sh = 0, lo, hi;
-    r6_word<0>(q.x, ha, hb, lo, hi);
-    sl = dp4a(lo, xl[0], sl);
-    sh = dp4a(hi, xh[0], sh);
-    r6_word<1>(q.y, ha, hb, lo, hi);
-    sl = dp4a(lo, xl[1], sl);
-    sh = dp4a(hi, xh[1], sh);
-    r6_word<2>(q.z, ha, hb, lo, hi);
-    sl = dp4a(lo, xl[2], sl);
-    sh = dp4a(hi, xh[2], sh);
-    r6_word<3>(q.w, ha, hb, lo, hi);
-    sl = dp4a(lo, xl[3], sl);
-    sh = dp4a(hi, xh[3], sh);
-    return sc0 * (sl - 32 * sxl) + sc1 * (sh - 32 * sxh);
-}
-
-// a lane's share of a super-block's two groups (cur) for rows g (acc_a) and g + 8 (acc_b)
-__device__ __forceinline__ void r6_dot(const R6Group (&cur)[2], const Args & a, int grp, int t,
-                                       float & acc_a, float & acc_b) {
-    const float da = __half2float(__ushort_as_half((unsigned short) cur[0].d));
-    const float db = __half2float(__ushort_as_half((unsigned short) cur[1].d));
-#pragma unroll
-    for (int u = 0; u < 2; u++) {
-        const int piece = 4 * (grp + u) + t;
-        const int4 * xp = reinterpret_cast<const int4 *>(a.xq) + 2 * piece;
-        const int4 xlo = __ldg(xp);
-        const int4 xhi = __ldg(xp + 1);
-        const float dx = __ldg(a.xds + piece).x;
-        const int xl[4] = {xlo.x, xlo.y, xlo.z, xlo.w};
-        const int xh[4] = {xhi.x, xhi.y, xhi.z, xhi.w};
-        int sxl = 0, sxh = 0;
-#pragma unroll
-        for (int w = 0; w < 4; w++) {
-            sxl = dp4a(0x01010101, xl[w], sxl);
-            sxh = dp4a(0x01010101, xh[w], sxh);
-        }
-        const R6Group & q = cur[u];
-        const int sc = int(q.sc);
-        const int va =
-            r6_row(q.a, q.h.x, q.h.y, int(int8_t(sc)), int(int8_t(sc >> 8)), xl, xh, sxl, sxh);
-        const int vb =
-            r6_row(q.b, q.h.z, q.h.w, int(int8_t(sc >> 16)), sc >> 24, xl, xh, sxl, sxh);
-        acc_a += da * (dx * float(va));
-        acc_b += db * (dx * float(vb));
-    }
-}
-
-// One column on a repacked Q6_K matrix (a.w), the activations as `quantize` writes them (one
-// plane), and with GATE ggml's fused gate (a.gate repacked alike), as gemv_r: SPLIT warps a tile
-// of 16 rows, each a range of its super-blocks.
-template <int SPLIT, bool GATE = false>
-__global__ void __launch_bounds__(gemv_r_warps<SPLIT>() * 32) gemv_r6(const Args a) {
-    constexpr int WARPS = gemv_r_warps<SPLIT>();
-    constexpr int M = GATE ? 2 : 1;  // matrices: the product's, the gate's
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int t = lane % 4;
-    const int tile = blockIdx.x * (WARPS / SPLIT) + warp / SPLIT;
-    const int part = warp % SPLIT;
-    const int ngroups = a.npieces / RP_GROUP;
-    const int per = 2 * ((ngroups + 2 * SPLIT - 1) / (2 * SPLIT));  // whole super-blocks a part
-    const int g0 = min(ngroups, part * per);
-    const int g1 = tile < a.nrows / RP_ROWS ? min(ngroups, g0 + per) : g0;
-    const uint8_t * base[M];
-    base[0] = a.w + int64_t(tile) * ngroups * R6_BYTES;
-    if constexpr (GATE) {
-        base[1] = a.gate + int64_t(tile) * ngroups * R6_BYTES;
-    }
-    R6Group cur[M][2], nxt[M][2];
-    auto load = [&](R6Group (&buf)[M][2], int first) {
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                if (first + u < g1) {
-                    buf[m][u] = load_r6(base[m] + int64_t(first + u) * R6_BYTES, lane);
-                }
-            }
-        }
-    };
-    load(cur, g0);  // weights: no kernel before this one writes them
-    LUCEPY_PDL_SYNC();
-    float acc[M][2] = {};
-    for (int grp = g0; grp < g1; grp += 2) {
-        load(nxt, grp + 2);
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            r6_dot(cur[m], a, grp, t, acc[m][0], acc[m][1]);
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                cur[m][u] = nxt[m][u];
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < M; m++) {
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {  // the quad's 4 pieces
-            acc[m][0] += __shfl_xor_sync(0xFFFFFFFFu, acc[m][0], off);
-            acc[m][1] += __shfl_xor_sync(0xFFFFFFFFu, acc[m][1], off);
-        }
-    }
-    LUCEPY_PDL_LAUNCH();
-    __shared__ float sums[M][WARPS][16];
-    if (t == 0) {
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            sums[m][warp][lane / 4] = acc[m][0];
-            sums[m][warp][lane / 4 + 8] = acc[m][1];
-        }
-    }
-    __syncthreads();
-    if (part == 0 && lane < 16 && tile < a.nrows / RP_ROWS) {
-        const int row = tile * RP_ROWS + lane;
-        float v[M] = {};
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-#pragma unroll
-            for (int p = 0; p < SPLIT; p++) {
-                v[m] += sums[m][warp + p][lane];
-            }
-        }
-        float out = v[0] + (a.x_bias ? a.x_bias[row] : 0.0f);
-        if constexpr (GATE) {
-            out = glu(a.glu_op, out, v[1] + (a.gate_bias ? a.gate_bias[row] : 0.0f));
-        }
-        a.dst[row] = out;
-    }
-}
-
-// A lane's halves of word w of a row's piece, as word_halves gives Q4_0's: (v - 32) s, v the
-// 6-bit values (r6_word's bytes), s the scale of values 0-15 (lo) or 16-31 (hi)
-__device__ __forceinline__ void r6_halves(uint32_t bytes, __half2 s, __half2 (&out)[2]) {
-    const __half2 off = as_h2(0x64206420u);  // 1056: 1024 + v less 1056 is v - 32, exact
-    out[0] = __hmul2(__hsub2(as_h2(and_or(bytes, 0x003F003Fu, 0x64006400u)), off), s);
-    out[1] = __hmul2(__hsub2(as_h2(and_or(bytes >> 8, 0x003F003Fu, 0x64006400u)), off), s);
-}
-
-// gemm_rb on the Q6_K layout above: a chunk a super-block (two groups, 3,360 bytes a warp's
-// tile), the same activations, k order, sums, stores and second matrix (a.w2)
-constexpr int R6_WARP_BYTES = 2 * R6_BYTES;
-
-template <int NT> __host__ __device__ constexpr int gemm_r6_smem() {
-    return RB_STAGES * (NT * GM_COL_TILE * RP_X_PITCH + GM_WARPS * R6_WARP_BYTES) +
-           GM_WARPS * RB_STAGES * 8;
-}
-
-template <int NT, int MINB>
-__global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_r6(const GemmArgs a) {
-    constexpr int W = GM_WARPS, P = 8, ST = RB_STAGES;
-    constexpr int X_STAGE = NT * GM_COL_TILE * RP_X_PITCH;
-    constexpr int W_STAGE = W * R6_WARP_BYTES;
-    extern __shared__ __align__(16) uint8_t smem[];
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int g = lane / 4;
-    const int t = lane % 4;
-    const int row0 = blockIdx.x * W * 16;
-    const int nchunks_all = a.npieces / P;
-    const int chunk0 = blockIdx.y * a.per_part;
-    const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
-    const bool mine = row0 + warp * 16 < a.nrows;
-    const uint32_t bars = shared_at(smem) + ST * (X_STAGE + W_STAGE) + warp * ST * 8;
-    const uint32_t w_dst = shared_at(smem) + ST * X_STAGE + warp * R6_WARP_BYTES;
-    const int ngroups = a.npieces / RP_GROUP;
-    const bool second = a.w2 != nullptr && row0 >= a.rows2;  // the second matrix's rows
-    const int64_t tile = (row0 - (second ? a.rows2 : 0)) / RP_ROWS + warp;
-    const uint8_t * w_src =
-        (second ? a.w2 : a.w) + (tile * ngroups + 2 * int64_t(chunk0)) * R6_BYTES;
-    auto fetch = [&](int ch) {
-        if (mine && lane == 0 && ch < nchunks) {
-            async_proxy_fence();
-            mbar_copy(bars + 8 * (ch % ST), w_dst + (ch % ST) * W_STAGE,
-                      w_src + int64_t(ch) * R6_WARP_BYTES, R6_WARP_BYTES);
-        }
-    };
-    if (lane == 0) {
-#pragma unroll
-        for (int s = 0; s < ST; s++) {
-            mbar_init(bars + 8 * s, 1);
-        }
-        mbar_init_fence();
-    }
-    __syncwarp();
-#pragma unroll
-    for (int c = 0; c < ST - 1; c++) {
-        fetch(c);
-    }
-    const ActCopy<NT, W * 32> x_copy(a, chunk0);
-    auto copy_x = [&](int ch) {
-        if (ch < nchunks) {
-            x_copy.issue(smem + (ch % ST) * X_STAGE, a.npieces, ch);
-        }
-        copy_commit();
-    };
-    float acc[NT][4] = {};
-    float total[NT][4] = {};
-    const int nsegs = segments(a.npieces);
-    const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
-    uint32_t x_lane[4];
-    activation_lanes(smem, g, t, x_lane);
-    const uint32_t w_lane = opaque(w_dst + 16 * lane);
-    const uint32_t w_d = opaque(w_dst + 1664 + 2 * g);
-
-    LUCEPY_PDL_SYNC();
-#pragma unroll
-    for (int c = 0; c < ST - 1; c++) {
-        copy_x(c);
-    }
-    for (int ch = 0; ch < nchunks; ch++) {
-        copy_wait<ST - 2>();
-        __syncthreads();
-        copy_x(ch + ST - 1);
-        fetch(ch + ST - 1);
-        if (!mine) {
-            continue;
-        }
-        const int s = ch % ST;
-        mbar_wait(bars + 8 * s, uint32_t(ch / ST) & 1u);
-        const bool flush = ch + 1 == nchunks || ((chunk0 + ch) & 1);
-        float inv[NT][2];
-        if (flush) {
-            next_inv<NT>(xi, nsegs, inv);
-        }
-        // the d of rows g (the first group's) and g + 8 (the second's)
-        const uint32_t dw = load_shared_word(w_d + s * W_STAGE - 2 * (g & 1)) >> (16 * (g & 1));
-        const uint32_t dw8 =
-            load_shared_word(w_d + s * W_STAGE + R6_BYTES - 2 * (g & 1)) >> (16 * (g & 1));
-        const float da = __half2float(__ushort_as_half((unsigned short) (dw & 0xFFFFu)));
-        const float db = __half2float(__ushort_as_half((unsigned short) (dw8 & 0xFFFFu)));
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const uint32_t at = w_lane + s * W_STAGE + j * R6_BYTES;
-            const uint4 qa = load_shared(at);
-            const uint4 qb = load_shared(at + 512);
-            const uint4 h = load_shared(at + 1024);
-            const int sc = int(load_shared_word(at + 1536 - 12 * lane));  // 1536 + 4 lane
-            const __half2 sa_lo = __float2half2_rn(da * float(int8_t(sc)));
-            const __half2 sa_hi = __float2half2_rn(da * float(int8_t(sc >> 8)));
-            const __half2 sb_lo = __float2half2_rn(db * float(int8_t(sc >> 16)));
-            const __half2 sb_hi = __float2half2_rn(db * float(sc >> 24));
-            auto word_mma = [&](auto wc, uint32_t qaw, uint32_t qbw) {
-                constexpr int w = decltype(wc)::value;
-                int alo, ahi, blo, bhi;
-                r6_word<w>(qaw, h.x, h.y, alo, ahi);
-                r6_word<w>(qbw, h.z, h.w, blo, bhi);
-                __half2 a_lo[2], a_hi[2], b_lo[2], b_hi[2];
-                r6_halves(uint32_t(alo), sa_lo, a_lo);
-                r6_halves(uint32_t(ahi), sa_hi, a_hi);
-                r6_halves(uint32_t(blo), sb_lo, b_lo);
-                r6_halves(uint32_t(bhi), sb_hi, b_hi);
-                uint32_t lo[4], hi[4];
-#pragma unroll
-                for (int i = 0; i < 2; i++) {  // lane_words' k order
-                    lo[2 * i] = as_u32(a_lo[i]);
-                    lo[2 * i + 1] = as_u32(b_lo[i]);
-                    hi[2 * i] = as_u32(a_hi[i]);
-                    hi[2 * i + 1] = as_u32(b_hi[i]);
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const uint4 x = load_shared(x_lane[w] + s * X_STAGE +
-                                                nt * GM_COL_TILE * RP_X_PITCH + 4 * j * 64);
-                    word_mmas<0>(acc[nt], acc[nt], lo, hi, x);
-                }
-            };
-            word_mma(std::integral_constant<int, 0>(), qa.x, qb.x);
-            word_mma(std::integral_constant<int, 1>(), qa.y, qb.y);
-            word_mma(std::integral_constant<int, 2>(), qa.z, qb.z);
-            word_mma(std::integral_constant<int, 3>(), qa.w, qb.w);
-        }
-        if (flush) {
-            flush_segment<NT>(acc, total, inv);
-        }
-    }
-    copy_wait<0>();
-    LUCEPY_PDL_LAUNCH();
-    if (mine) {
-        store_tile<NT>(a, total, row0 + warp * 16, g, t);
-    }
-}
-
-template <int NT, int MINB = 5> struct GemmR6 {
-    static constexpr int warps = GM_WARPS;
-    static constexpr int smem = gemm_r6_smem<NT>();
-    static auto kernel() { return gemm_r6<NT, MINB>; }
-};
-
-// A prefill's columns on a repacked Q6_K matrix: gemm_rq on its layout (a group a step, each
-// warp's MT tiles of 1,680 bytes copied into the stage, the d of the other half of the rows from
-// the super-block's other group in memory)
-template <int MT> __host__ __device__ constexpr int rq6_stage() {
-    return 4 * MT * R6_BYTES + RQ_COLS * RQ_XP;
-}
-
-template <int MT> __host__ __device__ constexpr int gemm_rq6_smem() {
-    return 2 * rq6_stage<MT>();
-}
-
-template <int MT>
-__global__ void __launch_bounds__(128, MT == 1 ? 3 : 2) gemm_rq6(const GemmArgs a) {
-    constexpr int STAGE = rq6_stage<MT>();
-    constexpr int U4 = R6_BYTES / 16;  // a tile's 16-byte copies a group
-    extern __shared__ __align__(16) uint8_t smem[];
-    const int tid = threadIdx.x;
-    const int lane = tid % 32;
-    const int warp = tid / 32;
-    const int g = lane / 4;
-    const int t = lane % 4;
-    const int row0 = blockIdx.x * 64 * MT;
-    const int col0 = blockIdx.y * RQ_COLS;
-    const int ngroups = a.npieces / RP_GROUP;
-    const int64_t tile_bytes = int64_t(ngroups) * R6_BYTES;
-    const uint8_t * wsrc = a.w + int64_t(row0 / RP_ROWS + warp * MT) * tile_bytes;
-    const bool mine = row0 + warp * MT * 16 < a.nrows;  // this warp's tiles are rows
-
-    auto issue = [&](int grp) {
-        if (grp < ngroups) {
-            uint8_t * st = smem + (grp % 2) * STAGE;
-            uint8_t * ws = st + warp * MT * R6_BYTES;
-#pragma unroll
-            for (int m = 0; m < MT && mine; m++) {
-                const uint8_t * src = wsrc + m * tile_bytes + int64_t(grp) * R6_BYTES;
-#pragma unroll
-                for (int k = 0; k < (U4 + 31) / 32; k++) {
-                    const int i = lane + 32 * k;
-                    if (i < U4) {
-                        copy_async<16>(ws + m * R6_BYTES + 16 * i, src + 16 * i);
-                    }
-                }
-            }
-            uint8_t * xs = st + 4 * MT * R6_BYTES;
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const int i = tid + 128 * k;
-                const int c = i / 16;
-                const int p = i / 4 % 4;
-                const int u = i % 4;
-                const uint4 * src = a.x.xh + (int64_t(col0 + c) * a.npieces + 4 * grp + p) * 4 + u;
-                copy_async<16, true>(xs + c * RQ_XP + 64 * p + 16 * (u ^ (p / 2 % 2)),
-                                     reinterpret_cast<const uint8_t *>(src));
-            }
-        }
-        copy_commit();
-    };
-
-    float acc[MT][8][4] = {};
-    const int swz = t / 2 % 2;
-    LUCEPY_PDL_SYNC();  // the activations: the kernel before has finished
-    issue(0);
-    for (int grp = 0; grp < ngroups; grp++) {
-        issue(grp + 1);
-        copy_wait<1>();
-        __syncthreads();  // group grp has landed for every warp
-        if (!mine) {
-            __syncthreads();  // (the stage's refill waits for every warp)
-            continue;
-        }
-        const uint8_t * st = smem + (grp % 2) * STAGE;
-        const uint8_t * ws = st + warp * MT * R6_BYTES;
-        const uint8_t * xs = st + 4 * MT * R6_BYTES;
-        uint4 qa[MT], qb[MT], h[MT];
-        __half2 sa_lo[MT], sa_hi[MT], sb_lo[MT], sb_hi[MT];
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-            const uint8_t * wm = ws + m * R6_BYTES;
-            qa[m] = reinterpret_cast<const uint4 *>(wm)[lane];
-            qb[m] = reinterpret_cast<const uint4 *>(wm + 512)[lane];
-            h[m] = reinterpret_cast<const uint4 *>(wm + 1024)[lane];
-            const int sc = reinterpret_cast<const int *>(wm + 1536)[lane];
-            // this group's d are rows g's (an even group) or g + 8's; the other's from memory
-            const float mine_d = __half2float(reinterpret_cast<const __half *>(wm + 1664)[g]);
-            const float other_d = __half2float(reinterpret_cast<const __half *>(
-                wsrc + m * tile_bytes + int64_t(grp ^ 1) * R6_BYTES + 1664)[g]);
-            const float da = grp % 2 ? other_d : mine_d;
-            const float db = grp % 2 ? mine_d : other_d;
-            sa_lo[m] = __float2half2_rn(da * float(int8_t(sc)));
-            sa_hi[m] = __float2half2_rn(da * float(int8_t(sc >> 8)));
-            sb_lo[m] = __float2half2_rn(db * float(int8_t(sc >> 16)));
-            sb_hi[m] = __float2half2_rn(db * float(sc >> 24));
-        }
-        auto word_step = [&](auto wc) {
-            constexpr int w = decltype(wc)::value;
-            uint32_t lo[MT][4], hi[MT][4];
-#pragma unroll
-            for (int m = 0; m < MT; m++) {
-                int alo, ahi, blo, bhi;
-                r6_word<w>(word(qa[m], w), h[m].x, h[m].y, alo, ahi);
-                r6_word<w>(word(qb[m], w), h[m].z, h[m].w, blo, bhi);
-                __half2 a_lo[2], a_hi[2], b_lo[2], b_hi[2];
-                r6_halves(uint32_t(alo), sa_lo[m], a_lo);
-                r6_halves(uint32_t(ahi), sa_hi[m], a_hi);
-                r6_halves(uint32_t(blo), sb_lo[m], b_lo);
-                r6_halves(uint32_t(bhi), sb_hi[m], b_hi);
-                lo[m][0] = as_u32(a_lo[0]), lo[m][1] = as_u32(b_lo[0]);
-                lo[m][2] = as_u32(a_lo[1]), lo[m][3] = as_u32(b_lo[1]);
-                hi[m][0] = as_u32(a_hi[0]), hi[m][1] = as_u32(b_hi[0]);
-                hi[m][2] = as_u32(a_hi[1]), hi[m][3] = as_u32(b_hi[1]);
-            }
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-                const uint4 x = *reinterpret_cast<const uint4 *>(
-                    xs + (8 * n + g) * RQ_XP + 64 * t + 16 * (w ^ swz));
-#pragma unroll
-                for (int m = 0; m < MT; m++) {
-                    mma_16816(acc[m][n], lo[m], x.x, x.y);
-                    mma_16816(acc[m][n], hi[m], x.z, x.w);
-                }
-            }
-        };
-        word_step(std::integral_constant<int, 0>());
-        word_step(std::integral_constant<int, 1>());
-        word_step(std::integral_constant<int, 2>());
-        word_step(std::integral_constant<int, 3>());
-        __syncthreads();  // every warp is done with this stage before it is refilled
     }
     copy_wait<0>();
     LUCEPY_PDL_LAUNCH();
