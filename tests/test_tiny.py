@@ -127,40 +127,27 @@ def assert_cpu_logits_near(path, tokens, ref) -> None:
     assert err.max() <= 2e-2, err
 
 
-def test_q4_k_blocks_hold_their_values(tmp_path):
-    """The tests' Q4_K encoder (gguf-py has none): ggml's block layout, as gguf-py decodes it,
-    each value within its piece's step (the piece's range over 15, through the 6-bit scale) of
-    the original; a wide tiny model in Q4_K, every matmul weight of 256-value rows in it, loads
-    in llama.cpp and gives logits that vary."""
+@pytest.mark.parametrize(
+    ("wtype", "encoder", "top"), [("q4_k", encode_q4_k, 15), ("q5_k", encode_q5_k, 31)]
+)
+def test_scale_min_blocks_hold_their_values(wtype, encoder, top, tmp_path):
+    """The tests' Q4_K and Q5_K encoders (gguf-py has none): ggml's block layouts, as gguf-py
+    decodes them, each value within its piece's step (the piece's range over 15 or 31, through
+    the 6-bit scale) of the original; a wide tiny model of each, every matmul weight of 256-value
+    rows in it, loads in llama.cpp, and lucepy's logits on the CPU (ggml's products) are
+    llama.cpp's within the q8_0 models' bound."""
+    qtype = gguf.GGMLQuantizationType[wtype.upper()]
     rng = np.random.default_rng(3)
     x = (rng.normal(size=(8, 512)) / 8).astype(np.float32)
     x[0, :32] = 0.0  # a piece of zeros
     x[1, 32:64] = np.abs(x[1, 32:64])  # a piece with no negative value (min 0)
-    got = gguf.quants.dequantize(encode_q4_k(x), gguf.GGMLQuantizationType.Q4_K).reshape(x.shape)
+    got = gguf.quants.dequantize(encoder(x), qtype).reshape(x.shape)
     pieces = x.reshape(8, 16, 32)
     span = pieces.max(axis=2) - np.minimum(pieces.min(axis=2), 0)
-    step = (span / 15 * 1.1 + 1e-6).repeat(32).reshape(x.shape)
+    step = (span / top * 1.1 + 1e-6).repeat(32).reshape(x.shape)
     assert (np.abs(got - x) <= step).all()
     np.testing.assert_array_equal(got[0, :32], 0.0)
-    wide_model_in_llama_cpp(tmp_path, "q4_k", gguf.GGMLQuantizationType.Q4_K)
-
-
-def test_q5_k_blocks_hold_their_values(tmp_path):
-    """The tests' Q5_K encoder (gguf-py has none): ggml's block layout, as gguf-py decodes it,
-    each value within its piece's step (the piece's range over 31, through the 6-bit scale) of
-    the original; a wide tiny model in Q5_K loads in llama.cpp, and lucepy's logits on the CPU
-    (ggml's Q5_K products) are llama.cpp's within the q8_0 models' bound."""
-    rng = np.random.default_rng(4)
-    x = (rng.normal(size=(8, 512)) / 8).astype(np.float32)
-    x[0, :32] = 0.0  # a piece of zeros
-    x[1, 32:64] = np.abs(x[1, 32:64])  # a piece with no negative value (min 0)
-    got = gguf.quants.dequantize(encode_q5_k(x), gguf.GGMLQuantizationType.Q5_K).reshape(x.shape)
-    pieces = x.reshape(8, 16, 32)
-    span = pieces.max(axis=2) - np.minimum(pieces.min(axis=2), 0)
-    step = (span / 31 * 1.1 + 1e-6).repeat(32).reshape(x.shape)
-    assert (np.abs(got - x) <= step).all()
-    np.testing.assert_array_equal(got[0, :32], 0.0)
-    path, tokens, ref = wide_model_in_llama_cpp(tmp_path, "q5_k", gguf.GGMLQuantizationType.Q5_K)
+    path, tokens, ref = wide_model_in_llama_cpp(tmp_path, wtype, qtype)
     assert_cpu_logits_near(path, tokens, ref)
 
 
