@@ -694,10 +694,22 @@ bool repackable_type(ggml_type type) {
            type == GGML_TYPE_Q6_K;
 }
 
+// f(L()) with L the layout (lucepy-repack.cuh) of a repacked matrix of these blocks
+template <typename F> void with_layout(ggml_type type, F && f) {
+    switch (type) {
+        case GGML_TYPE_Q4_K: f(RpQ4_K()); break;
+        case GGML_TYPE_Q5_K: f(RpQ5_K()); break;
+        case GGML_TYPE_Q6_K: f(RpQ6_K()); break;
+        default: f(RpQ4_0());
+    }
+}
+
 // whether the layout of these blocks needs gemm_rb (the TMA unit: compute capability 9.0 and
 // newer) at 2-16 columns
 bool bulk_only_type(ggml_type type) {
-    return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
+    bool only = false;
+    with_layout(type, [&](auto layout) { only = !decltype(layout)::gemm_r; });
+    return only;
 }
 
 std::mutex g_rp_mutex;
@@ -978,19 +990,9 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
         GGML_ABORT("lucepy: a product of a repacked matrix (%s) that its kernels do not take",
                    src0->name);
     }
-    switch (src0->type) {
-        case GGML_TYPE_Q4_K:
-            repacked_mul_mat_of<RpQ4_K>(ctx, src0, src1, dst, fusion, residual, norm);
-            break;
-        case GGML_TYPE_Q5_K:
-            repacked_mul_mat_of<RpQ5_K>(ctx, src0, src1, dst, fusion, residual, norm);
-            break;
-        case GGML_TYPE_Q6_K:
-            repacked_mul_mat_of<RpQ6_K>(ctx, src0, src1, dst, fusion, residual, norm);
-            break;
-        default:
-            repacked_mul_mat_of<RpQ4_0>(ctx, src0, src1, dst, fusion, residual, norm);
-    }
+    with_layout(src0->type, [&](auto layout) {
+        repacked_mul_mat_of<decltype(layout)>(ctx, src0, src1, dst, fusion, residual, norm);
+    });
 }
 
 // What the graph's first product of ours that reads `t` (or a reshape of it) reads of it, or
@@ -2079,22 +2081,21 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // products no faster so: docs/BENCHMARKS.md, session 37); at two column tiles gemm_rb
     // (39.5 us at 16 columns: session 38)
     // (Q4_K's layout the same builds; Q5_K's and Q6_K's gemm_rb's always)
-    const bool rk = wa->type == GGML_TYPE_Q4_K;
-    if (bulk_only_type(wa->type)) {
-        auto bulk = [&](auto layout) {
-            using L = decltype(layout);
+    with_layout(wa->type, [&](auto layout) {
+        using L = decltype(layout);
+        constexpr bool rk = std::is_same_v<L, RpQ4_K>;
+        if constexpr (!L::gemm_r) {
             ncols <= GM_COL_TILE ? go(GemmRB<1, 6, L>()) : go(GemmRB<2, 5, L>());
-        };
-        wa->type == GGML_TYPE_Q5_K ? bulk(RpQ5_K()) : bulk(RpQ6_K());
-        g_bulk.fetch_add(1, std::memory_order_relaxed);
-    } else if (ncols <= GM_COL_TILE) {
-        rk ? go(GemmR<1, GM_WARPS, 5, 1, true>()) : go(GemmR<1, GM_WARPS, 5, 1>());
-    } else if (bulk_product<2>(ctx.device, g)) {
-        rk ? go(GemmRB<2, 5, RpQ4_K>()) : go(GemmRB<2>());
-        g_bulk.fetch_add(1, std::memory_order_relaxed);
-    } else {
-        rk ? go(GemmR<2, GM_WARPS, 5, 1, true>()) : go(GemmR<2, GM_WARPS, 5, 1>());
-    }
+            g_bulk.fetch_add(1, std::memory_order_relaxed);
+        } else if (ncols <= GM_COL_TILE) {
+            go(GemmR<1, GM_WARPS, 5, 1, rk>());
+        } else if (bulk_product<2>(ctx.device, g)) {
+            go(GemmRB<2, 5, L>());
+            g_bulk.fetch_add(1, std::memory_order_relaxed);
+        } else {
+            go(GemmR<2, GM_WARPS, 5, 1, rk>());
+        }
+    });
     g_calls.fetch_add(2, std::memory_order_relaxed);
     g_ops.fetch_add(1, std::memory_order_relaxed);
     return i_glu - i;
