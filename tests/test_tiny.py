@@ -208,7 +208,7 @@ def test_vocab():
         {"rope_sections": (4, 4, 4, 0)},
         {"rope_dim": 7},
         {"ssm_time_step_rank": 3},
-        {"weight_type": "q5_k"},
+        {"weight_type": "q3_k"},
         {"n_layer": 0},
     ],
 )

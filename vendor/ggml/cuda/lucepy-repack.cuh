@@ -920,17 +920,18 @@ __device__ __forceinline__ void r5_halves(uint32_t bytes, __half2 s, __half2 m, 
 //   - bytes, a group's; pair: its super-block is two groups that share factors (the K types;
 //     a Q4_0 group stands alone); gemm_r: gemm_r (the weights by the lanes' loads, any
 //     compute capability) takes it too; rq_ctas, gemm_rq's CTAs an SM at one tile a warp;
-//   - for the halves' kernels (gemm_rb, gemm_rq): super_at, where in a group the word of this
-//     lane lies (from the lane's view of the group: its address plus 16 lane) that the other
-//     group of its super-block needs too; super, what the two words give
-//     (Sb); part, a lane's part of a group read through a view of it (SharedLane, PtrLane) with
-//     its super-block's Sb; words, the lane's A registers of word w of that part (w a
-//     constant where it is called: a template's lambda in its place changed gemm_rb's code);
+//   - for the halves' kernels (gemm_rb, gemm_rq): super_at, where the word lies (from the
+//     group's address plus 16 lane) that both groups of a super-block hold for this lane;
+//     super, what the two words give (Sb); part, a lane's part of a group read through a view
+//     of it (SharedLane, PtrLane) with its super-block's Sb; words, the lane's A registers of
+//     word w of that part (w a constant where it is called: a template's lambda in its place
+//     changed gemm_rb's code);
 //   - for gemv_r's dp4a: Group and load, a lane's part of a group from memory; factors, those of
 //     a super-block's groups; dot, a group's sums into the lane's two rows.
 
-// A lane's view of a group: its load at byte off + stride x lane of the group. In shared memory
-// (gemm_rb), from `at`, the group's address plus 16 lane (kept in a register: opaque)
+// A lane's view of a group: u4, its 16 bytes at off + 16 lane of the group; u2 and u32, its 8
+// and 4 at off + stride x lane. In shared memory (gemm_rb), from `at`, the group's address plus
+// 16 lane (worked out once: opaque)
 struct SharedLane {
     uint32_t at;
     int lane;
