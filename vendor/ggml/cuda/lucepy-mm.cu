@@ -2640,19 +2640,12 @@ int lucepy_cuda_repack(struct ggml_tensor * t) {
     CUDA_CHECK(cudaMemcpy(copy, t->data, n, cudaMemcpyDeviceToDevice));
     const int ngroups = int(t->ne[0] / 32 / RP_GROUP);
     const unsigned tiles = unsigned(t->ne[1] / RP_ROWS);
-    if (t->type == GGML_TYPE_Q4_K) {  // a CTA a tile's super-block (two groups)
-        repack_q4_k<<<dim3(unsigned(ngroups / 2), tiles), 128>>>(
-            copy, int64_t(t->nb[1]), ngroups, static_cast<uint8_t *>(t->data));
-    } else if (t->type == GGML_TYPE_Q5_K) {  // the same
-        repack_q5_k<<<dim3(unsigned(ngroups / 2), tiles), 128>>>(
-            copy, int64_t(t->nb[1]), ngroups, static_cast<uint8_t *>(t->data));
-    } else if (t->type == GGML_TYPE_Q6_K) {  // the same
-        repack_q6_k<<<dim3(unsigned(ngroups / 2), tiles), 128>>>(
-            copy, int64_t(t->nb[1]), ngroups, static_cast<uint8_t *>(t->data));
-    } else {
-        repack_q4_0<<<dim3(unsigned(ngroups), tiles), 64>>>(copy, int64_t(t->nb[1]), ngroups,
-                                                           static_cast<uint8_t *>(t->data));
-    }
+    with_layout(t->type, [&](auto layout) {  // a CTA a tile's group, or super-block (two groups)
+        using L = decltype(layout);
+        const dim3 grid(unsigned(L::pair ? ngroups / 2 : ngroups), tiles);
+        L::repack<<<grid, L::pair ? 128 : 64>>>(copy, int64_t(t->nb[1]), ngroups,
+                                                static_cast<uint8_t *>(t->data));
+    });
     CUDA_CHECK(cudaGetLastError());
     CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaFree(copy));

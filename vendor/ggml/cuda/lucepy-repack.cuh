@@ -920,6 +920,7 @@ __device__ __forceinline__ void r5_halves(uint32_t bytes, __half2 s, __half2 m, 
 //   - bytes, a group's; pair: its super-block is two groups that share factors (the K types;
 //     a Q4_0 group stands alone); gemm_r: gemm_r (the weights by the lanes' loads, any
 //     compute capability) takes it too; rq_ctas, gemm_rq's CTAs an SM at one tile a warp;
+//     repack, the kernel that rewrites the blocks into it;
 //   - for the halves' kernels (gemm_rb, gemm_rq): super_at, where the word lies (from the
 //     group's address plus 16 lane) that both groups of a super-block hold for this lane;
 //     super, what the two words give (Sb); part, a lane's part of a group read through a view
@@ -967,6 +968,7 @@ struct RpQ4_0 {
     static constexpr bool pair = false;
     static constexpr bool gemm_r = true;
     static constexpr int rq_ctas = 4;
+    static constexpr auto repack = repack_q4_0;
     struct Sb {};
     __device__ static int super_at(int, int) { return 0; }
     __device__ static Sb super(uint32_t, uint32_t, int, int) { return {}; }
@@ -1026,6 +1028,7 @@ struct RpQ4_K : RpRecord<1024> {
     static constexpr int bytes = RP_BYTES;
     static constexpr bool gemm_r = true;
     static constexpr int rq_ctas = 4;
+    static constexpr auto repack = repack_q4_k;
     struct Part {
         uint4 qa, qb;
         uint32_t da, db, ma, mb;  // (s, s) and (-m, -m) of rows g and g + 8
@@ -1055,6 +1058,7 @@ struct RpQ5_K : RpRecord<1280> {
     static constexpr int bytes = R5_BYTES;
     static constexpr bool gemm_r = false;
     static constexpr int rq_ctas = 3;
+    static constexpr auto repack = repack_q5_k;
     struct Part {
         uint4 qa, qb;
         uint2 h;  // the fifth bits of rows g and g + 8
@@ -1093,6 +1097,7 @@ struct RpQ6_K {
     static constexpr bool pair = true;
     static constexpr bool gemm_r = false;
     static constexpr int rq_ctas = 3;
+    static constexpr auto repack = repack_q6_k;
     struct Sb {
         float da, db;  // the d of rows g (the super-block's first group holds it) and g + 8
     };
