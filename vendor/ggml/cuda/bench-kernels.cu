@@ -768,8 +768,8 @@ void launch_gemm_r_slices(GemmArgs a, float * parts_buf, cudaStream_t s) {
 
 // Q4_K repacked (repack_q4_k): gemm_r and gemm_rb as the Q4_0 layout's model builds
 template <int NT> std::vector<GemmVariant> gemm_rk_variants() {
-    return {{"rk", launch_build<GemmR<NT, 4, 4, gemm_r_xch(NT), true>>},
-            {"rk 5 CTAs an SM", launch_build<GemmR<NT, 4, 5, gemm_r_xch(NT), true>>},
+    return {{"rk", launch_build<GemmR<NT, 4, 4, gemm_r_xch(NT), RpQ4_K>>},
+            {"rk 5 CTAs an SM", launch_build<GemmR<NT, 4, 5, gemm_r_xch(NT), RpQ4_K>>},
             {"rk bulk", launch_build<GemmRB<NT, 5, RpQ4_K>>},
             {"rk bulk <= 3 parts", launch_build<GemmRB<NT, 5, RpQ4_K>, 3>}};
 }

@@ -913,7 +913,7 @@ void launch_gemm_r(ggml_backend_cuda_context & ctx, const GemmArgs & base,
         go(GemmRB<NT, 5, L>());
         g_bulk.fetch_add(1, std::memory_order_relaxed);
     } else {
-        go(GemmR<NT, GM_WARPS, 16 / GM_WARPS, gemm_r_xch(NT), std::is_same_v<L, RpQ4_K>>());
+        go(GemmR<NT, GM_WARPS, 16 / GM_WARPS, gemm_r_xch(NT), L>());
     }
 }
 
@@ -2083,17 +2083,16 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // (Q4_K's layout the same builds; Q5_K's and Q6_K's gemm_rb's always)
     with_layout(wa->type, [&](auto layout) {
         using L = decltype(layout);
-        constexpr bool rk = std::is_same_v<L, RpQ4_K>;
         if constexpr (!L::gemm_r) {
             ncols <= GM_COL_TILE ? go(GemmRB<1, 6, L>()) : go(GemmRB<2, 5, L>());
             g_bulk.fetch_add(1, std::memory_order_relaxed);
         } else if (ncols <= GM_COL_TILE) {
-            go(GemmR<1, GM_WARPS, 5, 1, rk>());
+            go(GemmR<1, GM_WARPS, 5, 1, L>());
         } else if (bulk_product<2>(ctx.device, g)) {
             go(GemmRB<2, 5, L>());
             g_bulk.fetch_add(1, std::memory_order_relaxed);
         } else {
-            go(GemmR<2, GM_WARPS, 5, 1, rk>());
+            go(GemmR<2, GM_WARPS, 5, 1, L>());
         }
     });
     g_calls.fetch_add(2, std::memory_order_relaxed);

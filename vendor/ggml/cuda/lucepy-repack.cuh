@@ -456,185 +456,6 @@ __device__ __forceinline__ void next_inv(const float *& xi, int nsegs, float (&i
     xi++;
 }
 
-// gemm on a repacked Q4_0 matrix (a.w; a.row_stride unused). Each warp loads its tile's groups
-// straight into registers, a chunk (8 pieces) ahead; the CTA shares the activations' chunks in
-// shared memory as gemm does. The mma's k order: in each of a group's 8 k-steps (word w, low
-// or high nibbles), lane t of a quad holds 4 values of its own piece t, as piece_halves gives
-// lane w of a quad; the activations' halves (to_halves' order) are read to match: group w of
-// piece t. Stored in a column's chunk with group w of piece i at 16 (w ^ (i / 2 % 2)) and a
-// column pitch of 34 16-byte units, so that the 8 lanes of each quarter of a warp's 16-byte
-// loads read 8 different bank groups.
-//
-// XCH chunks of activations a stage, and a barrier: gemm_r_xch's (docs/BENCHMARKS.md, session 34).
-// SKIP: RpSkip's parts left out.
-template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), int SKIP = 0,
-          bool RK = false>
-__global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
-    static_assert(!RK || SKIP == 0, "Q4_K repacked: nothing left out");
-    constexpr int P = 8;   // pieces a chunk: two groups
-    static_assert(GM_SEG == 2 * P, "a segment is two chunks");
-    constexpr int ST = 2;  // the activations' stages: chunk ch's is ch / XCH % 2
-    constexpr int X_STAGE = NT * GM_COL_TILE * RP_X_PITCH;
-    extern __shared__ __align__(16) uint8_t smem[];
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int g = lane / 4;
-    const int t = lane % 4;
-    const int row0 = blockIdx.x * W * 16;
-    const int rows = min(W * 16, a.nrows - row0);
-    const int nchunks_all = a.npieces / P;
-    const int chunk0 = blockIdx.y * a.per_part;
-    const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
-    const bool mine = warp * 16 < rows;
-    stamp_start<SKIP>(a);
-
-    const ActCopy<NT, W * 32> x_copy(a, chunk0);
-    auto issue_x = [&](int q) {  // stage q's chunks: q XCH on
-#pragma unroll
-        for (int h = 0; h < XCH; h++) {
-            const int ch = q * XCH + h;
-            if (ch < nchunks) {
-                x_copy.issue(smem + ((q % ST) * XCH + h) * X_STAGE, a.npieces, ch);
-            }
-        }
-        copy_commit();
-    };
-
-    const int ngroups = a.npieces / RP_GROUP;
-    const uint8_t * wp = warp_tile_at(a, row0, warp, chunk0, ngroups);
-    // where this lane's words of the next chunk to load start (kept, not worked out each load)
-    const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + lane;
-    const uint32_t * wd = reinterpret_cast<const uint32_t *>(wp + 1024) + lane;
-    auto load = [&](RpGroup (&buf)[2], int ch) {
-        if (mine && ch < nchunks && (!(SKIP & RP_LOADS) || ch < 2)) {
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                buf[j] = load_lane(wq + j * RP_U4, wd + j * RP_BYTES / 4);
-            }
-            wq += 2 * RP_U4;
-            wd += 2 * RP_BYTES / 4;
-        }
-    };
-
-    // this segment's sums of the low nibbles' products, and of the high nibbles' apart: two
-    // chains of mmas, each waiting on its own sums, not one (1 % faster alone, session 33)
-    float acc[NT][4] = {};
-    float acc2[NT][4] = {};
-    float total[NT][4] = {};  // and the sums of those before, scaled back
-    const int nsegs = segments(a.npieces);
-    // the 1 / scale of this lane's first column (2t) in the next segment to flush
-    const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
-    uint32_t x_lane[4];  // word w of this lane's piece of column g in stage 0
-    activation_lanes(smem, g, t, x_lane);
-
-    // chunk ch, the I-th of a round of ST XCH (its activations in stage I / XCH, part I % XCH)
-    auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch, auto index) {
-        constexpr int I = decltype(index)::value;  // its activations at smem + I X_STAGE
-        if (ch < RP_STAMP_CHUNKS) {
-            stamp_clock<SKIP>(a, RP_AT_CHUNK + ch);
-        }
-        load(nxt, ch + 1);
-        if constexpr (I % XCH == 0) {
-            copy_wait<ST - 2>();
-            __syncthreads();  // the stage's chunks have landed; the stage before is read by all
-            issue_x(ch / XCH + ST - 1);
-            if (ch == 0) {
-                stamp_clock<SKIP>(a, RP_AT_FIRST_BARRIER);
-            }
-        }
-        if (!mine) {
-            return;
-        }
-        // a segment is two chunks: the sums are scaled back after its odd one, or the last
-        const bool flush = ch + 1 == nchunks || ((chunk0 + ch) & 1);
-        float inv[NT][2];
-        if (flush) {
-            next_inv<NT>(xi, nsegs, inv);
-        }
-        [[maybe_unused]] uint32_t dd = 0, mm = 0;  // Q4_K: the chunk's super-block record
-        if constexpr (RK) {
-            rk_record(cur[0].d, cur[1].d, t, dd, mm);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            uint32_t da, db;
-            [[maybe_unused]] uint32_t ma = 0, mb = 0;
-            if constexpr (RK) {
-                rk_group(cur[j].d, dd, mm, da, db, ma, mb);
-            } else {
-                da = __byte_perm(cur[j].d, 0, 0x1010);
-                db = __byte_perm(cur[j].d, 0, 0x3232);
-            }
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                uint32_t a_lo[4], a_hi[4];
-                if constexpr (RK) {
-                    lane_words_k(word(cur[j].a, w), word(cur[j].b, w), da, db, ma, mb, a_lo, a_hi);
-                } else {
-                    lane_words<SKIP>(word(cur[j].a, w), word(cur[j].b, w), da, db, a_lo, a_hi);
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const uint32_t at =
-                        x_lane[w] + I * X_STAGE + nt * GM_COL_TILE * RP_X_PITCH + 4 * j * 64;
-                    const uint4 x = SKIP & RP_SHARED ? make_uint4(at, j, w, nt) : load_shared(at);
-                    word_mmas<SKIP>(acc[nt], acc2[nt], a_lo, a_hi, x);
-                }
-            }
-        }
-        if (flush) {  // the segment's sums, unscaled (its two chains added first)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    acc[nt][j] += acc2[nt][j];
-                    acc2[nt][j] = 0.0f;
-                }
-            }
-            flush_segment<NT>(acc, total, inv);
-        }
-    };
-
-    RpGroup w[2][2];  // chunk ch's weights in w[ch % 2]
-    load(w[0], 0);    // weights: no kernel before this one writes them
-    LUCEPY_PDL_SYNC();
-#pragma unroll
-    for (int s = 0; s < ST - 1; s++) {
-        issue_x(s);
-    }
-    for (int ch = 0; ch < nchunks; ch += ST * XCH) {
-        each_index<ST * XCH>([&](auto i) {
-            constexpr int I = decltype(i)::value;
-            if (ch + I < nchunks) {
-                step(w[I % 2], w[(I + 1) % 2], ch + I, i);
-            }
-        });
-    }
-    copy_wait<0>();
-    stamp_clock<SKIP>(a, RP_AT_LOOP_END);
-
-    LUCEPY_PDL_LAUNCH();
-
-    if (mine) {
-        store_tile<NT>(a, total, row0 + warp * 16, g, t);
-    }
-    stamp_end<SKIP>(a);
-}
-
-template <int NT, int XCH = gemm_r_xch(NT)> __host__ __device__ constexpr int gemm_r_smem() {
-    return 2 * XCH * NT * GM_COL_TILE * RP_X_PITCH;
-}
-
-// One build of gemm_r (its template's arguments but SKIP): its kernel and its shared memory named
-// together, so that a plan and a launch of it cannot take another build's (lucepy-mm.cu,
-// bench-kernels.cu)
-template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), bool RK = false>
-struct GemmR {
-    static constexpr int warps = W;
-    static constexpr int smem = gemm_r_smem<NT, XCH>();
-    static auto kernel() { return gemm_r<NT, W, MINB, XCH, 0, RK>; }
-};
-
 // --- gemv_r's sums, for the layouts below -----------------------------------------------------
 
 template <int SPLIT> __host__ __device__ constexpr int gemv_r_warps() {
@@ -1164,6 +985,189 @@ struct RpQ6_K {
         acc_a += f.x * (ds.x * float(va));
         acc_b += f.y * (ds.x * float(vb));
     }
+};
+
+// --- gemm_r: 2-16 columns, each lane's weights by its own loads --------------------------------
+//
+// gemm on a repacked Q4_0 or Q4_K matrix (a.w; a.row_stride unused; layout L). Each warp loads its tile's groups
+// straight into registers, a chunk (8 pieces) ahead; the CTA shares the activations' chunks in
+// shared memory as gemm does. The mma's k order: in each of a group's 8 k-steps (word w, low
+// or high nibbles), lane t of a quad holds 4 values of its own piece t, as piece_halves gives
+// lane w of a quad; the activations' halves (to_halves' order) are read to match: group w of
+// piece t. Stored in a column's chunk with group w of piece i at 16 (w ^ (i / 2 % 2)) and a
+// column pitch of 34 16-byte units, so that the 8 lanes of each quarter of a warp's 16-byte
+// loads read 8 different bank groups.
+//
+// XCH chunks of activations a stage, and a barrier: gemm_r_xch's (docs/BENCHMARKS.md, session 34).
+// SKIP: RpSkip's parts left out.
+template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), int SKIP = 0,
+          class L = RpQ4_0>
+__global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
+    static_assert(L::gemm_r, "gemm_r reads Q4_0's and Q4_K's layouts");
+    constexpr bool RK = std::is_same_v<L, RpQ4_K>;
+    static_assert(!RK || SKIP == 0, "Q4_K repacked: nothing left out");
+    constexpr int P = 8;   // pieces a chunk: two groups
+    static_assert(GM_SEG == 2 * P, "a segment is two chunks");
+    constexpr int ST = 2;  // the activations' stages: chunk ch's is ch / XCH % 2
+    constexpr int X_STAGE = NT * GM_COL_TILE * RP_X_PITCH;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * W * 16;
+    const int rows = min(W * 16, a.nrows - row0);
+    const int nchunks_all = a.npieces / P;
+    const int chunk0 = blockIdx.y * a.per_part;
+    const int nchunks = max(0, min(a.per_part, nchunks_all - chunk0));
+    const bool mine = warp * 16 < rows;
+    stamp_start<SKIP>(a);
+
+    const ActCopy<NT, W * 32> x_copy(a, chunk0);
+    auto issue_x = [&](int q) {  // stage q's chunks: q XCH on
+#pragma unroll
+        for (int h = 0; h < XCH; h++) {
+            const int ch = q * XCH + h;
+            if (ch < nchunks) {
+                x_copy.issue(smem + ((q % ST) * XCH + h) * X_STAGE, a.npieces, ch);
+            }
+        }
+        copy_commit();
+    };
+
+    const int ngroups = a.npieces / RP_GROUP;
+    const uint8_t * wp = warp_tile_at(a, row0, warp, chunk0, ngroups);
+    // where this lane's words of the next chunk to load start (kept, not worked out each load)
+    const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + lane;
+    const uint32_t * wd = reinterpret_cast<const uint32_t *>(wp + 1024) + lane;
+    auto load = [&](RpGroup (&buf)[2], int ch) {
+        if (mine && ch < nchunks && (!(SKIP & RP_LOADS) || ch < 2)) {
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                buf[j] = load_lane(wq + j * RP_U4, wd + j * RP_BYTES / 4);
+            }
+            wq += 2 * RP_U4;
+            wd += 2 * RP_BYTES / 4;
+        }
+    };
+
+    // this segment's sums of the low nibbles' products, and of the high nibbles' apart: two
+    // chains of mmas, each waiting on its own sums, not one (1 % faster alone, session 33)
+    float acc[NT][4] = {};
+    float acc2[NT][4] = {};
+    float total[NT][4] = {};  // and the sums of those before, scaled back
+    const int nsegs = segments(a.npieces);
+    // the 1 / scale of this lane's first column (2t) in the next segment to flush
+    const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
+    uint32_t x_lane[4];  // word w of this lane's piece of column g in stage 0
+    activation_lanes(smem, g, t, x_lane);
+
+    // chunk ch, the I-th of a round of ST XCH (its activations in stage I / XCH, part I % XCH)
+    auto step = [&](const RpGroup (&cur)[2], RpGroup (&nxt)[2], int ch, auto index) {
+        constexpr int I = decltype(index)::value;  // its activations at smem + I X_STAGE
+        if (ch < RP_STAMP_CHUNKS) {
+            stamp_clock<SKIP>(a, RP_AT_CHUNK + ch);
+        }
+        load(nxt, ch + 1);
+        if constexpr (I % XCH == 0) {
+            copy_wait<ST - 2>();
+            __syncthreads();  // the stage's chunks have landed; the stage before is read by all
+            issue_x(ch / XCH + ST - 1);
+            if (ch == 0) {
+                stamp_clock<SKIP>(a, RP_AT_FIRST_BARRIER);
+            }
+        }
+        if (!mine) {
+            return;
+        }
+        // a segment is two chunks: the sums are scaled back after its odd one, or the last
+        const bool flush = ch + 1 == nchunks || ((chunk0 + ch) & 1);
+        float inv[NT][2];
+        if (flush) {
+            next_inv<NT>(xi, nsegs, inv);
+        }
+        [[maybe_unused]] uint32_t dd = 0, mm = 0;  // Q4_K: the chunk's super-block record
+        if constexpr (RK) {
+            rk_record(cur[0].d, cur[1].d, t, dd, mm);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            uint32_t da, db;
+            [[maybe_unused]] uint32_t ma = 0, mb = 0;
+            if constexpr (RK) {
+                rk_group(cur[j].d, dd, mm, da, db, ma, mb);
+            } else {
+                da = __byte_perm(cur[j].d, 0, 0x1010);
+                db = __byte_perm(cur[j].d, 0, 0x3232);
+            }
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                uint32_t a_lo[4], a_hi[4];
+                if constexpr (RK) {
+                    lane_words_k(word(cur[j].a, w), word(cur[j].b, w), da, db, ma, mb, a_lo, a_hi);
+                } else {
+                    lane_words<SKIP>(word(cur[j].a, w), word(cur[j].b, w), da, db, a_lo, a_hi);
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint32_t at =
+                        x_lane[w] + I * X_STAGE + nt * GM_COL_TILE * RP_X_PITCH + 4 * j * 64;
+                    const uint4 x = SKIP & RP_SHARED ? make_uint4(at, j, w, nt) : load_shared(at);
+                    word_mmas<SKIP>(acc[nt], acc2[nt], a_lo, a_hi, x);
+                }
+            }
+        }
+        if (flush) {  // the segment's sums, unscaled (its two chains added first)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    acc[nt][j] += acc2[nt][j];
+                    acc2[nt][j] = 0.0f;
+                }
+            }
+            flush_segment<NT>(acc, total, inv);
+        }
+    };
+
+    RpGroup w[2][2];  // chunk ch's weights in w[ch % 2]
+    load(w[0], 0);    // weights: no kernel before this one writes them
+    LUCEPY_PDL_SYNC();
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) {
+        issue_x(s);
+    }
+    for (int ch = 0; ch < nchunks; ch += ST * XCH) {
+        each_index<ST * XCH>([&](auto i) {
+            constexpr int I = decltype(i)::value;
+            if (ch + I < nchunks) {
+                step(w[I % 2], w[(I + 1) % 2], ch + I, i);
+            }
+        });
+    }
+    copy_wait<0>();
+    stamp_clock<SKIP>(a, RP_AT_LOOP_END);
+
+    LUCEPY_PDL_LAUNCH();
+
+    if (mine) {
+        store_tile<NT>(a, total, row0 + warp * 16, g, t);
+    }
+    stamp_end<SKIP>(a);
+}
+
+template <int NT, int XCH = gemm_r_xch(NT)> __host__ __device__ constexpr int gemm_r_smem() {
+    return 2 * XCH * NT * GM_COL_TILE * RP_X_PITCH;
+}
+
+// One build of gemm_r (its template's arguments but SKIP): its kernel and its shared memory named
+// together, so that a plan and a launch of it cannot take another build's (lucepy-mm.cu,
+// bench-kernels.cu)
+template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), class L = RpQ4_0>
+struct GemmR {
+    static constexpr int warps = W;
+    static constexpr int smem = gemm_r_smem<NT, XCH>();
+    static auto kernel() { return gemm_r<NT, W, MINB, XCH, 0, L>; }
 };
 
 // --- gemm_rb: gemm_r with each warp's weights fetched by the TMA unit -----------------------
