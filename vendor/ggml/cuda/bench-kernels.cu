@@ -1,5 +1,5 @@
 // lucepy's product kernels (lucepy-kernels.cuh, lucepy-gemm.cuh; lucepy-repack.cuh's on a
-// repacked Q4_0 copy of the same matrix) alone on a GPU, without ggml:
+// repacked copy of the same matrix: Q4_0, Q4_K, Q5_K, Q6_K) alone on a GPU, without ggml:
 // each way to launch them on the decode shapes of the 27B-shaped model, their time per call and
 // the weight bytes read per second, and each result against the same math on the host
 // (lucepy-quants.cuh), on the same rounded weights and activations. One column (gemv: rows per
