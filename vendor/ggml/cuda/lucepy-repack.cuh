@@ -1174,10 +1174,10 @@ struct GemmR {
 //
 // The same products as gemm_r (2-16 columns on a repacked layout, its k order, activations and
 // sums), but each warp's weights of a chunk, its tile's two groups (2,304 contiguous bytes on
-// Q4_0's layout), come by one bulk copy (cp.async.bulk, Hopper's TMA unit) into shared memory, completing on the warp's mbarrier
-// of the stage, where gemm_r loads them into registers a chunk ahead (36 registers); the
-// activations' chunks are copied as gemm_r copies them, one a stage; both low and high nibbles'
-// mmas go into one chain. 89 registers at two column tiles: 5 CTAs an SM (73 at one: 6). On an
+// Q4_0's layout), come by one bulk copy (cp.async.bulk, Hopper's TMA unit) into shared memory,
+// completing on the warp's mbarrier of the stage, where gemm_r loads them into registers a
+// chunk ahead (36 registers); the activations' chunks are copied as gemm_r copies them, one a
+// stage; both low and high nibbles' mmas go into one chain. 89 registers at two column tiles: 5 CTAs an SM (73 at one: 6). On an
 // H200 at 16 columns (docs/BENCHMARKS.md, session 38) 2.5-8.5 % faster than gemm_r where each of
 // the 5 x 132 CTA slots gets about 5 or more chunks (the FFN's stacked up and gate 39.5 us where
 // 43.1, and 41.2 for gemm_r at 5 CTAs an SM; ffn down 22.7 where 23.4; qkv 15.2 where 15.6), 5-9
@@ -1527,7 +1527,7 @@ __global__ void __launch_bounds__(256) to_halves_col(const float * x, int64_t co
     }
 }
 
-// A prefill's columns (multiples of 64) on a repacked Q4_0 matrix, activations from
+// A prefill's columns (multiples of 64) on a repacked matrix (layout L), activations from
 // to_halves_col: a CTA of 4 warps owns 64 MT rows by 64 columns and walks the row a group (4
 // pieces) at a time, its weights and activations copied into two shared stages (cp.async);
 // each warp unpacks its own MT tiles of 16 rows (as gemm_r's lanes do) and multiplies them with
