@@ -290,7 +290,8 @@ def _scale_min_fit(values: np.ndarray, top: int):
     each 32-value piece's range as a scale and a min (value = d sc q - dmin m, q 0-``top``), sc
     and m 6-bit multiples of the block's d and dmin. A plain min/max fit, not ggml's search: any
     valid block serves the tests, which compare kernels on these bytes. Returns the super-blocks'
-    count, their d and dmin (f16), their 12 bytes of packed scales and mins, and q [n, 8, 32]."""
+    first 16 bytes (d, dmin and the packed scales and mins, as both types start) [n, 16] and
+    q [n, 8, 32]."""
     rows = values.reshape(-1, _KBLOCK).astype(np.float32)
     pieces = rows.reshape(len(rows), 8, 32)
     lo = np.minimum(pieces.min(axis=2), 0.0)  # the min to add back: -m, so m >= 0
@@ -309,17 +310,18 @@ def _scale_min_fit(values: np.ndarray, top: int):
     scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
     scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
-    return len(rows), d, dmin, scales, q
+    head = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales], axis=1
+    )
+    return head, q
 
 
 def encode_q4_k(values: np.ndarray) -> np.ndarray:
     """Rows of ``values`` (a multiple of 256 long) as Q4_K blocks (gguf-py has no Q4_K encoder):
     _scale_min_fit's q of 0-15, packed as ggml's block_q4_K."""
-    n, d, dmin, scales, q = _scale_min_fit(values, 15)
-    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)  # pieces 2j, 2j + 1
-    blocks = np.concatenate(
-        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1
-    )
+    head, q = _scale_min_fit(values, 15)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(len(q), 128)  # pieces 2j, 2j + 1
+    blocks = np.concatenate([head, qs], axis=1)
     return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 144)
 
 
@@ -327,16 +329,13 @@ def encode_q5_k(values: np.ndarray) -> np.ndarray:
     """Rows of ``values`` (a multiple of 256 long) as Q5_K blocks (gguf-py has no Q5_K encoder):
     _scale_min_fit's q of 0-31, packed as ggml's block_q5_K (the low nibbles as Q4_K's, value
     l of piece p's fifth bit in bit p of byte l of qh)."""
-    n, d, dmin, scales, q = _scale_min_fit(values, 31)
+    head, q = _scale_min_fit(values, 31)
     low = q & 0x0F
-    qs = (low[:, 0::2, :] | (low[:, 1::2, :] << 4)).reshape(n, 128)
+    qs = (low[:, 0::2, :] | (low[:, 1::2, :] << 4)).reshape(len(q), 128)
     qh = ((q >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(
         axis=1, dtype=np.uint8
     )  # the bits are apart: their sum is their or
-    blocks = np.concatenate(
-        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qh, qs],
-        axis=1,
-    )
+    blocks = np.concatenate([head, qh, qs], axis=1)
     return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 176)
 
 

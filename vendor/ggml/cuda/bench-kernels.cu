@@ -766,6 +766,16 @@ void launch_gemm_r_slices(GemmArgs a, float * parts_buf, cudaStream_t s) {
     }
 }
 
+// f(L()) with L the repacked layout (lucepy-repack.cuh) of kind k: Q4_0, Q4_K, Q5_K or Q6_K
+template <typename F> void with_kind_layout(int k, F && f) {
+    switch (k) {
+        case Q4_K: f(RpQ4_K()); break;
+        case Q5_K: f(RpQ5_K()); break;
+        case Q6_K: f(RpQ6_K()); break;
+        default: f(RpQ4_0());
+    }
+}
+
 // Q4_K repacked (repack_q4_k): gemm_r and gemm_rb as the Q4_0 layout's model builds
 template <int NT> std::vector<GemmVariant> gemm_rk_variants() {
     return {{"rk", launch_build<GemmR<NT, 4, 4, gemm_r_xch(NT), RpQ4_K>>},
@@ -775,6 +785,20 @@ template <int NT> std::vector<GemmVariant> gemm_rk_variants() {
 }
 
 std::vector<GemmVariant> gemm_r_variants_of(int ncols, int k = Q4_0) {
+    if (k == Q5_K || k == Q6_K) {  // gemm_rb always, as lucepy-mm.cu launches them
+        std::vector<GemmVariant> out;
+        with_kind_layout(k, [&](auto layout) {
+            using L = decltype(layout);
+            if (ncols <= GM_COL_TILE) {
+                out = {{"bulk", launch_build<GemmRB<1, 6, L>>},
+                       {"bulk 5 CTAs", launch_build<GemmRB<1, 5, L>>}};
+            } else if (ncols <= 16) {
+                out = {{"bulk", launch_build<GemmRB<2, 5, L>>},
+                       {"bulk 4 CTAs", launch_build<GemmRB<2, 4, L>>}};
+            }
+        });
+        return out;
+    }
     if (k == Q4_K) {
         return ncols <= 8 ? gemm_rk_variants<1>() : ncols <= 16 ? gemm_rk_variants<2>()
                                                                 : std::vector<GemmVariant>{};
@@ -797,6 +821,31 @@ void launch_gemv_r(const Args & a, cudaStream_t s) {
     constexpr int WARPS = gemv_r_warps<SPLIT>();
     const int64_t warps = int64_t(a.nrows / RP_ROWS) * SPLIT;
     gemv_r<SPLIT, U, GATE, L><<<unsigned((warps + WARPS - 1) / WARPS), WARPS * 32, 0, s>>>(a);
+}
+
+using GemvR = std::pair<const char *, void (*)(const Args &, cudaStream_t)>;
+
+// gemv_r's splits on kind k's repacked layout (GATE: with ggml's fused gate); a K type's
+// super-block a step
+template <bool GATE> std::vector<GemvR> gemv_r_variants(int k) {
+    std::vector<GemvR> out;
+    with_kind_layout(k, [&](auto layout) {
+        using L = decltype(layout);
+        constexpr int U = L::pair ? 2 : 1;
+        out = {{"split 2", launch_gemv_r<2, U, GATE, L>},
+               {"split 4", launch_gemv_r<4, U, GATE, L>},
+               {"split 8", launch_gemv_r<8, U, GATE, L>}};
+        if constexpr (!GATE) {
+            out.push_back({"split 16", launch_gemv_r<16, U, false, L>});
+        }
+        if constexpr (!GATE && !L::pair) {
+            out.push_back({"split 32", launch_gemv_r<32, 1, false, L>});
+            out.push_back({"split 4 U2", launch_gemv_r<4, 2, false, L>});
+            out.push_back({"split 8 U2", launch_gemv_r<8, 2, false, L>});
+            out.push_back({"split 16 U2", launch_gemv_r<16, 2, false, L>});
+        }
+    });
+    return out;
 }
 
 // Q4_0 rows rearranged as gemm_r and gemv_r read them (lucepy-repack.cuh: the layout), on the host
@@ -833,14 +882,7 @@ void bench_fused_gate(int k, const Shape & sh, const std::vector<uint8_t> & host
                       int copies, const Args & a1, const std::vector<int8_t> & hq,
                       const std::vector<float2> & hds, int unit, float * dst, cudaStream_t s) {
     const int npieces = sh.k / 32;
-    using Fused = std::pair<const char *, void (*)(const Args &, cudaStream_t)>;
-    const std::vector<Fused> fused =
-        k == Q4_K ? std::vector<Fused>{{"rk split 2", launch_gemv_r<2, 2, true, RpQ4_K>},
-                                       {"rk split 4", launch_gemv_r<4, 2, true, RpQ4_K>},
-                                       {"rk split 8", launch_gemv_r<8, 2, true, RpQ4_K>}}
-                  : std::vector<Fused>{{"split 2", launch_gemv_r<2, 1, true>},
-                                       {"split 4", launch_gemv_r<4, 1, true>},
-                                       {"split 8", launch_gemv_r<8, 1, true>}};
+    const std::vector<GemvR> fused = gemv_r_variants<true>(k);
     const Variant gemv_gate = variants_of(k, true, unit)[0];
     for (int side = 0; side < 1 + int(std::size(fused)); side++) {
         uint8_t * const base = side == 0 ? w : wr;
@@ -909,10 +951,12 @@ void bench_prefill(int k, const Shape & sh, const std::vector<uint8_t> & host, i
     g.nrows = sh.rows;
     g.npieces = npieces;
     g.ncols = ncols;
-    const bool rk = k == Q4_K;
-    const std::pair<const char *, void (*)(const GemmArgs &, cudaStream_t)> kernels[] = {
-        {"rq 64 rows", rk ? launch_gemm_rq<1, RpQ4_K> : launch_gemm_rq<1>},
-        {"rq 128 rows", rk ? launch_gemm_rq<2, RpQ4_K> : launch_gemm_rq<2>}};
+    std::pair<const char *, void (*)(const GemmArgs &, cudaStream_t)> kernels[2];
+    with_kind_layout(k, [&](auto layout) {
+        using L = decltype(layout);
+        kernels[0] = {"rq 64 rows", launch_gemm_rq<1, L>};
+        kernels[1] = {"rq 128 rows", launch_gemm_rq<2, L>};
+    });
     std::vector<int> check_rows;
     for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 37)) {
         check_rows.push_back(r);
@@ -976,26 +1020,19 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         CHECK(cudaMemcpy(w + mat_bytes * c, host.data(), size_t(mat_bytes),
                          cudaMemcpyHostToDevice));
     }
-    uint8_t * wr = nullptr;  // Q4_0 and Q4_K: the same copies repacked, for gemm_r
-    if (k == Q4_K && repackable(sh.rows, npieces)) {  // by the device (the results are checked)
+    // the same copies repacked (lucepy-repack.cuh) where a layout takes them: the K types by
+    // the device (a super-block a CTA; the results are checked), Q4_0 below
+    uint8_t * wr = nullptr;
+    const bool k_type = k == Q4_K || k == Q5_K || k == Q6_K;
+    if (k_type && repackable(sh.rows, npieces)) {
         CHECK(cudaMalloc(&wr, size_t(mat_bytes) * made));
         const dim3 grid(unsigned(npieces / 8), unsigned(sh.rows / RP_ROWS));
-        for (int c = 0; c < made; c++) {
-            repack_q4_k<<<grid, 128, 0, s>>>(w + mat_bytes * c, row_bytes, npieces / RP_GROUP,
-                                             wr + mat_bytes * c);
-        }
-        CHECK(cudaGetLastError());
-    }
-    // Q6_K and Q5_K repacked (repack_q6_k, repack_q5_k), by the device
-    uint8_t * w6 = nullptr;
-    if ((k == Q6_K || k == Q5_K) && repackable(sh.rows, npieces)) {
-        CHECK(cudaMalloc(&w6, size_t(mat_bytes) * made));
-        const dim3 grid(unsigned(npieces / 8), unsigned(sh.rows / RP_ROWS));
-        const auto repack = k == Q6_K ? repack_q6_k : repack_q5_k;
-        for (int c = 0; c < made; c++) {
-            repack<<<grid, 128, 0, s>>>(w + mat_bytes * c, row_bytes, npieces / RP_GROUP,
-                                        w6 + mat_bytes * c);
-        }
+        with_kind_layout(k, [&](auto layout) {
+            for (int c = 0; c < made; c++) {
+                decltype(layout)::repack<<<grid, 128, 0, s>>>(
+                    w + mat_bytes * c, row_bytes, npieces / RP_GROUP, wr + mat_bytes * c);
+            }
+        });
         CHECK(cudaGetLastError());
     }
     if (k == Q4_0 && repackable(sh.rows, npieces)) {
@@ -1062,20 +1099,7 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         std::vector<float2> hds(npieces);
         CHECK(cudaMemcpy(hq.data(), xq, hq.size(), cudaMemcpyDeviceToHost));
         CHECK(cudaMemcpy(hds.data(), xds, hds.size() * sizeof(float2), cudaMemcpyDeviceToHost));
-        using GemvR = std::pair<const char *, void (*)(const Args &, cudaStream_t)>;
-        const std::vector<GemvR> gemv_rs =
-            k == Q4_K ? std::vector<GemvR>{{"rk split 2", launch_gemv_r<2, 2, false, RpQ4_K>},
-                                           {"rk split 4", launch_gemv_r<4, 2, false, RpQ4_K>},
-                                           {"rk split 8", launch_gemv_r<8, 2, false, RpQ4_K>},
-                                           {"rk split 16", launch_gemv_r<16, 2, false, RpQ4_K>}}
-                      : std::vector<GemvR>{{"split 2", launch_gemv_r<2, 1>},
-                                           {"split 4", launch_gemv_r<4, 1>},
-                                           {"split 8", launch_gemv_r<8, 1>},
-                                           {"split 16", launch_gemv_r<16, 1>},
-                                           {"split 32", launch_gemv_r<32, 1>},
-                                           {"split 4 U2", launch_gemv_r<4, 2>},
-                                           {"split 8 U2", launch_gemv_r<8, 2>},
-                                           {"split 16 U2", launch_gemv_r<16, 2>}};
+        const std::vector<GemvR> gemv_rs = gemv_r_variants<false>(k);
         for (const auto & variant : gemv_rs) {
             const char * name = variant.first;
             void (*const launch)(const Args &, cudaStream_t) = variant.second;
@@ -1102,57 +1126,12 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
                 c.w = wr + mat_bytes * (i % copies);
                 launch(c, s);
             });
-            std::printf("      gemv_r %-10s %7.2f us  %.2fx gemv   err %.1e%s\n", name, t, t / t1,
-                        rel, ok ? "" : "  WRONG");
+            std::printf("      gemv_r %-12s %7.2f us  %.2fx gemv  %6.0f GB/s  err %.1e%s\n", name,
+                        t, t / t1, mat_bytes / t / 1e3, rel, ok ? "" : "  WRONG");
         }
         if (sh.gate) {  // ggml's fused gate: the gate another copy of the same matrix
             bench_fused_gate(k, sh, host, row_bytes, w, wr, mat_bytes, copies, a1, hq, hds, unit,
                              dst, s);
-        }
-    }
-    if (w6) {  // one column on Q6_K (or Q5_K) repacked
-        std::vector<int8_t> hq(size_t(npieces) * 32);
-        std::vector<float2> hds(npieces);
-        CHECK(cudaMemcpy(hq.data(), xq, hq.size(), cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(hds.data(), xds, hds.size() * sizeof(float2), cudaMemcpyDeviceToHost));
-        using GemvR = std::pair<const char *, void (*)(const Args &, cudaStream_t)>;
-        const std::vector<GemvR> r6s =
-            k == Q6_K ? std::vector<GemvR>{{"r6 split 2", launch_gemv_r<2, 2, false, RpQ6_K>},
-                                           {"r6 split 4", launch_gemv_r<4, 2, false, RpQ6_K>},
-                                           {"r6 split 8", launch_gemv_r<8, 2, false, RpQ6_K>},
-                                           {"r6 split 16", launch_gemv_r<16, 2, false, RpQ6_K>}}
-                      : std::vector<GemvR>{{"r5 split 2", launch_gemv_r<2, 2, false, RpQ5_K>},
-                                           {"r5 split 4", launch_gemv_r<4, 2, false, RpQ5_K>},
-                                           {"r5 split 8", launch_gemv_r<8, 2, false, RpQ5_K>},
-                                           {"r5 split 16", launch_gemv_r<16, 2, false, RpQ5_K>}};
-        for (const GemvR & variant : r6s) {
-            const char * name = variant.first;
-            void (*const launch)(const Args &, cudaStream_t) = variant.second;
-            CHECK(cudaMemset(dst, 0, size_t(sh.rows) * sizeof(float)));
-            Args b = a1;
-            b.w = w6;
-            launch(b, s);
-            CHECK(cudaGetLastError());
-            std::vector<float> got(sh.rows);
-            CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float),
-                             cudaMemcpyDeviceToHost));
-            double err = 0, scale = 0;
-            for (int r = 0; r < sh.rows; r += std::max(1, sh.rows / 61)) {
-                const double want =
-                    host_dot(k, host.data() + r * row_bytes, npieces, hq.data(), hds.data());
-                err = std::max(err, std::fabs(got[r] - want));
-                scale = std::max(scale, std::fabs(want));
-            }
-            const double rel = err / std::max(scale, 1e-30);
-            const bool ok = rel < 1e-4;
-            failures += !ok;
-            const float t = time_calls(s, [&](int i) {
-                Args c = a1;
-                c.w = w6 + mat_bytes * (i % copies);
-                launch(c, s);
-            });
-            std::printf("      gemv %-14s %7.2f us  %.2fx gemv  %6.0f GB/s  err %.1e%s\n", name,
-                        t, t / t1, mat_bytes / t / 1e3, rel, ok ? "" : "  WRONG");
         }
     }
 
@@ -1208,21 +1187,9 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
                 vs.push_back(v);
             }
         }
-        const size_t n_wr = vs.size();
-        if (w6 && k == Q6_K && ncols <= 8) {  // Q6_K repacked at 2-16 columns: gemm_rb
-            vs.push_back({"r6 bulk", launch_build<GemmRB<1, 6, RpQ6_K>>});
-            vs.push_back({"r6 bulk 5 CTAs", launch_build<GemmRB<1, 5, RpQ6_K>>});
-        } else if (w6 && k == Q6_K && ncols <= 16) {
-            vs.push_back({"r6 bulk", launch_build<GemmRB<2, 5, RpQ6_K>>});
-            vs.push_back({"r6 bulk 4 CTAs", launch_build<GemmRB<2, 4, RpQ6_K>>});
-        } else if (w6 && ncols <= 8) {  // Q5_K's the same
-            vs.push_back({"r5 bulk", launch_build<GemmRB<1, 6, RpQ5_K>>});
-        } else if (w6 && ncols <= 16) {
-            vs.push_back({"r5 bulk", launch_build<GemmRB<2, 5, RpQ5_K>>});
-        }
         for (size_t vi = 0; vi < vs.size(); vi++) {
             const GemmVariant & v = vs[vi];
-            uint8_t * const base = vi < n_plain ? w : vi < n_wr ? wr : w6;
+            uint8_t * const base = vi < n_plain ? w : wr;
             auto run = [&](int i) {
                 GemmArgs b = g;
                 b.w = base + mat_bytes * (i % copies);
@@ -1251,7 +1218,7 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
                         v.name.c_str(), t, t / t1, mat_bytes / t / 1e3, worst,
                         v.partial ? "  (a part)" : ok ? "" : "  WRONG");
         }
-        if (wr && g_timeline && ncols <= MAX_GEMM_COLS) {
+        if (wr && k == Q4_0 && g_timeline && ncols <= MAX_GEMM_COLS) {  // (Q4_0's builds)
             auto args = [&](int i) {
                 GemmArgs b = g;
                 b.w = wr + mat_bytes * (i % copies);
@@ -1269,10 +1236,8 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         }
     }
     CHECK(cudaFree(w));
-    for (uint8_t * p : {wr, w6}) {
-        if (p) {
-            CHECK(cudaFree(p));
-        }
+    if (wr) {
+        CHECK(cudaFree(wr));
     }
     CHECK(cudaFree(dx));
     CHECK(cudaFree(act));

@@ -114,6 +114,37 @@ __device__ __forceinline__ void word_halves(uint32_t q, __half2 d, __half2 (&lo)
 // A piece's value is d sc q - dmin m (q of 0-15): the products on halves take round(d sc) and
 // round(dmin m) as gemm does on the blocks, gemv_r's f32 sums d sc and dmin m exactly.
 
+// A K type's piece p (of a super-block's 8) as 4 words in Q4_0's order (byte i of word k: values
+// 4k + i and 4k + i + 16), from its low (p even) or high nibbles in `qs`, the 32 bytes that
+// pieces p and p ^ 1 share (Q4_K's and Q5_K's low 4 bits)
+__device__ __forceinline__ void k_piece_words(const uint8_t * qs, int p, uint32_t (&words)[4]) {
+    const int shift = 4 * (p % 2);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        uint32_t v = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int at = 4 * k + i;  // byte at of the piece: values at and at + 16
+            const uint32_t lo = (qs[at] >> shift) & 0x0F;
+            const uint32_t hi = (qs[at + 16] >> shift) & 0x0F;
+            v |= (lo | (hi << 4)) << (8 * i);
+        }
+        words[k] = v;
+    }
+}
+
+// lane (r, p % 4)'s word of scales of piece p (r < 8), from the super-blocks of rows r (b) and
+// r + 8 (b8), whose first 16 bytes are Q4_K's: both rows' 6-bit scale and min, and byte p of
+// the two rows' records (d, dmin of row r, then of row r + 8)
+__device__ __forceinline__ uint32_t k_scale_word(const uint8_t * b, const uint8_t * b8, int p) {
+    int sc, m, sc8, m8;
+    scale_min_k4(b + 4, p, sc, m);
+    scale_min_k4(b8 + 4, p, sc8, m8);
+    const uint8_t rec = p < 4 ? b[p] : b8[p - 4];
+    return uint32_t(sc) | uint32_t(m) << 6 | uint32_t(sc8) << 12 | uint32_t(m8) << 18 |
+           uint32_t(rec) << 24;
+}
+
 // Q4_K rows (row_stride bytes apart) into that layout at `out` (another buffer): a CTA a tile's
 // super-block, thread (r, p) piece p of row r, and for r < 8 the word of lane (r, p % 4) of group
 // p / 4. Grid (super-blocks, tiles), 128 threads.
@@ -127,34 +158,15 @@ __global__ void __launch_bounds__(128) repack_q4_k(const uint8_t * w, int64_t ro
         return w + int64_t(RP_ROWS * tile + row) * row_stride + int64_t(sb) * 144;
     };
     const uint8_t * b = block(r);
-    const uint8_t * qs = b + 16 + 32 * (p / 2);
-    const int shift = 4 * (p % 2);
     uint32_t words[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        uint32_t v = 0;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int at = 4 * k + i;  // byte at of the piece: values at and at + 16
-            const uint32_t lo = (qs[at] >> shift) & 0x0F;
-            const uint32_t hi = (qs[at + 16] >> shift) & 0x0F;
-            v |= (lo | (hi << 4)) << (8 * i);
-        }
-        words[k] = v;
-    }
+    k_piece_words(b + 16 + 32 * (p / 2), p, words);
     const int grp = 2 * sb + p / 4;
     uint8_t * o = out + repacked_at(tile, grp, ngroups);
     *reinterpret_cast<uint4 *>(o + 64 * r + 16 * (p % 4)) =
         make_uint4(words[0], words[1], words[2], words[3]);
     if (r < 8) {
-        const uint8_t * b8 = block(r + 8);
-        int sc, m, sc8, m8;
-        scale_min_k4(b + 4, p, sc, m);
-        scale_min_k4(b8 + 4, p, sc8, m8);
-        const uint8_t rec = p < 4 ? b[p] : b8[p - 4];  // byte p: d, dmin of row r, of row r + 8
-        const uint32_t word = uint32_t(sc) | uint32_t(m) << 6 | uint32_t(sc8) << 12 |
-                              uint32_t(m8) << 18 | uint32_t(rec) << 24;
-        *reinterpret_cast<uint32_t *>(o + 1024 + 4 * (4 * r + p % 4)) = word;
+        *reinterpret_cast<uint32_t *>(o + 1024 + 4 * (4 * r + p % 4)) =
+            k_scale_word(b, block(r + 8), p);
     }
 }
 
@@ -544,7 +556,7 @@ __global__ void __launch_bounds__(128) repack_q6_k(const uint8_t * w, int64_t ro
     for (int i = 0; i < 32; i++) {
         q[i] = uint8_t(((ql[i] >> (4 * (k / 2))) & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4));
     }
-    uint8_t * o = out + (int64_t(tile) * ngroups + 2 * sb + p / 4) * R6_BYTES;
+    uint8_t * o = out + repacked_at(tile, 2 * sb + p / 4, ngroups, R6_BYTES);
     const int j = p % 4;
     uint32_t nib[4];
     for (int c = 0; c < 4; c++) {
@@ -570,7 +582,7 @@ __global__ void __launch_bounds__(128) repack_q6_k(const uint8_t * w, int64_t ro
     o[1536 + 4 * lane + 2 * (r / 8)] = sc[0];
     o[1536 + 4 * lane + 2 * (r / 8) + 1] = sc[1];
     if (p == 0) {  // the row's d, in the super-block's group of its half of the rows
-        uint8_t * od = out + (int64_t(tile) * ngroups + 2 * sb + r / 8) * R6_BYTES;
+        uint8_t * od = out + repacked_at(tile, 2 * sb + r / 8, ngroups, R6_BYTES);
         od[1664 + 2 * (r % 8)] = b[208];
         od[1664 + 2 * (r % 8) + 1] = b[209];
     }
@@ -651,36 +663,25 @@ __global__ void __launch_bounds__(128) repack_q5_k(const uint8_t * w, int64_t ro
         return w + int64_t(RP_ROWS * tile + row) * row_stride + int64_t(sb) * 176;
     };
     const uint8_t * b = block(r);
-    const uint8_t * qs = b + 48 + 32 * (p / 2);
     const uint8_t * qh = b + 16;
-    const int shift = 4 * (p % 2);
     uint32_t words[4];
+    k_piece_words(b + 48 + 32 * (p / 2), p, words);
     uint32_t fifth = 0;
     for (int k = 0; k < 4; k++) {
-        uint32_t v = 0;
         for (int i = 0; i < 4; i++) {
             const int at = 4 * k + i;  // byte at of the piece: values at and at + 16
-            v |= (((qs[at] >> shift) & 0x0Fu) | (((qs[at + 16] >> shift) & 0x0Fu) << 4)) << (8 * i);
             fifth |= uint32_t((qh[at] >> p) & 1) << (8 * i + k);
             fifth |= uint32_t((qh[at + 16] >> p) & 1) << (8 * i + 4 + k);
         }
-        words[k] = v;
     }
-    uint8_t * o = out + (int64_t(tile) * ngroups + 2 * sb + p / 4) * R5_BYTES;
+    uint8_t * o = out + repacked_at(tile, 2 * sb + p / 4, ngroups, R5_BYTES);
     const int j = p % 4;
     *reinterpret_cast<uint4 *>(o + 64 * r + 16 * j) =
         make_uint4(words[0], words[1], words[2], words[3]);
     const int lane = 4 * (r % 8) + j;
     *reinterpret_cast<uint32_t *>(o + 1024 + 8 * lane + 4 * (r / 8)) = fifth;
     if (r < 8) {
-        const uint8_t * b8 = block(r + 8);
-        int sc, m, sc8, m8;
-        scale_min_k4(b + 4, p, sc, m);
-        scale_min_k4(b8 + 4, p, sc8, m8);
-        const uint8_t rec = p < 4 ? b[p] : b8[p - 4];  // byte p: d, dmin of row r, of row r + 8
-        const uint32_t word = uint32_t(sc) | uint32_t(m) << 6 | uint32_t(sc8) << 12 |
-                              uint32_t(m8) << 18 | uint32_t(rec) << 24;
-        *reinterpret_cast<uint32_t *>(o + 1280 + 4 * (4 * r + j)) = word;
+        *reinterpret_cast<uint32_t *>(o + 1280 + 4 * (4 * r + j)) = k_scale_word(b, block(r + 8), p);
     }
 }
 
