@@ -237,7 +237,7 @@ def test_gpu_kernels_match_the_exact_math_for_1_to_16_columns(kind, cuda):
 @pytest.mark.parametrize("kind", ["q4_0", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows", [320, 336])
 def test_gpu_repacked_matrix_matches_the_exact_math_at_every_column_count(kind, rows, cuda):
-    """A Q4_0, Q4_K, Q5_K or Q6_K matrix repacked in place (lucepy_cuda_repack, lucepy-repack.cuh's
+    """A Q4_0, Q4_K, Q5_K or Q6_K matrix repacked in place (lucepy_cuda_repack, lucepy-layouts.cuh's
     layout) is read by lucepy's kernels alone at every count of columns: one (gemv_r), 2-16
     (gemm_r), more (gemm_rq, here also past whole tiles of 64), and ggml's fused gate; each no
     further from the exact math than twice ggml's kernels on the blocks. 320 rows (tiles of 64, not

@@ -1,5 +1,5 @@
 """The logits of a Q4_0 model on lucepy's CUDA kernels with its weights repacked
-(LUCEPY_CUDA_REPACK=1: vendor/ggml/cuda/lucepy-repack.cuh) against the same kernels on the blocks
+(LUCEPY_CUDA_REPACK=1: vendor/ggml/cuda/lucepy-layouts.cuh) against the same kernels on the blocks
 and against ggml's kernels: a prefill of --prompt random tokens in one chunk (a prefill's product,
 gemm_rq), then --steps decode steps of fixed random tokens (gemv_r), one engine a side in turn.
 Prints each side's relative error from ggml's kernels, step by step (the last prompt position

@@ -93,7 +93,7 @@ class CudaKernels:
 
     def repack(self, tensor: Any) -> bool:
         """Rewrite a Q4_0 or Q4_K weight in a CUDA device's memory in place into lucepy's layout
-        (vendor/ggml/cuda/lucepy-repack.cuh), after which lucepy's kernels take every product of
+        (vendor/ggml/cuda/lucepy-layouts.cuh), after which lucepy's kernels take every product of
         it and nothing else may read it; False, having done nothing, for a tensor they do not
         take (another type, rows not a multiple of 16 or of 256 values, not on a device where
         they are on)."""

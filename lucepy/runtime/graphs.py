@@ -365,7 +365,7 @@ def _spec(f: GGUFFile, source: str | tuple[str, ...]) -> tuple[int, tuple[int, .
 
 def _repack(lib: Lib, backend: Backend, weights: dict[str, Any], what: str) -> list[str]:
     """The Q4_0, Q4_K, Q5_K and Q6_K ``weights`` (read by products alone) rewritten in place into
-    the layouts of lucepy's CUDA kernels (vendor/ggml/cuda/lucepy-repack.cuh, decision 12), those
+    the layouts of lucepy's CUDA kernels (vendor/ggml/cuda/lucepy-layouts.cuh, decision 12), those
     the kernels take, on a local GPU where they are on (Q5_K and Q6_K from compute capability
     9.0); LUCEPY_CUDA_REPACK=0 leaves them as blocks. Their names."""
     if os.environ.get("LUCEPY_CUDA_REPACK", "1") == "0" or not backend.is_local_gpu:

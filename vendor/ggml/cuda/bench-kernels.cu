@@ -766,7 +766,7 @@ void launch_gemm_r_slices(GemmArgs a, float * parts_buf, cudaStream_t s) {
     }
 }
 
-// f(L()) with L the repacked layout (lucepy-repack.cuh) of kind k: Q4_0, Q4_K, Q5_K or Q6_K
+// f(L()) with L the repacked layout (lucepy-layouts.cuh) of kind k: Q4_0, Q4_K, Q5_K or Q6_K
 template <typename F> void with_kind_layout(int k, F && f) {
     switch (k) {
         case Q4_K: f(RpQ4_K()); break;
@@ -848,7 +848,7 @@ template <bool GATE> std::vector<GemvR> gemv_r_variants(int k) {
     return out;
 }
 
-// Q4_0 rows rearranged as gemm_r and gemv_r read them (lucepy-repack.cuh: the layout), on the host
+// Q4_0 rows rearranged as gemm_r and gemv_r read them (lucepy-layouts.cuh: the layout), on the host
 std::vector<uint8_t> host_repack(const uint8_t * src, int64_t row_stride, int nrows,
                                  int npieces) {
     const int ngroups = npieces / RP_GROUP;
@@ -1020,7 +1020,7 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
         CHECK(cudaMemcpy(w + mat_bytes * c, host.data(), size_t(mat_bytes),
                          cudaMemcpyHostToDevice));
     }
-    // the same copies repacked (lucepy-repack.cuh) where a layout takes them: the K types by
+    // the same copies repacked (lucepy-layouts.cuh) where a layout takes them: the K types by
     // the device (a super-block a CTA; the results are checked), Q4_0 below
     uint8_t * wr = nullptr;
     const bool k_type = k == Q4_K || k == Q5_K || k == Q6_K;

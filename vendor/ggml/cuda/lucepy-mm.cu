@@ -674,7 +674,7 @@ uint8_t * product_activations(ggml_backend_cuda_context & ctx, ContextState & st
     return buf;
 }
 
-// --- Q4_0, Q4_K, Q5_K and Q6_K repacked (lucepy-repack.cuh) -------------------------------------
+// --- Q4_0, Q4_K, Q5_K and Q6_K repacked (lucepy-layouts.cuh, lucepy-repack.cuh) ----------------
 //
 // lucepy_cuda_repack rewrites a Q4_0, Q4_K, Q5_K or Q6_K weight in place into lucepy's layout
 // (Q5_K and Q6_K on compute capability 9.0 and newer: their 2-16 column kernel is gemm_rb) and
@@ -688,13 +688,13 @@ struct Repacked {
     ggml_type type;     // the blocks' (Q4_0, Q4_K, Q5_K, Q6_K)
 };
 
-// whether lucepy-repack.cuh's layouts take a matrix of these blocks
+// whether lucepy-layouts.cuh's layouts take a matrix of these blocks
 bool repackable_type(ggml_type type) {
     return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K ||
            type == GGML_TYPE_Q6_K;
 }
 
-// f(L()) with L the layout (lucepy-repack.cuh) of a repacked matrix of these blocks
+// f(L()) with L the layout (lucepy-layouts.cuh) of a repacked matrix of these blocks
 template <typename F> void with_layout(ggml_type type, F && f) {
     switch (type) {
         case GGML_TYPE_Q4_K: f(RpQ4_K()); break;
