@@ -68,3 +68,54 @@ def test_the_path_tables_put_what_the_verify_adds_first_by_role_and_by_kernel():
     assert kernels[-1] == "`lucepy::gemv_r<8>`"
     assert "| `lucepy::gemv<3>` | 8.0 (1) | 0.0 (0) | -8.0 |" in table
     assert "| `lucepy::gemm_r<2>` | 0.0 (0) | 14.5 (2) | +14.5 |" in table
+
+
+def sequence_text(rows, span):
+    """A ``--sequence`` file of (start, us, kernel) rows, as ``sequence`` writes it."""
+    lines = [f"{len(rows)} kernels over {span:.1f} us (start, us, gap before, kernel)"]
+    lines += [f"{s:9.1f} {us:8.1f} {0.0:6.1f}  {name}" for s, us, name in rows]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_layers_table_times_each_part_of_a_layer_from_its_start_to_the_next():
+    # two DeltaNet layers and an attention layer, then the head; each part from its first
+    # kernel's start to the next part's (a product launched early waits inside its part), the
+    # parts' sums and norms inside their product's part, a rollback after the head
+    def call(product, sums, scale):
+        rows, t = [(0.0, 1.0, "k_get_rows<32>")], 2.0
+        for kind in ("dn", "dn", "attn"):
+            parts = [(product, 10), ("lucepy::conv_step<4>", 3), ("lucepy::delta_net", 2)]
+            if kind == "attn":
+                parts = [(product, 9), ("lucepy::norm_rope", 5)]
+            for name, us in parts + [(product, 8), (product, 20), (product, 12)]:
+                rows.append((t, us * scale, name))
+                if name == product and sums:
+                    rows.append((t + us * scale - 1.0, 1.0, "lucepy::gemm_sum"))
+                t += us * scale
+        rows.append((t, 50.0 * scale, product + " head"))
+        span = t + 50.0 * scale + (30.0 if sums else 1.0)
+        if sums:
+            rows.append((span - 10.0, 10.0, "lucepy::delta_net_layers x3"))
+        return sequence_text(rows, span)
+
+    decode = call("lucepy::gemv_r<8, 1, false, lucepy::RpQ4_0>", False, 1.0)
+    verify = call("lucepy::gemm_rb<2, 5, 0, lucepy::RpQ4_0>", True, 1.5)
+    table = trace_gpu.layers(decode, verify)
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == [
+        "| DeltaNet (2) | gemv_r / gemm_rb | 10.0 | 15.0 | +5.0 |",
+        "| DeltaNet (2) | conv_step | 3.0 | 4.5 | +1.5 |",
+        "| DeltaNet (2) | delta_net | 2.0 | 3.0 | +1.0 |",
+        "| DeltaNet (2) | gemv_r / gemm_rb | 8.0 | 12.0 | +4.0 |",
+        "| DeltaNet (2) | gemv_r / gemm_rb | 20.0 | 30.0 | +10.0 |",
+        "| DeltaNet (2) | gemv_r / gemm_rb | 12.0 | 18.0 | +6.0 |",
+        "| DeltaNet (2) | the whole layer | 55.0 | 82.5 | +27.5 |",
+        "| attention (1) | gemv_r / gemm_rb | 9.0 | 13.5 | +4.5 |",
+        "| attention (1) | norm_rope | 5.0 | 7.5 | +2.5 |",
+        "| attention (1) | gemv_r / gemm_rb | 8.0 | 12.0 | +4.0 |",
+        "| attention (1) | gemv_r / gemm_rb | 20.0 | 30.0 | +10.0 |",
+        "| attention (1) | gemv_r / gemm_rb | 12.0 | 18.0 | +6.0 |",
+        "| attention (1) | the whole layer | 54.0 | 81.0 | +27.0 |",
+        "| | the output head | 50.0 | 75.0 | +25.0 |",
+        "| | after the head (argmax, host gap, rollback) | 1.0 | 30.0 | +29.0 |",
+    ]

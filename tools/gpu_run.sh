@@ -51,7 +51,8 @@
 # llama-bench and llama-quantize, its kernels off), and the CUPTI trace of a decode token with
 # each; adds kernels.md, kernels-*.json, llama-bench-*.json, trace-*.json; GPU_RUN_TRACE_VERIFY=K
 # also traces a K-token verify with each (its kernels in order: verify-seq*.txt, a decode's in
-# decode-seq*.txt; each kernel's share of the span in both, side by side: path*.md);
+# decode-seq*.txt; each kernel's share of the span in both, side by side: path*.md; each part
+# of a layer in both: layers*.md);
 # GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M, in place of Q4_K_M; "llama-q4_0
 # kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
@@ -422,6 +423,9 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
             then
                 python3 tools/trace_gpu.py path "$OUTDIR/trace-kernels$choice.json" \
                     "$OUTDIR/trace-verify$choice.json" --md "$OUTDIR/path$choice.md" \
+                    >>"$OUTDIR/trace.txt" 2>&1 || true
+                python3 tools/trace_gpu.py layers "$OUTDIR/decode-seq$choice.txt" \
+                    "$OUTDIR/verify-seq$choice.txt" --md "$OUTDIR/layers$choice.md" \
                     >>"$OUTDIR/trace.txt" 2>&1 || true
             fi
         fi

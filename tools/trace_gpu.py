@@ -7,6 +7,10 @@ Two ways to look:
   one's end, per token. The span against the kernel time shows the GPU's idle gaps.
 - ``path``: two ``trace`` outputs (a decode's and a verify's) side by side, by each kernel's
   share of the span (``critical``): what a verify spends beyond a decode, kernel by kernel.
+- ``layers``: two ``--sequence`` files (a decode's and a verify's) side by side, layer by
+  layer: the median time from each part's first kernel's start to the next part's, where a
+  part starts at a product or at one of ``PART_STARTS``. Overlapped kernels (a product
+  launched early, waiting inside) split no time between them, as shares of the span do.
 - ``ncu``: Nsight Compute's duration of every kernel, one at a time, for a few decode tokens of
   lucepy (``steps``) and of llama-bench, then ``compare`` the last whole token of each: the
   kernels whose count or time differ.
@@ -14,6 +18,7 @@ Two ways to look:
     python tools/trace_gpu.py trace MODEL [--device cuda:0] [--tokens 20] [--verify K] --json OUT
         [--sequence TXT]
     python tools/trace_gpu.py path DECODE.json VERIFY.json [--md OUT]
+    python tools/trace_gpu.py layers DECODE-SEQ.txt VERIFY-SEQ.txt [--md OUT]
     python tools/trace_gpu.py steps MODEL [--device cuda:0] [--tokens 4]
     python tools/trace_gpu.py compare LUCEPY.csv LLAMA.csv      (ncu --csv output)
 
@@ -28,6 +33,7 @@ import collections
 import csv
 import io
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -229,6 +235,92 @@ def sequence(tokens: list[list[tuple[str, float, float]]]) -> str:
     return "\n".join(out) + "\n"
 
 
+# a product's kernels (its parts' sums and a verify's gates run inside its part), and the
+# other kernels where a part of a layer starts, with the kind of layer a part after the first
+# product marks: qwen35's conv step and recurrence (a DeltaNet layer; not a rollback's
+# `delta_net_layers`), its q and k norms (an attention layer)
+PRODUCT_KERNELS = ("lucepy::gemv", "lucepy::gemm_r", "lucepy::gemm<", "mul_mat")
+PART_STARTS = {
+    "lucepy::conv_step": "DeltaNet",
+    "lucepy::delta_net": "",
+    "lucepy::norm_rope": "attention",
+}
+
+
+def read_sequence(text: str) -> tuple[float, list[tuple[float, float, str]]]:
+    """A ``sequence`` file's span and its (start, us, kernel) rows."""
+    lines = text.splitlines()
+    span = float(lines[0].split(" over ")[1].split()[0])
+    rows = []
+    for line in lines[1:]:
+        start, us, _gap, name = line.split(maxsplit=3)
+        rows.append((float(start), float(us), re.sub(r" x\d+$", "", name)))
+    return span, rows
+
+
+def part_start(name: str) -> str | None:
+    """Where ``name`` starts a part: "product", or the kind of layer it marks ("" for none);
+    None where it does not."""
+    if name.startswith(PRODUCT_KERNELS):
+        return "product"
+    base = name.split("<")[0]
+    return PART_STARTS.get(base)
+
+
+def layer_parts(text: str) -> tuple[dict[str, list[list[tuple[str, float]]]], float, float]:
+    """A call's layers by kind (each its parts: the first kernel's name without its template
+    arguments, and the us from the part's start to the next's), the output head's own time (the
+    last product's) and the span after it."""
+    span, rows = read_sequence(text)
+    starts = [i for i, (_, _, name) in enumerate(rows) if part_start(name) is not None]
+    head = max(i for i in starts if part_start(rows[i][2]) == "product")
+    starts = [i for i in starts if i <= head]
+    layers: dict[str, list[list[tuple[str, float]]]] = {}
+    current: list[tuple[str, float]] | None = None
+    for i, nxt in zip(starts, starts[1:], strict=False):
+        kind = part_start(rows[nxt][2])
+        if part_start(rows[i][2]) == "product" and kind not in ("product", ""):
+            current = []  # a layer's first product: the part after it names the layer
+            layers.setdefault(kind, []).append(current)
+        if current is not None:
+            name = rows[i][2].split("<")[0].removeprefix("lucepy::")
+            current.append((name, rows[nxt][0] - rows[i][0]))
+    head_start, head_us, _ = rows[head]
+    return layers, head_us, span - (head_start + head_us)
+
+
+def layers(decode: str, verify: str) -> str:
+    """A markdown table of the median time of each part of a layer, by kind of layer, in a
+    decode's ``sequence`` and a verify's, then the head and what follows it."""
+    sides = [layer_parts(decode), layer_parts(verify)]
+    lines = [
+        "Parts of a layer, us from a part's start to the next's (medians over the layers):",
+        "",
+        "| layer | part | decode | verify | verify - decode |",
+        "|---|---|---|---|---|",
+    ]
+    for kind in sides[0][0]:
+        runs = [side[0].get(kind, []) for side in sides]
+        shape = {len(layer) for run in runs for layer in run}
+        if len(shape) != 1:
+            raise SystemExit(f"layers: {kind} layers of different part counts: {sorted(shape)}")
+        medians = [
+            [statistics.median(us for _, us in col) for col in zip(*run, strict=True)]
+            for run in runs
+        ]
+        medians = [m + [sum(m)] for m in medians]
+        first = [[name for name, _ in run[0]] for run in runs]  # each side's kernels
+        names = [a if a == b else f"{a} / {b}" for a, b in zip(*first, strict=True)]
+        names.append("the whole layer")
+        for name, d, v in zip(names, *medians, strict=True):
+            row = f"| {kind} ({len(runs[0])}) | {name} | {d:,.1f} | {v:,.1f} | {v - d:+,.1f} |"
+            lines.append(row)
+    for name, i in (("the output head", 1), ("after the head (argmax, host gap, rollback)", 2)):
+        d, v = sides[0][i], sides[1][i]
+        lines.append(f"| | {name} | {d:,.1f} | {v:,.1f} | {v - d:+,.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def by_kernel(tokens: list[list[tuple[str, float, float]]], top: int) -> list[dict]:
     """The kernels that take the most time a token: launches and microseconds a token."""
     n, busy, count = len(tokens), collections.Counter(), collections.Counter()
@@ -312,13 +404,15 @@ def main() -> None:
     c = sub.add_parser("compare")
     c.add_argument("ours")
     c.add_argument("theirs")
-    p = sub.add_parser("path")
-    p.add_argument("decode")
-    p.add_argument("verify")
-    p.add_argument("--md", help="write the table here too")
+    for name in ("path", "layers"):
+        p = sub.add_parser(name)
+        p.add_argument("decode")
+        p.add_argument("verify")
+        p.add_argument("--md", help="write the table here too")
     args = ap.parse_args()
-    if args.cmd == "path":
-        table = path(*(json.loads(Path(f).read_text()) for f in (args.decode, args.verify)))
+    if args.cmd in ("path", "layers"):
+        texts = [Path(f).read_text() for f in (args.decode, args.verify)]
+        table = path(*map(json.loads, texts)) if args.cmd == "path" else layers(*texts)
         print(table, end="")
         if args.md:
             Path(args.md).write_text(table)
