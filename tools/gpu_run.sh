@@ -59,7 +59,8 @@
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
 # runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with
 # LUCEPY_STACK_MATMULS=0, products of one input not stacked into one, as they are on a CPU and
-# were everywhere before; adds lucepy-unstacked.json).
+# were everywhere before; adds lucepy-unstacked.json). GPU_RUN_HOST (set: tools/host_time.py on
+# the model, a decode's and a 16-token verify's wall time by phase on the host; adds host.json).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -459,6 +460,10 @@ elif ((built)) && [[ -f $MODEL ]]; then
         -p 16,512,4096 -n 128 -d 0,$DEPTH -r 3 -o json >'$OUTDIR/llama-bench.json'" || true
     step lucepy 200 "$BENCHLOG" python3 tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" \
         --depth $DEPTH --json "$OUTDIR/lucepy-bench.json" || true
+    if [[ -n ${GPU_RUN_HOST:-} ]]; then # where a decode's and a verify's host time goes
+        step host 120 "$BENCHLOG" python3 tools/host_time.py "$MODEL" --device "$DEVICE" \
+            --json "$OUTDIR/host.json" || true
+    fi
     if [[ -n ${GPU_RUN_STACK:-} ]]; then # the same without stacked products (decision 2)
         step lucepy-unstacked 200 "$BENCHLOG" env LUCEPY_STACK_MATMULS=0 python3 \
             tools/bench_gpu.py measure "$MODEL" --device "$DEVICE" --depth $DEPTH \
