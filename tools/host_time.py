@@ -1,5 +1,5 @@
-"""Where a step's wall time goes on the host: lucepy's decode steps and 16-token verify-and-
-rollback calls, in turn, each call split by phase (medians over --calls of each kind).
+"""Where a step's wall time goes on the host: lucepy's decode steps, then 16-token
+verify-and-rollback calls, each call split by phase (medians over --calls of each kind).
 
     python tools/host_time.py MODEL [--device cuda:0] [--calls 40] [--json OUT]
 
@@ -77,28 +77,30 @@ def split(calls: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
 
 
 def measure(engine, calls: int, block: int = 16) -> dict[str, dict[str, float]]:
-    """``calls`` decode steps and verify-and-rollback calls in turn, after a warm-up."""
+    """``calls`` decode steps one after another, then ``calls`` verify-and-rollback calls (as
+    a plain decode and a DFlash loop run them), each after a warm-up of its own."""
     clock = PhaseClock()
     tokens = [5 + i for i in range(block)]
     engine.reset()
     engine.prefill(list(range(3, 67)))
-    runs: dict[str, list[tuple[float, dict[str, float]]]] = {"decode": [], "verify": []}
 
     def verify() -> None:
         engine.verify(tokens, greedy=True)
         engine.rollback(1)  # keeps one token: the position creeps by one per call
 
-    steps = {"decode": lambda: engine.decode(5), "verify": verify}
+    out = {}
     with timed_phases(clock):
-        for i in range(calls + 3):
-            for kind, step in steps.items():
+        for kind, step in {"decode": lambda: engine.decode(5), "verify": verify}.items():
+            runs = []
+            for i in range(calls + 3):
                 clock.reset()
                 t0 = time.perf_counter()
                 step()
                 wall = time.perf_counter() - t0
                 if i >= 3:  # (warm-up: graphs built, caches filled)
-                    runs[kind].append((wall, dict(clock.spent)))
-    return {kind: split(r) for kind, r in runs.items()}
+                    runs.append((wall, dict(clock.spent)))
+            out[kind] = split(runs)
+    return out
 
 
 def main() -> None:
