@@ -50,7 +50,7 @@ class Engine(RuntimeEngine):
         """Measured once per model, draft, devices, threads and ggml build (its kernels decide
         the costs), then read from lucepy's cache."""
         cfg = self.config
-        key = ["steps and decode runs"]  # what is measured (costs timed otherwise: anew)
+        key = ["steps and greedy decode runs"]  # what is measured (timed otherwise: anew)
         key += [self.file.identity(), self.draft.file.identity(), cfg.device, cfg.draft_device]
         key += [cfg.threads, cfg.flash_attn, cfg.batch_invariant, self.draft.block]
         key += [os.environ.get("LUCEPY_GGML_LIB"), build_identity(self.lib)]

@@ -89,24 +89,25 @@ def wait_until(condition, what: str, limit: float = 20.0) -> None:
 
 @contextlib.contextmanager
 def gated(server, at_call: int = 1):
-    """Hold the worker inside its ``at_call``-th decode step until the test releases it."""
+    """Hold the worker inside its ``at_call``-th decode step (``Engine._decode``: a plain or a
+    greedy one) until the test releases it."""
     engine = server.worker.engine
-    real, calls = engine.decode, [0]
+    real, calls = engine._decode, [0]
     reached, release = threading.Event(), threading.Event()
 
-    def decode(token):
+    def decode(token, step):
         calls[0] += 1
         if calls[0] == at_call:
             reached.set()
             release.wait(30)
-        return real(token)
+        return real(token, step)
 
-    engine.decode = decode
+    engine._decode = decode
     try:
         yield reached, release
     finally:
         release.set()
-        del engine.decode
+        del engine._decode
 
 
 # --- endpoints ---
@@ -270,10 +271,10 @@ def test_exception_types_map_to_statuses():
 def test_a_failed_model_is_503_until_restarted(server, client):
     engine = server.worker.engine
 
-    def broken(token):
+    def broken(token, step):
         raise GGMLError("graph compute on cpu failed with status 1")
 
-    engine.decode = broken
+    engine._decode = broken
     try:
         with pytest.raises(openai.InternalServerError) as err:
             chat(client, "Hello", max_tokens=8)
@@ -283,7 +284,7 @@ def test_a_failed_model_is_503_until_restarted(server, client):
             chat(client, "Hello", max_tokens=8)
         assert err.value.body["code"] == "model_unavailable"
     finally:
-        del engine.decode
+        del engine._decode
         server.worker.failure = None  # only a test revives a failed model
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import THREADS
 
+from lucepy.decode import ar
 from lucepy.decode.ar import generate
 from lucepy.decode.sampling import Sampler, SamplingParams
 from lucepy.decode.speculative import accept_sampled
@@ -213,6 +214,29 @@ def test_draft_block_is_bounded_by_training(models):
     cfg = RuntimeConfig(threads=THREADS, max_ctx=256, draft=str(models["agree"]), draft_block=9)
     with pytest.raises(ConfigError, match="--draft-block must be 2..8"):
         Engine(models["favoured"], cfg, tokenizer=False)
+
+
+@pytest.mark.parametrize(("device", "split"), [("cpu", None), ("cpu,cpu@worker", "2,3")])
+def test_greedy_reads_back_each_steps_argmax_alone(device, split, models):
+    """A greedy plain generation (no logprobs, no grammar) reads each decode step's argmax alone
+    (``Engine.decode_greedy``: 4 bytes where the logits are n_vocab floats), never the logits;
+    its tokens are the argmax of the logits ``Engine.decode`` reads, step by step, on one device
+    and on a split over a worker."""
+    cfg = RuntimeConfig(device=device, layer_split=split, threads=THREADS, max_ctx=256)
+    with Engine(models["plain"], cfg, tokenizer=False) as engine:
+
+        def no_logits(token):
+            raise AssertionError("a greedy generation read the logits")
+
+        engine.decode = no_logits
+        fast = ar.generate(engine, PROMPT, 24).tokens
+        del engine.decode
+        engine.reset()
+        logits, slow = engine.prefill(PROMPT), []
+        for _ in range(24):
+            slow.append(int(np.argmax(logits)))
+            logits = engine.decode(slow[-1])
+    assert fast == slow
 
 
 def test_generation_runs_to_the_end_of_the_context(models):

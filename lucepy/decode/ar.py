@@ -71,9 +71,12 @@ def _plain(
     constraint,
 ):
     engine.capture = ()
+    # greedy with nothing else read from the logits: each step reads back only their argmax
+    argmax_only = sampler.params.greedy and logprobs is None and constraint is None
     logits = begin(engine, prompt_tokens, gen, chunk=chunk)
+    chosen = None  # argmax_only: the token the step before read back
     while len(gen.tokens) < max_tokens:
-        token = choose(sampler, logits, constraint)
+        token = chosen if chosen is not None else choose(sampler, logits, constraint)
         gen.tokens.append(token)
         if logprobs is not None:
             gen.logprobs.append(token_logprob(logits, token, logprobs))
@@ -88,7 +91,10 @@ def _plain(
             return
         if engine.n_past >= engine.n_ctx:
             return  # the context is full: stop as at max_tokens ("length")
-        logits = engine.decode(token)
+        if argmax_only:
+            chosen = engine.decode_greedy(token)
+        else:
+            logits = engine.decode(token)
 
 
 def stream(

@@ -136,9 +136,10 @@ def measurable(n_ctx: int, block: int, repeats: int = 3) -> bool:
 
 
 def measure(engine, repeats: int = 3) -> StepCosts:
-    """Time a plain decode and then a step of each length on ``engine`` (with its draft) at a
-    short context, each as the median of ``repeats`` after a warm-up; then reset the engine. A
-    decode is timed in runs of DECODE_RUN, first (where a generation starts). A timed step is a
+    """Time a plain greedy decode (its argmax alone read back, as the greedy loop reads it) and
+    then a step of each length on ``engine`` (with its draft) at a short context, each as the
+    median of ``repeats`` after a warm-up; then reset the engine. A decode is timed in runs of
+    DECODE_RUN, first (where a generation starts). A timed step is a
     speculative step's work: the draft's pass, the verify with the features the draft reads,
     the commit of its first token and the draft's copy of that token's features; so the
     context grows by one per run."""
@@ -159,7 +160,7 @@ def measure(engine, repeats: int = 3) -> StepCosts:
 
     def decodes() -> None:
         for _ in range(DECODE_RUN):
-            engine.decode(1)
+            engine.decode_greedy(1)
 
     draft_s, verify_s = [0.0, 0.0], [0.0]
     try:

@@ -372,11 +372,20 @@ class Engine:
 
     def decode(self, token: int) -> np.ndarray:
         """One token in, the next-token logits [n_vocab] out (a view reused by the next call)."""
+        return self._decode(token, Step())[0]
+
+    def decode_greedy(self, token: int) -> int:
+        """One token in, the most likely next token out: the logits' argmax, which every step's
+        graph computes where the logits are (the first of equal values, as np.argmax takes), so
+        only it is read back (4 bytes where ``decode`` reads n_vocab floats)."""
+        return int(self._decode(token, Step(want="argmax")).reshape(-1)[-1])
+
+    def _decode(self, token: int, step: Step) -> np.ndarray:
         if not 0 <= token < self.params.n_vocab:
             self.check_tokens(np.array([token]))
-        out = self.pipeline.forward(np.array([token], dtype=np.int32), self.n_past, Step())
+        out = self.pipeline.forward(np.array([token], dtype=np.int32), self.n_past, step)
         self.n_past += 1
-        return out.values[0]
+        return out.values
 
     def verify(self, tokens: list[int] | np.ndarray, *, greedy: bool) -> VerifyHandle:
         """Run a draft block after the sequence, keeping what ``commit`` needs. The handle holds
