@@ -23,7 +23,8 @@ def test_each_call_is_split_into_its_phases_and_the_shard_is_left_as_it_was(tiny
     with Engine(tiny_model(), cfg, tokenizer=False) as engine:
         out = host_time.measure(engine, calls=3)
     assert (shard.compute, shard.get, graphs.CompiledGraph.write_inputs) == before
-    for kind in ("decode", "verify"):
+    assert set(out) == {"decode", "greedy decode", "verify"}
+    for kind in out:
         times = out[kind]
         assert set(times) == {"inputs", "compute", "launch", "read", "python", "wall"}
         # every call writes inputs, computes and reads; on a CPU a rollback is waited for

@@ -1,5 +1,6 @@
-"""Where a step's wall time goes on the host: lucepy's decode steps, then 16-token
-verify-and-rollback calls, each call split by phase (medians over --calls of each kind).
+"""Where a step's wall time goes on the host: lucepy's decode steps (the logits read back,
+then their argmax alone as a greedy loop reads it), then 16-token verify-and-rollback calls,
+each call split by phase (medians over --calls of each kind).
 
     python tools/host_time.py MODEL [--device cuda:0] [--calls 40] [--json OUT]
 
@@ -77,8 +78,9 @@ def split(calls: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
 
 
 def measure(engine, calls: int, block: int = 16) -> dict[str, dict[str, float]]:
-    """``calls`` decode steps one after another, then ``calls`` verify-and-rollback calls (as
-    a plain decode and a DFlash loop run them), each after a warm-up of its own."""
+    """``calls`` decode steps one after another, as many greedy ones, then as many
+    verify-and-rollback calls (as a plain decode and a DFlash loop run them), each kind after a
+    warm-up of its own."""
     clock = PhaseClock()
     tokens = [5 + i for i in range(block)]
     engine.reset()
@@ -90,7 +92,12 @@ def measure(engine, calls: int, block: int = 16) -> dict[str, dict[str, float]]:
 
     out = {}
     with timed_phases(clock):
-        for kind, step in {"decode": lambda: engine.decode(5), "verify": verify}.items():
+        steps = {
+            "decode": lambda: engine.decode(5),  # the logits read back
+            "greedy decode": lambda: engine.decode_greedy(5),  # their argmax alone
+            "verify": verify,
+        }
+        for kind, step in steps.items():
             runs = []
             for i in range(calls + 3):
                 clock.reset()
