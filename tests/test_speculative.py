@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from conftest import THREADS
 
-from lucepy.decode import ar
 from lucepy.decode.ar import generate
 from lucepy.decode.sampling import Sampler, SamplingParams
 from lucepy.decode.speculative import accept_sampled
@@ -229,7 +228,7 @@ def test_greedy_reads_back_each_steps_argmax_alone(device, split, models):
             raise AssertionError("a greedy generation read the logits")
 
         engine.decode = no_logits
-        fast = ar.generate(engine, PROMPT, 24).tokens
+        fast = generate(engine, PROMPT, 24).tokens
         del engine.decode
         engine.reset()
         logits, slow = engine.prefill(PROMPT), []

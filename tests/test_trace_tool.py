@@ -70,36 +70,33 @@ def test_the_path_tables_put_what_the_verify_adds_first_by_role_and_by_kernel():
     assert "| `lucepy::gemm_r<2>` | 0.0 (0) | 14.5 (2) | +14.5 |" in table
 
 
-def sequence_text(rows, span):
-    """A ``--sequence`` file of (start, us, kernel) rows, as ``sequence`` writes it."""
-    lines = [f"{len(rows)} kernels over {span:.1f} us (start, us, gap before, kernel)"]
-    lines += [f"{s:9.1f} {us:8.1f} {0.0:6.1f}  {name}" for s, us, name in rows]
-    return "\n".join(lines) + "\n"
-
-
 def test_the_layers_table_times_each_part_of_a_layer_from_its_start_to_the_next():
     # two DeltaNet layers and an attention layer, then the head; each part from its first
     # kernel's start to the next part's (a product launched early waits inside its part), the
-    # parts' sums and norms inside their product's part, a rollback after the head
-    def call(product, sums, scale):
-        rows, t = [(0.0, 1.0, "k_get_rows<32>")], 2.0
+    # products' sums (a verify's) or the norms after them (a decode's) inside their part, a
+    # rollback after the head; written by ``sequence`` as a trace's calls are
+    def call(product, inside, scale):
+        kernels, t = [("k_get_rows<32>", 0.0, 1.0)], 2.0
         for kind in ("dn", "dn", "attn"):
             parts = [(product, 10), ("lucepy::conv_step<4>", 3), ("lucepy::delta_net", 2)]
             if kind == "attn":
                 parts = [(product, 9), ("lucepy::norm_rope", 5)]
             for name, us in parts + [(product, 8), (product, 20), (product, 12)]:
-                rows.append((t, us * scale, name))
-                if name == product and sums:
-                    rows.append((t + us * scale - 1.0, 1.0, "lucepy::gemm_sum"))
+                kernels.append((name, t, t + us * scale))
+                if name == product:
+                    kernels.append((inside, t + us * scale - 1.0, t + us * scale))
                 t += us * scale
-        rows.append((t, 50.0 * scale, product + " head"))
-        span = t + 50.0 * scale + (30.0 if sums else 1.0)
-        if sums:
-            rows.append((span - 10.0, 10.0, "lucepy::delta_net_layers x3"))
-        return sequence_text(rows, span)
+        kernels.append((product + " head", t, t + 50.0 * scale))
+        end = t + 50.0 * scale + (30.0 if inside == "lucepy::gemm_sum" else 1.0)
+        if inside == "lucepy::gemm_sum":  # the rollback, after the host's gap
+            kernels += [("lucepy::delta_net_layers", end - 10.0 + k, end - 9.0 + k) for k in (0, 1)]
+            kernels.append(("lucepy::delta_net_layers", end - 8.0, end))
+        else:
+            kernels.append(("lucepy::argmax_rows", end - 1.0, end))
+        return trace_gpu.sequence([kernels] * 3)
 
-    decode = call("lucepy::gemv_r<8, 1, false, lucepy::RpQ4_0>", False, 1.0)
-    verify = call("lucepy::gemm_rb<2, 5, 0, lucepy::RpQ4_0>", True, 1.5)
+    decode = call("lucepy::gemv_r<8, 1, false, lucepy::RpQ4_0>", "lucepy::norm_quantize", 1.0)
+    verify = call("lucepy::gemm_rb<2, 5, 0, lucepy::RpQ4_0>", "lucepy::gemm_sum", 1.5)
     table = trace_gpu.layers(decode, verify)
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1:] == [

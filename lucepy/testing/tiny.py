@@ -316,12 +316,17 @@ def _scale_min_fit(values: np.ndarray, top: int):
     return head, q
 
 
+def _k_nibbles(q: np.ndarray) -> np.ndarray:
+    """Q4_K's and Q5_K's 128 bytes of low nibbles a super-block from q [n, 8, 32] (0-15):
+    pieces 2j and 2j + 1 in the low and high nibbles of bytes 32j..32j + 31."""
+    return (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(len(q), 128)
+
+
 def encode_q4_k(values: np.ndarray) -> np.ndarray:
     """Rows of ``values`` (a multiple of 256 long) as Q4_K blocks (gguf-py has no Q4_K encoder):
     _scale_min_fit's q of 0-15, packed as ggml's block_q4_K."""
     head, q = _scale_min_fit(values, 15)
-    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(len(q), 128)  # pieces 2j, 2j + 1
-    blocks = np.concatenate([head, qs], axis=1)
+    blocks = np.concatenate([head, _k_nibbles(q)], axis=1)
     return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 144)
 
 
@@ -330,8 +335,7 @@ def encode_q5_k(values: np.ndarray) -> np.ndarray:
     _scale_min_fit's q of 0-31, packed as ggml's block_q5_K (the low nibbles as Q4_K's, value
     l of piece p's fifth bit in bit p of byte l of qh)."""
     head, q = _scale_min_fit(values, 31)
-    low = q & 0x0F
-    qs = (low[:, 0::2, :] | (low[:, 1::2, :] << 4)).reshape(len(q), 128)
+    qs = _k_nibbles(q & 0x0F)
     qh = ((q >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(
         axis=1, dtype=np.uint8
     )  # the bits are apart: their sum is their or
