@@ -14,6 +14,8 @@
 //     ./bench-kernels --sum-norm   (a verify's residual sum and next RMS norm: gemm_sum and
 //     norm_halves against sum_norm_halves, their results compared byte for byte)
 //     ./bench-kernels --overlap   (a product on a second stream beside the DeltaNet recurrence)
+//     ./bench-kernels --delta-net   (the recurrence's CTA shapes, warps and columns a lane, at 1
+//     to 512 tokens: us a call, each against the host's recurrence in double and the model's)
 //     BENCH_FEW=1 ./bench-kernels --kind q4_0 --cols 16 --anatomy   (the repacked Q4_0's gemm_r
 //     beside itself with parts of its work left out: its loads alone, its compute alone, ...)
 //     ./bench-kernels --kind q4_0 --cols 8,16 --timeline   (gemm_r's and gemm_rb's CTAs, each
@@ -38,6 +40,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
+#include <utility>
 #include <functional>
 #include <random>
 #include <string>
@@ -1392,8 +1396,9 @@ struct DnBuffers {
     int64_t state_floats() const { return int64_t(DN_S) * DN_S * H; }
 };
 
-DnBuffers make_dn(std::mt19937 & rng) {
+DnBuffers make_dn(std::mt19937 & rng, int T = 16) {
     DnBuffers b;
+    b.T = T;
     std::normal_distribution<float> nd(0.0f, 1.0f / std::sqrt(float(DN_S)));
     std::uniform_real_distribution<float> gate(-1.0f, -0.05f), beta(0.05f, 0.95f);
     auto upload = [](const std::vector<float> & h, float ** d) {
@@ -1422,8 +1427,8 @@ DnBuffers make_dn(std::mt19937 & rng) {
     return b;
 }
 
-// the recurrence of state copy `c` in place, as a verify runs it (no PDL here)
-void launch_dn(const DnBuffers & b, int c, cudaStream_t s) {
+// the recurrence of state copy `c` in place, as a verify runs it (no PDL here), on shape D
+template <class D = DnModel> void launch_dn(const DnBuffers & b, int c, cudaStream_t s) {
     DeltaNetArgs a = {};
     a.q = b.q;
     a.k = b.k;
@@ -1448,7 +1453,103 @@ void launch_dn(const DnBuffers & b, int c, cudaStream_t s) {
     a.hk = b.hk;
     a.rq3 = 1;
     a.scale = 1.0f / std::sqrt(float(DN_S));
-    delta_net<<<dim3(unsigned(b.H), 1, unsigned(DN_Z)), DN_WARPS * 32, 0, s>>>(a);
+    delta_net<D><<<dim3(unsigned(b.H), 1, unsigned(D::z)), D::threads, 0, s>>>(a);
+}
+
+// f(std::integral_constant<size_t, i>) for i = 0 .. N - 1, on the host
+template <size_t... I, typename F> void each_shape_of(F && f, std::index_sequence<I...>) {
+    (f(std::integral_constant<size_t, I>{}), ...);
+}
+
+template <size_t N, typename F> void each_shape(F && f) {
+    each_shape_of(f, std::make_index_sequence<N>());
+}
+
+// --delta-net: `delta_net` on each CTA shape (warps, columns a lane) for the 27B-shaped model's 48
+// heads, us a call, each shape's attention and state against the host's recurrence in double
+// (the largest error over the largest magnitude) and byte for byte against the model's shape
+// (each column's arithmetic is the same whatever the shape)
+void bench_delta_net(cudaStream_t s, std::mt19937 & rng) {
+    using Shapes = std::tuple<DnModel, DnShape<4, 1>, DnShape<2, 1>, DnShape<4, 2>,
+                              DnShape<2, 2>, DnShape<1, 2>, DnShape<2, 4>, DnShape<1, 4>>;
+    constexpr int NS = std::tuple_size<Shapes>::value;
+    for (int T : {1, 2, 4, 8, 9, 16, 40, 512}) {
+        DnBuffers b = make_dn(rng, T);
+        b.copies = T > 40 ? 2 : b.copies;
+        const int S = DN_S, H = b.H;
+        auto down = [](const float * d, size_t n) {
+            std::vector<float> h(n);
+            CHECK(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost));
+            return h;
+        };
+        const std::vector<float> q = down(b.q, size_t(S) * b.hk * T);
+        const std::vector<float> k = down(b.k, size_t(S) * b.hk * T);
+        const std::vector<float> v = down(b.v, size_t(S) * H * T);
+        const std::vector<float> g = down(b.g, size_t(H) * T);
+        const std::vector<float> beta = down(b.beta, size_t(H) * T);
+        const std::vector<float> s0 = down(b.pristine, size_t(b.state_floats()));
+        std::vector<double> m(s0.begin(), s0.end());
+        std::vector<double> attn(size_t(S) * H * T);
+        for (int t = 0; t < T; t++) {
+            for (int h = 0; h < H; h++) {
+                const float * qt = &q[(size_t(t) * b.hk + h % b.hk) * S];
+                const float * kt = &k[(size_t(t) * b.hk + h % b.hk) * S];
+                const double decay = std::exp(double(g[size_t(t) * H + h]));
+                for (int c = 0; c < S; c++) {
+                    double * col = &m[(size_t(h) * S + c) * S];
+                    double kv = 0.0;
+                    for (int r = 0; r < S; r++) {
+                        kv += col[r] * kt[r];
+                    }
+                    const double delta =
+                        (v[(size_t(t) * H + h) * S + c] - decay * kv) * beta[size_t(t) * H + h];
+                    double o = 0.0;
+                    for (int r = 0; r < S; r++) {
+                        col[r] = decay * col[r] + kt[r] * delta;
+                        o += col[r] * qt[r];
+                    }
+                    attn[(size_t(t) * H + h) * S + c] = o / std::sqrt(double(S));
+                }
+            }
+        }
+        auto err = [](const std::vector<float> & got, const std::vector<double> & want) {
+            double e = 0.0, big = 0.0;
+            for (size_t i = 0; i < want.size(); i++) {
+                e = std::max(e, std::fabs(double(got[i]) - want[i]));
+                big = std::max(big, std::fabs(want[i]));
+            }
+            return e / big;
+        };
+        std::vector<float> model;  // the model's shape's attention, then its state
+        std::printf("delta_net %3d tokens, us (warps x columns a lane):", T);
+        each_shape<NS>([&](auto i) {
+            using D = std::tuple_element_t<decltype(i)::value, Shapes>;
+            CHECK(cudaMemcpy(b.states, b.pristine, size_t(b.state_floats()) * sizeof(float),
+                             cudaMemcpyDeviceToDevice));
+            launch_dn<D>(b, 0, s);
+            CHECK(cudaStreamSynchronize(s));
+            CHECK(cudaGetLastError());
+            std::vector<float> got = down(b.attn, attn.size());
+            const std::vector<float> st = down(b.states, size_t(b.state_floats()));
+            const double e_attn = err(got, attn), e_state = err(st, m);
+            got.insert(got.end(), st.begin(), st.end());
+            if (model.empty()) {
+                model = got;
+            }
+            const bool same = std::memcmp(got.data(), model.data(), got.size() * 4) == 0;
+            const float us = time_calls(s, [&](int c) { launch_dn<D>(b, c % b.copies, s); });
+            std::printf("  %dx%d %.2f", D::warps, D::per_lane, us);
+            if (!(e_attn < 1e-4 && e_state < 1e-4) || !same) {
+                std::printf(" (WRONG: attention %.2e, state %.2e%s)", e_attn, e_state,
+                            same ? "" : ", not the model's bytes");
+                failures++;
+            }
+        });
+        std::printf("\n");
+        for (float * d : {b.q, b.k, b.v, b.g, b.beta, b.states, b.pristine, b.attn}) {
+            CHECK(cudaFree(d));
+        }
+    }
 }
 
 void bench_overlap(cudaStream_t s, std::mt19937 & rng) {
@@ -1580,6 +1681,7 @@ int main(int argc, char ** argv) {
     std::vector<int> cols;  // --cols 2,4,8,16: gemm against one column
     bool sum_norm = false;  // --sum-norm: a verify's residual sum and next norm, 2 kernels or 1
     bool overlap = false;   // --overlap: z's product beside the DeltaNet recurrence
+    bool recurrence = false;  // --delta-net: its CTA shapes
     for (int i = 1; i < argc; i++) {
         if (std::strcmp(argv[i], "--quick") == 0) {
             quick = true;
@@ -1587,6 +1689,8 @@ int main(int argc, char ** argv) {
             sum_norm = true;
         } else if (std::strcmp(argv[i], "--overlap") == 0) {
             overlap = true;
+        } else if (std::strcmp(argv[i], "--delta-net") == 0) {
+            recurrence = true;
         } else if (std::strcmp(argv[i], "--anatomy") == 0) {
             g_anatomy = true;
         } else if (std::strcmp(argv[i], "--timeline") == 0) {
@@ -1609,7 +1713,7 @@ int main(int argc, char ** argv) {
         } else {
             std::fprintf(stderr,
                          "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16] "
-                         "[--sum-norm] [--overlap] [--anatomy] [--timeline]\n",
+                         "[--sum-norm] [--overlap] [--delta-net] [--anatomy] [--timeline]\n",
                          argv[0]);
             return 2;
         }
@@ -1624,6 +1728,12 @@ int main(int argc, char ** argv) {
     cudaStream_t s;
     CHECK(cudaStreamCreate(&s));
     std::mt19937 rng(7);
+    if (recurrence) {
+        bench_delta_net(s, rng);
+        std::printf(failures ? "%d WRONG\n" : "every shape near the host's, the model's bytes\n",
+                    failures);
+        return failures ? 1 : 0;
+    }
     if (overlap) {
         bench_overlap(s, rng);
         std::printf(failures ? "%d WRONG\n" : "side by side, both wrote their own bytes\n",

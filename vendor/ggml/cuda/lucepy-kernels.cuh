@@ -1054,13 +1054,16 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // lanes hold a column (DN_LANES), lane j the rows of ggml's lanes j, j + 8, j + 16 and j + 24,
 // so that its first two levels (16: j with j + 16, j + 8 with j + 24; 8: those two) are adds
 // inside the lane and three shuffles are left on the chain from token to token, where five
-// were (the same sums, in the same order: bit for bit ggml's). A warp keeps four columns, a CTA
-// sixteen: the 27B-shaped model's 48 heads are 384 CTAs of 4 warps. (Two columns a warp of 32
-// lanes, 768 CTAs: 11 us a 16-token call, 4.5 a decode's; a column a warp, 1,536 CTAs, took
-// more: docs/BENCHMARKS.md, sessions 27 and 33.) Only S^T k's sums are on the chain: the
-// outputs' (S^T q of the updated state) wait for the tile's end, all its tokens' shuffles side
-// by side, and lane j of a column writes token j's. The state
-// after the last token goes where the copy after the op puts it (the sequence's own state, read
+// were (the same sums, in the same order: bit for bit ggml's). Each lane holds its rows of two
+// columns (DnModel), so the k and q it loads from shared memory serve both: a warp keeps eight
+// columns, a CTA of 4 warps 32, the 27B-shaped model's 48 heads are 192 CTAs (on the H200,
+// docs/BENCHMARKS.md session 46: 9.49 us a 16-token call where a column a lane, 384 CTAs, took
+// 10.04; 199.4 where 209.4 at 512 tokens; 4.47 where 4.53 at one; four columns a lane or CTAs of
+// 1 or 2 warps slower at 16 tokens and more. Two columns a warp of 32 lanes, 768 CTAs: 11 us a
+// 16-token call, 4.5 a decode's; a column a warp, 1,536 CTAs, took more: sessions 27 and 33.)
+// Only S^T k's sums are on the chain: the outputs' (S^T q of the updated state) wait for the
+// tile's end, all its tokens' shuffles side by side, and lane j of a column writes token j's.
+// The state after the last token goes where the copy after the op puts it (the sequence's own state, read
 // first by the same warp) and, where anything else reads it, into the op's result too; a
 // verify's copy of the state before it (a DUP node that the op reads) is written as it loads,
 // and a rollback's copy of the conv's tail (the CPY after the state's) by its threads. Where the
@@ -1070,10 +1073,8 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // up to DN_LAYERS such recurrences are one launch (delta_net_layers): a rollback's 48 layers
 // took 48 launches of 768 CTAs, of which PDL let about two run at once.
 constexpr int DN_S = 128;
-constexpr int DN_WARPS = 4;                   // a CTA's
 constexpr int DN_LANES = 8;                   // lanes a column of the state
-constexpr int DN_COLS = 32 / DN_LANES;        // columns a warp
-constexpr int DN_CTA_COLS = DN_WARPS * DN_COLS;
+constexpr int DN_GROUPS = 32 / DN_LANES;      // a warp's groups of lanes
 constexpr int DN_V = 32 / DN_LANES;           // ggml's lanes a lane holds: j + 8 v
 constexpr int DN_R = DN_S / 32;               // rows of each: j + 8 v + 32 r
 constexpr int DN_TILE = 8;                    // tokens a tile
@@ -1132,34 +1133,49 @@ template <int N> __device__ __forceinline__ void dn_column_sums(float (&x)[N]) {
     }
 }
 
-constexpr int DN_Z = DN_S / DN_CTA_COLS;  // a head's CTAs
+// A recurrence's CTAs: W warps, each lane holding its rows of CL columns (the k and q it loads
+// serve them all), so a warp holds DN_GROUPS CL columns, a CTA `cols`, a head `z` CTAs
+template <int W, int CL> struct DnShape {
+    static constexpr int warps = W, per_lane = CL, threads = 32 * W;
+    static constexpr int cols = W * DN_GROUPS * CL;
+    static constexpr int z = DN_S / cols;
+    static_assert(DN_S % cols == 0, "whole columns a CTA");
+};
 
-// The CTA (h, n, z) of a's recurrence: head h, sequence n, columns DN_CTA_COLS z on
+using DnModel = DnShape<4, 2>;  // the model's (above)
+
+// The CTA (h, n, z) of a's recurrence on shape D: head h, sequence n, columns D::cols z on
+template <class D>
 __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int h, const int n,
                                               const int z) {
+    constexpr int CL = D::per_lane;
     __shared__ __align__(16) float qs[2][DN_TILE][DN_S];  // rows at dn_slot
     __shared__ __align__(16) float ks[2][DN_TILE][DN_S];
-    __shared__ __align__(16) float vs[2][DN_TILE][DN_CTA_COLS];
+    __shared__ __align__(16) float vs[2][DN_TILE][D::cols];
     __shared__ float gs[2][DN_TILE];
     __shared__ float bs[2][DN_TILE];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int j = lane % DN_LANES;                          // ggml's lanes j + 8 v
-    const int col = warp * DN_COLS + lane / DN_LANES;       // the CTA's column
-    const int col0 = z * DN_CTA_COLS;
+    const int j = lane % DN_LANES;  // ggml's lanes j + 8 v
+    int col[CL];                    // the CTA's columns of this lane
+#pragma unroll
+    for (int c = 0; c < CL; c++) {
+        col[c] = (warp * CL + c) * DN_GROUPS + lane / DN_LANES;
+    }
+    const int col0 = z * D::cols;
     const int64_t qk_at = (n / a.rq3) * a.sq3 + (h % a.hk) * a.sq1;
     const float * q = a.q + qk_at;
     const float * k = a.k + qk_at;
     const float * v = a.v + n * a.sv3 + h * a.sv1 + col0;
     const int64_t gb_at = n * a.sb3 + h * a.sb1;
     const int ntiles = (a.T + DN_TILE - 1) / DN_TILE;
-    constexpr int VU = DN_CTA_COLS / 4;  // 16-byte copies of a token's v
+    constexpr int VU = D::cols / 4;  // 16-byte copies of a token's v
     auto issue = [&](int tile) {  // tile's inputs into buffer tile % 2 (past the end: empty)
         if (tile < ntiles) {
             const int t0 = tile * DN_TILE;
             const int nt = min(DN_TILE, a.T - t0);
             const int b = tile % 2;
-            for (int e = threadIdx.x; e < nt * DN_S; e += DN_WARPS * 32) {
+            for (int e = threadIdx.x; e < nt * DN_S; e += D::threads) {
                 const int t = e / DN_S;
                 const int row = e % DN_S;
                 const int64_t at = (t0 + t) * a.sq2 + row;
@@ -1185,18 +1201,27 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
         }
         copy_commit();
     };
-    // this lane's rows of column col0 + col of this head and sequence: j + 8 v + 32 r
-    const int64_t head =
-        (int64_t(n) * a.H + h) * DN_S * DN_S + int64_t(col0 + col) * DN_S + j;
-    float s[DN_V][DN_R];
-    auto load_state = [&]() {
+    // this lane's rows of column col0 + col[c] of this head and sequence: j + 8 v + 32 r
+    int64_t head[CL];
 #pragma unroll
-        for (int i = 0; i < DN_V; i++) {
+    for (int c = 0; c < CL; c++) {
+        head[c] = (int64_t(n) * a.H + h) * DN_S * DN_S + int64_t(col0 + col[c]) * DN_S + j;
+    }
+    float s[CL][DN_V][DN_R];
+    auto each_value = [&](auto && f) {  // f(c, i, r, at) for each state value of this lane
 #pragma unroll
-            for (int r = 0; r < DN_R; r++) {
-                s[i][r] = a.s0[head + 8 * i + 32 * r];
+        for (int c = 0; c < CL; c++) {
+#pragma unroll
+            for (int i = 0; i < DN_V; i++) {
+#pragma unroll
+                for (int r = 0; r < DN_R; r++) {
+                    f(c, i, r, head[c] + 8 * i + 32 * r);
+                }
             }
         }
+    };
+    auto load_state = [&]() {
+        each_value([&](int c, int i, int r, int64_t at) { s[c][i][r] = a.s0[at]; });
     };
     if (a.early) {
         load_state();
@@ -1209,20 +1234,14 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
         load_state();
     }
     if (a.s0_copy) {  // (after the wait: a kernel before may still read those bytes till then)
-#pragma unroll
-        for (int i = 0; i < DN_V; i++) {
-#pragma unroll
-            for (int r = 0; r < DN_R; r++) {
-                a.s0_copy[head + 8 * i + 32 * r] = s[i][r];
-            }
-        }
+        each_value([&](int c, int i, int r, int64_t at) { a.s0_copy[at] = s[c][i][r]; });
     }
-    const int64_t threads = int64_t(a.H) * a.N * DN_Z * blockDim.x;  // the recurrence's
+    const int64_t threads = int64_t(a.H) * a.N * D::z * blockDim.x;  // the recurrence's
     for (int64_t e = ((int64_t(z) * a.N + n) * a.H + h) * blockDim.x + threadIdx.x; e < a.tail_n;
          e += threads) {
         a.tail[e] = a.tail_from[e / a.tail_row * a.tail_stride + e % a.tail_row];
     }
-    float * attn = a.attn ? a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col0 + col : nullptr;
+    float * attn = a.attn ? a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col0 : nullptr;
     const int64_t token_stride = int64_t(DN_S) * a.H;
     for (int tile = 0; tile < ntiles; tile++) {
         issue(tile + 1);
@@ -1231,9 +1250,10 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
         const int b = tile % 2;
         const int t0 = tile * DN_TILE;
         const int nt = min(DN_TILE, a.T - t0);
-        float out[DN_TILE];  // (S^T q)[col] of each token's updated state: this lane's part
+        // (S^T q)[col[c]] of each token's updated state, this lane's part, at out[c DN_TILE + t]
+        float out[CL * DN_TILE];
 #pragma unroll
-        for (int t = 0; t < DN_TILE; t++) {
+        for (int t = 0; t < CL * DN_TILE; t++) {
             out[t] = 0.0f;  // (tokens past the end: never written)
         }
 #pragma unroll
@@ -1251,59 +1271,66 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
             }
             const float beta = bs[b][t];
             const float g = expf(gs[b][t]);
-            float x[DN_V];  // ggml lane j + 8 i's part of (S^T k)[col]
+            float kv[CL];  // (S^T k)[col[c]], each column's sums side by side
 #pragma unroll
-            for (int i = 0; i < DN_V; i++) {
-                x[i] = 0.0f;
+            for (int c = 0; c < CL; c++) {
+                float x[DN_V];  // ggml lane j + 8 i's part
 #pragma unroll
-                for (int r = 0; r < DN_R; r++) {
-                    x[i] += s[i][r] * kr[i][r];
+                for (int i = 0; i < DN_V; i++) {
+                    x[i] = 0.0f;
+#pragma unroll
+                    for (int r = 0; r < DN_R; r++) {
+                        x[i] += s[c][i][r] * kr[i][r];
+                    }
                 }
+                kv[c] = dn_lane_sum(x);
             }
-            float kv[1] = {dn_lane_sum(x)};
             dn_column_sums(kv);
-            const float delta = (vs[b][t][col] - g * kv[0]) * beta;
-            float o[DN_V];
 #pragma unroll
-            for (int i = 0; i < DN_V; i++) {
-                o[i] = 0.0f;
+            for (int c = 0; c < CL; c++) {
+                const float delta = (vs[b][t][col[c]] - g * kv[c]) * beta;
+                float o[DN_V];
 #pragma unroll
-                for (int r = 0; r < DN_R; r++) {
-                    s[i][r] = g * s[i][r] + kr[i][r] * delta;
-                    o[i] += s[i][r] * qr[i][r];
+                for (int i = 0; i < DN_V; i++) {
+                    o[i] = 0.0f;
+#pragma unroll
+                    for (int r = 0; r < DN_R; r++) {
+                        s[c][i][r] = g * s[c][i][r] + kr[i][r] * delta;
+                        o[i] += s[c][i][r] * qr[i][r];
+                    }
                 }
+                out[c * DN_TILE + t] = dn_lane_sum(o);
             }
-            out[t] = dn_lane_sum(o);
         }
         if (attn) {  // the tile's outputs summed across the column's lanes side by side
             dn_column_sums(out);
-            float mine = out[0];  // lane j writes token j's
 #pragma unroll
-            for (int t = 1; t < DN_TILE; t++) {
-                mine = j == t ? out[t] : mine;
-            }
-            if (j < nt) {
-                attn[(t0 + j) * token_stride] = mine * a.scale;
+            for (int c = 0; c < CL; c++) {
+                float mine = out[c * DN_TILE];  // lane j writes token j's
+#pragma unroll
+                for (int t = 1; t < DN_TILE; t++) {
+                    mine = j == t ? out[c * DN_TILE + t] : mine;
+                }
+                if (j < nt) {
+                    attn[(t0 + j) * token_stride + col[c]] = mine * a.scale;
+                }
             }
         }
         __syncthreads();  // every warp is done with buffer b: tile + 2 may land there
     }
-#pragma unroll
-    for (int i = 0; i < DN_V; i++) {
-#pragma unroll
-        for (int r = 0; r < DN_R; r++) {
-            a.state[head + 8 * i + 32 * r] = s[i][r];
-            if (a.state2) {
-                a.state2[head + 8 * i + 32 * r] = s[i][r];
-            }
+    each_value([&](int c, int i, int r, int64_t at) {
+        a.state[at] = s[c][i][r];
+        if (a.state2) {
+            a.state2[at] = s[c][i][r];
         }
-    }
+    });
 }
 
-// grid (H, N, DN_Z), DN_WARPS * 32 threads
-__global__ void __launch_bounds__(DN_WARPS * 32) delta_net(const __grid_constant__ DeltaNetArgs a) {
+// grid (H, N, D::z), D::threads threads
+template <class D = DnModel>
+__global__ void __launch_bounds__(D::threads) delta_net(const __grid_constant__ DeltaNetArgs a) {
     LUCEPY_PDL_LAUNCH();
-    delta_net_cta(a, blockIdx.x, blockIdx.y, blockIdx.z);
+    delta_net_cta<D>(a, blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 // Recurrences that are `alone` (none reads or writes what another does), of the same H and N:
@@ -1317,11 +1344,12 @@ struct DeltaNetLayers {
 
 static_assert(sizeof(DeltaNetLayers) <= 4096, "a launch's arguments");
 
-// grid (H, N, DN_Z n), DN_WARPS * 32 threads: recurrence z / DN_Z's CTA (x, y, z % DN_Z)
-__global__ void __launch_bounds__(DN_WARPS * 32)
+// grid (H, N, D::z n), D::threads threads: recurrence z / D::z's CTA (x, y, z % D::z)
+template <class D = DnModel>
+__global__ void __launch_bounds__(D::threads)
     delta_net_layers(const __grid_constant__ DeltaNetLayers b) {
     LUCEPY_PDL_LAUNCH();
-    delta_net_cta(b.a[blockIdx.z / DN_Z], blockIdx.x, blockIdx.y, blockIdx.z % DN_Z);
+    delta_net_cta<D>(b.a[blockIdx.z / D::z], blockIdx.x, blockIdx.y, blockIdx.z % D::z);
 }
 
 }  // namespace lucepy

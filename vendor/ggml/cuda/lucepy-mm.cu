@@ -2366,14 +2366,16 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
         last = j + more_done;
     }
     if (b.n == 1) {
-        const dim3 grid{unsigned(first.H), unsigned(first.N), unsigned(DN_Z)};
-        ggml_cuda_kernel_launch(delta_net, ggml_cuda_kernel_launch_params(
-                                               grid, DN_WARPS * 32, 0, ctx.stream()),
+        const dim3 grid{unsigned(first.H), unsigned(first.N), unsigned(DnModel::z)};
+        ggml_cuda_kernel_launch(delta_net<DnModel>,
+                                ggml_cuda_kernel_launch_params(grid, DnModel::threads, 0,
+                                                               ctx.stream()),
                                 first);
     } else {
-        const dim3 grid{unsigned(first.H), unsigned(first.N), unsigned(DN_Z * b.n)};
-        ggml_cuda_kernel_launch(delta_net_layers, ggml_cuda_kernel_launch_params(
-                                                      grid, DN_WARPS * 32, 0, ctx.stream()),
+        const dim3 grid{unsigned(first.H), unsigned(first.N), unsigned(DnModel::z * b.n)};
+        ggml_cuda_kernel_launch(delta_net_layers<DnModel>,
+                                ggml_cuda_kernel_launch_params(grid, DnModel::threads, 0,
+                                                               ctx.stream()),
                                 b);
     }
     return last - i;
