@@ -104,6 +104,8 @@ class Bench:
 
         verify_s = median_s(verify, max(self.repeats, 5))
         decode_s = median_s(lambda: engine.decode(block[0]), max(self.repeats, 5))
+        # a greedy plain decode reads back the argmax alone, as the verify does its rows'
+        greedy_s = median_s(lambda: engine.decode_greedy(block[0]), max(self.repeats, 5))
         self.record(
             f"verify{VERIFY_BLOCK}@d{depth}",
             {
@@ -112,6 +114,8 @@ class Bench:
                 "verify_ms": 1e3 * verify_s,
                 "decode_ms": 1e3 * decode_s,
                 "ratio": verify_s / decode_s,
+                "greedy_decode_ms": 1e3 * greedy_s,
+                "greedy_ratio": verify_s / greedy_s,
             },
         )
 
@@ -229,6 +233,22 @@ def report_lines(ours: dict, llama: dict[tuple[str, int], Sampled], depth: int) 
         lines.append(
             _row(f"1-token decode @ d{d}", v.get("decode_ms"), 1e3 / tg if tg else None, "ms")
         )
+        lines.append(
+            _row(
+                f"1-token greedy decode (argmax read) @ d{d}",
+                v.get("greedy_decode_ms"),
+                1e3 / tg if tg else None,
+                "ms",
+            )
+        )
+    for d in (0, depth):
+        v = ours.get(f"verify{VERIFY_BLOCK}@d{d}", {})
+        if "ratio" in v:
+            greedy = v.get("greedy_ratio")
+            lines.append(
+                f"\nlucepy's {VERIFY_BLOCK}-token verify at d{d}: {v['ratio']:.2f} decode steps, "
+                + (f"{greedy:.2f} greedy decode steps" if greedy else "no greedy step timed")
+            )
     return lines
 
 

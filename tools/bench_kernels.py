@@ -41,7 +41,7 @@ def verify_curve(bench: Bench) -> None:
     engine.prefill(bench.tokens(64), chunk=CHUNK)
     block = bench.tokens(MAX_K)
     repeats = max(bench.repeats, 5)
-    decode_s = median_s(lambda: engine.decode(block[0]), repeats)
+    decode_s = median_s(lambda: engine.decode(block[0]), 4 * repeats)
     curve = {}
 
     def verify(k: int) -> None:
@@ -51,29 +51,42 @@ def verify_curve(bench: Bench) -> None:
     for k in range(1, MAX_K + 1):
         curve[k] = median_s(lambda k=k: verify(k), repeats) / decode_s
     # k = 16 with the rollback left running (on a GPU: Shard.async_rollback) and waited for, in
-    # turn, in the same run: what running it under the next step's host work saves (a rollback
-    # left running ends under the next call's host work, as it does in a loop of such calls)
+    # turn with a decode step and a greedy one (its argmax alone read back, as a verify reads
+    # its rows'), in the same run: what running it under the next step's host work saves (a
+    # rollback left running ends under the next call's host work, as it does in a loop of such
+    # calls), and each against decode steps measured beside it
     defaults = [shard.async_rollback for shard in engine.shards]
-    times: dict[bool, list[float]] = {False: [], True: []}
+    times: dict[str, list[float]] = {"left": [], "waited": [], "decode": [], "greedy": []}
+
+    def timed(key: str, run) -> None:
+        t0 = time.perf_counter()
+        run()
+        times[key].append(time.perf_counter() - t0)
+
     for _ in range(4 * repeats):
         for waited in (False, True):
             for shard, a in zip(engine.shards, defaults, strict=True):
                 shard.async_rollback = a and not waited
-            t0 = time.perf_counter()
-            verify(MAX_K)
-            times[waited].append(time.perf_counter() - t0)
+            timed("waited" if waited else "left", lambda: verify(MAX_K))
+        timed("decode", lambda: engine.decode(block[0]))
+        timed("greedy", lambda: engine.decode_greedy(block[0]))
     engine.pipeline.settle()
     for shard, a in zip(engine.shards, defaults, strict=True):
         shard.async_rollback = a
+    med = {key: statistics.median(t) for key, t in times.items()}
     bench.record(
         "verify_curve",
         {
             "decode_ms": 1e3 * decode_s,
             "cost_in_decodes": curve,
             "rollback_in_turn": {
-                "left_running": statistics.median(times[False]) / decode_s,
-                "waited": statistics.median(times[True]) / decode_s,
-                "calls": len(times[False]),
+                "left_running": med["left"] / med["decode"],
+                "waited": med["waited"] / med["decode"],
+                "left_running_greedy": med["left"] / med["greedy"],
+                "waited_greedy": med["waited"] / med["greedy"],
+                "decode_ms": 1e3 * med["decode"],
+                "greedy_decode_ms": 1e3 * med["greedy"],
+                "calls": len(times["left"]),
             },
         },
     )
@@ -145,6 +158,15 @@ def _cell(x: float | None, fmt: str = "{:,.1f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
+def _in_turn(t: dict) -> str:
+    """One side's k = 16 calls in turn: in decode steps, in greedy ones, and the two steps."""
+    ratios = ("left_running", "waited", "left_running_greedy", "waited_greedy")
+    return " / ".join(_cell(t.get(key), "{:.3f}") for key in ratios) + (
+        f" (steps {_cell(t.get('decode_ms'), '{:.2f}')} and "
+        f"{_cell(t.get('greedy_decode_ms'), '{:.2f}')} ms)"
+    )
+
+
 def report(args: argparse.Namespace) -> int:
     got = json.loads(Path(args.results).read_text())
     ref, missing = llama_rows([p for p in args.llama_bench if Path(p).exists()])
@@ -193,12 +215,10 @@ def report(args: argparse.Namespace) -> int:
     )
     turns = [s.get("verify_curve", {}).get("rollback_in_turn", {}) for s in sides]
     lines.append(
-        f"\nk = {MAX_K}, calls in turn with the rollback left running / waited for (decodes, "
-        f"medians of {turns[-1].get('calls', '?')} each): "
-        + ", ".join(
-            f"{lab} {_cell(t.get('left_running'), '{:.3f}')} / {_cell(t.get('waited'), '{:.3f}')}"
-            for lab, t in zip(labels, turns, strict=True)
-        )
+        f"\nk = {MAX_K}, calls in turn with the rollback left running / waited for, a decode step "
+        f"and a greedy one (its argmax alone read back; medians of {turns[-1].get('calls', '?')} "
+        "each), in those decode steps / in greedy ones: "
+        + ", ".join(f"{lab} {_in_turn(t)}" for lab, t in zip(labels, turns, strict=True))
     )
     counts = [s.get("lucepy_kernel_calls", {}) for s in sides]
     calls, ops, joined = ([c.get(key) for c in counts] for key in ("calls", "ops", "joined"))
