@@ -61,6 +61,10 @@
 # LUCEPY_STACK_MATMULS=0, products of one input not stacked into one, as they are on a CPU and
 # were everywhere before; adds lucepy-unstacked.json). GPU_RUN_HOST (set: tools/host_time.py on
 # the model, a decode's and a 16-token verify's wall time by phase on the host; adds host.json).
+# GPU_RUN_AFTER (a bash command, run last, before the summary, in this run's environment: its
+# PYTHONPATH, LUCEPY_GGML_LIB and MODEL, OUTDIR exported; for a same-run comparison of a knob,
+# e.g. two tools/bench_kernels.py "one" runs with an environment variable each way: a command
+# started after this script has returned finds none of it).
 set -euo pipefail
 
 OUTDIR=${1:?usage: tools/gpu_run.sh OUTDIR}
@@ -494,6 +498,10 @@ elif ((built)) && [[ -f $MODEL ]]; then
                 >>"$OUTDIR/trace.txt" 2>&1 || true
         fi
     fi
+fi
+
+if ((built)) && [[ -n ${GPU_RUN_AFTER:-} ]]; then # the caller's command, in this environment
+    step after 600 "$BENCHLOG" env OUTDIR="$OUTDIR" bash -c "$GPU_RUN_AFTER" || true
 fi
 
 if [[ $ARCH == qwen35moe ]]; then
