@@ -14,6 +14,7 @@
 //     ./bench-kernels --sum-norm   (a verify's residual sum and next RMS norm: gemm_sum and
 //     norm_halves against sum_norm_halves, their results compared byte for byte)
 //     ./bench-kernels --overlap   (a product on a second stream beside the DeltaNet recurrence)
+//     ./bench-kernels --mma-rate   (mma.sync's rate alone: warps an SM, chains, unpacking beside)
 //     ./bench-kernels --delta-net   (the recurrence's CTA shapes, warps and columns a lane, at 1
 //     to 512 tokens: us a call, each against the host's recurrence in double and the model's)
 //     BENCH_FEW=1 ./bench-kernels --kind q4_0 --cols 16 --anatomy   (the repacked Q4_0's gemm_r
@@ -1552,6 +1553,83 @@ void bench_delta_net(cudaStream_t s, std::mt19937 & rng) {
     }
 }
 
+// --mma-rate: mma.sync m16n8k16 (halves, f32 sums) alone on every SM, as many warps an SM as
+// gemm_rb runs and more, each warp CHAINS independent sums, and beside each mma ALU pairs of the
+// unpacking's instructions (a lop3 and an hfma2 that make its next A registers: gemm_rb issues 2
+// pairs a mma at 16 columns, 4 at 8). Each CTA's warp 0 counts the SM's cycles over its loop,
+// so the rate comes as cycles a mma on each of the SM's four schedulers, beside TFLOP/s: what a
+// product of halves on mma.sync can reach, against gemm_rb's 17-20 cycles a mma at 16 columns
+// (session 40's timelines: 1.2-1.6 us a chunk of 8 words of 4 mmas, 4 warps a scheduler).
+template <int CHAINS, int ALU>
+__global__ void __launch_bounds__(128) mma_rate(float * sink, long long * cycles, int iters) {
+    const uint32_t lane = threadIdx.x % 32;
+    uint32_t a[4] = {0x3c003c00u ^ lane, 0x3c003c01u ^ lane, 0x3c003c02u, 0x3c003c03u};
+    const uint32_t b0 = 0x3c003c00u + lane, b1 = 0x3c003c10u + lane;
+    float acc[CHAINS][4] = {};
+    uint32_t x = lane * 0x01010101u;
+    const long long t0 = clock64();
+    for (int i = 0; i < iters; i++) {
+#pragma unroll
+        for (int c = 0; c < CHAINS; c++) {
+#pragma unroll
+            for (int u = 0; u < ALU; u++) {
+                const __half2 h = nibble_halves((x + c * 0x11111111u) >> (4 * (u % 4)));
+                const __half2 r = __hfma2(h, __float2half2_rn(0.5f), __float2half2_rn(-516.0f));
+                a[u % 4] = *reinterpret_cast<const uint32_t *>(&r);
+            }
+            mma_16816(acc[c], a, b0, b1);
+        }
+        x += 0x9e3779b9u;
+    }
+    const long long t1 = clock64();
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CHAINS; c++) {
+        sum += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
+    }
+    if (sum == 1234.5f) {  // (never: the sums are kept)
+        sink[0] = sum;
+    }
+    if (threadIdx.x == 0) {
+        cycles[blockIdx.x] = t1 - t0;
+    }
+}
+
+void bench_mma_rate(cudaStream_t s) {
+    constexpr int ITERS = 1024;
+    float * sink;
+    long long * cycles;
+    CHECK(cudaMalloc(&sink, sizeof(float)));
+    CHECK(cudaMalloc(&cycles, sizeof(long long) * g_sms * 16));
+    std::printf("mma.sync m16n8k16 f32 sums on %d SMs: cycles a mma a scheduler (TFLOP/s)\n",
+                g_sms);
+    std::printf("warps/SM chains  mma alone       +2 pairs        +4 pairs\n");
+    auto one = [&](auto kernel, int per_sm, int chains) {
+        const int ctas = g_sms * per_sm;
+        const float us =
+            time_calls(s, [&](int) { kernel<<<ctas, 128, 0, s>>>(sink, cycles, ITERS); });
+        std::vector<long long> c(ctas);
+        CHECK(cudaMemcpy(c.data(), cycles, sizeof(long long) * ctas, cudaMemcpyDeviceToHost));
+        std::sort(c.begin(), c.end());
+        const double mmas_a_scheduler = double(per_sm) * 4 / 4 * ITERS * chains;  // 4 warps a CTA
+        const double flops = double(ctas) * 4 * ITERS * chains * 4096.0;
+        std::printf(" %6.2f (%5.0f)", double(c[ctas / 2]) / mmas_a_scheduler, flops / us / 1e6);
+    };
+    for (int per_sm : {1, 2, 4, 5, 8}) {
+        each_shape<3>([&](auto ci) {
+            constexpr int CH = 1 << decltype(ci)::value;
+            std::printf("%-8d %-6d", 4 * per_sm, CH);
+            one(mma_rate<CH, 0>, per_sm, CH);
+            one(mma_rate<CH, 2>, per_sm, CH);
+            one(mma_rate<CH, 4>, per_sm, CH);
+            std::printf("\n");
+        });
+    }
+    CHECK(cudaGetLastError());
+    CHECK(cudaFree(sink));
+    CHECK(cudaFree(cycles));
+}
+
 void bench_overlap(cudaStream_t s, std::mt19937 & rng) {
     constexpr int K = 5120, ROWS = 6144, NCOLS = 16;
     const int npieces = K / 32;
@@ -1682,6 +1760,7 @@ int main(int argc, char ** argv) {
     bool sum_norm = false;  // --sum-norm: a verify's residual sum and next norm, 2 kernels or 1
     bool overlap = false;   // --overlap: z's product beside the DeltaNet recurrence
     bool recurrence = false;  // --delta-net: its CTA shapes
+    bool mma = false;         // --mma-rate: the tensor cores' rate on mma.sync
     for (int i = 1; i < argc; i++) {
         if (std::strcmp(argv[i], "--quick") == 0) {
             quick = true;
@@ -1691,6 +1770,8 @@ int main(int argc, char ** argv) {
             overlap = true;
         } else if (std::strcmp(argv[i], "--delta-net") == 0) {
             recurrence = true;
+        } else if (std::strcmp(argv[i], "--mma-rate") == 0) {
+            mma = true;
         } else if (std::strcmp(argv[i], "--anatomy") == 0) {
             g_anatomy = true;
         } else if (std::strcmp(argv[i], "--timeline") == 0) {
@@ -1713,7 +1794,8 @@ int main(int argc, char ** argv) {
         } else {
             std::fprintf(stderr,
                          "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16] "
-                         "[--sum-norm] [--overlap] [--delta-net] [--anatomy] [--timeline]\n",
+                         "[--sum-norm] [--overlap] [--delta-net] [--mma-rate] [--anatomy] "
+                         "[--timeline]\n",
                          argv[0]);
             return 2;
         }
@@ -1728,6 +1810,10 @@ int main(int argc, char ** argv) {
     cudaStream_t s;
     CHECK(cudaStreamCreate(&s));
     std::mt19937 rng(7);
+    if (mma) {
+        bench_mma_rate(s);
+        return 0;
+    }
     if (recurrence) {
         bench_delta_net(s, rng);
         std::printf(failures ? "%d WRONG\n" : "every shape near the host's, the model's bytes\n",
