@@ -1059,11 +1059,12 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts
 // columns, a CTA of 4 warps 32, the 27B-shaped model's 48 heads are 192 CTAs (on the H200,
 // docs/BENCHMARKS.md session 46: 9.49 us a 16-token call where a column a lane, 384 CTAs, took
 // 10.04; 199.4 where 209.4 at 512 tokens; 4.47 where 4.53 at one; four columns a lane or CTAs of
-// 1 or 2 warps slower at 16 tokens and more. Two columns a warp of 32 lanes, 768 CTAs: 11 us a
-// 16-token call, 4.5 a decode's; a column a warp, 1,536 CTAs, took more: sessions 27 and 33.)
-// Only S^T k's sums are on the chain: the outputs' (S^T q of the updated state) wait for the
-// tile's end, all its tokens' shuffles side by side, and lane j of a column writes token j's.
-// The state after the last token goes where the copy after the op puts it (the sequence's own state, read
+// 1 or 2 warps slower at 16 tokens and more; in the model's verify no sooner, as session 40 had
+// found on the kernel of then. Two columns a warp of 32 lanes, 768 CTAs: 11 us a 16-token call,
+// 4.5 a decode's; a column a warp, 1,536 CTAs, took more: sessions 27 and 33.) Only S^T k's sums
+// are on the chain: the outputs' (S^T q of the updated state) wait for the tile's end, all its
+// tokens' shuffles side by side, and lane j of a column writes token j's. The state after the
+// last token goes where the copy after the op puts it (the sequence's own state, read
 // first by the same warp) and, where anything else reads it, into the op's result too; a
 // verify's copy of the state before it (a DUP node that the op reads) is written as it loads,
 // and a rollback's copy of the conv's tail (the CPY after the state's) by its threads. Where the
