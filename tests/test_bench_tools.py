@@ -1,0 +1,64 @@
+"""tools/bench_kernels.py's verify curve and tools/bench_gpu.py's report, on the CPU with a tiny
+model: the 16-token verify timed in turn with a decode step and a greedy one (its argmax alone
+read back), each ratio against the steps measured beside it, and both ratios reported."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from lucepy.runtime.config import RuntimeConfig
+from lucepy.runtime.engine import Engine
+
+TOOLS = Path(__file__).parent.parent / "tools"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # bench_kernels imports bench_gpu by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_gpu = _load("bench_gpu")
+bench_kernels = _load("bench_kernels")
+
+
+def test_the_verify_is_timed_in_turn_against_both_kinds_of_decode_step(tiny_model, tmp_path):
+    cfg = RuntimeConfig(device="cpu", max_ctx=512, threads=1, chunk=bench_kernels.CHUNK)
+    out = tmp_path / "bench.json"
+    with Engine(tiny_model(), cfg, tokenizer=False) as engine:
+        bench_kernels.verify_curve(bench_gpu.Bench(engine, 1, out))
+    got = json.loads(out.read_text())["verify_curve"]
+    assert sorted(map(int, got["cost_in_decodes"])) == list(range(1, bench_kernels.MAX_K + 1))
+    turn = got["rollback_in_turn"]
+    assert turn["calls"] == 20  # four rounds a repeat, at least 5 repeats
+    assert turn["decode_ms"] > 0 and turn["greedy_decode_ms"] > 0
+    # each ratio is the same verify time over the step measured beside it
+    for kind in ("left_running", "waited"):
+        verify_ms = turn[kind] * turn["decode_ms"]
+        assert abs(turn[f"{kind}_greedy"] * turn["greedy_decode_ms"] - verify_ms) < 1e-9 * verify_ms
+    line = bench_kernels._in_turn(turn)
+    assert line.count(" / ") == 3 and line.endswith(" ms)")
+    assert bench_kernels._in_turn({}) == "— / — / — / — (steps — and — ms)"
+
+
+def test_the_gpu_report_gives_the_verify_in_both_kinds_of_decode_step():
+    ours = {
+        "verify16@d0": {
+            "verify_ms": 8.2,
+            "decode_ms": 5.5,
+            "ratio": 8.2 / 5.5,
+            "greedy_decode_ms": 5.4,
+            "greedy_ratio": 8.2 / 5.4,
+        },
+        "verify16@d8192": {"verify_ms": 9.0, "decode_ms": 6.0, "ratio": 1.5},
+    }
+    lines = bench_gpu.report_lines(ours, {}, 8192)
+    assert "| 1-token greedy decode (argmax read) @ d0 | — | 5.4 | ms | — |" in lines
+    assert "\nlucepy's 16-token verify at d0: 1.49 decode steps, 1.52 greedy decode steps" in lines
+    # a run from before the greedy step was timed says so, not a made-up ratio
+    assert "\nlucepy's 16-token verify at d8192: 1.50 decode steps, no greedy step timed" in lines
