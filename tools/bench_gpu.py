@@ -8,7 +8,9 @@ that sets it beside llama-bench's JSON from the same ggml build, model and GPU.
 follow llama-bench: prefill in chunks of 512 (its default ubatch) from an empty context; decode of
 fixed random tokens (no sampling), at an empty context and after ``--depth`` tokens; each is the
 median of ``--repeats`` runs after a warm-up. ``verify`` is the 16-token forward of a DFlash
-step (``Engine.verify`` then ``rollback``), set against one decode step at the same depth.
+step (``Engine.verify`` then ``rollback``), set against one decode step at the same depth, one
+that reads the logits back and a greedy one (``Engine.decode_greedy``: its argmax alone, as the
+verify reads its rows').
 ``report`` sets medians beside medians: llama-bench's is taken from its per-repetition
 ``samples_ns``, never from its mean ``avg_ts``, which a slow first repetition pulls down.
 """

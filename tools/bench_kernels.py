@@ -10,9 +10,10 @@ Each kernel choice runs in a process of its own (ggml-cuda's CUDA graphs replay 
 they captured). Per choice, as tools/bench_gpu.py measures them: pp512, tg128 at an empty context
 (medians of --repeats runs), and the verify cost curve: the k-token forward of a DFlash verify,
 k = 1..16, over one decode step at the same position, each a median (and k = 16 with the
-rollback left running and waited for, calls in turn); and how many products
-lucepy's kernels computed (0 with ggml's). ``report`` sets medians beside llama-bench's medians
-(of its samples_ns, never its mean).
+rollback left running and waited for, in turn with a decode step that reads the logits and a
+greedy one that reads its argmax alone, each ratio against the steps beside it); and how many
+products lucepy's kernels computed (0 with ggml's). ``report`` sets medians beside llama-bench's
+medians (of its samples_ns, never its mean).
 """
 
 from __future__ import annotations
