@@ -41,11 +41,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <tuple>
-#include <utility>
 #include <functional>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 using namespace lucepy;
@@ -1458,12 +1458,12 @@ template <class D = DnModel> void launch_dn(const DnBuffers & b, int c, cudaStre
 }
 
 // f(std::integral_constant<size_t, i>) for i = 0 .. N - 1, on the host
-template <size_t... I, typename F> void each_shape_of(F && f, std::index_sequence<I...>) {
+template <size_t... I, typename F> void for_each_index_of(F && f, std::index_sequence<I...>) {
     (f(std::integral_constant<size_t, I>{}), ...);
 }
 
-template <size_t N, typename F> void each_shape(F && f) {
-    each_shape_of(f, std::make_index_sequence<N>());
+template <size_t N, typename F> void for_each_index(F && f) {
+    for_each_index_of(f, std::make_index_sequence<N>());
 }
 
 // --delta-net: `delta_net` on each CTA shape (warps, columns a lane) for the 27B-shaped model's 48
@@ -1523,7 +1523,7 @@ void bench_delta_net(cudaStream_t s, std::mt19937 & rng) {
         };
         std::vector<float> model;  // the model's shape's attention, then its state
         std::printf("delta_net %3d tokens, us (warps x columns a lane):", T);
-        each_shape<NS>([&](auto i) {
+        for_each_index<NS>([&](auto i) {
             using D = std::tuple_element_t<decltype(i)::value, Shapes>;
             CHECK(cudaMemcpy(b.states, b.pristine, size_t(b.state_floats()) * sizeof(float),
                              cudaMemcpyDeviceToDevice));
@@ -1616,7 +1616,7 @@ void bench_mma_rate(cudaStream_t s) {
         std::printf(" %6.2f (%5.0f)", double(c[ctas / 2]) / mmas_a_scheduler, flops / us / 1e6);
     };
     for (int per_sm : {1, 2, 4, 5, 8}) {
-        each_shape<3>([&](auto ci) {
+        for_each_index<3>([&](auto ci) {
             constexpr int CH = 1 << decltype(ci)::value;
             std::printf("%-8d %-6d", 4 * per_sm, CH);
             one(mma_rate<CH, 0>, per_sm, CH);
