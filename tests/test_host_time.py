@@ -3,18 +3,13 @@ phase timed where the shard calls it, and the shard's own functions back afterwa
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tool_scripts import load_tool
 
 from lucepy.runtime import graphs, shard
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 
-_spec = importlib.util.spec_from_file_location(
-    "host_time", Path(__file__).parent.parent / "tools" / "host_time.py"
-)
-host_time = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(host_time)
+host_time = load_tool("host_time")
 
 
 def test_each_call_is_split_into_its_phases_and_the_shard_is_left_as_it_was(tiny_model):

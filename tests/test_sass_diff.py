@@ -3,18 +3,13 @@ demangles the names)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
+from tool_scripts import load_tool
 
-_spec = importlib.util.spec_from_file_location(
-    "sass_diff", Path(__file__).parent.parent / "tools" / "sass_diff.py"
-)
-sass_diff = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sass_diff)
+sass_diff = load_tool("sass_diff")
 
 pytestmark = pytest.mark.skipif(shutil.which("c++filt") is None, reason="no c++filt")
 

@@ -3,16 +3,10 @@ table (``path``), on made-up kernel timelines: no GPU needed."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from tool_scripts import load_tool
 
-_spec = importlib.util.spec_from_file_location(
-    "trace_gpu", Path(__file__).parent.parent / "tools" / "trace_gpu.py"
-)
-trace_gpu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace_gpu)
+trace_gpu = load_tool("trace_gpu")
 
 
 def shares(calls):

@@ -38,6 +38,13 @@ DECODE_TOKENS = 128
 VERIFY_BLOCK = 16
 
 
+def verify_step(engine: Engine, block: list[int]) -> None:
+    """A DFlash step's verify of ``block`` and its rollback, keeping one token (the position
+    creeps by one a call), as every benchmark of the verify times it."""
+    engine.verify(block, greedy=True)
+    engine.rollback(1)
+
+
 class Bench:
     def __init__(self, engine: Engine, repeats: int, out: Path):
         self.engine, self.repeats, self.out = engine, repeats, out
@@ -99,12 +106,7 @@ class Bench:
         """A 16-token verify forward and a 1-token decode, each at the current position."""
         engine = self.engine
         block = self.tokens(VERIFY_BLOCK)
-
-        def verify():
-            engine.verify(block, greedy=True)
-            engine.rollback(1)  # keeps one token: the position creeps by one per run
-
-        verify_s = median_s(verify, max(self.repeats, 5))
+        verify_s = median_s(lambda: verify_step(engine, block), max(self.repeats, 5))
         decode_s = median_s(lambda: engine.decode(block[0]), max(self.repeats, 5))
         # a greedy plain decode reads back the argmax alone, as the verify does its rows'
         greedy_s = median_s(lambda: engine.decode_greedy(block[0]), max(self.repeats, 5))

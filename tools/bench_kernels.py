@@ -11,7 +11,7 @@ they captured). Per choice, as tools/bench_gpu.py measures them: pp512, tg128 at
 (medians of --repeats runs), and the verify cost curve: the k-token forward of a DFlash verify,
 k = 1..16, over one decode step at the same position, each a median (and k = 16 with the
 rollback left running and waited for, in turn with a decode step that reads the logits and a
-greedy one that reads its argmax alone, each ratio against the steps beside it); and how many
+greedy one that reads its argmax alone, whose medians are the curve's steps); and how many
 products lucepy's kernels computed (0 with ggml's). ``report`` sets medians beside llama-bench's
 medians (of its samples_ns, never its mean).
 """
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_gpu import CHUNK, DECODE_TOKENS, Bench, llama_rows
+from bench_gpu import CHUNK, DECODE_TOKENS, Bench, llama_rows, verify_step
 
 from lucepy.decode.verify_len import median_s
 
@@ -42,20 +42,15 @@ def verify_curve(bench: Bench) -> None:
     engine.prefill(bench.tokens(64), chunk=CHUNK)
     block = bench.tokens(MAX_K)
     repeats = max(bench.repeats, 5)
-    decode_s = median_s(lambda: engine.decode(block[0]), 4 * repeats)
-    curve = {}
-
-    def verify(k: int) -> None:
-        engine.verify(block[:k], greedy=True)
-        engine.rollback(1)  # keeps one token: the position creeps by one per run
-
-    for k in range(1, MAX_K + 1):
-        curve[k] = median_s(lambda k=k: verify(k), repeats) / decode_s
+    verify_s = {
+        k: median_s(lambda k=k: verify_step(engine, block[:k]), repeats)
+        for k in range(1, MAX_K + 1)
+    }
     # k = 16 with the rollback left running (on a GPU: Shard.async_rollback) and waited for, in
     # turn with a decode step and a greedy one (its argmax alone read back, as a verify reads
     # its rows'), in the same run: what running it under the next step's host work saves (a
     # rollback left running ends under the next call's host work, as it does in a loop of such
-    # calls), and each against decode steps measured beside it
+    # calls); those decode steps are the curve's too
     defaults = [shard.async_rollback for shard in engine.shards]
     times: dict[str, list[float]] = {"left": [], "waited": [], "decode": [], "greedy": []}
 
@@ -68,7 +63,7 @@ def verify_curve(bench: Bench) -> None:
         for waited in (False, True):
             for shard, a in zip(engine.shards, defaults, strict=True):
                 shard.async_rollback = a and not waited
-            timed("waited" if waited else "left", lambda: verify(MAX_K))
+            timed("waited" if waited else "left", lambda: verify_step(engine, block))
         timed("decode", lambda: engine.decode(block[0]))
         timed("greedy", lambda: engine.decode_greedy(block[0]))
     engine.pipeline.settle()
@@ -78,15 +73,14 @@ def verify_curve(bench: Bench) -> None:
     bench.record(
         "verify_curve",
         {
-            "decode_ms": 1e3 * decode_s,
-            "cost_in_decodes": curve,
+            "decode_ms": 1e3 * med["decode"],
+            "greedy_decode_ms": 1e3 * med["greedy"],
+            "cost_in_decodes": {k: s / med["decode"] for k, s in verify_s.items()},
             "rollback_in_turn": {
                 "left_running": med["left"] / med["decode"],
                 "waited": med["waited"] / med["decode"],
                 "left_running_greedy": med["left"] / med["greedy"],
                 "waited_greedy": med["waited"] / med["greedy"],
-                "decode_ms": 1e3 * med["decode"],
-                "greedy_decode_ms": 1e3 * med["greedy"],
                 "calls": len(times["left"]),
             },
         },
@@ -160,12 +154,9 @@ def _cell(x: float | None, fmt: str = "{:,.1f}") -> str:
 
 
 def _in_turn(t: dict) -> str:
-    """One side's k = 16 calls in turn: in decode steps, in greedy ones, and the two steps."""
+    """One side's k = 16 calls in turn, in decode steps and in greedy ones."""
     ratios = ("left_running", "waited", "left_running_greedy", "waited_greedy")
-    return " / ".join(_cell(t.get(key), "{:.3f}") for key in ratios) + (
-        f" (steps {_cell(t.get('decode_ms'), '{:.2f}')} and "
-        f"{_cell(t.get('greedy_decode_ms'), '{:.2f}')} ms)"
-    )
+    return " / ".join(_cell(t.get(key), "{:.3f}") for key in ratios)
 
 
 def report(args: argparse.Namespace) -> int:
@@ -209,16 +200,20 @@ def report(args: argparse.Namespace) -> int:
     for label, curve in zip(labels, curves, strict=True):
         cells = [_cell(curve.get(str(k)), "{:.2f}") for k in range(1, MAX_K + 1)]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    decode_ms = [s.get("verify_curve", {}).get("decode_ms") for s in sides]
+    steps = [s.get("verify_curve", {}) for s in sides]
     lines.append(
-        "\nDecode step (ms): "
-        + ", ".join(f"{lab} {_cell(d, '{:.2f}')}" for lab, d in zip(labels, decode_ms, strict=True))
+        "\nDecode step, and a greedy one (its argmax alone read back), ms: "
+        + ", ".join(
+            f"{lab} {_cell(c.get('decode_ms'), '{:.2f}')} and "
+            f"{_cell(c.get('greedy_decode_ms'), '{:.2f}')}"
+            for lab, c in zip(labels, steps, strict=True)
+        )
     )
     turns = [s.get("verify_curve", {}).get("rollback_in_turn", {}) for s in sides]
     lines.append(
         f"\nk = {MAX_K}, calls in turn with the rollback left running / waited for, a decode step "
-        f"and a greedy one (its argmax alone read back; medians of {turns[-1].get('calls', '?')} "
-        "each), in those decode steps / in greedy ones: "
+        f"and a greedy one (medians of {turns[-1].get('calls', '?')} each), in those decode steps "
+        "/ in greedy ones: "
         + ", ".join(f"{lab} {_in_turn(t)}" for lab, t in zip(labels, turns, strict=True))
     )
     counts = [s.get("lucepy_kernel_calls", {}) for s in sides]

@@ -26,6 +26,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench_gpu import verify_step
+
 PHASES = ("inputs", "compute", "launch", "read")
 
 
@@ -89,16 +91,12 @@ def measure(engine, calls: int, block: int = 16) -> dict[str, dict[str, float]]:
     engine.reset()
     engine.prefill(list(range(3, 67)))
 
-    def verify() -> None:
-        engine.verify(tokens, greedy=True)
-        engine.rollback(1)  # keeps one token: the position creeps by one per call
-
     out = {}
     with timed_phases(clock):
         steps = {
             "decode": lambda: engine.decode(5),  # the logits read back
             "greedy decode": lambda: engine.decode_greedy(5),  # their argmax alone
-            "verify": verify,
+            "verify": lambda: verify_step(engine, tokens),
         }
         for kind, step in steps.items():
             runs = []

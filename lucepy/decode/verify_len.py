@@ -139,10 +139,9 @@ def measure(engine, repeats: int = 3) -> StepCosts:
     """Time a plain greedy decode (its argmax alone read back, as the greedy loop reads it) and
     then a step of each length on ``engine`` (with its draft) at a short context, each as the
     median of ``repeats`` after a warm-up; then reset the engine. A decode is timed in runs of
-    DECODE_RUN, first (where a generation starts). A timed step is a
-    speculative step's work: the draft's pass, the verify with the features the draft reads,
-    the commit of its first token and the draft's copy of that token's features; so the
-    context grows by one per run."""
+    DECODE_RUN, first (where a generation starts). A timed step is a speculative step's work:
+    the draft's pass, the verify with the features the draft reads, the commit of its first
+    token and the draft's copy of that token's features; so the context grows by one per run."""
     draft, block = engine.draft, engine.draft.block
     assert measurable(engine.n_ctx, block, repeats), "the caller checks measurable()"
     layers, capture = draft.p.target_layers, engine.capture
