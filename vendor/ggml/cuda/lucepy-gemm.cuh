@@ -1,7 +1,7 @@
 // lucepy's own kernels (issue 19, decision 12): a quantized weight matrix times up to 16 columns
 // (a DFlash verify's rows) on tensor cores; lucepy-mm.cu takes it from 3 columns. The device code
-// and its launch arithmetic only: lucepy-mm.cu hooks it into ggml-cuda, bench-kernels.cu times it
-// alone.
+// and its launch arithmetic only: lucepy-mm.cu (and lucepy-fuse.cu, its norms and gates) hooks
+// it into ggml-cuda, bench-kernels.cu times it alone.
 //
 // A decode reads each weight once and spends a few dp4a on it; k columns spend k times as many,
 // and from about 4 columns dp4a is what limits (docs/BENCHMARKS.md: lucepy's dp4a kernel for 2-4
@@ -95,7 +95,7 @@ __device__ __forceinline__ uint4 group_halves(const float * v, float s) {
 
 // A CTA of TH_THREADS a segment of a column, grid (segments, padded columns): x [ncols]
 // [col_stride] f32 to `out` (halves_at).
-__global__ void __launch_bounds__(TH_THREADS)
+static __global__ void __launch_bounds__(TH_THREADS)
     to_halves(const float * x, int64_t col_stride, int npieces, int ncols, Halves out) {
     LUCEPY_PDL_LAUNCH();  // the product after this may start fetching its weights
     LUCEPY_PDL_SYNC();    // x: the kernel before has finished
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(TH_THREADS)
 // norm_quantize's twin for 3-16 columns (a verify): a CTA a padded column, warp w taking
 // segments w, w + 32, ..., each lane two of a segment's 64 groups (16-byte loads and stores:
 // x, w and dst 16-byte aligned), what to_halves writes (the padding columns zeros, as there).
-__global__ void __launch_bounds__(NORM_THREADS)
+static __global__ void __launch_bounds__(NORM_THREADS)
     norm_halves(const float * x, int64_t x_stride, const float * w, float * dst,
                 int64_t dst_stride, int n, float eps, int ncols, Halves out) {
     LUCEPY_PDL_LAUNCH();
@@ -328,7 +328,7 @@ __device__ __forceinline__ float parts_sum(const float * p, int nparts, int64_t 
 // over a or b).
 constexpr int GLU_WARPS = GM_SEG / 2;
 
-__global__ void __launch_bounds__(GLU_WARPS * 32)
+static __global__ void __launch_bounds__(GLU_WARPS * 32)
     glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
                int64_t part_stride, float * dst, int npieces, int ncols, Halves out) {
     LUCEPY_PDL_LAUNCH();
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(GLU_WARPS * 32)
 // `dst` and its halves as to_halves writes them (padding columns zeros); x dense, a column's
 // `x_col` apart. Grid (segments of a column, padded columns), a CTA of GM_SEG warps a segment, a
 // warp a piece, each element read and written by one lane (dst may be written over x).
-__global__ void __launch_bounds__(GM_SEG * 32)
+static __global__ void __launch_bounds__(GM_SEG * 32)
     gate_halves(const GateAt z, const float * x, int64_t x_col, float * dst, int npieces,
                 int ncols, int op, Halves out) {
     LUCEPY_PDL_LAUNCH();
@@ -854,7 +854,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm(const GemmArgs a) {
 }
 
 // dst[col][row] = the parts' sums, in part order (gemm split into parts), plus the residual
-__global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, float * dst,
+static __global__ void gemm_sum(const float * parts, int nparts, int nrows, int ncols, float * dst,
                          int64_t dst_stride, const float * residual, int64_t res_stride) {
     LUCEPY_PDL_SYNC();
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;

@@ -1,6 +1,7 @@
 // lucepy's own kernels (issue 19, decision 12): a quantized weight matrix times one column.
-// The device code only: lucepy-mm.cu hooks it into ggml-cuda, and bench-kernels.cu times it alone
-// (no ggml), on the same source.
+// The device code only: lucepy-mm.cu and lucepy-fuse.cu hook it into ggml-cuda, and
+// bench-kernels.cu times it alone (no ggml), on the same source. Both host files include it, so
+// a kernel that is no template is `static` (each file its own copy), as in lucepy-gemm.cuh.
 //
 // ggml-cuda reads the weights of a decode at about a third of an H200's bandwidth. Here:
 //   - one column (`gemv`, a decode): each warp streams whole rows (and their gate rows when ggml
@@ -506,8 +507,8 @@ __device__ __forceinline__ void quantize_piece(float v, int planes, int64_t at, 
 // ([piece][column][plane]).
 // (No __restrict__ here or in Args: ggml-cuda finds it unsafe beside programmatic dependent
 // launch.)
-__global__ void quantize(const float * x, int64_t col_stride, int npieces, int ncols, int planes,
-                         int8_t * xq, float2 * xds) {
+static __global__ void quantize(const float * x, int64_t col_stride, int npieces, int ncols,
+                                int planes, int8_t * xq, float2 * xds) {
     LUCEPY_PDL_LAUNCH();  // the product after this may start fetching its weights
     LUCEPY_PDL_SYNC();    // x: the kernel before has finished
     const int piece = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -566,7 +567,7 @@ __device__ __forceinline__ float norm_scale(const float * x, int n, float eps) {
 // factor over the whole column (the same sum in each), then its warp w takes piece 32 x + w (a
 // lane a value) into the planes of quantize_piece. (One CTA for all of a column's pieces, its 32
 // warps quantizing several in turn, was no faster than ggml's norm and our quantize.)
-__global__ void __launch_bounds__(NORM_THREADS) norm_quantize(
+static __global__ void __launch_bounds__(NORM_THREADS) norm_quantize(
     const float * x, int64_t x_stride, const float * w, float * dst, int64_t dst_stride, int n,
     float eps, int ncols, int planes, int8_t * xq, float2 * xds) {
     LUCEPY_PDL_LAUNCH();
@@ -614,7 +615,7 @@ struct NormRope {
 constexpr int NR_THREADS = 256;  // a row of up to 256 values, a thread each
 
 // grid (heads, tokens), NR_THREADS threads
-__global__ void __launch_bounds__(NR_THREADS) norm_rope(const __grid_constant__ NormRope a) {
+static __global__ void __launch_bounds__(NR_THREADS) norm_rope(const __grid_constant__ NormRope a) {
     LUCEPY_PDL_LAUNCH();
     const int h = blockIdx.x;
     const int t = blockIdx.y;
@@ -698,8 +699,8 @@ __device__ __forceinline__ float gate_act(float g, int op) {
     return op == GATE_SILU ? g / (1.0f + expf(-g)) : 1.0f / (1.0f + expf(-g));
 }
 
-__global__ void gate_quantize(const GateAt z, const float * x, float * dst, int npieces, int op,
-                              int planes, int8_t * xq, float2 * xds) {
+static __global__ void gate_quantize(const GateAt z, const float * x, float * dst, int npieces,
+                                     int op, int planes, int8_t * xq, float2 * xds) {
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // z and x: the kernel before has finished
     const int piece = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -965,7 +966,7 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a, cons
 // The kernel after it (the recurrence, one wave of CTAs) is not let launch before it ends:
 // launched while the conv step still held SMs, the recurrence's CTAs went unevenly to the SMs and
 // it took 22 us a 16-token verify where it took 14.4 (docs/BENCHMARKS.md, session 28).
-__global__ void delta_gates(const DeltaGates g) {
+static __global__ void delta_gates(const DeltaGates g) {
     LUCEPY_PDL_SYNC();  // alpha and beta: the product before has finished
     gate_element(g, blockIdx.x * blockDim.x + threadIdx.x);
 }
@@ -1008,8 +1009,8 @@ __device__ __forceinline__ Best cta_best(Best mine) {
     return best;
 }
 
-__global__ void __launch_bounds__(ARGMAX_THREADS) argmax_part(const float * x, int64_t row_stride,
-                                                              int ncols, Best * parts) {
+static __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_part(const float * x, int64_t row_stride, int ncols, Best * parts) {
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // x: the kernel before has finished
     const float * row = x + blockIdx.y * row_stride;
@@ -1028,8 +1029,8 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_part(const float * x, i
     }
 }
 
-__global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const Best * parts, int nslices,
-                                                              int32_t * dst) {
+static __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_rows(const Best * parts, int nslices, int32_t * dst) {
     LUCEPY_PDL_LAUNCH();
     LUCEPY_PDL_SYNC();  // the parts
     Best mine = {-FLT_MAX, -1};

@@ -1,0 +1,172 @@
+// lucepy's host side, shared by its two files: lucepy-mm.cu (the products, the state a graph
+// keeps, the hooks' bookkeeping) and lucepy-fuse.cu (the graph's other ops that the hooks take
+// around the products: norms, gates, the DeltaNet's conv step and recurrence, argmax). What one
+// defines and the other calls is declared here, with the kernels both launch (the headers
+// below; lucepy-mm.cu alone includes lucepy-repack.cuh, whose kernels it alone launches).
+
+#pragma once
+
+#include "lucepy-mm.cuh"
+
+#define LUCEPY_PDL_SYNC() ggml_cuda_pdl_sync()
+#define LUCEPY_PDL_LAUNCH() ggml_cuda_pdl_lc()
+#include "lucepy-kernels.cuh"
+#include "lucepy-gemm.cuh"
+
+#include <atomic>
+#include <cstdint>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
+
+namespace lucepy {
+
+constexpr int MAX_COLS = 16;  // one column: gemv; 2 to 16: gemm (a DFlash verify's rows)
+constexpr int SLOTS = 4;      // quantized activations kept per context and graph
+
+// the hooks' counters (lucepy_cuda_kernels_calls and the others)
+extern std::atomic<int64_t> g_calls;
+extern std::atomic<int64_t> g_quantized;
+extern std::atomic<int64_t> g_fused;
+extern std::atomic<int64_t> g_ops;
+extern std::atomic<int64_t> g_copies;
+extern std::atomic<int64_t> g_joined;
+extern std::atomic<int64_t> g_bulk;
+
+// Whether the kernels take the products of one device (lucepy-mm.cu)
+bool enabled(int device);
+
+// Quantized activations of one source tensor, kept for the rest of the graph: the key is the
+// tensor (node and data) and the graph's number on its context, and only a tensor of the graph
+// is kept (ggml's mul_mat_id fallback passes each expert a temporary tensor on its stack, at the
+// same address and data for different contents). Buffers only grow; one that a captured CUDA
+// graph may still use is kept, never freed.
+struct Kept {
+    const ggml_tensor * node = nullptr;
+    const void * data = nullptr;
+    int64_t ne0 = 0, ne1 = 0, nb1 = 0;
+    int planes = 0;
+    uint64_t graph = 0;
+    uint64_t used = 0;
+    uint8_t * buf = nullptr;
+    size_t cap = 0;
+};
+
+// What a product of ours reads of a tensor: the product's own input (the tensor, or a reshape of
+// it) and the planes it reads (int8 planes: one column; 0: halves, 3-16 columns).
+struct Wanted {
+    const ggml_tensor * src1;
+    int planes;
+};
+
+struct ContextState;
+void scan(ContextState & st);  // what the hooks ask of the graph, learnt once a graph
+bool repacked_of(const ggml_tensor * t);  // a repacked matrix's bytes
+
+struct ContextState {
+    uint64_t graph = 1;
+    uint64_t clock = 0;
+    int device = 0;
+    Kept slot[SLOTS];
+    std::vector<uint8_t *> retired;
+    const ggml_cgraph * cgraph = nullptr;  // the graph being computed
+    bool scanned = false;                  // what `scan` learnt of it:
+    std::unordered_set<const ggml_tensor *> members;        // its nodes and leafs
+    std::unordered_map<const ggml_tensor *, Wanted> wants;  // see `wanted`
+    std::unordered_map<const ggml_tensor *, int> reads;     // see `readers`
+    struct Read {  // a node's read of bytes [from, to) of a tensor
+        const ggml_tensor * by;
+        size_t from, to;
+    };
+    std::unordered_map<const ggml_tensor *, std::vector<Read>> spans;  // see `bytes_read`
+    int apart = -1;  // see `recurrences_apart`: not asked yet (-1), false, true
+
+    // How many of the graph's nodes read `t`, directly or through a view of it (a node reading
+    // two views of it counts twice).
+    int readers(const ggml_tensor * t) {
+        scan(*this);
+        const auto found = reads.find(t);
+        return found == reads.end() ? 0 : found->second;
+    }
+
+    bool in_graph(const ggml_tensor * t) {
+        scan(*this);
+        return members.count(t) != 0;
+    }
+
+    // `g` begins on `dev`: nothing learnt of it yet, and what was kept for the graph before is
+    // stale
+    void begin(const ggml_cgraph * g, int dev) {
+        graph++;
+        device = dev;
+        cgraph = g;
+        scanned = false;
+        members.clear();
+        wants.clear();
+        reads.clear();
+        spans.clear();
+        apart = -1;
+    }
+};
+
+ContextState & state_of(const ggml_backend_cuda_context & ctx);
+
+// What the graph's first product of ours that reads `t` (or a reshape of it) reads of it, or
+// null (lucepy-mm.cu)
+const Wanted * wanted(ContextState & st, const ggml_tensor * t);
+
+// Where in a buffer of quantized_bytes the planes and their scales lie (`quantize`'s layout).
+struct Planes {
+    int8_t * xq;
+    float2 * xds;
+};
+
+Planes planes_at(uint8_t * buf, int64_t npieces, int64_t ncols, int planes);
+
+// The slot for src1's activations that the kernel before its product fills as it writes its
+// result (an RMS norm, a gate), counted as quantized and as fused: its buffer (lucepy-mm.cu)
+uint8_t * prepared(ContextState & st, const ggml_tensor * src1, int64_t npieces, int planes);
+
+// a node that computes nothing: a view, a reshape, a permutation or an empty tensor
+bool no_op(const ggml_tensor * t);
+
+// the next node after i that computes something (not a view or a no-op), or n_nodes
+inline int next_op(const ggml_cgraph * cgraph, int i) {
+    for (i++; i < cgraph->n_nodes; i++) {
+        if (!no_op(cgraph->nodes[i])) {
+            return i;
+        }
+    }
+    return i;
+}
+
+// The RMS norm times a weight after a product's residual ADD, whose result a product of ours
+// reads as halves: sum_norm_halves computes it with the product's sums (mul_mat_add_nodes)
+struct NormAfter {
+    const ggml_tensor * mul;  // the MUL: its result, and the product after it that wants it
+    const float * w;
+    float eps;
+};
+
+void launch_norm_halves(const float * x, int64_t x_stride, const float * w, float * dst,
+                        int64_t dst_stride, int n, float eps, int ncols, const Halves & out,
+                        cudaStream_t stream);
+void launch_glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
+                       int64_t part_stride, float * dst, int npieces, int ncols,
+                       const Halves & out, cudaStream_t stream);
+bool sum_norm_fits(int device, int64_t n);
+
+// dst = src0 x src1 by our kernels (lucepy-mm.cu's mul_mat says how), true; or false, having
+// done nothing
+bool mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+             ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion,
+             const ggml_tensor * residual, const NormAfter * norm = nullptr);
+
+// a verify's FFN gate and up products and their SWIGLU from node i as one product (lucepy-mm.cu)
+int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+
+}  // namespace lucepy
+
+#endif
