@@ -1646,8 +1646,10 @@ __global__ void __launch_bounds__(128) mma_rate_k32(float * sink, long long * cy
 // and three other ways: the loads from shared memory, the unpacking and the mmas of each, on
 // registers and shared memory alone (no copies; a barrier every chunk of 8 pieces, as gemm_rb's).
 //   PR_HALVES: 2 words and 2 scales, 2 x 16 B of activations; a row's word as 4 registers of
-//           halves (lop3 1024 + n, less 1032, times d; a shift for the word's upper nibbles);
-//           4 m16n8k16 (2 column tiles, the low and the high 16 values) on 2 chains of sums
+//           halves (lop3 1024 + n, less 1032, times d; a shift for each nibble past the first,
+//           where gemm_rb takes the high nibbles unshifted with an fma: about 30 instructions a
+//           chunk more than its 403); 4 m16n8k16 (2 column tiles, the low and the high 16
+//           values) on 2 chains of sums
 //   PR_CHAINS: the same on 4 chains (the low and the high values' sums apart)
 //   PR_SUMS: a register of halves in 2 instructions: lop3 then one fma, (1024 + n) d - 1024 d =
 //           n d (exact but for its one rounding; the high nibbles unshifted as 1024 + 16 n, so
