@@ -31,6 +31,7 @@
 // the median replay over 20.
 
 #include "lucepy-kernels.cuh"
+#include "lucepy-deltanet.cuh"
 #include "lucepy-gemm.cuh"
 #include "lucepy-repack.cuh"
 

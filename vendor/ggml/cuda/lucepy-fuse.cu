@@ -5,6 +5,7 @@
 // and the state a graph keeps; lucepy-host.cuh what the two share.
 
 #include "lucepy-host.cuh"
+#include "lucepy-deltanet.cuh"
 
 #include <algorithm>
 #include <cstring>

@@ -1,0 +1,510 @@
+// lucepy's own kernels (issue 19, decision 12) for qwen35's Gated DeltaNet layers, beside the
+// products: the gates of a step (`delta_gates`), the short convolution and its state
+// (`conv_step`: three of ggml's kernels in one) and the recurrence (`delta_net`, a rollback's
+// layers as one launch: `delta_net_layers`). The device code only: lucepy-fuse.cu hooks them
+// into ggml-cuda, bench-kernels.cu times them alone.
+
+#pragma once
+
+#include "lucepy-kernels.cuh"
+
+namespace lucepy {
+
+// qwen35's DeltaNet gates of a step, tiny tensors ([heads, tokens]): ggml's ADD of the dt bias,
+// SOFTPLUS and MUL by A (the decay), and the SIGMOID of beta where it comes next (alpha and
+// beta columns of a wider product: a stacked product's parts); one kernel where ggml-cuda runs
+// three or more, a thread an element. Each writes every node's result as ggml's kernels do
+// (their formulas), but for beta's copy out of the product, which only the sigmoid read.
+struct DeltaGates {
+    const float * alpha;  // [n / period] columns of period, alpha_stride apart
+    int64_t alpha_stride;
+    const float * bias;   // [period], repeated
+    const float * a;      // [period], repeated
+    float * sum, * soft, * decay;
+    int n, period;
+    const float * beta;  // [nbeta / beta_period] columns of beta_period, beta_stride apart
+    int64_t beta_stride;
+    float * sig;         // [nbeta] dense, or nbeta 0
+    int nbeta, beta_period;
+};
+
+// element e of the gates (a thread's), where there is one
+__device__ __forceinline__ void gate_element(const DeltaGates & g, int e) {
+    if (e < g.n) {
+        const float s = g.alpha[int64_t(e / g.period) * g.alpha_stride + e % g.period] +
+                        g.bias[e % g.period];
+        const float p = s > 20.0f ? s : logf(1.0f + expf(s));
+        g.sum[e] = s;
+        g.soft[e] = p;
+        g.decay[e] = p * g.a[e % g.period];
+    }
+    if (e < g.nbeta) {
+        const float b = g.beta[int64_t(e / g.beta_period) * g.beta_stride + e % g.beta_period];
+        g.sig[e] = 1.0f / (1.0f + expf(-b));
+    }
+}
+
+// A causal depthwise convolution of K taps over a recurrent state's K - 1 saved columns and t new
+// ones (qwen35's DeltaNet conv: ggml's CONCAT, the copy of the new tail into the state, SSM_CONV
+// and its SiLU), one kernel where ggml-cuda runs three: grid (channels / CONV_THREADS rounded up,
+// sequences, groups of per_group tokens), a thread a channel's tokens of its group. Each writes
+// the joined columns `x` ([K - 1 + t, C, N], as the concat does, where anything reads them), the
+// conv and its SiLU ([C, t, N]) and the new tail ([K - 1, C, N], dense) over the saved columns.
+// Only the first group reads the saved columns (a group is at least K - 1 tokens), and its
+// thread writes its channel's tail after them; the host checks that what is written aliases
+// nothing read, or only what the same thread has read already (with one group: the new columns
+// as the conv or its SiLU, the tail's new columns then taken from the CTA's copy of them in
+// shared memory, session 40; the conv as its SiLU) or, for the tail, the saved columns. (A
+// 16-token verify in groups of 4 tokens: 320 CTAs where a group of 16 made 80, each token's
+// head norm a barrier; docs/BENCHMARKS.md, session 27.) With `heads`, the first heads
+// x CONV_THREADS channels of the SiLU are also RMS-normed a head of CONV_THREADS channels at a
+// time (qwen35's l2 norm of q and k: ggml's RMS_NORM then SCALE), a CTA a head. With gates
+// (`g`, where the DeltaNet gates come next in the graph and share no bytes with the step), the
+// CTAs past the channels' of the first sequence and group compute them as `delta_gates` would:
+// one kernel less before the recurrence, which then launches only when this kernel ends (as it
+// did after `delta_gates`).
+constexpr int CONV_THREADS = 128;
+constexpr int CONV_MAX_T = 16;
+constexpr int CONV_GROUP = 4;  // tokens a CTA where groups may be (at least K - 1)
+
+struct ConvArgs {
+    const float * saved;  // [K - 1, C, N]: column j of channel c, sequence n at j + c s_c + n s_n
+    int64_t s_c, s_n;
+    const float * steps;  // [t, C, N]: token i of channel c, sequence n at i x_t + c x_c + n x_n
+    int64_t x_t, x_c, x_n;
+    const float * w;  // [K, C]: tap k of channel c at k + K c
+    float * x, * tail, * conv;  // dense (x null: the joined columns unwritten, read by nobody)
+    float * act;                // the conv's SiLU (dense), or null
+    int heads;                  // heads normed (0: none), into normed and scaled
+    float * normed, * scaled;   // [CONV_THREADS, heads, t, N], dense
+    float eps, scale;           // the norm's epsilon, the scale after it
+    int C, t;
+    int per_group;              // tokens a CTA (grid z: groups of them; at least K - 1 a group)
+};
+
+template <int K>
+__global__ void __launch_bounds__(CONV_THREADS) conv_step(const ConvArgs a, const DeltaGates g) {
+    constexpr int K1 = K - 1;
+    constexpr int JW = K1 + CONV_MAX_T;  // a channel's joined columns in shared memory, at most
+    __shared__ float joined[CONV_THREADS * JW];  // [channel of the CTA][column - lo]
+    __shared__ float head_sums[2][CONV_THREADS / 32];  // a token's squares, a warp's sum each
+    const int tiles = (a.C + CONV_THREADS - 1) / CONV_THREADS;
+    if (g.n == 0 && g.nbeta == 0) {
+        LUCEPY_PDL_LAUNCH();
+    }
+    LUCEPY_PDL_SYNC();  // the new columns (and alpha, beta): the kernel before has finished
+    if (int(blockIdx.x) >= tiles) {  // the gates' CTAs
+        if (blockIdx.y == 0 && blockIdx.z == 0) {
+            gate_element(g, (int(blockIdx.x) - tiles) * CONV_THREADS + int(threadIdx.x));
+        }
+        return;
+    }
+    const int W = K1 + a.t;
+    const int i0 = blockIdx.z * a.per_group;  // this CTA's tokens i0 .. i1
+    const int i1 = min(a.t, i0 + a.per_group);
+    const int lo = i0 == 0 ? 0 : K1 + i0;  // and joined columns lo .. K1 + i1 (the first: saved)
+    const int width = K1 + i1 - lo;
+    const int c0 = blockIdx.x * CONV_THREADS;
+    const int n = blockIdx.y;
+    const int mine = threadIdx.x;
+    const int c = c0 + mine;
+    const int nc = min(CONV_THREADS, a.C - c0);
+    if (c < a.C) {
+        float tap[K], win[K];
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            tap[k] = a.w[k + int64_t(K) * c];
+        }
+        const float * saved = a.saved + c * a.s_c + n * a.s_n;
+        const float * steps = a.steps + c * a.x_c + n * a.x_n;
+        auto column = [&](int j) {  // joined column j of the channel (only the first CTA: saved)
+            return j < K1 ? saved[j] : steps[int64_t(j - K1) * a.x_t];
+        };
+#pragma unroll
+        for (int j = 0; j < K1; j++) {
+            win[j + 1] = column(i0 + j);
+            if (i0 == 0) {
+                joined[mine * JW + j] = win[j + 1];
+            }
+        }
+        // the group's new columns, all loads in flight at once (in the loop below each would
+        // wait behind the stores before it, which may lie over them)
+        for (int i = i0; i < i1; i++) {
+            joined[mine * JW + K1 + i - lo] = steps[i * a.x_t];
+        }
+        const int64_t out = c + int64_t(a.C) * a.t * n;
+        for (int i = i0; i < i1; i++) {
+#pragma unroll
+            for (int k = 0; k < K1; k++) {
+                win[k] = win[k + 1];
+            }
+            win[K1] = joined[mine * JW + K1 + i - lo];
+            float sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                sum += win[k] * tap[k];
+            }
+            a.conv[out + int64_t(a.C) * i] = sum;
+            const float y = sum / (1.0f + expf(-sum));
+            if (a.act) {
+                a.act[out + int64_t(a.C) * i] = y;
+            }
+            if (int(blockIdx.x) < a.heads) {  // (the whole CTA: c < C)
+                float sq = y * y;
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) {
+                    sq += __shfl_xor_sync(0xFFFFFFFFu, sq, off);
+                }
+                if (mine % 32 == 0) {
+                    head_sums[i % 2][mine / 32] = sq;
+                }
+                __syncthreads();
+                float total = 0.0f;
+#pragma unroll
+                for (int wp = 0; wp < CONV_THREADS / 32; wp++) {
+                    total += head_sums[i % 2][wp];
+                }
+                const float r = rsqrtf(total / float(CONV_THREADS) + a.eps);
+                const int64_t o = c + int64_t(a.heads) * CONV_THREADS * (i + int64_t(a.t) * n);
+                a.normed[o] = r * y;
+                a.scaled[o] = (r * y) * a.scale;
+            }
+        }
+        if (i0 == 0) {  // the tail, after this thread's reads of its channel's saved columns
+            // In one group the CTA holds every joined column (lo 0), and the conv or its SiLU may
+            // have been written over the new columns (the host allows it then): the tail comes
+            // from the copy in shared memory. In groups nothing lies over the new columns.
+            float * tail = a.tail + (int64_t(n) * a.C + c) * K1;
+#pragma unroll
+            for (int j = 0; j < K1; j++) {
+                tail[j] = i1 == a.t ? joined[mine * JW + a.t + j] : column(a.t + j);
+            }
+        }
+    }
+    __syncthreads();  // the CTA's joined columns are in shared memory
+    const int64_t first = int64_t(n) * a.C + c0;
+    for (int e = threadIdx.x; a.x && e < nc * width; e += CONV_THREADS) {
+        a.x[(first + e / width) * W + lo + e % width] = joined[(e / width) * JW + e % width];
+    }
+}
+
+// The kernel after it (the recurrence, one wave of CTAs) is not let launch before it ends:
+// launched while the conv step still held SMs, the recurrence's CTAs went unevenly to the SMs and
+// it took 22 us a 16-token verify where it took 14.4 (docs/BENCHMARKS.md, session 28).
+static __global__ void delta_gates(const DeltaGates g) {
+    LUCEPY_PDL_SYNC();  // alpha and beta: the product before has finished
+    gate_element(g, blockIdx.x * blockDim.x + threadIdx.x);
+}
+
+// --- qwen35's gated delta net -----------------------------------------------------------------
+//
+// ggml's GATED_DELTA_NET with a scalar gate, state rows of 128 and no per-token snapshots, for
+// any number of tokens: the same arithmetic token by token as ggml-cuda's kernel (a column of
+// the state summed by a warp, each lane four of its rows, the same sums in the same order), but
+// the CTA copies the q, k, v, gate and beta of DN_TILE tokens at a time into shared memory ahead
+// of the recurrence (cp.async, the next tile in flight during this one), where ggml's loads them
+// token by token inside it and waits on each load: 18 us a layer for a 16-token verify on the
+// H200. ggml's warp sums a column's 32 lanes' parts by xor shuffles (16, 8, 4, 2, 1); here 8
+// lanes hold a column (DN_LANES), lane j the rows of ggml's lanes j, j + 8, j + 16 and j + 24,
+// so that its first two levels (16: j with j + 16, j + 8 with j + 24; 8: those two) are adds
+// inside the lane and three shuffles are left on the chain from token to token, where five
+// were (the same sums, in the same order: bit for bit ggml's). Each lane holds its rows of two
+// columns (DnModel), so the k and q it loads from shared memory serve both: a warp keeps eight
+// columns, a CTA of 4 warps 32, the 27B-shaped model's 48 heads are 192 CTAs (on the H200,
+// docs/BENCHMARKS.md session 46: 9.49 us a 16-token call where a column a lane, 384 CTAs, took
+// 10.04; 199.4 where 209.4 at 512 tokens; 4.47 where 4.53 at one; four columns a lane or CTAs of
+// 1 or 2 warps slower at 16 tokens and more; in the model's verify no sooner, as session 40 had
+// found on the kernel of then. Two columns a warp of 32 lanes, 768 CTAs: 11 us a 16-token call,
+// 4.5 a decode's; a column a warp, 1,536 CTAs, took more: sessions 27 and 33.) Only S^T k's sums
+// are on the chain: the outputs' (S^T q of the updated state) wait for the tile's end, all its
+// tokens' shuffles side by side, and lane j of a column writes token j's. The state after the
+// last token goes where the copy after the op puts it (the sequence's own state, read
+// first by the same warp) and, where anything else reads it, into the op's result too; a
+// verify's copy of the state before it (a DUP node that the op reads) is written as it loads,
+// and a rollback's copy of the conv's tail (the CPY after the state's) by its threads. Where the
+// host finds that no kernel that may still run writes the state (`early`), the state is loaded
+// before the wait for the kernels before (a decode's span 5.60 -> 5.46 ms, session 28); where
+// no kernel of the graph needs another's results (`alone`: a rollback's), it does not wait, and
+// up to DN_LAYERS such recurrences are one launch (delta_net_layers): a rollback's 48 layers
+// took 48 launches of 768 CTAs, of which PDL let about two run at once.
+constexpr int DN_S = 128;
+constexpr int DN_LANES = 8;                   // lanes a column of the state
+constexpr int DN_GROUPS = 32 / DN_LANES;      // a warp's groups of lanes
+constexpr int DN_V = 32 / DN_LANES;           // ggml's lanes a lane holds: j + 8 v
+constexpr int DN_R = DN_S / 32;               // rows of each: j + 8 v + 32 r
+constexpr int DN_TILE = 8;                    // tokens a tile
+static_assert(DN_LANES == 8 && DN_TILE == DN_LANES, "lane j of a column writes output j");
+
+// where row `row` of q or k sits in a tile's shared copy: ggml lane j + 8 v's row r (row
+// j + 8 v + 32 r) at 32 v + 4 j + r, so that one v's 16-byte loads by lanes j = 0..7 read 128
+// bytes side by side (no bank conflicts; the four columns of a warp read the same bytes)
+__device__ __forceinline__ int dn_slot(int row) {
+    return (row >> 3 & 3) * 32 + (row & 7) * 4 + (row >> 5);
+}
+
+struct DeltaNetArgs {
+    const float * q, * k;  // [S, hk, T, N / rq3], rows contiguous; strides in floats
+    int64_t sq1, sq2, sq3;
+    const float * v;  // [S, H, T, N]
+    int64_t sv1, sv2, sv3;
+    const float * g, * beta;  // [1, H, T, N]
+    int64_t sb1, sb2, sb3;
+    const float * s0;  // [S, S, H, N] dense: column c of head h, sequence n at (n H + h) S S + c S
+    float * s0_copy;   // s0 again, as loaded (a verify's copy of the state before it), or null
+    float * attn;      // [S, H, T, N] dense, or null: not written
+    float * state;     // [S, S, H, N] dense, as s0: the state after the last token
+    float * state2;    // the same again, or null
+    int H, N, T, hk, rq3;
+    float scale;
+    // a copy made beside the recurrence (a rollback's of the conv's tail), or tail_n 0: rows of
+    // tail_row values tail_stride floats apart into `tail`, dense
+    const float * tail_from;
+    int64_t tail_stride;
+    float * tail;
+    int tail_row, tail_n;
+    bool early;  // s0 loaded before the wait for the kernels before (none of them writes it)
+    bool alone;  // and no wait at all (none of them writes what it reads or touches what it writes)
+};
+
+// ggml's warp sum (xor 16, 8, 4, 2, 1) of one column's 32 parts, of which lane j holds
+// x[v] = ggml lane j + 8 v's: levels 16 and 8 here, in its pairs
+__device__ __forceinline__ float dn_lane_sum(const float (&x)[DN_V]) {
+    return (x[0] + x[2]) + (x[1] + x[3]);
+}
+
+// the last levels (xor 4, 2, 1) across a column's lanes, each of x side by side
+template <int N> __device__ __forceinline__ void dn_column_sums(float (&x)[N]) {
+#pragma unroll
+    for (int off = DN_LANES / 2; off > 0; off >>= 1) {
+        float other[N];
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            other[i] = __shfl_xor_sync(0xFFFFFFFFu, x[i], off, 32);
+        }
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            x[i] += other[i];
+        }
+    }
+}
+
+// A recurrence's CTAs: W warps, each lane holding its rows of CL columns (the k and q it loads
+// serve them all), so a warp holds DN_GROUPS CL columns, a CTA `cols`, a head `z` CTAs
+template <int W, int CL> struct DnShape {
+    static constexpr int warps = W, per_lane = CL, threads = 32 * W;
+    static constexpr int cols = W * DN_GROUPS * CL;
+    static constexpr int z = DN_S / cols;
+    static_assert(DN_S % cols == 0, "whole columns a CTA");
+};
+
+using DnModel = DnShape<4, 2>;  // the model's (above)
+
+// The CTA (h, n, z) of a's recurrence on shape D: head h, sequence n, columns D::cols z on
+template <class D>
+__device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int h, const int n,
+                                              const int z) {
+    constexpr int CL = D::per_lane;
+    __shared__ __align__(16) float qs[2][DN_TILE][DN_S];  // rows at dn_slot
+    __shared__ __align__(16) float ks[2][DN_TILE][DN_S];
+    __shared__ __align__(16) float vs[2][DN_TILE][D::cols];
+    __shared__ float gs[2][DN_TILE];
+    __shared__ float bs[2][DN_TILE];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int j = lane % DN_LANES;  // ggml's lanes j + 8 v
+    int col[CL];                    // the CTA's columns of this lane
+#pragma unroll
+    for (int c = 0; c < CL; c++) {
+        col[c] = (warp * CL + c) * DN_GROUPS + lane / DN_LANES;
+    }
+    const int col0 = z * D::cols;
+    const int64_t qk_at = (n / a.rq3) * a.sq3 + (h % a.hk) * a.sq1;
+    const float * q = a.q + qk_at;
+    const float * k = a.k + qk_at;
+    const float * v = a.v + n * a.sv3 + h * a.sv1 + col0;
+    const int64_t gb_at = n * a.sb3 + h * a.sb1;
+    const int ntiles = (a.T + DN_TILE - 1) / DN_TILE;
+    constexpr int VU = D::cols / 4;  // 16-byte copies of a token's v
+    auto issue = [&](int tile) {  // tile's inputs into buffer tile % 2 (past the end: empty)
+        if (tile < ntiles) {
+            const int t0 = tile * DN_TILE;
+            const int nt = min(DN_TILE, a.T - t0);
+            const int b = tile % 2;
+            for (int e = threadIdx.x; e < nt * DN_S; e += D::threads) {
+                const int t = e / DN_S;
+                const int row = e % DN_S;
+                const int64_t at = (t0 + t) * a.sq2 + row;
+                copy_async<4, true>(reinterpret_cast<uint8_t *>(&qs[b][t][dn_slot(row)]),
+                                    reinterpret_cast<const uint8_t *>(q + at));
+                copy_async<4, true>(reinterpret_cast<uint8_t *>(&ks[b][t][dn_slot(row)]),
+                                    reinterpret_cast<const uint8_t *>(k + at));
+            }
+            if (threadIdx.x < nt * VU) {
+                const int t = threadIdx.x / VU;
+                const int u = 4 * (threadIdx.x % VU);
+                copy_async<16, true>(reinterpret_cast<uint8_t *>(&vs[b][t][u]),
+                                     reinterpret_cast<const uint8_t *>(v + (t0 + t) * a.sv2 + u));
+            }
+            if (threadIdx.x < nt) {
+                const int t = threadIdx.x;
+                const int64_t at = gb_at + (t0 + t) * a.sb2;
+                copy_async<4, true>(reinterpret_cast<uint8_t *>(&gs[b][t]),
+                                    reinterpret_cast<const uint8_t *>(a.g + at));
+                copy_async<4, true>(reinterpret_cast<uint8_t *>(&bs[b][t]),
+                                    reinterpret_cast<const uint8_t *>(a.beta + at));
+            }
+        }
+        copy_commit();
+    };
+    // this lane's rows of column col0 + col[c] of this head and sequence: j + 8 v + 32 r
+    int64_t head[CL];
+#pragma unroll
+    for (int c = 0; c < CL; c++) {
+        head[c] = (int64_t(n) * a.H + h) * DN_S * DN_S + int64_t(col0 + col[c]) * DN_S + j;
+    }
+    float s[CL][DN_V][DN_R];
+    auto each_value = [&](auto && f) {  // f(c, i, r, at) for each state value of this lane
+#pragma unroll
+        for (int c = 0; c < CL; c++) {
+#pragma unroll
+            for (int i = 0; i < DN_V; i++) {
+#pragma unroll
+                for (int r = 0; r < DN_R; r++) {
+                    f(c, i, r, head[c] + 8 * i + 32 * r);
+                }
+            }
+        }
+    };
+    auto load_state = [&]() {
+        each_value([&](int c, int i, int r, int64_t at) { s[c][i][r] = a.s0[at]; });
+    };
+    if (a.early) {
+        load_state();
+    }
+    if (!a.alone) {
+        LUCEPY_PDL_SYNC();  // every input: the kernels before have finished
+    }
+    issue(0);
+    if (!a.early) {
+        load_state();
+    }
+    if (a.s0_copy) {  // (after the wait: a kernel before may still read those bytes till then)
+        each_value([&](int c, int i, int r, int64_t at) { a.s0_copy[at] = s[c][i][r]; });
+    }
+    const int64_t threads = int64_t(a.H) * a.N * D::z * blockDim.x;  // the recurrence's
+    for (int64_t e = ((int64_t(z) * a.N + n) * a.H + h) * blockDim.x + threadIdx.x; e < a.tail_n;
+         e += threads) {
+        a.tail[e] = a.tail_from[e / a.tail_row * a.tail_stride + e % a.tail_row];
+    }
+    float * attn = a.attn ? a.attn + (int64_t(n) * a.T * a.H + h) * DN_S + col0 : nullptr;
+    const int64_t token_stride = int64_t(DN_S) * a.H;
+    for (int tile = 0; tile < ntiles; tile++) {
+        issue(tile + 1);
+        copy_wait<1>();
+        __syncthreads();  // tile's inputs have landed for every warp
+        const int b = tile % 2;
+        const int t0 = tile * DN_TILE;
+        const int nt = min(DN_TILE, a.T - t0);
+        // (S^T q)[col[c]] of each token's updated state, this lane's part, at out[c DN_TILE + t]
+        float out[CL * DN_TILE];
+#pragma unroll
+        for (int t = 0; t < CL * DN_TILE; t++) {
+            out[t] = 0.0f;  // (tokens past the end: never written)
+        }
+#pragma unroll
+        for (int t = 0; t < DN_TILE; t++) {
+            if (t >= nt) {
+                break;
+            }
+            float kr[DN_V][DN_R], qr[DN_V][DN_R];
+#pragma unroll
+            for (int i = 0; i < DN_V; i++) {
+                const float4 kk = *reinterpret_cast<const float4 *>(&ks[b][t][32 * i + 4 * j]);
+                const float4 qq = *reinterpret_cast<const float4 *>(&qs[b][t][32 * i + 4 * j]);
+                kr[i][0] = kk.x, kr[i][1] = kk.y, kr[i][2] = kk.z, kr[i][3] = kk.w;
+                qr[i][0] = qq.x, qr[i][1] = qq.y, qr[i][2] = qq.z, qr[i][3] = qq.w;
+            }
+            const float beta = bs[b][t];
+            const float g = expf(gs[b][t]);
+            float kv[CL];  // (S^T k)[col[c]], each column's sums side by side
+#pragma unroll
+            for (int c = 0; c < CL; c++) {
+                float x[DN_V];  // ggml lane j + 8 i's part
+#pragma unroll
+                for (int i = 0; i < DN_V; i++) {
+                    x[i] = 0.0f;
+#pragma unroll
+                    for (int r = 0; r < DN_R; r++) {
+                        x[i] += s[c][i][r] * kr[i][r];
+                    }
+                }
+                kv[c] = dn_lane_sum(x);
+            }
+            dn_column_sums(kv);
+#pragma unroll
+            for (int c = 0; c < CL; c++) {
+                const float delta = (vs[b][t][col[c]] - g * kv[c]) * beta;
+                float o[DN_V];
+#pragma unroll
+                for (int i = 0; i < DN_V; i++) {
+                    o[i] = 0.0f;
+#pragma unroll
+                    for (int r = 0; r < DN_R; r++) {
+                        s[c][i][r] = g * s[c][i][r] + kr[i][r] * delta;
+                        o[i] += s[c][i][r] * qr[i][r];
+                    }
+                }
+                out[c * DN_TILE + t] = dn_lane_sum(o);
+            }
+        }
+        if (attn) {  // the tile's outputs summed across the column's lanes side by side
+            dn_column_sums(out);
+#pragma unroll
+            for (int c = 0; c < CL; c++) {
+                float mine = out[c * DN_TILE];  // lane j writes token j's
+#pragma unroll
+                for (int t = 1; t < DN_TILE; t++) {
+                    mine = j == t ? out[c * DN_TILE + t] : mine;
+                }
+                if (j < nt) {
+                    attn[(t0 + j) * token_stride + col[c]] = mine * a.scale;
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with buffer b: tile + 2 may land there
+    }
+    each_value([&](int c, int i, int r, int64_t at) {
+        a.state[at] = s[c][i][r];
+        if (a.state2) {
+            a.state2[at] = s[c][i][r];
+        }
+    });
+}
+
+// grid (H, N, D::z), D::threads threads
+template <class D = DnModel>
+__global__ void __launch_bounds__(D::threads) delta_net(const __grid_constant__ DeltaNetArgs a) {
+    LUCEPY_PDL_LAUNCH();
+    delta_net_cta<D>(a, blockIdx.x, blockIdx.y, blockIdx.z);
+}
+
+// Recurrences that are `alone` (none reads or writes what another does), of the same H and N:
+// as many as a launch's 4 KB of arguments hold
+constexpr int DN_LAYERS = 16;
+
+struct DeltaNetLayers {
+    DeltaNetArgs a[DN_LAYERS];
+    int n;
+};
+
+static_assert(sizeof(DeltaNetLayers) <= 4096, "a launch's arguments");
+
+// grid (H, N, D::z n), D::threads threads: recurrence z / D::z's CTA (x, y, z % D::z)
+template <class D = DnModel>
+__global__ void __launch_bounds__(D::threads)
+    delta_net_layers(const __grid_constant__ DeltaNetLayers b) {
+    LUCEPY_PDL_LAUNCH();
+    delta_net_cta<D>(b.a[blockIdx.z / D::z], blockIdx.x, blockIdx.y, blockIdx.z % D::z);
+}
+
+}  // namespace lucepy
