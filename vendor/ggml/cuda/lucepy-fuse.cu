@@ -9,7 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <iterator>
+#include <utility>
 #include <vector>
 
 #if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
