@@ -1,7 +1,7 @@
-"""tools/bench_kernels.py's verify curve and tools/bench_gpu.py's report, on the CPU with a tiny
-model: the 16-token verify timed in turn with a decode step and a greedy one (its argmax alone
-read back), each ratio against the steps measured beside it (the curve's too), and both ratios
-reported."""
+"""tools/bench_kernels.py's verify curve, tools/bench_gpu.py's verify and its report, on the CPU
+with a tiny model: the 16-token verify timed in turn with a decode step and a greedy one (its
+argmax alone read back), each ratio against the steps measured beside it (the curve's too), and
+both ratios reported."""
 
 from __future__ import annotations
 
@@ -33,6 +33,26 @@ def test_the_verify_is_timed_in_turn_against_both_kinds_of_decode_step(tiny_mode
     line = bench_kernels._in_turn(turn)
     assert line.count(" / ") == 3 and "—" not in line
     assert bench_kernels._in_turn({}) == "— / — / — / —"
+
+
+def test_the_gpu_bench_times_its_verify_in_turn_with_both_kinds_of_decode_step(
+    tiny_model, tmp_path
+):
+    cfg = RuntimeConfig(device="cpu", max_ctx=512, threads=1, chunk=bench_gpu.CHUNK)
+    out = tmp_path / "bench.json"
+    with Engine(tiny_model(), cfg, tokenizer=False) as engine:
+        kept = [shard.async_rollback for shard in engine.shards]
+        engine.reset()
+        bench_gpu.Bench(engine, 1, out).verify(0)
+        assert [shard.async_rollback for shard in engine.shards] == kept  # put back
+        # 16 tokens from 0, then each of 6 rounds' two verifies and two decodes keeps one token
+        assert engine.n_past == 6 * 4
+    got = json.loads(out.read_text())["verify16@d0"]
+    for key in ("verify_ms", "verify_waited_ms", "decode_ms", "greedy_decode_ms"):
+        assert got[key] > 0
+    assert abs(got["ratio"] * got["decode_ms"] - got["verify_ms"]) < 1e-9 * got["verify_ms"]
+    greedy_ms = got["greedy_ratio"] * got["greedy_decode_ms"]
+    assert abs(greedy_ms - got["verify_ms"]) < 1e-9 * got["verify_ms"]
 
 
 def test_the_gpu_report_gives_the_verify_in_both_kinds_of_decode_step():

@@ -10,7 +10,7 @@ fixed random tokens (no sampling), at an empty context and after ``--depth`` tok
 median of ``--repeats`` runs after a warm-up. ``verify`` is the 16-token forward of a DFlash
 step (``Engine.verify`` then ``rollback``), set against one decode step at the same depth, one
 that reads the logits back and a greedy one (``Engine.decode_greedy``: its argmax alone, as the
-verify reads its rows').
+verify reads its rows'), all timed in turn (``in_turn``).
 ``report`` sets medians beside medians: llama-bench's is taken from its per-repetition
 ``samples_ns``, never from its mean ``avg_ts``, which a slow first repetition pulls down.
 """
@@ -43,6 +43,41 @@ def verify_step(engine: Engine, block: list[int]) -> None:
     creeps by one a call), as every benchmark of the verify times it."""
     engine.verify(block, greedy=True)
     engine.rollback(1)
+
+
+def in_turn(engine: Engine, block: list[int], rounds: int) -> dict[str, float]:
+    """``verify_step`` of ``block`` with its rollback left running (a GPU shard's
+    ``async_rollback``: it ends under the next call's host work, as in a DFlash loop) and then
+    waited for, a decode step (the logits read back) and a greedy one (its argmax alone, as a
+    verify reads its rows'): one of each a round, in that order (so the decode steps hold no
+    rollback), ``rounds`` rounds after one of warm-up. The median seconds of each: "left",
+    "waited", "decode", "greedy"."""
+    defaults = [shard.async_rollback for shard in engine.shards]
+
+    def verify(waited: bool) -> None:
+        for shard, left in zip(engine.shards, defaults, strict=True):
+            shard.async_rollback = left and not waited
+        verify_step(engine, block)
+
+    steps: dict[str, Callable[[], object]] = {
+        "left": lambda: verify(False),
+        "waited": lambda: verify(True),
+        "decode": lambda: engine.decode(block[0]),
+        "greedy": lambda: engine.decode_greedy(block[0]),
+    }
+    times: dict[str, list[float]] = {key: [] for key in steps}
+    try:
+        for r in range(rounds + 1):
+            for key, run in steps.items():
+                t0 = time.perf_counter()
+                run()
+                if r > 0:
+                    times[key].append(time.perf_counter() - t0)
+    finally:
+        engine.pipeline.settle()
+        for shard, left in zip(engine.shards, defaults, strict=True):
+            shard.async_rollback = left
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 class Bench:
@@ -103,23 +138,21 @@ class Bench:
         )
 
     def verify(self, depth: int) -> None:
-        """A 16-token verify forward and a 1-token decode, each at the current position."""
-        engine = self.engine
+        """A 16-token verify forward (its rollback left running, and waited for) and the two
+        kinds of decode step, in turn from the current position."""
         block = self.tokens(VERIFY_BLOCK)
-        verify_s = median_s(lambda: verify_step(engine, block), max(self.repeats, 5))
-        decode_s = median_s(lambda: engine.decode(block[0]), max(self.repeats, 5))
-        # a greedy plain decode reads back the argmax alone, as the verify does its rows'
-        greedy_s = median_s(lambda: engine.decode_greedy(block[0]), max(self.repeats, 5))
+        med = in_turn(self.engine, block, max(self.repeats, 5))
         self.record(
             f"verify{VERIFY_BLOCK}@d{depth}",
             {
                 "tokens": VERIFY_BLOCK,
                 "depth": depth,
-                "verify_ms": 1e3 * verify_s,
-                "decode_ms": 1e3 * decode_s,
-                "ratio": verify_s / decode_s,
-                "greedy_decode_ms": 1e3 * greedy_s,
-                "greedy_ratio": verify_s / greedy_s,
+                "verify_ms": 1e3 * med["left"],
+                "verify_waited_ms": 1e3 * med["waited"],
+                "decode_ms": 1e3 * med["decode"],
+                "ratio": med["left"] / med["decode"],
+                "greedy_decode_ms": 1e3 * med["greedy"],
+                "greedy_ratio": med["left"] / med["greedy"],
             },
         )
 

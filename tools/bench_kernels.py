@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from bench_gpu import CHUNK, DECODE_TOKENS, Bench, llama_rows, verify_step
+from bench_gpu import CHUNK, DECODE_TOKENS, Bench, in_turn, llama_rows, verify_step
 
 from lucepy.decode.verify_len import median_s
 
@@ -46,30 +44,11 @@ def verify_curve(bench: Bench) -> None:
         k: median_s(lambda k=k: verify_step(engine, block[:k]), repeats)
         for k in range(1, MAX_K + 1)
     }
-    # k = 16 with the rollback left running (on a GPU: Shard.async_rollback) and waited for, in
-    # turn with a decode step and a greedy one (its argmax alone read back, as a verify reads
-    # its rows'), in the same run: what running it under the next step's host work saves (a
-    # rollback left running ends under the next call's host work, as it does in a loop of such
-    # calls); those decode steps are the curve's too
-    defaults = [shard.async_rollback for shard in engine.shards]
-    times: dict[str, list[float]] = {"left": [], "waited": [], "decode": [], "greedy": []}
-
-    def timed(key: str, run) -> None:
-        t0 = time.perf_counter()
-        run()
-        times[key].append(time.perf_counter() - t0)
-
-    for _ in range(4 * repeats):
-        for waited in (False, True):
-            for shard, a in zip(engine.shards, defaults, strict=True):
-                shard.async_rollback = a and not waited
-            timed("waited" if waited else "left", lambda: verify_step(engine, block))
-        timed("decode", lambda: engine.decode(block[0]))
-        timed("greedy", lambda: engine.decode_greedy(block[0]))
-    engine.pipeline.settle()
-    for shard, a in zip(engine.shards, defaults, strict=True):
-        shard.async_rollback = a
-    med = {key: statistics.median(t) for key, t in times.items()}
+    # k = 16 with the rollback left running and waited for, in turn with both kinds of decode
+    # step, in the same run: what running it under the next step's host work saves; those
+    # decode steps are the curve's too
+    rounds = 4 * repeats
+    med = in_turn(engine, block, rounds)
     bench.record(
         "verify_curve",
         {
@@ -81,7 +60,7 @@ def verify_curve(bench: Bench) -> None:
                 "waited": med["waited"] / med["decode"],
                 "left_running_greedy": med["left"] / med["greedy"],
                 "waited_greedy": med["waited"] / med["greedy"],
-                "calls": len(times["left"]),
+                "calls": rounds,
             },
         },
     )
