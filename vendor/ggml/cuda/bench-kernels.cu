@@ -1562,6 +1562,31 @@ void bench_delta_net(cudaStream_t s, std::mt19937 & rng) {
 // so the rate comes as cycles a mma on each of the SM's four schedulers, beside TFLOP/s: what a
 // product of halves on mma.sync can reach, against gemm_rb's 17-20 cycles a mma at 16 columns
 // (session 40's timelines: 1.2-1.6 us a chunk of 8 words of 4 mmas, 4 warps a scheduler).
+// the end of a rate kernel: its sums kept (stored never, but the compiler cannot know) and warp
+// 0's count of the SM's cycles over the loop, for its CTA
+__device__ __forceinline__ void rate_end(float sum, float * sink, long long * cycles,
+                                         long long spent) {
+    if (sum == 1234.5f) {
+        sink[0] = sum;
+    }
+    if (threadIdx.x == 0) {
+        cycles[blockIdx.x] = spent;
+    }
+}
+
+// d = a b + c on mma.sync m16n8k32, s8 inputs and s32 sums (d and c may be the same registers)
+__device__ __forceinline__ void mma_16832_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1, const int32_t (&c)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]),
+          "r"(c[2]), "r"(c[3]));
+#endif
+}
+
 template <int CHAINS, int ALU>
 __global__ void __launch_bounds__(128) mma_rate(float * sink, long long * cycles, int iters) {
     const uint32_t lane = threadIdx.x % 32;
@@ -1589,12 +1614,7 @@ __global__ void __launch_bounds__(128) mma_rate(float * sink, long long * cycles
     for (int c = 0; c < CHAINS; c++) {
         sum += acc[c][0] + acc[c][1] + acc[c][2] + acc[c][3];
     }
-    if (sum == 1234.5f) {  // (never: the sums are kept)
-        sink[0] = sum;
-    }
-    if (threadIdx.x == 0) {
-        cycles[blockIdx.x] = t1 - t0;
-    }
+    rate_end(sum, sink, cycles, t1 - t0);
 }
 
 // the same loop on mma.sync m16n8k32 of bytes: s8 with s32 sums, or e4m3 with f32 sums. Each does
@@ -1603,8 +1623,7 @@ __global__ void __launch_bounds__(128) mma_rate(float * sink, long long * cycles
 template <int CHAINS, bool FP8>
 __global__ void __launch_bounds__(128) mma_rate_k32(float * sink, long long * cycles, int iters) {
     const uint32_t lane = threadIdx.x % 32;
-    const uint32_t a0 = 0x01020304u ^ lane, a1 = 0x05060708u;
-    const uint32_t a2 = 0x01010101u ^ lane, a3 = 0x02020202u;
+    const uint32_t a[4] = {0x01020304u ^ lane, 0x05060708u, 0x01010101u ^ lane, 0x02020202u};
     const uint32_t b0 = 0x01030507u + lane, b1 = 0x02040608u;
     int32_t iacc[CHAINS][4] = {};
     float facc[CHAINS][4] = {};
@@ -1618,13 +1637,9 @@ __global__ void __launch_bounds__(128) mma_rate_k32(float * sink, long long * cy
                     "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, "
                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                     : "+f"(facc[c][0]), "+f"(facc[c][1]), "+f"(facc[c][2]), "+f"(facc[c][3])
-                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
             } else {
-                asm volatile(
-                    "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, "
-                    "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                    : "+r"(iacc[c][0]), "+r"(iacc[c][1]), "+r"(iacc[c][2]), "+r"(iacc[c][3])
-                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                mma_16832_s8(iacc[c], a, b0, b1, iacc[c]);
             }
 #endif
         }
@@ -1635,12 +1650,7 @@ __global__ void __launch_bounds__(128) mma_rate_k32(float * sink, long long * cy
     for (int c = 0; c < CHAINS; c++) {
         sum += facc[c][0] + facc[c][1] + float(iacc[c][2] + iacc[c][3] + iacc[c][0] + iacc[c][1]);
     }
-    if (sum == 1234.5f) {  // (never: the sums are kept)
-        sink[0] = sum;
-    }
-    if (threadIdx.x == 0) {
-        cycles[blockIdx.x] = t1 - t0;
-    }
+    rate_end(sum, sink, cycles, t1 - t0);
 }
 
 // One Q4_0 piece (16 rows x 32 values, two rows a lane) against 16 columns as gemm_rb works it,
@@ -1785,16 +1795,10 @@ __global__ void __launch_bounds__(128) piece_rate(float * sink, long long * cycl
                         base + X_AT + (nt * 8 + g) * X_PITCH + piece * 32 + 8 * t);
                     const float4 sc = *reinterpret_cast<const float4 *>(
                         base + S_AT + (piece * 16 + nt * 8 + 2 * t) * 8);
-                    int32_t dsum[4] = {};
-                    const int32_t magic = 0x4B400000;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, "
-                        "{%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
-                        : "=r"(dsum[0]), "=r"(dsum[1]), "=r"(dsum[2]), "=r"(dsum[3])
-                        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y),
-                          "r"(magic));
-#endif
+                    constexpr int32_t MAGIC = 0x4B400000;
+                    constexpr int32_t start[4] = {MAGIC, MAGIC, MAGIC, MAGIC};
+                    int32_t dsum[4];
+                    mma_16832_s8(dsum, a, b.x, b.y, start);
                     acc[nt][0] = fmaf(f0, fmaf(__int_as_float(dsum[0]), sc.x, sc.z), acc[nt][0]);
                     acc[nt][1] = fmaf(f0, fmaf(__int_as_float(dsum[1]), sc.y, sc.w), acc[nt][1]);
                     acc[nt][2] = fmaf(f1, fmaf(__int_as_float(dsum[2]), sc.x, sc.z), acc[nt][2]);
@@ -1812,12 +1816,7 @@ __global__ void __launch_bounds__(128) piece_rate(float * sink, long long * cycl
             sum += acc[nt][j] + acc2[nt][j] * (WAY == PR_SUMS ? 0.0625f : 1.0f);
         }
     }
-    if (sum == 1234.5f) {  // (never: the sums are kept)
-        sink[0] = sum;
-    }
-    if (threadIdx.x == 0) {
-        cycles[blockIdx.x] = t1 - t0;
-    }
+    rate_end(sum, sink, cycles, t1 - t0);
 }
 
 void bench_mma_rate(cudaStream_t s) {

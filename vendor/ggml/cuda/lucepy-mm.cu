@@ -17,7 +17,6 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -509,7 +508,6 @@ int copy_unit(const ggml_tensor * src0, const ggml_tensor * gate, int chunk) {
     return 0;
 }
 
-// a node that computes nothing: a view, a reshape, a permutation or an empty tensor
 bool no_op(const ggml_tensor * t) {
     return ggml_is_empty(t) || t->op == GGML_OP_NONE || t->op == GGML_OP_VIEW ||
            t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE || t->op == GGML_OP_TRANSPOSE;
