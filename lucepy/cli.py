@@ -441,7 +441,7 @@ def plan(
         from lucepy.ggml import load
         from lucepy.gguf import GGUFFile
         from lucepy.models import architecture_for
-        from lucepy.runtime.engine import make_plan, model_options
+        from lucepy.runtime.plan import make_plan, model_options
 
         moe = ComputeFlags(
             moe_device_mb=moe_gpu_mb,

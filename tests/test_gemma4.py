@@ -22,8 +22,9 @@ from lucepy.gguf import GGUFFile
 from lucepy.models import ModelOptions, architecture_for
 from lucepy.models.batch import StepBatch
 from lucepy.runtime.config import RuntimeConfig
-from lucepy.runtime.engine import Engine, make_plan
+from lucepy.runtime.engine import Engine
 from lucepy.runtime.placement import honour_split_points, layer_ranges
+from lucepy.runtime.plan import make_plan
 from lucepy.testing.tiny import Qwen35Spec
 from lucepy.testing.tiny_draft import write_dflash
 

@@ -65,7 +65,7 @@ def test_plan_table_shows_the_placement(tiny_model):
     from lucepy.ggml import load
     from lucepy.gguf import GGUFFile
     from lucepy.models import architecture_for
-    from lucepy.runtime.engine import make_plan
+    from lucepy.runtime.plan import make_plan
 
     with GGUFFile(tiny_model("odd", "f32")) as f:
         plan = make_plan(
