@@ -19,9 +19,9 @@ from lucepy.decode.ar import generate
 from lucepy.engine import Engine
 from lucepy.errors import ConfigError
 from lucepy.runtime.config import RuntimeConfig
-from lucepy.server import worker
+from lucepy.server import jobs as jobs_module
+from lucepy.server.jobs import Delta, Done, Job, Outbox
 from lucepy.server.run import Server
-from lucepy.server.worker import Delta, Done, Job, Outbox
 
 PROMPTS = Path(__file__).parents[1] / "tools" / "dflash_prompts.json"
 CTX = 256
@@ -74,8 +74,8 @@ def test_events_wait_for_the_next_launch_and_go_in_one_wake_up(monkeypatch):
     launch), through one byte on a pipe the loop reads, not one wake-up each: each wake-up let
     the loop take the GIL between steps."""
     writes = []
-    write = worker._write_holding_gil
-    monkeypatch.setattr(worker, "_write_holding_gil", lambda *a: (writes.append(a), write(*a)))
+    write = jobs_module._write_holding_gil
+    monkeypatch.setattr(jobs_module, "_write_holding_gil", lambda *a: (writes.append(a), write(*a)))
     loop = asyncio.new_event_loop()
     try:
         outbox = Outbox()

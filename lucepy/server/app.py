@@ -19,6 +19,7 @@ from lucepy.decode.grammar import grammars_for
 from lucepy.errors import AuthError, ContextOverflow, PromptError
 from lucepy.server import errors
 from lucepy.server.chat import chat_text
+from lucepy.server.jobs import Delta, Failed, Job
 from lucepy.server.responses import ResponsesRequest, Shaper
 from lucepy.server.schemas import (
     ChatRequest,
@@ -29,7 +30,7 @@ from lucepy.server.schemas import (
 )
 from lucepy.server.status import placement, prometheus
 from lucepy.server.tools import tool_format
-from lucepy.server.worker import Delta, Failed, Job, Worker
+from lucepy.server.worker import Worker
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 _GONE = 499  # nginx's "client closed request": nobody reads it
