@@ -23,15 +23,9 @@ import numpy as np
 from lucepy.errors import ConfigError, ModelFileError
 from lucepy.ggml import GGML_TYPE_F16, ffi
 from lucepy.gguf import GGUFFile
-from lucepy.models.base import (
-    Builder,
-    DecoderParams,
-    Tensor,
-    check_tensors,
-    metadata,
-    rope_args,
-)
+from lucepy.models.base import DecoderParams, check_tensors, metadata, rope_args
 from lucepy.models.batch import StepBatch
+from lucepy.models.builder import Builder, Tensor
 from lucepy.models.state import KVCache
 
 GGML_ROPE_TYPE_NEOX = 2

@@ -34,14 +34,13 @@ from lucepy.gguf import GGUFFile
 from lucepy.models import moe
 from lucepy.models.base import (
     Architecture,
-    Builder,
     DecoderParams,
     GraphSpec,
     ModelOptions,
-    Tensor,
     check_tensors,
     metadata,
 )
+from lucepy.models.builder import Builder, Tensor
 from lucepy.models.sliding import SlidingWindow
 from lucepy.models.state import LayerState
 

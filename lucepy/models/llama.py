@@ -20,15 +20,14 @@ from lucepy.ggml import ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import (
     Architecture,
-    Builder,
     DecoderParams,
     GraphSpec,
     ModelOptions,
-    Tensor,
     check_tensors,
     metadata,
 )
 from lucepy.models.batch import StepBatch
+from lucepy.models.builder import Builder, Tensor
 from lucepy.models.state import LayerState
 
 ROPE_NORMAL = 0  # LLAMA_ROPE_TYPE_NORM: rotate adjacent pairs

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from lucepy.ggml import GGML_TYPE_I32, VIEW_OPS, address, ffi
-from lucepy.models.base import Builder, Tensor
+from lucepy.models.builder import Builder, Tensor
 
 WEIGHT_FLOOR = 6.103515625e-5  # build_moe_ffn's floor under the sum of the chosen weights
 

@@ -17,16 +17,15 @@ from lucepy.ggml import ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import (
     Architecture,
-    Builder,
     DecoderParams,
     GraphSpec,
     ModelOptions,
-    Tensor,
     check_tensors,
     metadata,
     rope_args,
 )
 from lucepy.models.batch import StepBatch
+from lucepy.models.builder import Builder, Tensor
 from lucepy.models.state import DeltaNetState, LayerState
 
 # tokens of a step up to which lucepy's CUDA gated norm reads z in place (norm_gate_halves, 2-16

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from lucepy.errors import ConfigError
 from lucepy.gguf import GGUFFile
 from lucepy.models import moe, qwen35
-from lucepy.models.base import Builder, Tensor, metadata
+from lucepy.models.base import metadata
+from lucepy.models.builder import Builder, Tensor
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from lucepy.errors import ConfigError
-from lucepy.models.base import Builder, GraphSpec
+from lucepy.models.base import GraphSpec
 from lucepy.models.batch import StepBatch
+from lucepy.models.builder import Builder
 from lucepy.models.state import spec_nbytes, state_specs
 
 

@@ -39,7 +39,7 @@ from lucepy.ggml import (
 from lucepy.ggml.bufts import matmul_placement
 from lucepy.ggml.kernels import cuda_kernels
 from lucepy.gguf import GGUFFile
-from lucepy.models.base import Builder
+from lucepy.models.builder import Builder
 
 log = logging.getLogger(__name__)
 
