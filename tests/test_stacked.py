@@ -17,7 +17,7 @@ import lucepy.runtime.engine as engine_module
 from lucepy.catalog import smollm2_file
 from lucepy.ggml import ffi, load
 from lucepy.gguf import GGUFFile
-from lucepy.runtime import graphs
+from lucepy.runtime import tensors
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
 
@@ -99,8 +99,8 @@ def test_a_stack_whose_parts_repack_otherwise_is_kept_apart(monkeypatch):
         def placement(lib, backend, weights):  # the stack of the pair repacks, its parts not
             return {k: "repacked" for k in weights if k == "blk.0.ssm_ba.stacked"}
 
-        monkeypatch.setattr(graphs, "matmul_placement", placement)
-        out = graphs._stackable(load(), None, f, matmul)
+        monkeypatch.setattr(tensors, "matmul_placement", placement)
+        out = tensors._stackable(load(), None, f, matmul)
     assert out == {"blk.0.ssm_qkvz.stacked": qkv, pair[0]: pair[0], pair[1]: pair[1]}
 
 

@@ -21,13 +21,13 @@ from lucepy.models.dflash import DFlash
 from lucepy.runtime.graphs import (
     CompiledGraph,
     GraphCache,
-    Tensors,
     compile_graph,
     compute,
     get,
 )
 from lucepy.runtime.slots import IdentitySlots
 from lucepy.runtime.state import StateSet
+from lucepy.runtime.tensors import Tensors
 
 log = logging.getLogger(__name__)
 

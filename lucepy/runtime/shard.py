@@ -25,12 +25,12 @@ from lucepy.runtime.experts import EXPERT_TENSORS, ExpertPlacement
 from lucepy.runtime.graphs import (
     CompiledGraph,
     GraphCache,
-    Tensors,
     compile_graph,
     compute,
     get,
 )
 from lucepy.runtime.state import StateSet
+from lucepy.runtime.tensors import Tensors
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from lucepy.ggml import Backend, Context, Lib, alias_tensor, ffi, tensor_set
 from lucepy.models.state import LayerState, state_specs
-from lucepy.runtime.graphs import Tensors
+from lucepy.runtime.tensors import Tensors
 
 _DTYPES = {0: np.float32, 1: np.float16}  # ggml type -> numpy, for host copies of state
 
