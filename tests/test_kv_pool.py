@@ -1,4 +1,4 @@
-"""KV Flash's pool (runtime/slots.py PagedSlots, runtime/kvpool.py HostPool): full-attention
+"""KV Flash's pool (runtime/pager.py PagedSlots, runtime/kvpool.py HostPool): full-attention
 caches of fewer rows than the context, paged in chunks of 64."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from lucepy.errors import ConfigError
 from lucepy.ggml import ffi
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
-from lucepy.runtime.slots import CHUNK, IdentitySlots, PagedSlots
+from lucepy.runtime.pager import CHUNK, PagedSlots
+from lucepy.runtime.slots import IdentitySlots
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 LLAMA = FIXTURES / "llama-untied-f32.gguf"

@@ -189,7 +189,7 @@ POOL_CHUNK = 64  # KV Flash pages cache rows in chunks of this many positions
 
 
 def pool_rows(pool: int, max_step: int) -> int:
-    """Cache rows behind a KV Flash pool of ``pool`` tokens (runtime/slots.py): the pool, and
+    """Cache rows behind a KV Flash pool of ``pool`` tokens (runtime/pager.py): the pool, and
     room for the new chunks of the longest step plus one, since a chunk a step pages out stays
     readable to the step's tokens before the position that paged it out."""
     return pool + (-(-max_step // POOL_CHUNK) + 1) * POOL_CHUNK

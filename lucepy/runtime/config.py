@@ -50,7 +50,7 @@ class RuntimeConfig:
     # who computes the experts in host RAM: "cpu", a host CPU backend in the same step (as
     # llama.cpp's --n-cpu-moe); "device", the shard's GPU, reading them from pinned host RAM
     cold_experts: str = "cpu"
-    kv_pool: int = 0  # KV Flash: cache rows of each full-attention layer (runtime/slots.py); 0: all
+    kv_pool: int = 0  # KV Flash: cache rows of each full-attention layer (runtime/pager.py); 0: all
     kv_pool_rank: str = "lru"  # which chunks the pool keeps: "lru", or "qk" (query-key scores)
     parallel: int = 1  # sequences decoded in one step (decode/batch.py), max_ctx positions each
 

@@ -1,4 +1,4 @@
-"""KV Flash's host side: what the pager (``runtime/slots.py``, ``PagedSlots``) decides, this
+"""KV Flash's host side: what the pager (``runtime/pager.py``, ``PagedSlots``) decides, this
 copies. Paged-out rows of every full-attention cache of every shard (a worker's over RPC), kept
 in host memory as raw bytes, so a chunk comes back bit for bit; and, for the ``qk`` ranking,
 one summary key per chunk and layer (the mean of its keys, taken when the chunk is sealed) and
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from lucepy.ggml import GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_Q8_0, ffi
-from lucepy.runtime.slots import CHUNK
+from lucepy.runtime.pager import CHUNK
 
 Key = tuple[int, str, int]  # (shard, tensor, sequence chunk)
 

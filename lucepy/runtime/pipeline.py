@@ -24,8 +24,9 @@ from lucepy.ggml.lib import rpc_failures
 from lucepy.models.batch import StepBatch
 from lucepy.runtime.experts import ExpertCounts
 from lucepy.runtime.kvpool import HostPool
+from lucepy.runtime.pager import PagedSlots
 from lucepy.runtime.shard import Shard
-from lucepy.runtime.slots import IdentitySlots, PagedSlots, SeqSlots
+from lucepy.runtime.slots import IdentitySlots, SeqSlots
 from lucepy.runtime.workers import Worker
 
 log = logging.getLogger(__name__)
