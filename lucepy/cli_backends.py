@@ -11,7 +11,8 @@ from typing import Annotated
 import typer
 
 from lucepy import tui
-from lucepy.cli import AsJson, Threads, app, run_body
+from lucepy.cli import app, run_body
+from lucepy.cli_options import AsJson, Threads
 
 
 @app.command()

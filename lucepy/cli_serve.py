@@ -11,7 +11,8 @@ from typing import Annotated
 import typer
 
 from lucepy import tui
-from lucepy.cli import (
+from lucepy.cli import app, run_body
+from lucepy.cli_options import (
     DEFAULTS,
     AsJson,
     BatchInvariant,
@@ -40,8 +41,6 @@ from lucepy.cli import (
     Parallel,
     TargetDevices,
     Threads,
-    app,
-    run_body,
     runtime_config,
 )
 
