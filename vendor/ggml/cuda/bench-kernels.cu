@@ -1667,12 +1667,14 @@ __global__ void __launch_bounds__(128) mma_rate_k32(float * sink, long long * cy
 //           16 n d, their sums apart and scaled by 1/16 at the end), the 8 d a value less taken
 //           off a chunk at a time: an m16n8k8 of the rows' scales by the columns' block sums
 //           times -8, each block's sum worked out by one thread from the chunk's activations
+//   PR_SUMS_PRE: PR_SUMS with the block sums written beforehand (as the activations' producer
+//           could write them beside the halves): the chunk loads them, sums none
 //   PR_BYTES: the same words and scales, 2 x 8 B of s8 activations and 2 x 16 B of their
 //           scales; a row's word as 2 registers of s8 16 (n - 8) (lop3 (w & F0F0F0F0) ^
 //           80808080, and of w << 4 alike); 2 m16n8k32 on a constant sum (0x4B400000:
 //           12582912.0f as bits, so that the s32 sum reads as a float offset by it) and per
 //           output two fmas: the column's scale with the offset's, then the row's scale.
-enum PieceWay { PR_HALVES, PR_CHAINS, PR_SUMS, PR_BYTES };
+enum PieceWay { PR_HALVES, PR_CHAINS, PR_SUMS, PR_SUMS_PRE, PR_BYTES };
 
 __device__ __forceinline__ void mma_1688(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -1699,6 +1701,7 @@ __global__ void __launch_bounds__(128) piece_rate(float * sink, long long * cycl
     // piece's column scales with their offsets' (two floats a column), for the sums' way each
     // column's 8 block sums (halves)
     constexpr bool BYTES = WAY == PR_BYTES;
+    constexpr bool SUMS = WAY == PR_SUMS || WAY == PR_SUMS_PRE;
     constexpr int W_PITCH = 144, X_AT = 4096, X_PITCH = BYTES ? 288 : 576, S_AT = 13312;
     constexpr int SIZE = 14336;
     __shared__ __align__(16) uint8_t smem[SIZE + 32];
@@ -1727,6 +1730,8 @@ __global__ void __launch_bounds__(128) piece_rate(float * sink, long long * cycl
             // (read back by the chunk after: a chunk's sums lag it by one, as they would in
             // gemm_rb, so that its one barrier a chunk serves both)
             *reinterpret_cast<__half *>(smem + S_AT + c * 16 + blk * 2) = sum;
+        }
+        if constexpr (SUMS) {  // the 8 d a value off: the rows' scales times the block sums
             const uint8_t * wr = base + g * W_PITCH + 128;
             const uint32_t da = *reinterpret_cast<const uint32_t *>(wr + 4 * t);
             const uint32_t db = *reinterpret_cast<const uint32_t *>(wr + 8 * W_PITCH + 4 * t);
@@ -1748,7 +1753,7 @@ __global__ void __launch_bounds__(128) piece_rate(float * sink, long long * cycl
             if constexpr (!BYTES) {
                 __half2 lo0[2], hi0[2], lo1[2], hi1[2];
                 const __half2 dd0 = __half2half2(d0), dd1 = __half2half2(d1);
-                if constexpr (WAY == PR_SUMS) {
+                if constexpr (SUMS) {
                     const __half2 k = __float2half2_rn(-1024.0f);
                     const __half2 m0 = __hmul2(dd0, k), m1 = __hmul2(dd1, k);
                     lo0[0] = __hfma2(nibble_halves(w0), dd0, m0);
@@ -1813,7 +1818,7 @@ __global__ void __launch_bounds__(128) piece_rate(float * sink, long long * cycl
     for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            sum += acc[nt][j] + acc2[nt][j] * (WAY == PR_SUMS ? 0.0625f : 1.0f);
+            sum += acc[nt][j] + acc2[nt][j] * (SUMS ? 0.0625f : 1.0f);
         }
     }
     rate_end(sum, sink, cycles, t1 - t0);
@@ -1862,12 +1867,14 @@ void bench_mma_rate(cudaStream_t s) {
     }
     std::printf("\na Q4_0 piece against 16 columns, loads from shared memory, unpacking and "
                 "mmas: cycles a piece a scheduler\n");
-    std::printf("warps/SM  halves          4 chains        block sums      bytes\n");
+    std::printf("warps/SM  halves          4 chains        block sums      sums written    "
+                "bytes\n");
     for (int per_sm : {4, 5, 6, 8}) {
         std::printf("%-9d", 4 * per_sm);
         one(piece_rate<PR_HALVES>, per_sm, 1, 4);
         one(piece_rate<PR_CHAINS>, per_sm, 1, 4);
         one(piece_rate<PR_SUMS>, per_sm, 1, 4);
+        one(piece_rate<PR_SUMS_PRE>, per_sm, 1, 4);
         one(piece_rate<PR_BYTES>, per_sm, 1, 4);
         std::printf("\n");
     }
