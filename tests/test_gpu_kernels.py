@@ -1404,7 +1404,7 @@ def test_gpu_rollback_recurrences_need_not_wait(kind, cuda):
     """A rollback's graph of DeltaNet recurrences (two layers, 16 tokens) whose kernels read and
     write apart from each other's bytes (the results that only their copies read not written at
     all, though laid over each other): captured as a CUDA graph (ggml-cuda's second compute),
-    ours need not wait for each other (lucepy-fuse.cu's recurrences_apart) and are one launch,
+    ours need not wait for each other (lucepy-deltanet.cu's recurrences_apart) and are one launch,
     one op joined to the other's kernel; where the second reads the first's attention, it waits,
     a launch of its own. Either way, over replays of the CUDA graph, each layer's attention and
     state no further from the exact math than twice ggml's own kernels are."""

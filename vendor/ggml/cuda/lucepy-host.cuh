@@ -1,8 +1,10 @@
-// lucepy's host side, shared by its two files: lucepy-mm.cu (the products, the state a graph
-// keeps, the hooks' bookkeeping) and lucepy-fuse.cu (the graph's other ops that the hooks take
-// around the products: norms, gates, the DeltaNet's conv step and recurrence, argmax). What one
-// defines and the other calls is declared here, with the kernels both launch (the headers
-// below; lucepy-mm.cu alone includes lucepy-repack.cuh, whose kernels it alone launches).
+// lucepy's host side, shared by its three files: lucepy-mm.cu (the products, the state a graph
+// keeps, the hooks' bookkeeping), lucepy-fuse.cu (the graph's other ops that the hooks take
+// around the products: norms, gates, residual sums, argmax) and lucepy-deltanet.cu (qwen35's
+// DeltaNet conv step, gates and recurrence). What one defines and another calls is declared here,
+// with the kernels more than one launches (the headers below; lucepy-mm.cu alone includes
+// lucepy-repack.cuh, lucepy-deltanet.cu alone lucepy-deltanet.cuh, whose kernels they alone
+// launch).
 
 #pragma once
 
@@ -166,6 +168,42 @@ bool mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const gg
 
 // a verify's FFN gate and up products and their SWIGLU from node i as one product (lucepy-mm.cu)
 int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+
+// the bytes a tensor spans, and what the hooks ask of them before they join nodes (lucepy-fuse.cu)
+struct Span {
+    const char * begin;
+    const char * end;
+};
+
+Span span_of(const ggml_tensor * t);
+bool apart(Span a, Span b);
+
+// whether any span of `a` shares a byte with any of `b` (lists or arrays of Span)
+template <typename A, typename B> bool spans_meet(const A & a, const B & b) {
+    for (const Span & x : a) {
+        for (const Span & y : b) {
+            if (!apart(x, y)) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+bool apart_or_same(const ggml_tensor * p, const ggml_tensor * q);
+bool dense_like(const ggml_tensor * t, const ggml_tensor * like);
+bool columns_apart(const ggml_tensor * t);
+bool bytes_read(ContextState & st, const ggml_cgraph * cgraph, const ggml_tensor * t,
+                size_t from, size_t to, const ggml_tensor * skip);
+
+// qwen35's DeltaNet ops from node i (lucepy-deltanet.cu): the nodes after i computed, or 0. The
+// conv step from a CONCAT, the gates from an ADD, the recurrence from a GATED_DELTA_NET (with
+// `dup`, the verify's state copy before it, a DUP's node), and from a DUP the two.
+int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
+                    const ggml_tensor * dup = nullptr);
+int dup_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
 }  // namespace lucepy
 
