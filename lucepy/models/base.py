@@ -42,7 +42,7 @@ class ModelOptions:
     max_step: int = 512  # the most tokens one step feeds (the prefill chunk); sizes KV rings
     kv_pool: int = 0  # tokens a full-attention cache holds under KV Flash's pager; 0: the context
     n_seq: int = 1  # sequences decoded together (--parallel): recurrent state holds one each
-    # products of one input as one matrix (Architecture.stacked): on a GPU (runtime/engine.py's
+    # products of one input as one matrix (Architecture.stacked): on a GPU (runtime/plan.py's
     # _stacking) they save launches; on a CPU no faster, and f32 sums move in the last bits
     stack_matmuls: bool = False
 
