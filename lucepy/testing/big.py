@@ -36,6 +36,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from lucepy.errors import ConfigError
+from lucepy.testing.quants import encode
 from lucepy.testing.tiny import (
     ARCH,
     WEIGHT_TYPES,
@@ -44,7 +45,6 @@ from lucepy.testing.tiny import (
     _add_hparams,
     _add_tensor_info,
     add_decoder_hparams,
-    encode,
     param_count,
     plan_tensors,
     tensor_type,
