@@ -16,6 +16,12 @@
 #   tools/prebuild_gpu.sh stage .gpubuild1   # there, carry [".gpubuild1"], then at once:
 #   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".gpubuild", ".gpuref"]
 #
+# and lucepy's own build alike (PREBUILD_KERNELS=lucepy: .lpbuild/, .lpbuild1/, ...; used where
+# its stamp, which holds the kernels' sources, is this checkout's, with "build-ggml" skipped:
+#   PREBUILD_KERNELS=lucepy tools/prebuild_gpu.sh build          # here, about 40 min
+#   PREBUILD_KERNELS=lucepy tools/prebuild_gpu.sh stage .lpbuild1  # there, carry [".lpbuild1"]
+#   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".lpbuild", ".gpuref"]
+#
 # .gpuref holds llama.cpp's logits for the GPU tests, made here by tools/make_gpu_ref.py (its CUDA
 # Python path segfaults there). The run stops at once, saying what to run, if it is missing or made
 # for other tiny models than the tests write (unless GPU_RUN_SKIP names pytest).
@@ -104,6 +110,7 @@ export LUCEPY_BUILD_DIR=/tmp/lucepy-build # kept: a build cut short resumes on t
 export MODEL=/tmp/lucepy-$SHAPE-L$LAYERS-q4_0.gguf
 # the sdist (.sdist) or, from tools/prebuild_gpu.sh, the builds and the parts of it still read
 SOURCES=.sdist
+if [[ ! -d .sdist && -d .lpbuild ]]; then SOURCES=.lpbuild; fi
 if [[ ! -d .sdist && -d .gpubuild ]]; then SOURCES=.gpubuild; fi
 export SOURCES
 SITE=/tmp/site
@@ -167,7 +174,7 @@ stop() { # stop MESSAGE: the run cannot do its job; say why and what to do, in t
 # Python packages, full (after the wheels) writes the tests' tiny models again and compares
 check_gpuref() {
     local found fix='on the CPU machine, run tools/prepare_gpu_carry.sh (or just python'
-    fix+=' tools/make_gpu_ref.py .gpuref), then carry [".whl", ".sdist" or ".gpubuild", ".gpuref"]'
+    fix+=' tools/make_gpu_ref.py .gpuref), then carry [".whl", ".sdist" (or ".gpubuild" or ".lpbuild"), ".gpuref"]'
     if [[ $SKIP == *" pytest "* ]]; then return 0; fi
     if [[ ! -d $LUCEPY_GPU_REF ]]; then
         stop "no .gpuref (llama.cpp's logits for the GPU tests) was carried: $fix; or set" \
@@ -225,6 +232,7 @@ ensure_cuda_libs() {
 # lucepy runs on it too (it has no lucepy kernels: ggml's run); GPU_RUN_KERNELS still builds
 # lucepy's. Runs in this shell: what it exports must reach the steps.
 unpack_prebuilt() {
+    unpack_lucepy
     [[ -f .gpubuild/STAMP ]] || return 0
     if [[ ! -f $BUILD_GGML/PREBUILT ]]; then # not unpacked by an earlier run on this machine
         [[ ! -x $BUILD_GGML/llama-bench ]] || return 0 # built here: keep that
@@ -244,6 +252,30 @@ unpack_prebuilt() {
     fi
 }
 
+# the kernels' sources that lucepy's build in $BUILD was made from (its KERNEL_SOURCES)
+kernel_sources() {
+    cat vendor/ggml/cuda/* vendor/ggml/recipes.toml | sha256sum | cut -c1-16
+}
+
+# lucepy's own build from tools/prebuild_gpu.sh (PREBUILD_KERNELS=lucepy, carried as .lpbuild
+# and its staged parts) unpacked into $BUILD where its stamp (the recipes, the kernels' sources,
+# the build flags) is this checkout's, and not there already: build_cuda then reuses it
+unpack_lucepy() {
+    [[ -f .lpbuild/STAMP ]] || return 0
+    local sources
+    sources=$(kernel_sources)
+    if [[ $(cat "$BUILD/KERNEL_SOURCES" 2>/dev/null) == "$sources" ]]; then return 0; fi
+    PREBUILD_KERNELS=lucepy bash tools/prebuild_gpu.sh unpack "$(dirname "$BUILD")" || {
+        echo "(building lucepy's here instead)" && return 0
+    }
+    if ldd "$BUILD"/lib*.so "$BUILD"/llama-* | grep 'not found'; then
+        echo "the prebuilt lucepy libraries do not load here (building here instead)"
+        rm -rf "$BUILD"
+        return 0
+    fi
+    echo "$sources" >"$BUILD/KERNEL_SOURCES"
+}
+
 # Two builds of one source tree: lucepy's (its kernels hooked in) into $BUILD, then llama.cpp's
 # (unpatched, with llama-bench and llama-quantize) into $BUILD_GGML; the second recompiles only
 # the files the patch touches.
@@ -254,7 +286,7 @@ build_cuda() {
     if [[ $LLAMA_BIN == "$BUILD" ]]; then tools=(--with-llama-bench); fi
     # lucepy's build is reused on a warm machine only if it was made from these kernel sources
     local sources
-    sources=$(cat vendor/ggml/cuda/* vendor/ggml/recipes.toml | sha256sum | cut -c1-16)
+    sources=$(kernel_sources)
     if [[ -f $BUILD/libggml-cuda.so && $(cat "$BUILD/KERNELS" 2>/dev/null) == lucepy ]] &&
         [[ $(cat "$BUILD/KERNEL_SOURCES" 2>/dev/null) == "$sources" ]] &&
         [[ -z ${tools[*]} || -x $BUILD/llama-quantize ]]; then

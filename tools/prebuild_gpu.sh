@@ -11,7 +11,9 @@
 #
 # The build is llama.cpp's, unpatched (prefix cuda-ggml: libggml*, libllama*, llama-bench,
 # llama-quantize, llama-server; sm_90), and lucepy loads it too (lucepy's own kernels are off by
-# default; a run that measures them, GPU_RUN_KERNELS, builds there). Packed it is about 45 MB,
+# default; a run that measures them, GPU_RUN_KERNELS, builds there); or, with
+# PREBUILD_KERNELS=lucepy, lucepy's own (prefix cuda, packed as .lpbuild*: below), which such a
+# run then unpacks instead of building, where the kernels' sources are those it was built from. Packed it is about 45 MB,
 # more than one call carries beside the repo and the wheels (64 MiB in all), so it is split:
 #   .gpubuild/      STAMP (this checkout's stamp, the parts and their sha256), the last part, and
 #                   what the run still reads from the sdist: the llama_cpp Python package and the
@@ -39,12 +41,29 @@ STAGE=/tmp/lucepy-gpubuild
 PART_MB=34 # a stage call carries the repo (about 27 MiB) and one part
 LAST_MB=20 # the run carries the repo, the wheels, .gpuref and .gpubuild
 
-# stamp: the build recipes and the exact build command
+# PREBUILD_KERNELS=lucepy: lucepy's build instead (its own kernels hooked in, with llama-bench and
+# llama-quantize: the "llama.cpp, its kernels off" side of a run that skips build-ggml), packed
+# as .lpbuild/ and .lpbuild1.., stamped with the kernels' sources too: gpu_run.sh unpacks it into
+# $BUILD where the stamp is this checkout's, so a run on unchanged kernels builds nothing
+KERNELS=${PREBUILD_KERNELS:-ggml}
+case $KERNELS in
+ggml) PACKED=.gpubuild OUTNAME=cuda-ggml ;;
+lucepy) PACKED=.lpbuild OUTNAME=cuda STAGE=/tmp/lucepy-lpbuild ;;
+*) echo "prebuild_gpu: PREBUILD_KERNELS is ggml or lucepy" >&2 && exit 2 ;;
+esac
+
+# stamp: the build recipes and the exact build command (lucepy's: and its kernels' sources)
 stamp() {
     {
         cat vendor/ggml/recipes.toml
-        python3 -m lucepy backends build cuda --arch $ARCH --prefix /p --dry-run --kernels ggml \
-            --with-llama-bench
+        if [[ $KERNELS == lucepy ]]; then
+            cat vendor/ggml/cuda/*
+            python3 -m lucepy backends build cuda --arch $ARCH --prefix /p --dry-run \
+                --with-llama-bench
+        else
+            python3 -m lucepy backends build cuda --arch $ARCH --prefix /p --dry-run \
+                --kernels ggml --with-llama-bench
+        fi
     } | sha256sum | cut -d' ' -f1
 }
 
@@ -114,6 +133,13 @@ build() {
     export LD_LIBRARY_PATH=$work/cuda/lib64:$work/cuda/lib64/stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     if command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
     rm -rf "$out" && mkdir -p "$out"
+    if [[ $KERNELS == lucepy ]]; then # (its tree apart: the unpatched build's stays as it was)
+        LUCEPY_BUILD_DIR=$work/tree-lucepy python3 -m lucepy -v backends build cuda --arch $ARCH \
+            --sdist "$src" --with-llama-bench --prefix "$out/cuda"
+        no_stub_paths "$work" "$out"/cuda/lib*.so "$out"/cuda/llama-*
+        pack "$sdist" "$out"
+        return
+    fi
     python3 -m lucepy -v backends build cuda --arch $ARCH --sdist "$src" --kernels ggml \
         --with-llama-bench --prefix "$out/cuda-ggml"
     # llama-server: the same tree again, the server on (as gpu_run.sh's build_llama_server)
@@ -122,73 +148,84 @@ build() {
     for f in "$work/tree/build/bin/llama-server" "$work/tree/build/bin"/lib*.so*; do
         [[ -e $out/cuda-ggml/$(basename "$f") ]] || cp -a "$f" "$out/cuda-ggml/"
     done
-    if ldd "$out"/cuda-ggml/lib*.so "$out/cuda-ggml/llama-server" | grep -q 'lucepy-prebuild'; then
-        echo "prebuild_gpu: a build links a stub by path" >&2 && exit 1
-    fi
+    no_stub_paths "$work" "$out"/cuda-ggml/lib*.so "$out/cuda-ggml/llama-server"
     pack "$sdist" "$out"
 }
 
-# pack SDIST OUT: .gpubuild (STAMP, sources, the last part) and .gpubuild1.. (the other parts)
+# no_stub_paths WORK FILE...: fail if a built file needs a library of WORK's toolkit copy (its
+# stubs) by path, where the machine's own must load (the build's own libraries, beside it, are
+# found through $ORIGIN)
+no_stub_paths() {
+    local work=$1
+    shift
+    if ldd "$@" | grep -q "$work/cuda/"; then
+        echo "prebuild_gpu: a build links a stub by path" >&2 && exit 1
+    fi
+}
+
+# pack SDIST OUT: $PACKED (STAMP, sources, the last part) and ${PACKED}1.. (the other parts)
 pack() {
     local sdist=$1 out=$2 tmp parts n i=0 d
-    rm -rf .gpubuild .gpubuild[0-9]* && mkdir -p ".gpubuild/$NAME/vendor/llama.cpp/tools"
+    rm -rf "$PACKED" "$PACKED"[0-9]* && mkdir -p "$PACKED/$NAME/vendor/llama.cpp/tools"
     tmp=$(mktemp -d)
-    tar -cf - -C "$out" cuda-ggml | xz -T2 -6 >"$tmp/build.tar.xz"
+    tar -cf - -C "$out" $OUTNAME | xz -T2 -6 >"$tmp/build.tar.xz"
     (cd "$tmp" && split -b ${PART_MB}M build.tar.xz part.)
     parts=("$tmp"/part.*)
     n=${#parts[@]}
     {
         echo "stamp $(stamp)"
         echo "parts $n $(sha256sum "$tmp/build.tar.xz" | cut -d' ' -f1)"
-    } >.gpubuild/STAMP
+    } >"$PACKED/STAMP"
     for d in "${parts[@]}"; do
         i=$((i + 1))
         if ((i == n)) && (($(stat -c %s "$d") <= LAST_MB * 2**20)); then
-            mv "$d" .gpubuild/
+            mv "$d" "$PACKED/"
         else
-            mkdir -p ".gpubuild$i" && mv "$d" ".gpubuild$i/"
+            mkdir -p "$PACKED$i" && mv "$d" "$PACKED$i/"
         fi
     done
     rm -rf "$tmp"
-    cp -a "$sdist/llama_cpp" ".gpubuild/$NAME/"
+    cp -a "$sdist/llama_cpp" "$PACKED/$NAME/"
     for d in include common ggml/include vendor/nlohmann tools/batched-bench; do
-        mkdir -p ".gpubuild/$NAME/vendor/llama.cpp/$(dirname $d)"
-        cp -a "$sdist/vendor/llama.cpp/$d" ".gpubuild/$NAME/vendor/llama.cpp/$d"
+        mkdir -p "$PACKED/$NAME/vendor/llama.cpp/$(dirname $d)"
+        cp -a "$sdist/vendor/llama.cpp/$d" "$PACKED/$NAME/vendor/llama.cpp/$d"
     done
-    for d in .gpubuild .gpubuild[0-9]*; do
+    for d in "$PACKED" "$PACKED"[0-9]*; do
         grep -qxF "/$d/" .git/info/exclude || echo "/$d/" >>.git/info/exclude
     done
-    du -sh .gpubuild* .whl .gpuref 2>/dev/null || true
-    echo "stage each .gpubuildN (tools/prebuild_gpu.sh stage .gpubuildN, carry [\".gpubuildN\"])," \
-        "then run with carry [\".whl\", \".gpubuild\", \".gpuref\"] (no .sdist needed)"
+    du -sh "$PACKED"* .whl .gpuref 2>/dev/null || true
+    echo "stage each ${PACKED}N (PREBUILD_KERNELS=$KERNELS tools/prebuild_gpu.sh stage ${PACKED}N," \
+        "carry [\"${PACKED}N\"]), then run with carry [\".whl\", \"$PACKED\", \".gpuref\"] (no .sdist" \
+        "needed)"
 }
 
 # stage DIR: there, a carried part into $STAGE, where gpu_run.sh finds it
 stage() {
-    mkdir -p $STAGE && cp "${1:?a carried folder such as .gpubuild1}"/part.* $STAGE/ && ls -la $STAGE
+    mkdir -p $STAGE && cp "${1:?a carried folder such as ${PACKED}1}"/part.* $STAGE/ && ls -la $STAGE
 }
 
-# unpack PREFIX_DIR: there, the parts (staged, or carried in .gpubuild*) checked and unpacked into
-# PREFIX_DIR/cuda-ggml; says why not and fails when a part is missing or the stamp differs
+# unpack PREFIX_DIR: there, the parts (staged, or carried in $PACKED*) checked and unpacked into
+# PREFIX_DIR/$OUTNAME; says why not and fails when a part is missing or the stamp differs
 unpack() {
     local into=$1 want n sum
-    [[ -f .gpubuild/STAMP ]] || { echo "no .gpubuild/STAMP" && return 1; }
+    [[ -f $PACKED/STAMP ]] || { echo "no $PACKED/STAMP" && return 1; }
     want=$(stamp)
-    if [[ $(awk '$1 == "stamp" {print $2}' .gpubuild/STAMP) != "$want" ]]; then
-        echo ".gpubuild was made from other recipes or build flags: run tools/prebuild_gpu.sh" \
-            "build again" && return 1
+    if [[ $(awk '$1 == "stamp" {print $2}' "$PACKED/STAMP") != "$want" ]]; then
+        echo "$PACKED was made from other recipes, kernels or build flags: run" \
+            "PREBUILD_KERNELS=$KERNELS tools/prebuild_gpu.sh build again" && return 1
     fi
-    read -r _ n sum < <(grep '^parts ' .gpubuild/STAMP)
-    mkdir -p $STAGE && cp .gpubuild*/part.* $STAGE/ 2>/dev/null || true
+    read -r _ n sum < <(grep '^parts ' "$PACKED/STAMP")
+    mkdir -p $STAGE && cp "$PACKED"*/part.* $STAGE/ 2>/dev/null || true
     if (($(find $STAGE -name 'part.*' | wc -l) != n)); then
         echo "$n parts make the build; staged: $(cd $STAGE && echo part.*): stage the others" \
-            "(tools/prebuild_gpu.sh stage .gpubuildN) on this warm machine first" && return 1
+            "(PREBUILD_KERNELS=$KERNELS tools/prebuild_gpu.sh stage ${PACKED}N) on this warm" \
+            "machine first" && return 1
     fi
     if [[ $(cat $STAGE/part.* | sha256sum | cut -d' ' -f1) != "$sum" ]]; then
-        echo "the staged parts are not those of .gpubuild/STAMP: stage them again" && return 1
+        echo "the staged parts are not those of $PACKED/STAMP: stage them again" && return 1
     fi
     mkdir -p "$into" && cat $STAGE/part.* | xz -d | tar -xf - -C "$into"
-    echo "unpacked $n parts into $into/cuda-ggml"
+    echo "unpacked $n parts into $into/$OUTNAME"
 }
 
 case ${1:-} in
@@ -196,7 +233,7 @@ stamp) stamp ;;
 build) build "${2:-}" ;;
 pack) pack "${2:?SDIST}" "${3:?OUT}" ;;
 stage) stage "${2:-}" ;;
-unpack) unpack "${2:?the folder that gets cuda-ggml}" ;;
+unpack) unpack "${2:?the folder that gets $OUTNAME}" ;;
 *) echo "usage: tools/prebuild_gpu.sh build [SDIST_DIR] | stage DIR | unpack DIR | stamp" >&2
     exit 2 ;;
 esac
