@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lucepy.errors import ConfigError
-from lucepy.testing.quants import encode_q4_k, encode_q5_k, encode_q6_k
+from lucepy.testing.encoders import encode_q4_k, encode_q5_k, encode_q6_k
 from lucepy.testing.tiny import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,

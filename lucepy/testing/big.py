@@ -36,7 +36,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from lucepy.errors import ConfigError
-from lucepy.testing.quants import encode
+from lucepy.testing.encoders import encode
 from lucepy.testing.tiny import (
     ARCH,
     WEIGHT_TYPES,

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType
 
 from lucepy.errors import ConfigError
-from lucepy.testing.quants import encode
+from lucepy.testing.encoders import encode
 from lucepy.testing.vocab import CHAT_TEMPLATE as CHAT_TEMPLATE
 from lucepy.testing.vocab import SPECIAL_TOKENS as SPECIAL_TOKENS
 from lucepy.testing.vocab import TOKENIZER_PRE as TOKENIZER_PRE
