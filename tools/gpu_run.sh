@@ -236,14 +236,7 @@ unpack_prebuilt() {
     [[ -f .gpubuild/STAMP ]] || return 0
     if [[ ! -f $BUILD_GGML/PREBUILT ]]; then # not unpacked by an earlier run on this machine
         [[ ! -x $BUILD_GGML/llama-bench ]] || return 0 # built here: keep that
-        bash tools/prebuild_gpu.sh unpack "$(dirname "$BUILD_GGML")" || {
-            echo "(building here instead)" && return 0
-        }
-        if ldd "$BUILD_GGML"/lib*.so "$BUILD_GGML"/llama-* | grep 'not found'; then
-            echo "the prebuilt libraries do not load here (building here instead)"
-            rm -rf "$BUILD_GGML"
-            return 0
-        fi
+        unpacked_build ggml "$BUILD_GGML" || return 0
         cp .gpubuild/STAMP "$BUILD_GGML/PREBUILT"
     fi
     if [[ -z ${GPU_RUN_KERNELS:-} ]]; then # no lucepy kernels there: their tests stay out
@@ -265,15 +258,22 @@ unpack_lucepy() {
     local sources
     sources=$(kernel_sources)
     if [[ $(cat "$BUILD/KERNEL_SOURCES" 2>/dev/null) == "$sources" ]]; then return 0; fi
-    PREBUILD_KERNELS=lucepy bash tools/prebuild_gpu.sh unpack "$(dirname "$BUILD")" || {
-        echo "(building lucepy's here instead)" && return 0
-    }
-    if ldd "$BUILD"/lib*.so "$BUILD"/llama-* | grep 'not found'; then
-        echo "the prebuilt lucepy libraries do not load here (building here instead)"
-        rm -rf "$BUILD"
-        return 0
-    fi
+    unpacked_build lucepy "$BUILD" || return 0
     echo "$sources" >"$BUILD/KERNEL_SOURCES"
+}
+
+# tools/prebuild_gpu.sh's build of KIND (ggml, lucepy) unpacked into DIR, its prefix, where it
+# loads; else says so, leaves nothing there and fails (the build step then builds it here)
+unpacked_build() {
+    local kind=$1 dir=$2
+    PREBUILD_KERNELS=$kind bash tools/prebuild_gpu.sh unpack "$(dirname "$dir")" || {
+        echo "(building $kind's here instead)" && return 1
+    }
+    if ldd "$dir"/lib*.so "$dir"/llama-* | grep 'not found'; then
+        echo "the prebuilt $kind libraries do not load here (building here instead)"
+        rm -rf "$dir"
+        return 1
+    fi
 }
 
 # Two builds of one source tree: lucepy's (its kernels hooked in) into $BUILD, then llama.cpp's

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-_KBLOCK = 256  # a K-quant's super-block
+K_BLOCK = 256  # a K-quant's super-block
 
 
 def encode(values: np.ndarray, qtype: QType) -> np.ndarray:
@@ -33,7 +33,7 @@ def _scale_min_fit(values: np.ndarray, top: int):
     valid block serves the tests, which compare kernels on these bytes. Returns the super-blocks'
     first 16 bytes (d, dmin and the packed scales and mins, as both types start) [n, 16] and
     q [n, 8, 32]."""
-    rows = values.reshape(-1, _KBLOCK).astype(np.float32)
+    rows = values.reshape(-1, K_BLOCK).astype(np.float32)
     pieces = rows.reshape(len(rows), 8, 32)
     lo = np.minimum(pieces.min(axis=2), 0.0)  # the min to add back: -m, so m >= 0
     span = pieces.max(axis=2) - lo
@@ -68,7 +68,7 @@ def encode_q4_k(values: np.ndarray) -> np.ndarray:
     _scale_min_fit's q of 0-15, packed as ggml's block_q4_K."""
     head, q = _scale_min_fit(values, 15)
     blocks = np.concatenate([head, _k_nibbles(q)], axis=1)
-    return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 144)
+    return blocks.reshape(*values.shape[:-1], values.shape[-1] // K_BLOCK * 144)
 
 
 def encode_q5_k(values: np.ndarray) -> np.ndarray:
@@ -81,7 +81,7 @@ def encode_q5_k(values: np.ndarray) -> np.ndarray:
         axis=1, dtype=np.uint8
     )  # the bits are apart: their sum is their or
     blocks = np.concatenate([head, qh, qs], axis=1)
-    return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 176)
+    return blocks.reshape(*values.shape[:-1], values.shape[-1] // K_BLOCK * 176)
 
 
 def encode_q6_k(values: np.ndarray) -> np.ndarray:
@@ -90,7 +90,7 @@ def encode_q6_k(values: np.ndarray) -> np.ndarray:
     d (sc of 8 bits), as its step (value = d sc (q - 32), q 1-63), packed as ggml's block_q6_K
     (low nibbles, high bit pairs, scales, d). A plain fit, not ggml's search: any valid Q6_K
     serves the tests."""
-    rows = values.reshape(-1, _KBLOCK).astype(np.float32)
+    rows = values.reshape(-1, K_BLOCK).astype(np.float32)
     n = len(rows)
     subs = rows.reshape(n, 16, 16)
     amax = np.abs(subs).max(axis=2)
@@ -109,4 +109,4 @@ def encode_q6_k(values: np.ndarray) -> np.ndarray:
     qh = (q6[:, :, 0] >> 4) | ((q6[:, :, 1] >> 4) << 2) | ((q6[:, :, 2] >> 4) << 4)
     qh = (qh | ((q6[:, :, 3] >> 4) << 6)).reshape(n, 64)
     blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1)
-    return blocks.reshape(*values.shape[:-1], values.shape[-1] // _KBLOCK * 210)
+    return blocks.reshape(*values.shape[:-1], values.shape[-1] // K_BLOCK * 210)

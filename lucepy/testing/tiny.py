@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType
 
 from lucepy.errors import ConfigError
-from lucepy.testing.encoders import encode
+from lucepy.testing.encoders import K_BLOCK, encode
 from lucepy.testing.vocab import CHAT_TEMPLATE as CHAT_TEMPLATE
 from lucepy.testing.vocab import SPECIAL_TOKENS as SPECIAL_TOKENS
 from lucepy.testing.vocab import TOKENIZER_PRE as TOKENIZER_PRE
@@ -52,7 +52,6 @@ WEIGHT_TYPES = {
 # weight types whose some weights are of another type: the name endings, that type
 _OTHER_TYPES = {"q4_k_mix": (("attn_qkv.weight", "attn_v.weight"), QType.Q8_0)}
 _QBLOCK = 32  # q8_0 and q4_0 block length
-_KBLOCK = 256  # a K-quant's super-block
 
 
 @dataclass(frozen=True)
@@ -242,7 +241,7 @@ def tensor_type(t: TensorPlan, s: Qwen35Spec) -> QType:
     endings, other = _OTHER_TYPES.get(s.weight_type, ((), qtype))
     if t.name.endswith(endings):
         qtype = other
-    block = _KBLOCK if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else _QBLOCK
+    block = K_BLOCK if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else _QBLOCK
     if t.init == "dense" and len(t.ne) == 2 and t.ne[0] % block == 0:
         return qtype
     return QType.F32
