@@ -364,7 +364,7 @@ lib = load(); found = cpu.kernels(lib, open_backend(lib, 'cpu'))
 print('cpu kernels:', {cpu.KINDS[t][0]: k.variant for t, k in found.items()}, cpu.why_not())"
 }
 
-export -f build_cuda build_llama_server wait_model build_cpu_kernels
+export -f build_cuda kernel_sources build_llama_server wait_model build_cpu_kernels
 
 # --- the run ---
 say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
