@@ -14,13 +14,12 @@ from lucepy.decode.ar import generate
 from lucepy.gguf import GGUFFile
 from lucepy.runtime.config import RuntimeConfig
 from lucepy.runtime.engine import Engine
-from lucepy.testing.big import (
+from lucepy.testing.big import main
+from lucepy.testing.big_laguna import laguna_layout, laguna_xs2
+from lucepy.testing.big_layouts import (
     MoeSpec,
     gemma4_31b,
     gemma4_layout,
-    laguna_layout,
-    laguna_xs2,
-    main,
     qwen35_layout,
     qwen35moe_layout,
     qwen36_27b,
