@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-from lucepy.testing.big_layouts import Layout, MoeSpec, router_values, stored_types
+from lucepy.testing.big_layouts import Layout, MoeSpec, router_values, stored_layout
 from lucepy.testing.tiny import TensorPlan, add_decoder_hparams
 
 
@@ -143,11 +143,8 @@ def _laguna_hparams(w: gguf.GGUFWriter, s: LagunaSpec, moe: MoeSpec, n_params: i
 def laguna_layout(spec: LagunaSpec, moe: MoeSpec) -> Layout:
     """Routers (``ffn_gate_inp``) and the selection bias in f32, as llama.cpp's quantize leaves
     them; the per-head gate quantized like any matmul weight."""
-    plans = _laguna_plans(spec, moe)
-    types = stored_types(plans, spec.weight_type, spec.n_embd, head="output.weight")
-    layout = Layout(
-        "laguna", spec.n_vocab, spec.weight_type, spec.seed, plans, types,
-        lambda w: _laguna_hparams(w, spec, moe, layout.n_params),
+    return stored_layout(
+        "laguna", spec, _laguna_plans(spec, moe), "output.weight",
+        lambda w, n_params: _laguna_hparams(w, spec, moe, n_params),
         lambda t, i: _laguna_values(spec, moe, t, i),
     )  # fmt: skip
-    return layout

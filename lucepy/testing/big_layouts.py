@@ -14,6 +14,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import gguf
 import numpy as np
@@ -166,14 +167,11 @@ def _moe_hparams(w: gguf.GGUFWriter, spec: Qwen35Spec, moe: MoeSpec, n_params: i
 
 def qwen35moe_layout(spec: Qwen35Spec, moe: MoeSpec) -> Layout:
     """Tensor types as llama.cpp's quantize leaves them: routers (ffn_gate_inp*) in f32."""
-    plans = _moe_plans(spec, moe)
-    types = stored_types(plans, spec.weight_type, spec.n_embd, head="output.weight")
-    layout = Layout(
-        "qwen35moe", spec.n_vocab, spec.weight_type, spec.seed, plans, types,
-        lambda w: _moe_hparams(w, spec, moe, layout.n_params),
+    return stored_layout(
+        "qwen35moe", spec, _moe_plans(spec, moe), "output.weight",
+        lambda w, n_params: _moe_hparams(w, spec, moe, n_params),
         lambda t, i: _moe_values(spec, moe, t, i),
     )  # fmt: skip
-    return layout
 
 
 def stored_types(plans: list[TensorPlan], weight_type: str, n_embd: int, head: str):
@@ -181,6 +179,24 @@ def stored_types(plans: list[TensorPlan], weight_type: str, n_embd: int, head: s
     llama.cpp's output type, everything else f32."""
     out, weights = output_type(weight_type, n_embd), WEIGHT_TYPES[weight_type][0]
     return [out if t.name == head else weights if t.init == "dense" else QType.F32 for t in plans]
+
+
+def stored_layout(
+    arch: str,
+    spec: Any,
+    plans: list[TensorPlan],
+    head: str,
+    hparams: Callable[[gguf.GGUFWriter, int], None],
+    values: Callable[[TensorPlan, int], np.ndarray],
+) -> Layout:
+    """The layout of ``plans`` in ``stored_types``; ``spec`` gives the vocabulary, weight type,
+    seed and width; ``hparams(writer, n_params)`` writes the metadata."""
+    types = stored_types(plans, spec.weight_type, spec.n_embd, head=head)
+    layout = Layout(
+        arch, spec.n_vocab, spec.weight_type, spec.seed, plans, types,
+        lambda w: hparams(w, layout.n_params), values,
+    )  # fmt: skip
+    return layout
 
 
 # --- gemma4: Gemma 4 31B's shapes ---
@@ -283,11 +299,8 @@ def _gemma4_hparams(w: gguf.GGUFWriter, s: Gemma4Spec, n_params: int) -> None:
 
 
 def gemma4_layout(spec: Gemma4Spec) -> Layout:
-    plans = _gemma4_plans(spec)
-    types = stored_types(plans, spec.weight_type, spec.n_embd, head="token_embd.weight")
-    layout = Layout(
-        "gemma4", spec.n_vocab, spec.weight_type, spec.seed, plans, types,
-        lambda w: _gemma4_hparams(w, spec, layout.n_params),
+    return stored_layout(
+        "gemma4", spec, _gemma4_plans(spec), "token_embd.weight",
+        lambda w, n_params: _gemma4_hparams(w, spec, n_params),
         lambda t, i: _gemma4_values(spec, t, i),
     )  # fmt: skip
-    return layout
