@@ -18,7 +18,7 @@
 #
 # and lucepy's own build alike (PREBUILD_KERNELS=lucepy: .lpbuild/, .lpbuild1/, ...; used where
 # its stamp, which holds the kernels' sources, is this checkout's, with "build-ggml" skipped:
-#   PREBUILD_KERNELS=lucepy tools/prebuild_gpu.sh build          # here, about 40 min
+#   PREBUILD_KERNELS=lucepy tools/prebuild_gpu.sh build          # here, about 25 min
 #   PREBUILD_KERNELS=lucepy tools/prebuild_gpu.sh stage .lpbuild1  # there, carry [".lpbuild1"]
 #   tools/gpu_run.sh OUTDIR             # there, with carry [".whl", ".lpbuild", ".gpuref"]
 #
@@ -299,7 +299,9 @@ build_cuda() {
     fi
     if ((ours && theirs)); then echo "reusing the builds" && return 0; fi
     if [[ ! -d .sdist ]]; then
-        echo "no .sdist to build from: carry it, or .gpubuild from tools/prebuild_gpu.sh" && return 1
+        echo "no .sdist to build from: carry it, or a prebuilt .gpubuild or .lpbuild from" \
+            "tools/prebuild_gpu.sh with its other parts staged first (setup.log says which)" &&
+            return 1
     fi
     # a copy outside any git checkout (ggml's CMake would stamp an enclosing repo's commit), with
     # its times kept, so that a resumed build recompiles nothing

@@ -13,8 +13,9 @@
 # llama-quantize, llama-server; sm_90), and lucepy loads it too (lucepy's own kernels are off by
 # default; a run that measures them, GPU_RUN_KERNELS, builds there); or, with
 # PREBUILD_KERNELS=lucepy, lucepy's own (prefix cuda, packed as .lpbuild*: below), which such a
-# run then unpacks instead of building, where the kernels' sources are those it was built from. Packed it is about 45 MB,
-# more than one call carries beside the repo and the wheels (64 MiB in all), so it is split:
+# run then unpacks instead of building, where the kernels' sources are those it was built from.
+# Packed it is about 45 MB, more than one call carries beside the repo and the wheels (64 MiB in
+# all), so it is split:
 #   .gpubuild/      STAMP (this checkout's stamp, the parts and their sha256), the last part, and
 #                   what the run still reads from the sdist: the llama_cpp Python package and the
 #                   headers, common/ and batched-bench sources that tools/build_llama_dflash.sh
