@@ -562,7 +562,7 @@ __global__ void __launch_bounds__(128) gemm_loads(const GemmArgs a) {
         return;
     }
     const uint8_t * wp = warp_tile_at(a, row0, warp, chunk0, a.npieces / RP_GROUP);
-    const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + lane;
+    const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + rp_slot(lane);
     const uint32_t * wd = reinterpret_cast<const uint32_t *>(wp + 1024) + lane;
     RpGroup buf[2][2];
     auto load = [&](RpGroup (&b)[2], int ch) {
@@ -867,7 +867,7 @@ std::vector<uint8_t> host_repack(const uint8_t * src, int64_t row_stride, int nr
                 const uint8_t * row = src + int64_t(RP_ROWS * tile + r) * row_stride;
                 for (int j = 0; j < RP_GROUP; j++) {
                     const uint8_t * b = row + int64_t(RP_GROUP * grp + j) * 18;
-                    std::memcpy(o + 64 * r + 16 * j, b + 2, 16);
+                    std::memcpy(o + 64 * r + 16 * rp_turn(r, j), b + 2, 16);
                     std::memcpy(o + 1024 + 4 * (4 * (r % 8) + j) + 2 * (r / 8), b, 2);
                 }
             }

@@ -21,15 +21,31 @@ namespace lucepy {
 // unpacking and the mmas are about 40 (docs/BENCHMARKS.md, session 20). Rearranged once, a
 // matrix's bytes load in whole 16-byte pieces: tiles of 16 rows, each a run of groups of 4
 // pieces, a group 1,152 bytes (its 64 blocks' bytes):
-//   - bytes 0..1023: row r's 4 pieces' nibbles (16 bytes each) at 64 r;
+//   - bytes 0..1023: row r's 4 pieces' nibbles (16 bytes each) at 64 r, piece j of them at
+//     16 ((j + r / 2) % 4): each pair of rows turned a piece further than the pair before;
 //   - bytes 1024..1151: at 4 (4 g + t), the scales of piece t of rows g and g + 8 (g < 8).
 // Lane (g, t) of a warp (g = lane / 4, t = lane % 4) loads piece t of rows g and g + 8 as two
-// 16-byte loads at 16 lane and 512 + 16 lane, and their scales as one word at 1024 + 4 lane.
+// 16-byte loads at 16 rp_slot(lane) and 512 + 16 rp_slot(lane) (a warp's loads the same 512
+// bytes as without the turn, so the same transactions), and their scales as one word at 1024 + 4
+// lane. (The turn is for a reader that takes word t of every piece of a row to a lane, as an FP8
+// product's k-steps would: `ldmatrix` then reads the 8 rows of a step from 8 different banks'
+// quads, where unturned they all lie in one: docs/BENCHMARKS.md, session 50.)
 // A matrix of a multiple of 16 rows and of 8 pieces a row.
 constexpr int RP_ROWS = 16;
 constexpr int RP_GROUP = 4;                                // pieces
 constexpr int RP_BYTES = RP_ROWS * RP_GROUP * 18;          // a group's
 constexpr int RP_U4 = RP_BYTES / 16;                       // its 16-byte loads
+
+// where row r's piece j lies in its 64 bytes, in 16-byte units
+__host__ __device__ constexpr int rp_turn(int r, int j) {
+    return (j + r / 2) % 4;
+}
+
+// the 16-byte slot of lane (g, t)'s piece t of row g in a group's first 512 bytes (of row g + 8
+// in its second: (g + 8) / 2 turns as g / 2)
+__host__ __device__ constexpr int rp_slot(int lane) {
+    return 4 * (lane / 4) + rp_turn(lane / 4, lane % 4);
+}
 
 __host__ __device__ constexpr bool repackable(int64_t nrows, int64_t npieces) {
     return nrows % RP_ROWS == 0 && npieces % 8 == 0;
@@ -58,7 +74,8 @@ __global__ void __launch_bounds__(64) repack_q4_0(const uint8_t * w, int64_t row
         q[k] = uint32_t(b[1 + 2 * k]) | (uint32_t(b[2 + 2 * k]) << 16);
     }
     uint8_t * o = out + repacked_at(tile, grp, ngroups);
-    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * j) = make_uint4(q[0], q[1], q[2], q[3]);
+    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * rp_turn(r, j)) =
+        make_uint4(q[0], q[1], q[2], q[3]);
     *reinterpret_cast<uint16_t *>(o + 1024 + 4 * (4 * (r % 8) + j) + 2 * (r / 8)) = b[0];
 }
 
@@ -160,7 +177,7 @@ __global__ void __launch_bounds__(128) repack_q4_k(const uint8_t * w, int64_t ro
     k_piece_words(b + 16 + 32 * (p / 2), p, words);
     const int grp = 2 * sb + p / 4;
     uint8_t * o = out + repacked_at(tile, grp, ngroups);
-    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * (p % 4)) =
+    *reinterpret_cast<uint4 *>(o + 64 * r + 16 * rp_turn(r, p % 4)) =
         make_uint4(words[0], words[1], words[2], words[3]);
     if (r < 8) {
         *reinterpret_cast<uint32_t *>(o + 1024 + 4 * (4 * r + p % 4)) =
@@ -266,7 +283,7 @@ __device__ __forceinline__ RpGroup load_lane(const uint4 * q, const uint32_t * d
 }
 
 __device__ __forceinline__ RpGroup load_group(const uint8_t * group, int lane) {
-    return load_lane(reinterpret_cast<const uint4 *>(group) + lane,
+    return load_lane(reinterpret_cast<const uint4 *>(group) + rp_slot(lane),
                      reinterpret_cast<const uint32_t *>(group + 1024) + lane);
 }
 
@@ -604,6 +621,10 @@ struct SharedLane {
         return at + off + (stride - 16) * lane;
     }
     __device__ __forceinline__ uint4 u4(int off) const { return load_shared(at + off); }
+    // Q4_0's and Q4_K's piece of the lane at off (0: row g's, 512: g + 8's), turned (rp_slot)
+    __device__ __forceinline__ uint4 piece(int off) const {
+        return load_shared(at + off + 16 * (rp_slot(lane) - lane));
+    }
     __device__ __forceinline__ uint2 u2(int off, int stride) const {
         return load_shared_pair(addr(off, stride));
     }
@@ -618,6 +639,9 @@ struct PtrLane {
     int lane;
     __device__ __forceinline__ uint4 u4(int off) const {
         return reinterpret_cast<const uint4 *>(at + off)[lane];
+    }
+    __device__ __forceinline__ uint4 piece(int off) const {  // (SharedLane's)
+        return reinterpret_cast<const uint4 *>(at + off)[rp_slot(lane)];
     }
     __device__ __forceinline__ uint2 u2(int off, int stride) const {
         return *reinterpret_cast<const uint2 *>(at + off + stride * lane);
@@ -642,8 +666,8 @@ struct RpQ4_0 {
     };
     template <class V> __device__ static Part part(const V & v, const Sb &) {
         Part p;
-        p.qa = v.u4(0);
-        p.qb = v.u4(512);
+        p.qa = v.piece(0);
+        p.qb = v.piece(512);
         const uint32_t d = v.u32(1024, 4);
         p.da = __byte_perm(d, 0, 0x1010);
         p.db = __byte_perm(d, 0, 0x3232);
@@ -699,8 +723,8 @@ struct RpQ4_K : RpRecord<1024> {
     };
     template <class V> __device__ static Part part(const V & v, const Sb & sb) {
         Part p;
-        p.qa = v.u4(0);
-        p.qb = v.u4(512);
+        p.qa = v.piece(0);
+        p.qb = v.piece(512);
         rk_group(v.u32(1024, 4), sb.dd, sb.mm, p.da, p.db, p.ma, p.mb);
         return p;
     }

@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     const int ngroups = a.npieces / RP_GROUP;
     const uint8_t * wp = warp_tile_at(a, row0, warp, chunk0, ngroups);
     // where this lane's words of the next chunk to load start (kept, not worked out each load)
-    const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + lane;
+    const uint4 * wq = reinterpret_cast<const uint4 *>(wp) + rp_slot(lane);
     const uint32_t * wd = reinterpret_cast<const uint32_t *>(wp + 1024) + lane;
     auto load = [&](RpGroup (&buf)[2], int ch) {
         if (mine && ch < nchunks && (!(SKIP & RP_LOADS) || ch < 2)) {
