@@ -25,6 +25,7 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_copies(void);
     int64_t lucepy_cuda_kernels_joined(void);
     int64_t lucepy_cuda_kernels_bulk(void);
+    int64_t lucepy_cuda_kernels_f8(void);
     int lucepy_cuda_repack(void * tensor);
     """
 )
@@ -90,6 +91,12 @@ class CudaKernels:
         """Of the products, those of ``gemm_rb`` (each warp's weights by Hopper's TMA unit: the
         big ones at 2-16 columns, lucepy-mm.cu's ``bulk_product``), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_bulk())
+
+    @property
+    def f8(self) -> int:
+        """Of the products, those of ``gemm_f8``: an FFN's gate and up of repacked Q4_0 at 9-16
+        columns on Hopper's FP8 warpgroup mma (the build's sm_90a code), counted alike."""
+        return int(self.handle.lucepy_cuda_kernels_f8())
 
     def repack(self, tensor: Any) -> bool:
         """Rewrite a Q4_0 or Q4_K weight in a CUDA device's memory in place into lucepy's layout

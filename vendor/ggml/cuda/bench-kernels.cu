@@ -22,6 +22,8 @@
 //     beside itself with parts of its work left out: its loads alone, its compute alone, ...)
 //     ./bench-kernels --kind q4_0 --cols 8,16 --timeline   (gemm_r's and gemm_rb's CTAs, each
 //     stamping its start, first barrier, chunks and end: their lives, waits and the tail)
+//     BENCH_FEW=1 ./bench-kernels --kind q4_0 --cols 9,16 --f8   (gemm_f8 on Hopper's FP8
+//     wgmma beside gemm_rb: time, and error against the exact sums of the unrounded x)
 //     BENCH_IN_L2=1 ...   (each matrix one copy, read from the L2 cache where it fits)
 //     BENCH_FEW=1 ./bench-kernels --kind q6_K --cols 1,2,16   (Q6_K repacked: gemv_r's splits
 //     against the blocks' gemv, gemm_rb against their gemm; --kind q5_K the same for Q5_K)
@@ -34,6 +36,7 @@
 #include "lucepy-deltanet.cuh"
 #include "lucepy-gemm.cuh"
 #include "lucepy-repack.cuh"
+#include "lucepy-f8.cuh"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -633,6 +636,78 @@ template <int NT> std::vector<GemmVariant> gemm_r_anatomy() {
             part("compute - mma", gemm_r<NT, 4, 4, X, RP_LOADS | RP_MMA>, false),
             part("empty grid", gemm_empty, false),
             part("empty + sum", gemm_empty, true)};
+}
+
+// --- --f8: gemm_f8 (lucepy-f8.cuh) on the repacked copies at 9-16 columns ---------------------
+
+bool g_f8 = false;
+
+// to_e4m3 of the unrounded activations, then gemm_f8 as lucepy-mm.cu plans it (5 CTAs an SM),
+// its parts added by gemm_sum: each result against the host's exact sums of the unrounded x
+// (within 4e-3 of a column's largest: two e4m3 terms an activation), and its time
+void bench_f8(const Shape & sh, const std::vector<uint8_t> & host, int64_t row_bytes,
+              const uint8_t * wr, int64_t mat_bytes, int copies, const std::vector<float> & x,
+              const float * dx, int ncols, float * dst, float * parts,
+              const std::vector<int> & check_rows, float t1, cudaStream_t s) {
+    const int npieces = sh.k / 32;
+    int compiled = 0;
+    int * flag;
+    CHECK(cudaMalloc(&flag, sizeof(int)));
+    f8_compiled<<<1, 1, 0, s>>>(flag);
+    CHECK(cudaMemcpy(&compiled, flag, sizeof(int), cudaMemcpyDeviceToHost));
+    CHECK(cudaFree(flag));
+    if (!compiled) {
+        std::printf("         gemm_f8: not in this build (sm_90a code)\n");
+        return;
+    }
+    uint8_t * buf;
+    CHECK(cudaMalloc(&buf, size_t(f8_bytes(npieces))));
+    const Halves rec = f8_at(buf, npieces);
+    auto convert = [&]() {
+        to_e4m3<<<dim3(unsigned(segments(npieces)), unsigned(F8_COLS)), TH_THREADS, 0, s>>>(
+            dx, sh.k, npieces, ncols, rec);
+    };
+    const float t_conv = time_calls(s, [&](int) { convert(); });
+    convert();
+    using R = GemmF8<5>;
+    GemmArgs g = {};
+    g.x = rec;
+    g.dst = dst;
+    g.dst_stride = sh.rows;
+    g.nrows = sh.rows;
+    g.npieces = npieces;
+    g.ncols = ncols;
+    const GemmPlan plan = gemm_r_plan_at(g, R::warps, R::minb);
+    auto run = [&](int i) {
+        GemmArgs b = g;
+        b.w = wr + mat_bytes * (i % copies);
+        launch_planned(R::kernel(), R::warps * 32, R::smem, plan, b, parts, s);
+    };
+    CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));
+    run(0);
+    CHECK(cudaGetLastError());
+    CHECK(cudaStreamSynchronize(s));
+    std::vector<float> got(size_t(ncols) * sh.rows);
+    CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    double worst = 0;
+    for (int c = 0; c < ncols; c++) {
+        double err = 0, scale = 0;
+        for (int r : check_rows) {
+            const double want =
+                host_gemm(Q4_0, host.data() + r * row_bytes, npieces, x.data() + size_t(c) * sh.k);
+            err = std::max(err, std::fabs(got[size_t(c) * sh.rows + r] - want));
+            scale = std::max(scale, std::fabs(want));
+        }
+        worst = std::max(worst, err / std::max(scale, 1e-30));
+    }
+    const bool ok = worst < 4e-3;
+    failures += !ok;
+    const float t = time_calls(s, run);
+    std::printf("         %-12s %8.2f us  %.2fx one column   %6.0f GB/s   err %.1e (exact x), "
+                "%ux%u CTAs; to_e4m3 %.2f us%s\n",
+                "f8", t, t / t1, mat_bytes / t / 1e3, worst, plan.grid.x, plan.grid.y, t_conv,
+                ok ? "" : "  WRONG");
+    CHECK(cudaFree(buf));
 }
 
 // --- --timeline: where the lives of gemm_r's and gemm_rb's CTAs go (BENCHMARKS, session 36) ---
@@ -1236,6 +1311,10 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
             } else {
                 gemm_r_timeline<2>(args, parts, s);
             }
+        }
+        if (wr && k == Q4_0 && g_f8 && ncols > GM_COL_TILE && ncols <= F8_COLS) {
+            bench_f8(sh, host, row_bytes, wr, mat_bytes, copies, x, dx, ncols, dst, parts,
+                     check_rows, t1, s);
         }
         if (wr && ncols % RQ_COLS == 0) {
             bench_prefill(k, sh, host, row_bytes, wr, mat_bytes, copies,
@@ -2029,6 +2108,8 @@ int main(int argc, char ** argv) {
             g_anatomy = true;
         } else if (std::strcmp(argv[i], "--timeline") == 0) {
             g_timeline = true;
+        } else if (std::strcmp(argv[i], "--f8") == 0) {
+            g_f8 = true;
         } else if (std::strcmp(argv[i], "--kind") == 0 && i + 1 < argc) {
             only_kind = argv[++i];
         } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc) {
@@ -2048,7 +2129,7 @@ int main(int argc, char ** argv) {
             std::fprintf(stderr,
                          "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16] "
                          "[--sum-norm] [--overlap] [--delta-net] [--mma-rate] [--anatomy] "
-                         "[--timeline]\n",
+                         "[--timeline] [--f8]\n",
                          argv[0]);
             return 2;
         }

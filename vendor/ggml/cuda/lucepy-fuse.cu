@@ -6,6 +6,7 @@
 
 #include "lucepy-host.cuh"
 
+#include <algorithm>
 #include <cstring>
 
 #if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
@@ -44,8 +45,8 @@ bool lucepy_cuda_rms_norm_mul(ggml_backend_cuda_context & ctx, const ggml_cgraph
     if (want == nullptr || want->src1 != mul || (want->planes > 0) != (ncols == 1)) {
         return false;  // (a product of a reshape: its columns are not the norm's)
     }
-    const int planes = want->planes;
-    float eps = 0.0f;
+    const int planes = std::max(want->planes, 0);  // (e4m3 records wanted: halves, from which
+    float eps = 0.0f;                               // the product's own conversion reads the f32)
     std::memcpy(&eps, norm->op_params, sizeof(float));
     const int64_t npieces = n / 32;
     uint8_t * buf = prepared(st, mul, npieces, planes);
@@ -216,7 +217,7 @@ int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
     float eps = 0.0f;
     std::memcpy(&eps, norm->op_params, sizeof(float));
     const int gate = ggml_get_unary_op(act) == GGML_UNARY_OP_SILU ? GATE_SILU : GATE_SIGMOID;
-    if (want->planes == 0) {  // 2-16 columns (a verify)
+    if (want->planes <= 0) {  // 2-16 columns (a verify; halves where e4m3 records are wanted)
         const int64_t cols = want->src1->ne[1];
         const int64_t per_col = want->src1->ne[0] / 32;
         const Halves halves =
@@ -525,11 +526,13 @@ int norm_after_add(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     ContextState & st = state_of(ctx);
     const Wanted * want = wanted(st, mul);
     if (st.readers(rms) != 1 || (rms->flags & GGML_TENSOR_FLAG_OUTPUT) != 0 || want == nullptr ||
-        want->src1 != mul || want->planes != 0 || !apart_or_same(mul, add) ||
+        want->src1 != mul || (want->planes != 0 && want->planes != F8_PLANES) ||
+        !apart_or_same(mul, add) ||
         !(apart(span_of(mul), span_of(r)) || (mul->data == r->data && mul->nb[1] == r->nb[1]))) {
         return 0;
     }
     norm.mul = mul;
+    norm.planes = want->planes;
     norm.w = static_cast<const float *>(w->data);
     std::memcpy(&norm.eps, rms->op_params, sizeof(float));
     return i_mul;

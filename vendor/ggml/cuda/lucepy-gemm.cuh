@@ -25,6 +25,7 @@
 #include "lucepy-plan.h"     // gemm_parts, row_tiles
 
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -265,6 +266,150 @@ __device__ __forceinline__ void segment_halves(const float (&v)[V], const Halves
     }
 }
 
+// --- the activations: e4m3 records --------------------------------------------------------------
+//
+// A chunk of 8 pieces of 16 columns is F8_CHUNK bytes: piece q's first terms at 1024 q and its
+// second terms 512 after, each 16 columns x 32 values in wgmma's core matrices (8 columns x 16
+// bytes, column c's values 4t..4t+3 as the word at 256 (c / 8) + 16 (c % 8) + 4 t, its values
+// 16 + 4t.. 128 bytes after). After the chunks: 512 / scale a column and segment ([16][segments],
+// each segment's largest scaled into [128, 256)), then each segment's pieces' sums times -8 / 512
+// (two halves: the sum, then what it missed) as an m16n8k16 mma's B registers of the segment's 16
+// pieces, [segment][tile of 8 columns][term][lane][4 halves].
+constexpr int F8_CHUNK = 8 * 1024;
+constexpr int F8_COLS = 16;
+
+__host__ __device__ constexpr int64_t f8_records_bytes(int64_t npieces) {
+    return npieces / 8 * F8_CHUNK;
+}
+
+__host__ __device__ constexpr int64_t f8_bytes(int64_t npieces) {
+    return f8_records_bytes(npieces) + int64_t(F8_COLS) * segments(int(npieces)) * 4 +
+           int64_t(segments(int(npieces))) * 2 * 2 * 32 * 4 * 2;
+}
+
+// the records, scales and offsets in a buffer of f8_bytes, as Halves (xh the records)
+inline Halves f8_at(uint8_t * buf, int64_t npieces) {
+    return {reinterpret_cast<uint4 *>(buf),
+            reinterpret_cast<float *>(buf + f8_records_bytes(npieces))};
+}
+
+// the offsets after the scales
+__host__ __device__ inline const __half * f8_offsets(const float * xinv, int npieces) {
+    return reinterpret_cast<const __half *>(xinv + F8_COLS * segments(npieces));
+}
+
+// The multiplier that brings a segment's largest magnitude `amax` into [128, 256) (a power of two)
+__device__ __forceinline__ float f8_scale(float amax) {
+    if (!(amax > 0.0f) || !isfinite(amax)) {
+        return 1.0f;
+    }
+    int e;
+    frexpf(amax, &e);  // amax < 2^e
+    return ldexpf(1.0f, min(8 - e, 100));
+}
+
+// value a (scaled) as two e4m3 terms, and their sum as the product will see it
+__device__ __forceinline__ float f8_terms(float a, uint32_t & hi, uint32_t & lo) {
+    const __nv_fp8_storage_t h = __nv_cvt_float_to_fp8(a, __NV_SATFINITE, __NV_E4M3);
+    const float hf = __half2float(__half(__nv_cvt_fp8_to_halfraw(h, __NV_E4M3)));
+    const __nv_fp8_storage_t l = __nv_cvt_float_to_fp8(a - hf, __NV_SATFINITE, __NV_E4M3);
+    const float lf = __half2float(__half(__nv_cvt_fp8_to_halfraw(l, __NV_E4M3)));
+    hi = uint32_t(h);
+    lo = uint32_t(l);
+    return hf + lf;
+}
+
+// A thread's 8 values of piece `piece` of column c (group t: values 4t..4t+3 and 16 + 4t..), all
+// times `scale`, into the records at xe, their terms' sum returned (the caller adds a piece's)
+__device__ __forceinline__ float f8_group(const float (&v)[8], float scale, uint8_t * xe,
+                                          int piece, int c, int t) {
+    uint32_t hi[2] = {0, 0}, lo[2] = {0, 0};
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        uint32_t h, l;
+        sum += f8_terms(v[j] * scale, h, l);
+        hi[j / 4] |= h << (8 * (j % 4));
+        lo[j / 4] |= l << (8 * (j % 4));
+    }
+    uint8_t * rec = xe + int64_t(piece / 8) * F8_CHUNK + (piece % 8) * 1024;
+    const int core = (c / 8) * 256 + (c % 8) * 16 + 4 * t;
+#pragma unroll
+    for (int term = 0; term < 2; term++) {
+        const uint32_t * q = term ? lo : hi;
+        *reinterpret_cast<uint32_t *>(rec + term * 512 + core) = q[0];
+        *reinterpret_cast<uint32_t *>(rec + term * 512 + 128 + core) = q[1];
+    }
+    return sum;
+}
+
+// piece `piece`'s terms' sum (of column c, segment seg) times -8 / 512 as the offsets' B halves
+__device__ __forceinline__ void f8_offset(float sum, __half * xo, int piece, int c, int seg) {
+    const float o = sum * (-8.0f / 512.0f);
+    const int pp = piece % GM_SEG, nt = c / 8, ln = (c % 8) * 4 + pp % 4;
+    const int h = (pp / 8) * 2 + (pp / 4) % 2;
+    const __half oh = __float2half_rn(o);
+    const __half ol = __float2half_rn(o - __half2float(oh));
+    xo[(((int64_t(seg) * 2 + nt) * 2 + 0) * 32 + ln) * 4 + h] = oh;
+    xo[(((int64_t(seg) * 2 + nt) * 2 + 1) * 32 + ln) * 4 + h] = ol;
+}
+
+// SEGS segments of a column as e4m3 records (as to_e4m3 writes them), from a CTA of SEGS x
+// GM_SEG warps that holds them, a warp a piece, its lane j the piece's value j (v); pieces past
+// npieces not written
+template <int SEGS>
+__device__ __forceinline__ void segment_e4m3(float v, const Halves & out, int c, int npieces,
+                                             int seg0) {
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int mine = warp / GM_SEG;  // the CTA's segment
+    float amax = fabsf(v);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    }
+    __shared__ float red[SEGS * GM_SEG];
+    if (lane == 0) {
+        red[warp] = amax;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < GM_SEG; w++) {
+        amax = fmaxf(amax, red[mine * GM_SEG + w]);
+    }
+    const float scale = f8_scale(amax);
+    const int seg = seg0 + mine;
+    if (warp % GM_SEG == 0 && lane == 0) {
+        out.xinv[c * segments(npieces) + seg] = 512.0f / scale;
+    }
+    uint32_t h, l;
+    float sum = f8_terms(v * scale, h, l);
+    uint32_t hw = h, lw = l;  // lane 4k: the bytes of values 4k..4k+3
+#pragma unroll
+    for (int i = 1; i < 4; i++) {
+        hw |= __shfl_down_sync(0xFFFFFFFFu, h, i) << (8 * i);
+        lw |= __shfl_down_sync(0xFFFFFFFFu, l, i) << (8 * i);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    }
+    const int piece = seg * GM_SEG + warp % GM_SEG;
+    if (piece < npieces) {
+        if (lane % 4 == 0) {  // values 4t.. (lanes 0-15) or 16 + 4t.. (16-31) of group t
+            uint8_t * rec = reinterpret_cast<uint8_t *>(out.xh) + int64_t(piece / 8) * F8_CHUNK +
+                            (piece % 8) * 1024;
+            const int core =
+                (c / 8) * 256 + (c % 8) * 16 + 4 * ((lane / 4) % 4) + (lane / 16) * 128;
+            *reinterpret_cast<uint32_t *>(rec + core) = hw;
+            *reinterpret_cast<uint32_t *>(rec + 512 + core) = lw;
+        }
+        if (lane == 0) {
+            f8_offset(sum, const_cast<__half *>(f8_offsets(out.xinv, npieces)), piece, c, seg);
+        }
+    }
+}
+
 // norm_gate_quantize's twin for 2-16 columns (a verify's gated norm): grid (segments of a column,
 // padded columns), a CTA of GM_SEG warps a segment, a warp a piece; a column `npieces` pieces of
 // whole rows (of n = 32 PIECES values: GM_SEG % PIECES == 0, so a CTA holds whole rows). Writes
@@ -450,8 +595,10 @@ struct SumNorm {
 };
 
 // Grid (CL, padded columns), clusters of CL x 1, NORM_THREADS threads (two segments) a CTA, a
-// thread a value: CL CTAs a column where norm_halves has one.
-template <int CL> __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a) {
+// thread a value: CL CTAs a column where norm_halves has one. F8: the products' activations as
+// e4m3 records (a.out as f8_at gives them, 16 columns), not halves.
+template <int CL, bool F8 = false>
+__global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a) {
     static_assert(NORM_THREADS == 2 * GM_SEG * 32, "a CTA two segments");
     LUCEPY_PDL_LAUNCH();
     const int c = blockIdx.y;
@@ -485,7 +632,11 @@ template <int CL> __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halve
     if (real) {
         a.normed[c * a.normed_stride + e] = u;
     }
-    segment_halves<2, 1>({u}, a.out, c, a.n / 32, 2 * blockIdx.x);
+    if constexpr (F8) {
+        segment_e4m3<2>(u, a.out, c, a.n / 32, 2 * blockIdx.x);
+    } else {
+        segment_halves<2, 1>({u}, a.out, c, a.n / 32, 2 * blockIdx.x);
+    }
     cluster_wait();  // no CTA's shared memory goes while another reads it
 }
 

@@ -27,6 +27,7 @@ namespace lucepy {
 
 constexpr int MAX_COLS = 16;  // one column: gemv; 2 to 16: gemm (a DFlash verify's rows)
 constexpr int SLOTS = 4;      // quantized activations kept per context and graph
+constexpr int F8_PLANES = -1;  // activations as gemm_f8's e4m3 records (lucepy-f8.cuh), not planes
 
 // the hooks' counters (lucepy_cuda_kernels_calls and the others)
 extern std::atomic<int64_t> g_calls;
@@ -36,6 +37,7 @@ extern std::atomic<int64_t> g_ops;
 extern std::atomic<int64_t> g_copies;
 extern std::atomic<int64_t> g_joined;
 extern std::atomic<int64_t> g_bulk;
+extern std::atomic<int64_t> g_f8;
 
 // Whether the kernels take the products of one device (lucepy-mm.cu)
 bool enabled(int device);
@@ -57,7 +59,8 @@ struct Kept {
 };
 
 // What a product of ours reads of a tensor: the product's own input (the tensor, or a reshape of
-// it) and the planes it reads (int8 planes: one column; 0: halves, 3-16 columns).
+// it) and the planes it reads (int8 planes: one column; 0: halves, 2-16 columns; F8_PLANES: e4m3
+// records, an FFN's gate and up at 9-16 columns on Hopper).
 struct Wanted {
     const ggml_tensor * src1;
     int planes;
@@ -150,6 +153,7 @@ struct NormAfter {
     const ggml_tensor * mul;  // the MUL: its result, and the product after it that wants it
     const float * w;
     float eps;
+    int planes;  // what that product reads: halves (0) or e4m3 records (F8_PLANES)
 };
 
 void launch_norm_halves(const float * x, int64_t x_stride, const float * w, float * dst,

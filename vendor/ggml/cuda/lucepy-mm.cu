@@ -8,6 +8,7 @@
 
 #include "lucepy-host.cuh"
 #include "lucepy-repack.cuh"
+#include "lucepy-f8.cuh"
 
 #include <algorithm>
 #include <atomic>
@@ -63,6 +64,7 @@ std::atomic<int64_t> g_ops{0};
 std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
 std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
 std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
+std::atomic<int64_t> g_f8{0};      // products of gemm_f8 (f8_pair)
 
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
@@ -93,9 +95,12 @@ ContextState & state_of(const ggml_backend_cuda_context & ctx) {
     return g_states[&ctx];
 }
 
-// The activations a product reads: `planes` int8 planes a piece (gemv), or halves (planes 0:
-// gemm's to_halves).
+// The activations a product reads: `planes` int8 planes a piece (gemv), halves (planes 0:
+// gemm's to_halves), or e4m3 records (F8_PLANES: gemm_f8's to_e4m3, 16 columns).
 size_t quantized_bytes(int64_t npieces, int64_t ncols, int planes) {
+    if (planes == F8_PLANES) {
+        return size_t(f8_bytes(npieces));
+    }
     if (planes == 0) {
         return size_t(halves_bytes(npieces, int(ncols)));
     }
@@ -111,6 +116,15 @@ void run_quantize(const ggml_tensor * src1, int64_t npieces, int planes, uint8_t
                   cudaStream_t stream) {
     const int64_t ncols = src1->ne[1];
     g_quantized.fetch_add(1, std::memory_order_relaxed);
+    if (planes == F8_PLANES) {
+        const dim3 grid{unsigned(segments(int(npieces))), unsigned(F8_COLS)};
+        ggml_cuda_kernel_launch(to_e4m3,
+                                ggml_cuda_kernel_launch_params(grid, TH_THREADS, 0, stream),
+                                static_cast<const float *>(src1->data),
+                                src1->nb[1] / int64_t(sizeof(float)), int(npieces), int(ncols),
+                                f8_at(buf, npieces));
+        return;
+    }
     if (planes == 0) {
         const dim3 grid{unsigned(segments(int(npieces))), unsigned(padded_cols(int(ncols)))};
         ggml_cuda_kernel_launch(to_halves,
@@ -367,8 +381,9 @@ bool sum_norm_fits(int device, int64_t n) {
 void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int parts,
                      const NormAfter & norm) {
     const int64_t npieces = a.nrows / 32;
-    const Halves out =
-        halves_at(prepared(state_of(ctx), norm.mul, npieces, 0), npieces, a.ncols);
+    const bool f8 = parts > 1 && norm.planes == F8_PLANES;  // (one part: halves, then to_e4m3)
+    uint8_t * buf = prepared(state_of(ctx), norm.mul, npieces, f8 ? F8_PLANES : 0);
+    const Halves out = f8 ? f8_at(buf, npieces) : halves_at(buf, npieces, a.ncols);
     float * normed = static_cast<float *>(norm.mul->data);
     const int64_t normed_stride = norm.mul->nb[1] / int64_t(sizeof(float));
     cudaStream_t stream = ctx.stream();
@@ -395,8 +410,13 @@ void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int pa
     s.out = out;
     with_cluster(a.nrows / NORM_THREADS, [&](auto k) {
         constexpr int CL = decltype(k)::value;
-        launch_clustered(sum_norm_halves<CL>, dim3(CL, unsigned(padded_cols(s.ncols))),
-                         NORM_THREADS, CL, stream, s);
+        if (f8) {  // (16 columns of records: the padding ones zeros)
+            launch_clustered(sum_norm_halves<CL, true>, dim3(CL, unsigned(F8_COLS)), NORM_THREADS,
+                             CL, stream, s);
+        } else {
+            launch_clustered(sum_norm_halves<CL>, dim3(CL, unsigned(padded_cols(s.ncols))),
+                             NORM_THREADS, CL, stream, s);
+        }
     });
     g_joined.fetch_add(1, std::memory_order_relaxed);  // gemm_sum's launch holds the norm
 }
@@ -513,6 +533,43 @@ bool no_op(const ggml_tensor * t) {
            t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE || t->op == GGML_OP_TRANSPOSE;
 }
 
+// Whether this build and device run gemm_f8 (its sm_90a code: a GPU of compute capability 9.0;
+// LUCEPY_CUDA_F8=0 leaves it to gemm_rb, for comparison)
+bool f8_on(int device) {
+#if defined(LUCEPY_F8)
+    static const bool wanted = [] {
+        const char * env = std::getenv("LUCEPY_CUDA_F8");
+        return !(env && env[0] == '0');
+    }();
+    return wanted && ggml_cuda_info().devices[device].cc == GGML_CUDA_CC_HOPPER;
+#else
+    (void) device;
+    return false;
+#endif
+}
+
+// Whether node i of `g` and the two computing nodes after it are an FFN's gate and up products of
+// one input and their SWIGLU (glu_pair_nodes' pattern) that gemm_f8 takes: both repacked Q4_0,
+// 9-16 columns, on a device that runs it. (glu_pair_nodes checks the rest.)
+bool f8_pair(const ggml_cgraph * g, int i, int device) {
+    const ggml_tensor * m1 = g->nodes[i];
+    const int i2 = next_op(g, i);
+    const int i_glu = i2 < g->n_nodes ? next_op(g, i2) : i2;
+    if (m1->op != GGML_OP_MUL_MAT || i_glu >= g->n_nodes || !f8_on(device)) {
+        return false;
+    }
+    const ggml_tensor * m2 = g->nodes[i2];
+    const ggml_tensor * glu = g->nodes[i_glu];
+    const int64_t ncols = m1->src[1]->ne[1];
+    auto q4_0 = [](const ggml_tensor * w) {
+        return w->type == GGML_TYPE_Q4_0 && repacked_of(w);
+    };
+    return m2->op == GGML_OP_MUL_MAT && m2->src[1] == m1->src[1] && glu->op == GGML_OP_GLU &&
+           ggml_get_glu_op(glu) == GGML_GLU_OP_SWIGLU &&
+           ((glu->src[0] == m1 && glu->src[1] == m2) || (glu->src[0] == m2 && glu->src[1] == m1)) &&
+           ncols > GM_COL_TILE && ncols <= F8_COLS && q4_0(m1->src[0]) && q4_0(m2->src[0]);
+}
+
 // One pass over the graph being computed, the first time a hook asks of it: its nodes and
 // leafs, how many nodes read each tensor, which bytes of each tensor the nodes that compute
 // something read (a view kept as an output counts as a read of its bytes), and what the first
@@ -563,6 +620,29 @@ void scan(ContextState & st) {
             from = src1->view_src;
         }
         st.wants.emplace(from, Wanted{src1, ncols == 1 ? planes_of(kind) : 0});  // the first
+    }
+    // An FFN's gate and up that glu_pair_nodes will take as one product on gemm_f8 read their
+    // input as e4m3 records: the GLU's result read by a product of ours as halves (the down's),
+    // each product's result by the GLU alone and not kept (glu_pair_nodes checks it all again)
+    for (int i = 0; i < g->n_nodes; i++) {
+        if (!f8_pair(g, i, st.device)) {
+            continue;
+        }
+        const ggml_tensor * m1 = g->nodes[i];
+        const ggml_tensor * m2 = g->nodes[next_op(g, i)];
+        const ggml_tensor * glu = g->nodes[next_op(g, next_op(g, i))];
+        const auto want = st.wants.find(m1->src[1]);
+        const auto down = st.wants.find(glu);
+        auto alone = [&](const ggml_tensor * m) {
+            const auto r = st.reads.find(m);
+            return (m->flags & GGML_TENSOR_FLAG_OUTPUT) == 0 && r != st.reads.end() &&
+                   r->second == 1;
+        };
+        if (want != st.wants.end() && want->second.src1 == m1->src[1] &&
+            want->second.planes == 0 && down != st.wants.end() && down->second.planes == 0 &&
+            alone(m1) && alone(m2)) {
+            want->second.planes = F8_PLANES;
+        }
     }
 }
 
@@ -1048,10 +1128,11 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
         return 0;  // (the down product's halves: a column of it is a column of the GLU's)
     }
     const int64_t npieces = wa->ne[0] / 32;
+    const bool f8 = f8_pair(cgraph, i, ctx.device);
     ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
+    uint8_t * xbuf = product_activations(ctx, st, x, npieces, f8 ? F8_PLANES : 0, scratch);
     GemmArgs g = gemm_args(
-        wa, ma, halves_at(product_activations(ctx, st, x, npieces, 0, scratch), npieces, int(ncols)),
-        nullptr);
+        wa, ma, f8 ? f8_at(xbuf, npieces) : halves_at(xbuf, npieces, int(ncols)), nullptr);
     g.w2 = static_cast<const uint8_t *>(wb->data);
     g.rows2 = int(n);
     g.nrows = int(2 * n);
@@ -1078,7 +1159,10 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // products no faster so: docs/BENCHMARKS.md, session 37); at two column tiles gemm_rb
     // (39.5 us at 16 columns: session 38)
     // (Q4_K's layout the same builds; Q5_K's and Q6_K's gemm_rb's always)
-    with_layout(wa->type, [&](auto layout) {
+    if (f8) {  // (on the H200 the stack at 16 columns 36.6 us where gemm_rb takes 39.9: session 51)
+        go(GemmF8<5>());
+        g_f8.fetch_add(1, std::memory_order_relaxed);
+    } else with_layout(wa->type, [&](auto layout) {
         using L = decltype(layout);
         if constexpr (!L::gemm_r) {
             ncols <= GM_COL_TILE ? go(GemmRB<1, 6, L>()) : go(GemmRB<2, 5, L>());
@@ -1172,6 +1256,7 @@ std::atomic<int64_t> g_ops{0};
 std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ours made as it ran
 std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
 std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
+std::atomic<int64_t> g_f8{0};
 }  // namespace lucepy
 
 #endif
@@ -1219,6 +1304,10 @@ int64_t lucepy_cuda_kernels_joined(void) {
 
 int64_t lucepy_cuda_kernels_bulk(void) {
     return lucepy::g_bulk.load(std::memory_order_relaxed);
+}
+
+int64_t lucepy_cuda_kernels_f8(void) {
+    return lucepy::g_f8.load(std::memory_order_relaxed);
 }
 
 int lucepy_cuda_repack(struct ggml_tensor * t) {

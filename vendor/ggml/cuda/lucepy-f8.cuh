@@ -1,0 +1,336 @@
+// lucepy's own kernels (issue 19, decision 12): a repacked Q4_0 matrix times 9-16 columns on
+// Hopper's FP8 warpgroup mma (`gemm_f8`), where `gemm_rb` spends most of its compute turning each
+// weight into a half (docs/BENCHMARKS.md, sessions 49-50). A Q4_0 nibble byte read as e4m3 is
+// n / 512 exactly, so a lane's A registers are its words masked (a lop3 a register); each piece
+// (one block: one scale a row) is one k32 step, whose sums are scaled by its rows' scales in f32
+// as they land. The activations are two e4m3 terms each (the value, then what the first term
+// missed), written by `to_e4m3` or by the kernel before the product; the nibbles' offset (8) comes
+// off once a segment by an mma of the rows' scales against the segment's pieces' activation sums.
+// The wgmmas need sm_90a code: hooks.patch's lines in ggml-cuda's CMakeLists compile lucepy-mm.cu
+// for sm_90a too where the build makes sm_90 code (the driver runs it on a GPU of compute
+// capability 9.0) and define LUCEPY_F8 for its host side; `f8_compiled` asks the device.
+#pragma once
+
+#include "lucepy-repack.cuh"  // the layouts, the bulk copies' mbarriers, store_tile; (through
+                              // lucepy-gemm.cuh) the e4m3 records
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace lucepy {
+
+// x [ncols][col_stride] f32 (ncols <= 16: the rest zeros) as the records at `out` (f8_at): a CTA
+// a segment of a column, grid (segments, 16), TH_THREADS threads (a thread a group of a piece)
+static __global__ void __launch_bounds__(TH_THREADS)
+    to_e4m3(const float * x, int64_t col_stride, int npieces, int ncols, Halves out) {
+    LUCEPY_PDL_LAUNCH();
+    LUCEPY_PDL_SYNC();  // x: the kernel before has finished
+    const int seg = blockIdx.x;
+    const int c = blockIdx.y;
+    const int piece = seg * GM_SEG + threadIdx.x / 4;
+    const int t = threadIdx.x % 4;
+    const bool here = c < ncols && piece < npieces;
+    const float * at = x + c * col_stride + piece * 32 + 4 * t;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        v[j] = here ? at[j] : 0.0f;
+        v[4 + j] = here ? at[16 + j] : 0.0f;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        amax = fmaxf(amax, fabsf(v[j]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    }
+    __shared__ float red[TH_THREADS / 32];
+    if (threadIdx.x % 32 == 0) {
+        red[threadIdx.x / 32] = amax;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < TH_THREADS / 32; w++) {
+        amax = fmaxf(amax, red[w]);
+    }
+    const float scale = f8_scale(amax);
+    if (threadIdx.x == 0) {
+        out.xinv[c * segments(npieces) + seg] = 512.0f / scale;
+    }
+    if (piece >= npieces) {
+        return;
+    }
+    uint8_t * xe = reinterpret_cast<uint8_t *>(out.xh);
+    float sum = f8_group(v, scale, xe, piece, c, t);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+    if (t == 0) {
+        f8_offset(sum, const_cast<__half *>(f8_offsets(out.xinv, npieces)), piece, c, seg);
+    }
+}
+
+// --- Hopper's warpgroup mma ------------------------------------------------------------------
+
+// 1 where this build runs sm_90a code (the wgmmas below), else 0
+static __global__ void f8_compiled(int * out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    out[0] = 1;
+#else
+    out[0] = 0;
+#endif
+}
+
+// d (+)= A (registers: a lane's e4m3 of 64 rows x 32) times B (16 columns at descriptor `desc`)
+template <bool ACC>
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, "
+        "{%8,%9,%10,%11}, %12, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(int(ACC)));
+#endif
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// registers an async wgmma writes, held where they are up to here
+template <int N> __device__ __forceinline__ void pin_floats(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        asm volatile("" : "+f"(r[i])::"memory");
+    }
+}
+
+// mbar_copy where `on`, without a branch (a branch between wgmmas makes ptxas serialize them all)
+__device__ __forceinline__ void mbar_copy_if(bool on, uint32_t bar, uint32_t dst, const void * src,
+                                             uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %4, 0;\n"
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %3;\n"
+        "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%1], [%2], %3, "
+        "[%0];\n}\n" ::"r"(bar),
+        "r"(dst), "l"(src), "r"(bytes), "r"(int(on))
+        : "memory");
+#endif
+}
+
+// --- the product ------------------------------------------------------------------------------
+//
+// A CTA is one warpgroup of 64 rows (its warps' tiles of 16 rows, as gemm_rb's) and a part's
+// chunks. Each warp's weights of a chunk and the CTA's activation record of it come by the TMA
+// unit into ST stages. Lane (g, t) takes word t of each of a chunk's 8 pieces of rows g and g + 8
+// by `ldmatrix` (matrix m the piece, from the turned layout: no bank conflicts), masks its low
+// and high nibbles into the A registers of a piece's k32 step, and two wgmmas a piece (the
+// activations' two terms) sum into S accumulator sets in turn; each piece's sums, once landed,
+// are scaled by its rows' scales into the segment's f32 sums. At the segment's end the offsets
+// come off (an m16n8k16 mma a tile and term of the rows' scales, A, against the pieces' sums, B)
+// and the segment's sums are scaled back by 512 / scale into the total. 16 columns.
+constexpr int F8_STAGES = 2;
+constexpr int F8_INFLIGHT = 2;  // pieces' wgmmas in flight (4: spilled, 15-25 % slower)
+
+template <int ST = F8_STAGES, int MINB = 5>
+__host__ __device__ constexpr int gemm_f8_smem() {
+    return ST * (F8_CHUNK + 4 * 2 * RP_BYTES) + 5 * ST * 8;
+}
+
+template <int ST = F8_STAGES, int MINB = 5, int S = F8_INFLIGHT>
+__global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
+    constexpr int WB = 2 * RP_BYTES;  // a warp's weights of a chunk
+    constexpr int W_STAGE = 4 * WB;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int row0 = blockIdx.x * 64;
+    const int chunk0 = blockIdx.y * a.per_part;
+    const int nchunks = max(0, min(a.per_part, a.npieces / 8 - chunk0));
+    const bool mine = row0 + warp * 16 < a.nrows;
+    const uint32_t x_at = shared_at(smem);
+    const uint32_t w_dst = x_at + ST * F8_CHUNK + warp * WB;
+    const uint32_t bars = x_at + ST * (F8_CHUNK + W_STAGE);
+    const uint32_t wbar = bars + warp * ST * 8, xbar = bars + 4 * ST * 8;
+    const int ngroups = a.npieces / RP_GROUP;
+    const uint8_t * w_src = warp_tile_at(a, mine ? row0 : 0, mine ? warp : 0, chunk0, ngroups);
+    const uint8_t * x_src = reinterpret_cast<const uint8_t *>(a.x.xh) + int64_t(chunk0) * F8_CHUNK;
+    auto fetch = [&](int ch) {
+        const bool here = ch < nchunks;
+        mbar_copy_if(here && lane == 0, wbar + 8 * (ch % ST), w_dst + (ch % ST) * W_STAGE,
+                     w_src + int64_t(ch) * WB, WB);
+        mbar_copy_if(here && threadIdx.x == 0, xbar + 8 * (ch % ST), x_at + (ch % ST) * F8_CHUNK,
+                     x_src + int64_t(ch) * F8_CHUNK, F8_CHUNK);
+    };
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < ST; s++) {
+            mbar_init(wbar + 8 * s, 1);
+            if (warp == 0) {
+                mbar_init(xbar + 8 * s, 1);
+            }
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    // the weights first (no kernel before this one writes them), the activations after the wait
+#pragma unroll
+    for (int c = 0; c < ST; c++) {
+        mbar_copy_if(c < nchunks && lane == 0, wbar + 8 * c, w_dst + c * W_STAGE,
+                     w_src + int64_t(c) * WB, WB);
+    }
+    LUCEPY_PDL_SYNC();  // the activations: the kernel before has finished
+#pragma unroll
+    for (int c = 0; c < ST; c++) {
+        mbar_copy_if(c < nchunks && threadIdx.x == 0, xbar + 8 * c, x_at + c * F8_CHUNK,
+                     x_src + int64_t(c) * F8_CHUNK, F8_CHUNK);
+    }
+    // B's descriptor: no swizzle, core matrices 128 bytes apart along k, 256 along n
+    const uint64_t desc0 = (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
+    const int nsegs = segments(a.npieces);
+    const __half * xo = f8_offsets(a.x.xinv, a.npieces);
+    // this lane's ldmatrix row: matrix m = lane / 8 (piece m of a group), row lane % 8 (turned)
+    const int lr = lane % 8;
+    const uint32_t w_ldm = w_dst + 64 * lr + 16 * rp_turn(lr, lane / 8);
+    float D[S][8];
+    uint32_t A[S][4];
+    float acc[8] = {};
+    float total[8] = {};
+    // piece q's sums (landed) times its rows' scales into the segment's
+    auto finish = [&](int q, const uint4 (&dq)[2]) {
+        pin_floats(D[q % S]);
+        const float2 d = __half22float2(as_h2(word(dq[q / 4], q % 4)));
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            acc[i] = fmaf(D[q % S][i], i % 4 < 2 ? d.x : d.y, acc[i]);
+        }
+    };
+    uint32_t sa[4] = {0, 0, 0, 0};  // the segment's scales as the offsets' mma A registers
+    uint2 xb[4];                     // and its offsets as their B registers (tile, term)
+    for (int ch = 0; ch < nchunks; ch++) {
+        const int s = ch % ST;
+        mbar_wait(wbar + 8 * s, uint32_t(ch / ST) & 1u);
+        mbar_wait(xbar + 8 * s, uint32_t(ch / ST) & 1u);
+        const uint32_t xs = x_at + s * F8_CHUNK;
+        uint4 qa[2], qb[2], dq[2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const uint32_t ra = w_ldm + s * W_STAGE + j * RP_BYTES;
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(qa[j].x), "=r"(qa[j].y), "=r"(qa[j].z), "=r"(qa[j].w)
+                         : "r"(ra)
+                         : "memory");
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(qb[j].x), "=r"(qb[j].y), "=r"(qb[j].z), "=r"(qb[j].w)
+                         : "r"(ra + 512)
+                         : "memory");
+            dq[j] = load_shared(w_dst + s * W_STAGE + j * RP_BYTES + 1024 + 16 * g);
+        }
+        {  // pieces t and 4 + t of this chunk's scales, rows g and g + 8: the offsets' A
+            const uint32_t d0 = load_shared_word(w_dst + s * W_STAGE + 1024 + 4 * lane);
+            const uint32_t d1 = load_shared_word(w_dst + s * W_STAGE + RP_BYTES + 1024 + 4 * lane);
+            const int hs = (chunk0 + ch) & 1;  // the segment's second chunk: k 8 + 2t
+            sa[2 * hs] = __byte_perm(d0, d1, 0x5410);
+            sa[2 * hs + 1] = __byte_perm(d0, d1, 0x7632);
+            if (hs == 0 || ch == 0) {  // the segment's offsets, loaded well ahead
+                const int seg = (chunk0 + ch) / 2;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const int64_t at = (int64_t(seg) * 4 + q) * 32 + lane;
+                    xb[q] = __ldg(reinterpret_cast<const uint2 *>(xo) + at);
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            if (q >= S) {
+                wgmma_wait<S - 1>();
+                finish(q - S, dq);
+            }
+            const uint32_t wa = word(qa[q / 4], q % 4), wr = word(qb[q / 4], q % 4);
+            A[q % S][0] = wa & 0x0F0F0F0Fu;
+            A[q % S][1] = wr & 0x0F0F0F0Fu;
+            A[q % S][2] = (wa >> 4) & 0x0F0F0F0Fu;
+            A[q % S][3] = (wr >> 4) & 0x0F0F0F0Fu;
+            const uint64_t d_hi = desc0 | ((xs + q * 1024) >> 4);
+            const uint64_t d_lo = desc0 | ((xs + q * 1024 + 512) >> 4);
+            wgmma_fence();
+            wgmma_e4m3<false>(D[q % S], A[q % S], d_hi);
+            wgmma_e4m3<true>(D[q % S], A[q % S], d_lo);
+            wgmma_commit();
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int q = 8 - S; q < 8; q++) {
+            finish(q, dq);
+        }
+        async_proxy_fence();
+        __syncthreads();  // every warp has read this stage: the next chunk may land there
+        fetch(ch + ST);
+        if (ch + 1 == nchunks || ((chunk0 + ch) & 1)) {  // the segment's end
+            const int seg = (chunk0 + ch) / 2;
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                float c4[4] = {acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]};
+#pragma unroll
+                for (int term = 0; term < 2; term++) {
+                    mma_16816(c4, sa, xb[nt * 2 + term].x, xb[nt * 2 + term].y);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    acc[4 * nt + j] = c4[j];
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                sa[j] = 0;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const int col = (i / 4) * 8 + 2 * t + i % 2;
+                total[i] += acc[i] * __ldg(a.x.xinv + col * nsegs + seg);
+                acc[i] = 0.0f;
+            }
+        }
+    }
+    LUCEPY_PDL_LAUNCH();
+    if (mine) {
+        float tot[2][4];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            tot[i / 4][i % 4] = total[i];
+        }
+        store_tile<2>(a, tot, row0 + warp * 16, g, t);
+    }
+}
+
+// gemm_f8's build at MINB CTAs an SM, as GemmRB names gemm_rb's
+template <int MINB = 5> struct GemmF8 {
+    static constexpr int warps = GM_WARPS;
+    static constexpr int minb = MINB;
+    static constexpr int smem = gemm_f8_smem<F8_STAGES, MINB>();
+    static auto kernel() { return gemm_f8<F8_STAGES, MINB>; }
+};
+
+}  // namespace lucepy
