@@ -3,7 +3,9 @@
 # machine (4-5 minutes of its device time every call, as each call starts bare), and pack it for
 # the carry:
 #
-#   tools/prebuild_gpu.sh build [SDIST_DIR]   # here (about 30 min on 2 cores) -> .gpubuild*/
+#   tools/prebuild_gpu.sh build [SDIST_DIR]   # here (about 30 min on 2 cores; on the tree kept
+#                                             # from the last, lucepy's files alone: 80-120 s)
+#                                             # -> .gpubuild*/ (.lpbuild*/: below)
 #   tools/prebuild_gpu.sh stage .gpubuild1    # there, carry [".gpubuild1"]: one call a part,
 #                                             # on the still-warm machine (it is kept 30 s)
 #   tools/gpu_run.sh OUTDIR                   # there, carry [".whl", ".gpubuild", ".gpuref"]

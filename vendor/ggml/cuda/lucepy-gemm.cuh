@@ -308,11 +308,12 @@ __device__ __forceinline__ float f8_scale(float amax) {
     return ldexpf(1.0f, min(8 - e, 100));
 }
 
-// value a (scaled) as two e4m3 terms, and their sum as the product will see it
+// value a (scaled: below 256, where e4m3 reaches 448) as two e4m3 terms, and their sum as the
+// product will see it (an inf or NaN becomes e4m3's NaN, which the product carries)
 __device__ __forceinline__ float f8_terms(float a, uint32_t & hi, uint32_t & lo) {
-    const __nv_fp8_storage_t h = __nv_cvt_float_to_fp8(a, __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8_storage_t h = __nv_cvt_float_to_fp8(a, __NV_NOSAT, __NV_E4M3);
     const float hf = __half2float(__half(__nv_cvt_fp8_to_halfraw(h, __NV_E4M3)));
-    const __nv_fp8_storage_t l = __nv_cvt_float_to_fp8(a - hf, __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8_storage_t l = __nv_cvt_float_to_fp8(a - hf, __NV_NOSAT, __NV_E4M3);
     const float lf = __half2float(__half(__nv_cvt_fp8_to_halfraw(l, __NV_E4M3)));
     hi = uint32_t(h);
     lo = uint32_t(l);
