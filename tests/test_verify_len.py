@@ -108,9 +108,10 @@ def test_a_context_too_small_to_time_lengths_keeps_the_block(tmp_path, monkeypat
 def test_measured_costs_are_kept_per_ggml_build(tmp_path, monkeypatch):
     """The cached costs belong to the ggml build that measured them: another build in the same
     directory (a rebuild with other kernels: its files' sizes and times change) or lucepy's CUDA
-    or CPU kernels forced on or off measure anew; the same build reads the cache."""
+    or CPU kernels forced on or off, or their layouts or FP8 product switched, measure anew; the
+    same build reads the cache."""
     from lucepy.ggml import load
-    from lucepy.ggml.lib import build_identity
+    from lucepy.ggml.lib import KERNEL_SWITCHES, build_identity
 
     monkeypatch.setenv("LUCEPY_CACHE_DIR", str(tmp_path / "cache"))
     target, draft = write_agreeing_pair(tmp_path)
@@ -131,30 +132,34 @@ def test_measured_costs_are_kept_per_ggml_build(tmp_path, monkeypatch):
     assert measure_once() == 2
     monkeypatch.setenv("LUCEPY_CPU_KERNELS", "0")
     assert measure_once() == 3
+    monkeypatch.setenv("LUCEPY_CUDA_F8", "0")
+    assert measure_once() == 4
     lib = load()
     before = build_identity(lib)
+    n = len(KERNEL_SWITCHES)
     monkeypatch.setattr(
-        "lucepy.engine.build_identity", lambda lib: [*before[:-2], ["rebuilt"], *before[-2:]]
+        "lucepy.engine.build_identity", lambda lib: [*before[:-n], ["rebuilt"], *before[-n:]]
     )
-    assert measure_once() == 4
+    assert measure_once() == 5
 
 
 def test_a_rebuild_in_place_is_another_build(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from lucepy.ggml.lib import build_identity
+    from lucepy.ggml.lib import KERNEL_SWITCHES, build_identity
 
-    monkeypatch.delenv("LUCEPY_CUDA_KERNELS", raising=False)
-    monkeypatch.delenv("LUCEPY_CPU_KERNELS", raising=False)
+    for name in KERNEL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
     lib = tmp_path / "libggml-cuda.so"
     lib.write_bytes(b"one build")
     (tmp_path / "libllama.so").write_bytes(b"not ggml's")
     built = SimpleNamespace(directory=tmp_path)
     first = build_identity(built)
     assert first[0] == ["libggml-cuda.so", 9, lib.stat().st_mtime_ns]
-    assert first[-2:] == [None, None]
+    n = len(KERNEL_SWITCHES)
+    assert first[-n:] == [None] * n
     # lucepy's CPU kernel module is the other file (tests/test_cpu_kernel.py: pip built it)
-    assert [f[0].startswith("_cpu.") for f in first[1:-2]] == [True]
+    assert [f[0].startswith("_cpu.") for f in first[1:-n]] == [True]
     lib.write_bytes(b"another build")
     assert build_identity(built) != first
 

@@ -54,17 +54,26 @@ class Lib:
         raise AttributeError(f"{name} is in none of the ggml libraries in {self.directory}")
 
 
+# the switches of lucepy's kernels that a process reads (forced on or off, layouts, the FP8 product)
+KERNEL_SWITCHES = (
+    "LUCEPY_CUDA_KERNELS",
+    "LUCEPY_CUDA_REPACK",
+    "LUCEPY_CUDA_F8",
+    "LUCEPY_CPU_KERNELS",
+)
+
+
 def build_identity(lib: Lib) -> list:
     """What tells one ggml build from another for a cached measurement: each ggml library file's
     name, size and modification time (a rebuild in place, e.g. with other kernels, changes
-    them), lucepy's CPU kernel module's alike (ggml/cpu.py), and ``LUCEPY_CUDA_KERNELS`` and
-    ``LUCEPY_CPU_KERNELS`` (lucepy's kernels forced on or off)."""
+    them), lucepy's CPU kernel module's alike (ggml/cpu.py), and the KERNEL_SWITCHES' values
+    (lucepy's kernels forced on or off, ggml's blocks kept, the FP8 product left out)."""
     paths = sorted(lib.directory.glob("libggml*.so*"))
     spec = importlib.util.find_spec("lucepy.ggml._cpu")
     if spec is not None and spec.origin is not None:
         paths.append(Path(spec.origin))
     files = [[p.name, st.st_size, st.st_mtime_ns] for p in paths for st in [p.stat()]]
-    return [*files, os.environ.get("LUCEPY_CUDA_KERNELS"), os.environ.get("LUCEPY_CPU_KERNELS")]
+    return [*files, *(os.environ.get(name) for name in KERNEL_SWITCHES)]
 
 
 def default_directory() -> Path:
