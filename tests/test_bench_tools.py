@@ -71,3 +71,40 @@ def test_the_gpu_report_gives_the_verify_in_both_kinds_of_decode_step():
     assert "\nlucepy's 16-token verify at d0: 1.49 decode steps, 1.52 greedy decode steps" in lines
     # a run from before the greedy step was timed says so, not a made-up ratio
     assert "\nlucepy's 16-token verify at d8192: 1.50 decode steps, no greedy step timed" in lines
+
+
+def test_a_switch_measured_both_ways_sets_each_run_beside_the_others():
+    keys = ("left_running", "waited", "left_running_greedy", "waited_greedy")
+    turn = dict(zip(keys, (1.46, 1.47, 1.48, 1.49), strict=True))
+    run = {"verify_curve": {"decode_ms": 5.4, "greedy_decode_ms": 5.3, "rollback_in_turn": turn}}
+    text = bench_kernels.ab_report("LUCEPY_CUDA_F8", {"0": [run, {}], "1": [run]})
+    lines = [line for line in text.splitlines() if line.startswith("- ")]
+    assert lines[0] == "- LUCEPY_CUDA_F8=0: 5.40 / 5.30 ms; 1.460 / 1.470 / 1.480 / 1.490"
+    assert lines[1] == "- LUCEPY_CUDA_F8=0: — / — ms; — / — / — / —"  # a run that failed
+    assert lines[2].startswith("- LUCEPY_CUDA_F8=1: 5.40 / 5.30 ms") and len(lines) == 3
+
+
+def test_a_switch_is_measured_both_ways_each_run_a_process_of_its_own(tiny_model, tmp_path):
+    from argparse import Namespace
+
+    out = tmp_path / "ab.json"
+    args = Namespace(
+        model=tiny_model(),
+        device="cpu",
+        json=str(out),
+        repeats=1,
+        switch="LUCEPY_AB_TEST",
+        rounds=1,
+        md=str(tmp_path / "ab.md"),
+    )
+    assert bench_kernels.ab(args) == 0
+    got = json.loads(out.read_text())
+    assert got["switch"] == "LUCEPY_AB_TEST"
+    for value in ("0", "1"):
+        (run,) = got["runs"][value]
+        assert run["kernels"]["choice"] == "repacked" and run["verify_curve"]["decode_ms"] > 0
+    lines = (tmp_path / "ab.md").read_text().splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("- ")] == [
+        "- LUCEPY_AB_TEST=0",
+        "- LUCEPY_AB_TEST=1",
+    ]

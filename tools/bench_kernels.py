@@ -5,6 +5,7 @@ unpatched build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same model and G
 
     python tools/bench_kernels.py measure MODEL --device cuda:0 --json kernels.json
     python tools/bench_kernels.py report kernels.json --llama-bench llama.json --md kernels.md
+    python tools/bench_kernels.py ab MODEL --switch LUCEPY_CUDA_F8 --json ab.json --md ab.md
 
 Each kernel choice runs in a process of its own (ggml-cuda's CUDA graphs replay whichever kernels
 they captured). Per choice, as tools/bench_gpu.py measures them: pp512, tg128 at an empty context
@@ -13,7 +14,9 @@ k = 1..16, over one decode step at the same position, each a median (and k = 16 
 rollback left running and waited for, in turn with a decode step that reads the logits and a
 greedy one that reads its argmax alone, whose medians are the curve's steps); and how many
 products lucepy's kernels computed (0 with ggml's). ``report`` sets medians beside llama-bench's
-medians (of its samples_ns, never its mean).
+medians (of its samples_ns, never its mean). ``ab`` measures one switch of lucepy's kernels
+both ways on the repacked choice, in turn (NAME=0, NAME=1, --rounds times), each run in a process
+of its own, and sets each run's decode step and k = 16 in turn beside the other side's.
 """
 
 from __future__ import annotations
@@ -94,6 +97,54 @@ def one(args: argparse.Namespace) -> int:
             counts = {"calls": kernels.calls, "ops": kernels.ops, "joined": kernels.joined}
         bench.record("lucepy_kernel_calls", counts)
     return 0
+
+
+def _one_run(args: argparse.Namespace, part: Path, env: dict) -> dict:
+    """tools/bench_kernels.py one on args.model in a process of its own, with `env`: its JSON."""
+    cmd = [sys.executable, __file__, "one", str(args.model), "--device", args.device]
+    cmd += ["--json", str(part), "--repeats", str(args.repeats), "--kernels", "repacked"]
+    subprocess.run(cmd, env=env)
+    return json.loads(part.read_text()) if part.exists() else {}
+
+
+def ab(args: argparse.Namespace) -> int:
+    """The repacked choice with args.switch=0 and =1 in turn, args.rounds rounds."""
+    out = Path(args.json)
+    runs: dict[str, list[dict]] = {"0": [], "1": []}
+    for r in range(args.rounds):
+        for value in ("0", "1"):
+            env = dict(os.environ, LUCEPY_CUDA_KERNELS="1", LUCEPY_CUDA_REPACK="1")
+            env[args.switch] = value
+            part = out.with_suffix(f".{value}.{r}.json")
+            runs[value].append(_one_run(args, part, env))
+            out.write_text(json.dumps({"switch": args.switch, "runs": runs}, indent=1))
+    text = ab_report(args.switch, runs)
+    if args.md:
+        Path(args.md).write_text(text)
+    print(text)
+    failed = any(not run for side in runs.values() for run in side)
+    return 1 if failed else 0
+
+
+def ab_report(switch: str, runs: dict[str, list[dict]]) -> str:
+    """Each run's decode steps and k = 16 in turn (in decode steps and in greedy ones), by side."""
+    lines = [
+        f"{switch} both ways (lucepy repacked), runs in turn: decode step / greedy step ms; k = "
+        f"{MAX_K} in turn with the rollback left running / waited for, in decode steps / in "
+        "greedy ones",
+        "",
+    ]
+    for value in ("0", "1"):
+        for run in runs.get(value, []):
+            curve = run.get("verify_curve", {})
+            steps = (
+                f"{_cell(curve.get('decode_ms'), '{:.2f}')} / "
+                f"{_cell(curve.get('greedy_decode_ms'), '{:.2f}')}"
+            )
+            lines.append(
+                f"- {switch}={value}: {steps} ms; {_in_turn(curve.get('rollback_in_turn', {}))}"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def measure(args: argparse.Namespace) -> int:
@@ -216,12 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="lucepy with its kernels and with ggml's")
     o = sub.add_parser("one", help="(internal) one kernel choice in this process")
-    for p in (m, o):
+    a = sub.add_parser("ab", help="one switch of lucepy's kernels both ways, in turn")
+    for p in (m, o, a):
         p.add_argument("model")
         p.add_argument("--device", default="cuda:0")
         p.add_argument("--json", required=True)
         p.add_argument("--repeats", type=int, default=5)
     o.add_argument("--kernels", choices=CHOICES, required=True)
+    a.add_argument("--switch", required=True, help="an environment variable, e.g. LUCEPY_CUDA_F8")
+    a.add_argument("--rounds", type=int, default=2)
+    a.add_argument("--md")
     r = sub.add_parser("report", help="beside llama-bench, as markdown")
     r.add_argument("results", help="measure's JSON")
     r.add_argument("--llama-bench", nargs="*", default=[], help="llama-bench -o json outputs")
@@ -230,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("--md")
     args = ap.parse_args(argv)
-    return {"measure": measure, "one": one, "report": report}[args.cmd](args)
+    return {"measure": measure, "one": one, "report": report, "ab": ab}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@
 # decode-seq*.txt; each kernel's share of the span in both, side by side: path*.md; each part
 # of a layer in both: layers*.md);
 # GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M, in place of Q4_K_M; "llama-q4_0
-# kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out).
+# kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out; GPU_RUN_AB=NAME, e.g.
+# LUCEPY_CUDA_F8, measures that switch both ways on the Q4_0 model, two rounds in turn: ab.md).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
 # runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with
@@ -447,6 +448,10 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
         fi
     }
     kernels_bench "$MODEL" q4_0
+    if [[ -n ${GPU_RUN_AB:-} ]]; then # one switch of lucepy's kernels both ways, in turn
+        step ab 300 "$BENCHLOG" python3 tools/bench_kernels.py ab "$MODEL" --device "$DEVICE" \
+            --switch "$GPU_RUN_AB" --json "$OUTDIR/ab.json" --md "$OUTDIR/ab.md" || true
+    fi
     for choice in 1 0; do
         step "trace-$choice" 90 "$OUTDIR/trace.txt" env LUCEPY_CUDA_KERNELS=$choice python3 \
             tools/trace_gpu.py trace "$MODEL" --device "$DEVICE" \
