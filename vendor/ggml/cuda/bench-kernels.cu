@@ -677,36 +677,47 @@ void bench_f8(const Shape & sh, const std::vector<uint8_t> & host, int64_t row_b
     g.nrows = sh.rows;
     g.npieces = npieces;
     g.ncols = ncols;
-    const GemmPlan plan = gemm_r_plan_at(g, R::warps, R::minb);
-    auto run = [&](int i) {
-        GemmArgs b = g;
-        b.w = wr + mat_bytes * (i % copies);
-        launch_planned(R::kernel(), R::warps * 32, R::smem, plan, b, parts, s);
+    // lucepy-mm.cu's plan (5 CTAs an SM, up to 16 parts), then others: fewer parts, or the plan
+    // for 4 or 6 CTAs an SM (the kernel's occupancy unchanged)
+    struct Variant {
+        const char * name;
+        int per_sm, most;
     };
-    CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));
-    run(0);
-    CHECK(cudaGetLastError());
-    CHECK(cudaStreamSynchronize(s));
-    std::vector<float> got(size_t(ncols) * sh.rows);
-    CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    double worst = 0;
-    for (int c = 0; c < ncols; c++) {
-        double err = 0, scale = 0;
-        for (int r : check_rows) {
-            const double want =
-                host_gemm(Q4_0, host.data() + r * row_bytes, npieces, x.data() + size_t(c) * sh.k);
-            err = std::max(err, std::fabs(got[size_t(c) * sh.rows + r] - want));
-            scale = std::max(scale, std::fabs(want));
+    const Variant variants[] = {{"f8", R::minb, 16}, {"f8 <= 2 parts", R::minb, 2},
+                                {"f8 <= 4 parts", R::minb, 4}, {"f8 plan 4 an SM", 4, 16},
+                                {"f8 plan 6 an SM", 6, 16}};
+    for (const Variant & v : variants) {
+        const GemmPlan plan = gemm_r_plan_at(g, R::warps, v.per_sm, v.most);
+        auto run = [&](int i) {
+            GemmArgs b = g;
+            b.w = wr + mat_bytes * (i % copies);
+            launch_planned(R::kernel(), R::warps * 32, R::smem, plan, b, parts, s);
+        };
+        CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));
+        run(0);
+        CHECK(cudaGetLastError());
+        CHECK(cudaStreamSynchronize(s));
+        std::vector<float> got(size_t(ncols) * sh.rows);
+        CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        double worst = 0;
+        for (int c = 0; c < ncols; c++) {
+            double err = 0, scale = 0;
+            for (int r : check_rows) {
+                const double want = host_gemm(Q4_0, host.data() + r * row_bytes, npieces,
+                                              x.data() + size_t(c) * sh.k);
+                err = std::max(err, std::fabs(got[size_t(c) * sh.rows + r] - want));
+                scale = std::max(scale, std::fabs(want));
+            }
+            worst = std::max(worst, err / std::max(scale, 1e-30));
         }
-        worst = std::max(worst, err / std::max(scale, 1e-30));
+        const bool ok = worst < 4e-3;
+        failures += !ok;
+        const float t = time_calls(s, run);
+        std::printf("         %-16s %8.2f us  %.2fx one column   %6.0f GB/s   err %.1e (exact x), "
+                    "%ux%u CTAs; to_e4m3 %.2f us%s\n",
+                    v.name, t, t / t1, mat_bytes / t / 1e3, worst, plan.grid.x, plan.grid.y,
+                    t_conv, ok ? "" : "  WRONG");
     }
-    const bool ok = worst < 4e-3;
-    failures += !ok;
-    const float t = time_calls(s, run);
-    std::printf("         %-12s %8.2f us  %.2fx one column   %6.0f GB/s   err %.1e (exact x), "
-                "%ux%u CTAs; to_e4m3 %.2f us%s\n",
-                "f8", t, t / t1, mat_bytes / t / 1e3, worst, plan.grid.x, plan.grid.y, t_conv,
-                ok ? "" : "  WRONG");
     CHECK(cudaFree(buf));
 }
 
