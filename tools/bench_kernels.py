@@ -99,30 +99,33 @@ def one(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_run(args: argparse.Namespace, part: Path, env: dict) -> dict:
-    """tools/bench_kernels.py one on args.model in a process of its own, with `env`: its JSON."""
+def _one_run(args: argparse.Namespace, choice: str, part: Path, env: dict) -> tuple[dict, bool]:
+    """tools/bench_kernels.py one of `choice` on args.model in a process of its own, with `env`:
+    its JSON ({} where it wrote none), and whether it ended well."""
+    part.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "one", str(args.model), "--device", args.device]
-    cmd += ["--json", str(part), "--repeats", str(args.repeats), "--kernels", "repacked"]
-    subprocess.run(cmd, env=env)
-    return json.loads(part.read_text()) if part.exists() else {}
+    cmd += ["--json", str(part), "--repeats", str(args.repeats), "--kernels", choice]
+    done = subprocess.run(cmd, env=env)
+    return (json.loads(part.read_text()) if part.exists() else {}), done.returncode == 0
 
 
 def ab(args: argparse.Namespace) -> int:
     """The repacked choice with args.switch=0 and =1 in turn, args.rounds rounds."""
     out = Path(args.json)
     runs: dict[str, list[dict]] = {"0": [], "1": []}
+    failed = 0
     for r in range(args.rounds):
         for value in ("0", "1"):
             env = dict(os.environ, LUCEPY_CUDA_KERNELS="1", LUCEPY_CUDA_REPACK="1")
             env[args.switch] = value
-            part = out.with_suffix(f".{value}.{r}.json")
-            runs[value].append(_one_run(args, part, env))
+            got, ok = _one_run(args, "repacked", out.with_suffix(f".{value}.{r}.json"), env)
+            runs[value].append(got)
+            failed += not ok
             out.write_text(json.dumps({"switch": args.switch, "runs": runs}, indent=1))
     text = ab_report(args.switch, runs)
     if args.md:
         Path(args.md).write_text(text)
     print(text)
-    failed = any(not run for side in runs.values() for run in side)
     return 1 if failed else 0
 
 
@@ -152,29 +155,13 @@ def measure(args: argparse.Namespace) -> int:
     results: dict = {"model": str(args.model), "device": args.device}
     failed = 0
     for choice in CHOICES:
-        part = out.with_suffix(f".{choice}.json")
         env = dict(
             os.environ,
             LUCEPY_CUDA_KERNELS="0" if choice == "ggml" else "1",
             LUCEPY_CUDA_REPACK="1" if choice == "repacked" else "0",
         )
-        cmd = [
-            sys.executable,
-            __file__,
-            "one",
-            str(args.model),
-            "--device",
-            args.device,
-            "--json",
-            str(part),
-            "--repeats",
-            str(args.repeats),
-            "--kernels",
-            choice,
-        ]
-        done = subprocess.run(cmd, env=env)
-        failed += done.returncode != 0
-        results[choice] = json.loads(part.read_text()) if part.exists() else {}
+        results[choice], ok = _one_run(args, choice, out.with_suffix(f".{choice}.json"), env)
+        failed += not ok
         out.write_text(json.dumps(results, indent=1))
     return 1 if failed else 0
 
