@@ -413,6 +413,28 @@ double host_gemm(int k, const uint8_t * row, int npieces, const float * xr) {
     });
 }
 
+// A product's results dst [ncols][nrows] (on the device) against the host's exact sums of the
+// rows `check_rows` of `host` (kind k, rows row_bytes apart) and x [ncols][npieces x 32], every
+// col_step-th column: the worst column's largest error over its largest exact sum
+double worst_error(int k, const std::vector<uint8_t> & host, int64_t row_bytes, int npieces,
+                   const float * x, const float * dst, int nrows, int ncols,
+                   const std::vector<int> & check_rows, int col_step = 1) {
+    std::vector<float> got(size_t(ncols) * nrows);
+    CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    double worst = 0;
+    for (int c = 0; c < ncols; c += col_step) {
+        double err = 0, scale = 0;
+        for (int r : check_rows) {
+            const double want = host_gemm(k, host.data() + r * row_bytes, npieces,
+                                          x + size_t(c) * npieces * 32);
+            err = std::max(err, std::fabs(got[size_t(c) * nrows + r] - want));
+            scale = std::max(scale, std::fabs(want));
+        }
+        worst = std::max(worst, err / std::max(scale, 1e-30));
+    }
+    return worst;
+}
+
 // CTAs of the kernel that fit on an SM at once
 template <typename F> int ctas_per_sm(F kernel, int threads, int smem) {
     raise_smem(kernel, smem);
@@ -697,19 +719,8 @@ void bench_f8(const Shape & sh, const std::vector<uint8_t> & host, int64_t row_b
         run(0);
         CHECK(cudaGetLastError());
         CHECK(cudaStreamSynchronize(s));
-        std::vector<float> got(size_t(ncols) * sh.rows);
-        CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
-        double worst = 0;
-        for (int c = 0; c < ncols; c++) {
-            double err = 0, scale = 0;
-            for (int r : check_rows) {
-                const double want = host_gemm(Q4_0, host.data() + r * row_bytes, npieces,
-                                              x.data() + size_t(c) * sh.k);
-                err = std::max(err, std::fabs(got[size_t(c) * sh.rows + r] - want));
-                scale = std::max(scale, std::fabs(want));
-            }
-            worst = std::max(worst, err / std::max(scale, 1e-30));
-        }
+        const double worst = worst_error(Q4_0, host, row_bytes, npieces, x.data(), dst, sh.rows,
+                                         ncols, check_rows);
         const bool ok = worst < 4e-3;
         failures += !ok;
         const float t = time_calls(s, run);
@@ -1063,19 +1074,8 @@ void bench_prefill(int k, const Shape & sh, const std::vector<uint8_t> & host, i
         b.w = wr;
         kernel.second(b, s);
         CHECK(cudaGetLastError());
-        std::vector<float> got(size_t(ncols) * sh.rows);
-        CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
-        double worst = 0;
-        for (int c = 0; c < ncols; c += std::max(1, ncols / 24)) {
-            double err = 0, scale = 0;
-            for (int r : check_rows) {
-                const double want = host_gemm(k, host.data() + r * row_bytes, npieces,
-                                              xr.data() + size_t(c) * sh.k);
-                err = std::max(err, std::fabs(got[size_t(c) * sh.rows + r] - want));
-                scale = std::max(scale, std::fabs(want));
-            }
-            worst = std::max(worst, err / std::max(scale, 1e-30));
-        }
+        const double worst = worst_error(k, host, row_bytes, npieces, xr.data(), dst, sh.rows,
+                                         ncols, check_rows, std::max(1, ncols / 24));
         const bool ok = worst < 2e-3;
         failures += !ok;
         const float t = time_calls(s, [&](int i) {
@@ -1291,19 +1291,8 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
             CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));
             run(0);
             CHECK(cudaGetLastError());
-            std::vector<float> got(size_t(ncols) * sh.rows);
-            CHECK(cudaMemcpy(got.data(), dst, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
-            double worst = 0;
-            for (int c = 0; c < ncols; c++) {
-                double err = 0, scale = 0;
-                for (int r : check_rows) {
-                    const double want = host_gemm(k, host.data() + r * row_bytes, npieces,
-                                                  xr.data() + size_t(c) * sh.k);
-                    err = std::max(err, std::fabs(got[size_t(c) * sh.rows + r] - want));
-                    scale = std::max(scale, std::fabs(want));
-                }
-                worst = std::max(worst, err / std::max(scale, 1e-30));
-            }
+            const double worst = worst_error(k, host, row_bytes, npieces, xr.data(), dst,
+                                             sh.rows, ncols, check_rows);
             const bool ok = v.partial || worst < 2e-3;
             failures += !ok;
             const float t = time_calls(s, run);

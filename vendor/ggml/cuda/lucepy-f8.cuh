@@ -30,33 +30,9 @@ static __global__ void __launch_bounds__(TH_THREADS)
     const int c = blockIdx.y;
     const int piece = seg * GM_SEG + threadIdx.x / 4;
     const int t = threadIdx.x % 4;
-    const bool here = c < ncols && piece < npieces;
-    const float * at = x + c * col_stride + piece * 32 + 4 * t;
     float v[8];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        v[j] = here ? at[j] : 0.0f;
-        v[4 + j] = here ? at[16 + j] : 0.0f;
-    }
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        amax = fmaxf(amax, fabsf(v[j]));
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-    }
-    __shared__ float red[TH_THREADS / 32];
-    if (threadIdx.x % 32 == 0) {
-        red[threadIdx.x / 32] = amax;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < TH_THREADS / 32; w++) {
-        amax = fmaxf(amax, red[w]);
-    }
-    const float scale = f8_scale(amax);
+    const float scale = f8_scale(
+        segment_amax<1, TH_WARPS>(segment_group(x, col_stride, npieces, ncols, piece, v)));
     if (threadIdx.x == 0) {
         out.xinv[c * segments(npieces) + seg] = 512.0f / scale;
     }

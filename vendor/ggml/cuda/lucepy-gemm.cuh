@@ -94,6 +94,52 @@ __device__ __forceinline__ uint4 group_halves(const float * v, float s) {
     return o;
 }
 
+// The largest magnitude of each segment of a CTA of SEGS segments, WPS warps each (warp w in
+// segment w / WPS), from each thread's own largest `amax`: every thread gets its segment's.
+// (fmaxf drops a NaN: the product carries it.)
+template <int SEGS, int WPS> __device__ __forceinline__ float segment_amax(float amax) {
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    }
+    __shared__ float red[SEGS * WPS];
+    if (lane == 0) {
+        red[warp] = amax;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < WPS; w++) {
+        amax = fmaxf(amax, red[warp / WPS * WPS + w]);
+    }
+    return amax;
+}
+
+constexpr int TH_WARPS = TH_THREADS / 32;
+
+// to_halves' and to_e4m3's thread (a CTA of TH_THREADS a segment of column blockIdx.y, grid
+// (segments, padded columns)): its group t = threadIdx.x % 4 of piece `piece` of x [ncols]
+// [col_stride] f32 into v (values 4t..4t+3, then 16 + 4t..; zeros past the column or its pieces),
+// their largest magnitude returned
+__device__ __forceinline__ float segment_group(const float * x, int64_t col_stride, int npieces,
+                                               int ncols, int piece, float (&v)[8]) {
+    const int c = blockIdx.y;
+    const bool here = c < ncols && piece < npieces;
+    const float * at = x + c * col_stride + piece * 32 + 4 * (threadIdx.x % 4);
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        v[j] = here ? at[j] : 0.0f;
+        v[4 + j] = here ? at[16 + j] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        amax = fmaxf(amax, fabsf(v[j]));
+    }
+    return amax;
+}
+
 // A CTA of TH_THREADS a segment of a column, grid (segments, padded columns): x [ncols]
 // [col_stride] f32 to `out` (halves_at).
 static __global__ void __launch_bounds__(TH_THREADS)
@@ -104,32 +150,9 @@ static __global__ void __launch_bounds__(TH_THREADS)
     const int c = blockIdx.y;
     const int piece = seg * GM_SEG + threadIdx.x / 4;
     const int t = threadIdx.x % 4;
-    const bool here = c < ncols && piece < npieces;
-    const float * at = x + c * col_stride + piece * 32 + 4 * t;
     float v[8];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        v[j] = here ? at[j] : 0.0f;
-        v[4 + j] = here ? at[16 + j] : 0.0f;
-    }
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        amax = fmaxf(amax, fabsf(v[j]));  // (fmaxf drops a NaN: the product carries it)
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-    }
-    __shared__ float red[TH_THREADS / 32];
-    if (threadIdx.x % 32 == 0) {
-        red[threadIdx.x / 32] = amax;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < TH_THREADS / 32; w++) {
-        amax = fmaxf(amax, red[w]);
-    }
+    const float amax =
+        segment_amax<1, TH_WARPS>(segment_group(x, col_stride, npieces, ncols, piece, v));
     const float scale = segment_scale(amax);
     if (threadIdx.x == 0) {
         out.xinv[c * segments(npieces) + seg] = 1.0f / scale;
@@ -228,25 +251,12 @@ __device__ __forceinline__ void segment_halves(const float (&v)[V], const Halves
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const int mine = warp / WPS;  // the CTA's segment
-    float amax = 0.0f;  // (fmaxf drops a NaN: the product carries it)
+    float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < V; i++) {
         amax = fmaxf(amax, fabsf(v[i]));
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-    }
-    __shared__ float red[SEGS * WPS];
-    if (lane == 0) {
-        red[warp] = amax;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < WPS; w++) {
-        amax = fmaxf(amax, red[mine * WPS + w]);
-    }
-    const float s = segment_scale(amax);
+    const float s = segment_scale(segment_amax<SEGS, WPS>(amax));
     if (warp % WPS == 0 && lane == 0) {
         out.xinv[c * segments(npieces) + seg0 + mine] = 1.0f / s;
     }
@@ -320,6 +330,16 @@ __device__ __forceinline__ float f8_terms(float a, uint32_t & hi, uint32_t & lo)
     return hf + lf;
 }
 
+// the two terms' words (hi, lo) of values 4t..4t+3 (`high`: 16 + 4t..) of piece `piece` of column
+// c into the records at xe
+__device__ __forceinline__ void f8_put(uint8_t * xe, int piece, int c, int t, int high, uint32_t hi,
+                                       uint32_t lo) {
+    uint8_t * rec = xe + int64_t(piece / 8) * F8_CHUNK + (piece % 8) * 1024 +
+                    (c / 8) * 256 + (c % 8) * 16 + 4 * t + 128 * high;
+    *reinterpret_cast<uint32_t *>(rec) = hi;
+    *reinterpret_cast<uint32_t *>(rec + 512) = lo;
+}
+
 // A thread's 8 values of piece `piece` of column c (group t: values 4t..4t+3 and 16 + 4t..), all
 // times `scale`, into the records at xe, their terms' sum returned (the caller adds a piece's)
 __device__ __forceinline__ float f8_group(const float (&v)[8], float scale, uint8_t * xe,
@@ -333,14 +353,8 @@ __device__ __forceinline__ float f8_group(const float (&v)[8], float scale, uint
         hi[j / 4] |= h << (8 * (j % 4));
         lo[j / 4] |= l << (8 * (j % 4));
     }
-    uint8_t * rec = xe + int64_t(piece / 8) * F8_CHUNK + (piece % 8) * 1024;
-    const int core = (c / 8) * 256 + (c % 8) * 16 + 4 * t;
-#pragma unroll
-    for (int term = 0; term < 2; term++) {
-        const uint32_t * q = term ? lo : hi;
-        *reinterpret_cast<uint32_t *>(rec + term * 512 + core) = q[0];
-        *reinterpret_cast<uint32_t *>(rec + term * 512 + 128 + core) = q[1];
-    }
+    f8_put(xe, piece, c, t, 0, hi[0], lo[0]);
+    f8_put(xe, piece, c, t, 1, hi[1], lo[1]);
     return sum;
 }
 
@@ -364,21 +378,7 @@ __device__ __forceinline__ void segment_e4m3(float v, const Halves & out, int c,
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const int mine = warp / GM_SEG;  // the CTA's segment
-    float amax = fabsf(v);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
-    }
-    __shared__ float red[SEGS * GM_SEG];
-    if (lane == 0) {
-        red[warp] = amax;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < GM_SEG; w++) {
-        amax = fmaxf(amax, red[mine * GM_SEG + w]);
-    }
-    const float scale = f8_scale(amax);
+    const float scale = f8_scale(segment_amax<SEGS, GM_SEG>(fabsf(v)));
     const int seg = seg0 + mine;
     if (warp % GM_SEG == 0 && lane == 0) {
         out.xinv[c * segments(npieces) + seg] = 512.0f / scale;
@@ -398,12 +398,8 @@ __device__ __forceinline__ void segment_e4m3(float v, const Halves & out, int c,
     const int piece = seg * GM_SEG + warp % GM_SEG;
     if (piece < npieces) {
         if (lane % 4 == 0) {  // values 4t.. (lanes 0-15) or 16 + 4t.. (16-31) of group t
-            uint8_t * rec = reinterpret_cast<uint8_t *>(out.xh) + int64_t(piece / 8) * F8_CHUNK +
-                            (piece % 8) * 1024;
-            const int core =
-                (c / 8) * 256 + (c % 8) * 16 + 4 * ((lane / 4) % 4) + (lane / 16) * 128;
-            *reinterpret_cast<uint32_t *>(rec + core) = hw;
-            *reinterpret_cast<uint32_t *>(rec + 512 + core) = lw;
+            f8_put(reinterpret_cast<uint8_t *>(out.xh), piece, c, (lane / 4) % 4, lane / 16, hw,
+                   lw);
         }
         if (lane == 0) {
             f8_offset(sum, const_cast<__half *>(f8_offsets(out.xinv, npieces)), piece, c, seg);

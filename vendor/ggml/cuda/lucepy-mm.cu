@@ -548,26 +548,32 @@ bool f8_on(int device) {
 #endif
 }
 
-// Whether node i of `g` and the two computing nodes after it are an FFN's gate and up products of
-// one input and their SWIGLU (glu_pair_nodes' pattern) that gemm_f8 takes: both repacked Q4_0,
-// 9-16 columns, on a device that runs it. (glu_pair_nodes checks the rest.)
-bool f8_pair(const ggml_cgraph * g, int i, int device) {
+// Whether node i of `g`, a MUL_MAT, and the two computing nodes after it are an FFN's gate and up
+// products of one input and their SWIGLU (unswapped): the second product and the GLU into m2,
+// glu. (glu_pair_nodes takes them as one product; the scan asks it too.)
+bool glu_pair_at(const ggml_cgraph * g, int i, ggml_tensor *& m2, ggml_tensor *& glu) {
     const ggml_tensor * m1 = g->nodes[i];
     const int i2 = next_op(g, i);
     const int i_glu = i2 < g->n_nodes ? next_op(g, i2) : i2;
-    if (m1->op != GGML_OP_MUL_MAT || i_glu >= g->n_nodes || !f8_on(device)) {
+    if (m1->op != GGML_OP_MUL_MAT || i_glu >= g->n_nodes) {
         return false;
     }
-    const ggml_tensor * m2 = g->nodes[i2];
-    const ggml_tensor * glu = g->nodes[i_glu];
+    m2 = g->nodes[i2];
+    glu = g->nodes[i_glu];
+    return m2->op == GGML_OP_MUL_MAT && m2->src[1] == m1->src[1] && glu->op == GGML_OP_GLU &&
+           ggml_get_glu_op(glu) == GGML_GLU_OP_SWIGLU && ggml_get_op_params_i32(glu, 1) == 0 &&
+           ((glu->src[0] == m1 && glu->src[1] == m2) || (glu->src[0] == m2 && glu->src[1] == m1));
+}
+
+// Whether gemm_f8 takes an FFN's gate and up m1, m2 (glu_pair_at's): both repacked Q4_0, 9-16
+// columns, on a device that runs it. (glu_pair_nodes checks the rest.)
+bool f8_pair(const ggml_tensor * m1, const ggml_tensor * m2, int device) {
     const int64_t ncols = m1->src[1]->ne[1];
     auto q4_0 = [](const ggml_tensor * w) {
         return w->type == GGML_TYPE_Q4_0 && repacked_of(w);
     };
-    return m2->op == GGML_OP_MUL_MAT && m2->src[1] == m1->src[1] && glu->op == GGML_OP_GLU &&
-           ggml_get_glu_op(glu) == GGML_GLU_OP_SWIGLU &&
-           ((glu->src[0] == m1 && glu->src[1] == m2) || (glu->src[0] == m2 && glu->src[1] == m1)) &&
-           ncols > GM_COL_TILE && ncols <= F8_COLS && q4_0(m1->src[0]) && q4_0(m2->src[0]);
+    return f8_on(device) && ncols > GM_COL_TILE && ncols <= F8_COLS && q4_0(m1->src[0]) &&
+           q4_0(m2->src[0]);
 }
 
 // One pass over the graph being computed, the first time a hook asks of it: its nodes and
@@ -625,12 +631,12 @@ void scan(ContextState & st) {
     // input as e4m3 records: the GLU's result read by a product of ours as halves (the down's),
     // each product's result by the GLU alone and not kept (glu_pair_nodes checks it all again)
     for (int i = 0; i < g->n_nodes; i++) {
-        if (!f8_pair(g, i, st.device)) {
+        ggml_tensor * m2 = nullptr;
+        ggml_tensor * glu = nullptr;
+        const ggml_tensor * m1 = g->nodes[i];
+        if (!glu_pair_at(g, i, m2, glu) || !f8_pair(m1, m2, st.device)) {
             continue;
         }
-        const ggml_tensor * m1 = g->nodes[i];
-        const ggml_tensor * m2 = g->nodes[next_op(g, i)];
-        const ggml_tensor * glu = g->nodes[next_op(g, next_op(g, i))];
         const auto want = st.wants.find(m1->src[1]);
         const auto down = st.wants.find(glu);
         auto alone = [&](const ggml_tensor * m) {
@@ -1082,22 +1088,14 @@ bool mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const gg
 // computed, or 0.
 int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     const ggml_tensor * m1 = cgraph->nodes[i];
-    const int i2 = next_op(cgraph, i);
-    const int i_glu = i2 < cgraph->n_nodes ? next_op(cgraph, i2) : i2;
-    if (i_glu >= cgraph->n_nodes) {
+    ggml_tensor * m2 = nullptr;
+    ggml_tensor * glu = nullptr;
+    if (!glu_pair_at(cgraph, i, m2, glu)) {
         return 0;
     }
-    const ggml_tensor * m2 = cgraph->nodes[i2];
-    ggml_tensor * glu = cgraph->nodes[i_glu];
-    if (m2->op != GGML_OP_MUL_MAT || glu->op != GGML_OP_GLU ||
-        ggml_get_glu_op(glu) != GGML_GLU_OP_SWIGLU || ggml_get_op_params_i32(glu, 1) != 0) {
-        return 0;
-    }
+    const int i_glu = next_op(cgraph, next_op(cgraph, i));
     const ggml_tensor * ma = glu->src[0];  // silu's
     const ggml_tensor * mb = glu->src[1];
-    if (!((ma == m1 && mb == m2) || (ma == m2 && mb == m1))) {
-        return 0;
-    }
     const ggml_tensor * x = m1->src[1];
     const ggml_tensor * wa = ma->src[0];
     const ggml_tensor * wb = mb->src[0];
@@ -1110,7 +1108,7 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     auto unkept = [](const ggml_tensor * t) {  // a product's: its result is never written
         return (t->flags & GGML_TENSOR_FLAG_OUTPUT) == 0;
     };
-    const bool shapes = m2->src[1] == x && ncols >= 2 && ncols <= MAX_COLS &&
+    const bool shapes = ncols >= 2 && ncols <= MAX_COLS &&
                         x->type == GGML_TYPE_F32 && x->ne[0] == wa->ne[0] && x->ne[2] == 1 &&
                         x->ne[3] == 1 && x->nb[0] == sizeof(float) &&
                         x->nb[1] % sizeof(float) == 0 && wb->type == wa->type &&
@@ -1128,7 +1126,7 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
         return 0;  // (the down product's halves: a column of it is a column of the GLU's)
     }
     const int64_t npieces = wa->ne[0] / 32;
-    const bool f8 = f8_pair(cgraph, i, ctx.device);
+    const bool f8 = f8_pair(m1, m2, ctx.device);
     ggml_cuda_pool_alloc<uint8_t> scratch(ctx.pool());
     uint8_t * xbuf = product_activations(ctx, st, x, npieces, f8 ? F8_PLANES : 0, scratch);
     GemmArgs g = gemm_args(
