@@ -614,8 +614,8 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
     (within 4e-3 where the stack is gemm_f8's: its two e4m3 terms an activation).
     On an H200 the 27B-shaped FFN's two products at 16 columns are gemm_rb's (bulk_product: the
     stack's 544 row blocks of 20 chunks, the down's 80 of 68), the small FFN's gemm_r's; Q5_K's
-    and Q6_K's always gemm_rb's; but a Q4_0 stack at 9-16 columns is gemm_f8's (Hopper's FP8
-    warpgroup mma, its activations converted by to_e4m3)."""
+    and Q6_K's always gemm_rb's; but a Q4_0 or Q4_K stack at 9-16 columns is gemm_f8's (Hopper's
+    FP8 warpgroup mma, its activations converted by to_e4m3)."""
     lib, device, kernels = cuda
     h200 = on_h200(lib, device)
     shapes = [(n_ff, n), (n_ff, n), (n, n_ff)]  # (rows, row length): gate, up, down
@@ -631,7 +631,7 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
 
     bulk, f8 = kernels.bulk, kernels.f8
     assert run(xs[:1])[1] == (3, 1)
-    f8_stack = kind == "q4_0" and k > 8
+    f8_stack = kind in ("q4_0", "q4_k") and k > 8
     if h200:
         big = n_ff == 17408 or kind in BULK_ONLY
         assert kernels.bulk - bulk == big * (2 - f8_stack), "gemm_rb's products"

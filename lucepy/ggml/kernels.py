@@ -94,8 +94,8 @@ class CudaKernels:
 
     @property
     def f8(self) -> int:
-        """Of the products, those of ``gemm_f8``: an FFN's gate and up of repacked Q4_0 at 9-16
-        columns on Hopper's FP8 warpgroup mma (the build's sm_90a code), counted alike."""
+        """Of the products, those of ``gemm_f8``: an FFN's gate and up of repacked Q4_0 or Q4_K at
+        9-16 columns on Hopper's FP8 warpgroup mma (the build's sm_90a code), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_f8())
 
     def repack(self, tensor: Any) -> bool:

@@ -667,7 +667,7 @@ bool g_f8 = false;
 // to_e4m3 of the unrounded activations, then gemm_f8 as lucepy-mm.cu plans it (5 CTAs an SM),
 // its parts added by gemm_sum: each result against the host's exact sums of the unrounded x
 // (within 4e-3 of a column's largest: two e4m3 terms an activation), and its time
-void bench_f8(const Shape & sh, const std::vector<uint8_t> & host, int64_t row_bytes,
+void bench_f8(int k, const Shape & sh, const std::vector<uint8_t> & host, int64_t row_bytes,
               const uint8_t * wr, int64_t mat_bytes, int copies, const std::vector<float> & x,
               const float * dx, int ncols, float * dst, float * parts,
               const std::vector<int> & check_rows, float t1, cudaStream_t s) {
@@ -713,13 +713,18 @@ void bench_f8(const Shape & sh, const std::vector<uint8_t> & host, int64_t row_b
         auto run = [&](int i) {
             GemmArgs b = g;
             b.w = wr + mat_bytes * (i % copies);
-            launch_planned(R::kernel(), R::warps * 32, R::smem, plan, b, parts, s);
+            if (k == Q4_K) {
+                using RK = GemmF8<5, RpQ4_K>;
+                launch_planned(RK::kernel(), RK::warps * 32, RK::smem, plan, b, parts, s);
+            } else {
+                launch_planned(R::kernel(), R::warps * 32, R::smem, plan, b, parts, s);
+            }
         };
         CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));
         run(0);
         CHECK(cudaGetLastError());
         CHECK(cudaStreamSynchronize(s));
-        const double worst = worst_error(Q4_0, host, row_bytes, npieces, x.data(), dst, sh.rows,
+        const double worst = worst_error(k, host, row_bytes, npieces, x.data(), dst, sh.rows,
                                          ncols, check_rows);
         const bool ok = worst < 4e-3;
         failures += !ok;
@@ -1312,8 +1317,8 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
                 gemm_r_timeline<2>(args, parts, s);
             }
         }
-        if (wr && k == Q4_0 && g_f8 && ncols > GM_COL_TILE && ncols <= F8_COLS) {
-            bench_f8(sh, host, row_bytes, wr, mat_bytes, copies, x, dx, ncols, dst, parts,
+        if (wr && (k == Q4_0 || k == Q4_K) && g_f8 && ncols > GM_COL_TILE && ncols <= F8_COLS) {
+            bench_f8(k, sh, host, row_bytes, wr, mat_bytes, copies, x, dx, ncols, dst, parts,
                      check_rows, t1, s);
         }
         if (wr && ncols % RQ_COLS == 0) {

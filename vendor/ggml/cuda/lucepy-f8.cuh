@@ -1,6 +1,6 @@
-// lucepy's own kernels (issue 19, decision 12): a repacked Q4_0 matrix times 9-16 columns on
-// Hopper's FP8 warpgroup mma (`gemm_f8`), where `gemm_rb` spends most of its compute turning each
-// weight into a half (docs/BENCHMARKS.md, sessions 49-50). A Q4_0 nibble byte read as e4m3 is
+// lucepy's own kernels (issue 19, decision 12): a repacked Q4_0 or Q4_K matrix times 9-16 columns
+// on Hopper's FP8 warpgroup mma (`gemm_f8`), where `gemm_rb` spends most of its compute turning
+// each weight into a half (docs/BENCHMARKS.md, sessions 49-50). A Q4_0 nibble byte read as e4m3 is
 // n / 512 exactly, so a lane's A registers are its words masked (a lop3 a register); each piece
 // (one block: one scale a row) is one k32 step, whose sums are scaled by its rows' scales in f32
 // as they land. The activations are two e4m3 terms each (the value, then what the first term
@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace lucepy {
 
@@ -127,13 +128,18 @@ __device__ __forceinline__ void mbar_copy_if(bool on, uint32_t bar, uint32_t dst
 constexpr int F8_STAGES = 2;
 constexpr int F8_INFLIGHT = 2;  // pieces' wgmmas in flight (4: spilled, 15-25 % slower)
 
-template <int ST = F8_STAGES, int MINB = 5>
-__host__ __device__ constexpr int gemm_f8_smem() {
+template <int ST = F8_STAGES> __host__ __device__ constexpr int gemm_f8_smem() {
     return ST * (F8_CHUNK + 4 * 2 * RP_BYTES) + 5 * ST * 8;
 }
 
-template <int ST = F8_STAGES, int MINB = 5, int S = F8_INFLIGHT>
+template <int ST = F8_STAGES, int MINB = 5, int S = F8_INFLIGHT, class L = RpQ4_0>
 __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
+    // Q4_K: the nibbles unsigned (q / 512), each piece's scale s = round(d sc) from the lane's
+    // words and the super-block's record (rk_group), and its min's term off by the offsets' mma
+    // with m = round(dmin m) / 8 in the place of Q4_0's d (the records' offsets are the pieces'
+    // sums times -8 / 512)
+    constexpr bool K = std::is_same_v<L, RpQ4_K>;
+    static_assert(K || std::is_same_v<L, RpQ4_0>, "gemm_f8 reads Q4_0's and Q4_K's layouts");
     constexpr int WB = 2 * RP_BYTES;  // a warp's weights of a chunk
     constexpr int W_STAGE = 4 * WB;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -193,10 +199,13 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
     uint32_t A[S][4];
     float acc[8] = {};
     float total[8] = {};
-    // piece q's sums (landed) times its rows' scales into the segment's
-    auto finish = [&](int q, const uint4 (&dq)[2]) {
+    // piece q's sums (landed) times its rows' scales into the segment's (Q4_K: lane (g, q % 4)
+    // holds them)
+    auto finish = [&](int q, const uint4 (&dq)[2], const uint32_t (&ds)[2]) {
         pin_floats(D[q % S]);
-        const float2 d = __half22float2(as_h2(word(dq[q / 4], q % 4)));
+        const uint32_t dw = K ? __shfl_sync(0xFFFFFFFFu, ds[q / 4], (lane & ~3) | (q % 4))
+                              : word(dq[q / 4], q % 4);
+        const float2 d = __half22float2(as_h2(dw));
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             acc[i] = fmaf(D[q % S][i], i % 4 < 2 ? d.x : d.y, acc[i]);
@@ -210,6 +219,7 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         mbar_wait(xbar + 8 * s, uint32_t(ch / ST) & 1u);
         const uint32_t xs = x_at + s * F8_CHUNK;
         uint4 qa[2], qb[2], dq[2];
+        uint32_t ds[2] = {0, 0};  // Q4_K: (s of row g, of row g + 8) of this lane's pieces t, 4 + t
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const uint32_t ra = w_ldm + s * W_STAGE + j * RP_BYTES;
@@ -221,11 +231,28 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
                          : "=r"(qb[j].x), "=r"(qb[j].y), "=r"(qb[j].z), "=r"(qb[j].w)
                          : "r"(ra + 512)
                          : "memory");
-            dq[j] = load_shared(w_dst + s * W_STAGE + j * RP_BYTES + 1024 + 16 * g);
+            if constexpr (!K) {
+                dq[j] = load_shared(w_dst + s * W_STAGE + j * RP_BYTES + 1024 + 16 * g);
+            }
         }
         {  // pieces t and 4 + t of this chunk's scales, rows g and g + 8: the offsets' A
-            const uint32_t d0 = load_shared_word(w_dst + s * W_STAGE + 1024 + 4 * lane);
-            const uint32_t d1 = load_shared_word(w_dst + s * W_STAGE + RP_BYTES + 1024 + 4 * lane);
+            uint32_t d0 = load_shared_word(w_dst + s * W_STAGE + 1024 + 4 * lane);
+            uint32_t d1 = load_shared_word(w_dst + s * W_STAGE + RP_BYTES + 1024 + 4 * lane);
+            if constexpr (K) {  // (a chunk is a super-block: its two groups' words its record)
+                uint32_t dd, mm;
+                rk_record(d0, d1, t, dd, mm);
+                uint32_t w[2] = {d0, d1};
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    uint32_t sg, sg8, mg, mg8;  // (s, s) and (-m, -m) of rows g and g + 8
+                    rk_group(w[j], dd, mm, sg, sg8, mg, mg8);
+                    ds[j] = __byte_perm(sg, sg8, 0x5410);
+                    w[j] = as_u32(__hmul2(as_h2(__byte_perm(mg, mg8, 0x5410)),
+                                          as_h2(0xB000B000u)));  // times -1/8: m / 8
+                }
+                d0 = w[0];
+                d1 = w[1];
+            }
             const int hs = (chunk0 + ch) & 1;  // the segment's second chunk: k 8 + 2t
             sa[2 * hs] = __byte_perm(d0, d1, 0x5410);
             sa[2 * hs + 1] = __byte_perm(d0, d1, 0x7632);
@@ -242,7 +269,7 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         for (int q = 0; q < 8; q++) {
             if (q >= S) {
                 wgmma_wait<S - 1>();
-                finish(q - S, dq);
+                finish(q - S, dq, ds);
             }
             const uint32_t wa = word(qa[q / 4], q % 4), wr = word(qb[q / 4], q % 4);
             A[q % S][0] = wa & 0x0F0F0F0Fu;
@@ -259,7 +286,7 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         wgmma_wait<0>();
 #pragma unroll
         for (int q = 8 - S; q < 8; q++) {
-            finish(q, dq);
+            finish(q, dq, ds);
         }
         async_proxy_fence();
         __syncthreads();  // every warp has read this stage: the next chunk may land there
@@ -301,12 +328,12 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
     }
 }
 
-// gemm_f8's build at MINB CTAs an SM, as GemmRB names gemm_rb's
-template <int MINB = 5> struct GemmF8 {
+// gemm_f8's build at MINB CTAs an SM on layout L, as GemmRB names gemm_rb's
+template <int MINB = 5, class L = RpQ4_0> struct GemmF8 {
     static constexpr int warps = GM_WARPS;
     static constexpr int minb = MINB;
-    static constexpr int smem = gemm_f8_smem<F8_STAGES, MINB>();
-    static auto kernel() { return gemm_f8<F8_STAGES, MINB>; }
+    static constexpr int smem = gemm_f8_smem<F8_STAGES>();
+    static auto kernel() { return gemm_f8<F8_STAGES, MINB, F8_INFLIGHT, L>; }
 };
 
 }  // namespace lucepy

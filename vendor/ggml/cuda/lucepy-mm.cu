@@ -565,15 +565,16 @@ bool glu_pair_at(const ggml_cgraph * g, int i, ggml_tensor *& m2, ggml_tensor *&
            ((glu->src[0] == m1 && glu->src[1] == m2) || (glu->src[0] == m2 && glu->src[1] == m1));
 }
 
-// Whether gemm_f8 takes an FFN's gate and up m1, m2 (glu_pair_at's): both repacked Q4_0, 9-16
-// columns, on a device that runs it. (glu_pair_nodes checks the rest.)
+// Whether gemm_f8 takes an FFN's gate and up m1, m2 (glu_pair_at's): both repacked Q4_0, or both
+// Q4_K, 9-16 columns, on a device that runs it. (glu_pair_nodes checks the rest.)
 bool f8_pair(const ggml_tensor * m1, const ggml_tensor * m2, int device) {
     const int64_t ncols = m1->src[1]->ne[1];
-    auto q4_0 = [](const ggml_tensor * w) {
-        return w->type == GGML_TYPE_Q4_0 && repacked_of(w);
+    auto f8_type = [&](const ggml_tensor * w) {
+        return (w->type == GGML_TYPE_Q4_0 || w->type == GGML_TYPE_Q4_K) &&
+               w->type == m1->src[0]->type && repacked_of(w);
     };
-    return f8_on(device) && ncols > GM_COL_TILE && ncols <= F8_COLS && q4_0(m1->src[0]) &&
-           q4_0(m2->src[0]);
+    return f8_on(device) && ncols > GM_COL_TILE && ncols <= F8_COLS && f8_type(m1->src[0]) &&
+           f8_type(m2->src[0]);
 }
 
 // One pass over the graph being computed, the first time a hook asks of it: its nodes and
@@ -1157,8 +1158,10 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     // products no faster so: docs/BENCHMARKS.md, session 37); at two column tiles gemm_rb
     // (39.5 us at 16 columns: session 38)
     // (Q4_K's layout the same builds; Q5_K's and Q6_K's gemm_rb's always)
-    if (f8) {  // (on the H200 the stack at 16 columns 36.6 us where gemm_rb takes 39.9: session 51)
-        go(GemmF8<5>());
+    // (on the H200 the stack at 16 columns 36.6 us where gemm_rb takes 39.9, session 51; Q4_K's
+    // 40.8 where 44.2, session 52)
+    if (f8) {
+        wa->type == GGML_TYPE_Q4_K ? go(GemmF8<5, RpQ4_K>()) : go(GemmF8<5>());
         g_f8.fetch_add(1, std::memory_order_relaxed);
     } else with_layout(wa->type, [&](auto layout) {
         using L = decltype(layout);
