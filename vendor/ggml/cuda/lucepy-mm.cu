@@ -549,20 +549,23 @@ bool f8_on(int device) {
 }
 
 // Whether node i of `g`, a MUL_MAT, and the two computing nodes after it are an FFN's gate and up
-// products of one input and their SWIGLU (unswapped): the second product and the GLU into m2,
-// glu. (glu_pair_nodes takes them as one product; the scan asks it too.)
-bool glu_pair_at(const ggml_cgraph * g, int i, ggml_tensor *& m2, ggml_tensor *& glu) {
+// products of one input and their SWIGLU (unswapped): the GLU's node index (the second product
+// and the GLU into m2, glu), or 0. (glu_pair_nodes takes them as one product; the scan asks it
+// too.)
+int glu_pair_at(const ggml_cgraph * g, int i, ggml_tensor *& m2, ggml_tensor *& glu) {
     const ggml_tensor * m1 = g->nodes[i];
     const int i2 = next_op(g, i);
     const int i_glu = i2 < g->n_nodes ? next_op(g, i2) : i2;
     if (m1->op != GGML_OP_MUL_MAT || i_glu >= g->n_nodes) {
-        return false;
+        return 0;
     }
     m2 = g->nodes[i2];
     glu = g->nodes[i_glu];
-    return m2->op == GGML_OP_MUL_MAT && m2->src[1] == m1->src[1] && glu->op == GGML_OP_GLU &&
-           ggml_get_glu_op(glu) == GGML_GLU_OP_SWIGLU && ggml_get_op_params_i32(glu, 1) == 0 &&
-           ((glu->src[0] == m1 && glu->src[1] == m2) || (glu->src[0] == m2 && glu->src[1] == m1));
+    const bool pair =
+        m2->op == GGML_OP_MUL_MAT && m2->src[1] == m1->src[1] && glu->op == GGML_OP_GLU &&
+        ggml_get_glu_op(glu) == GGML_GLU_OP_SWIGLU && ggml_get_op_params_i32(glu, 1) == 0 &&
+        ((glu->src[0] == m1 && glu->src[1] == m2) || (glu->src[0] == m2 && glu->src[1] == m1));
+    return pair ? i_glu : 0;
 }
 
 // Whether gemm_f8 takes an FFN's gate and up m1, m2 (glu_pair_at's): both repacked Q4_0, or both
@@ -641,9 +644,7 @@ void scan(ContextState & st) {
         const auto want = st.wants.find(m1->src[1]);
         const auto down = st.wants.find(glu);
         auto alone = [&](const ggml_tensor * m) {
-            const auto r = st.reads.find(m);
-            return (m->flags & GGML_TENSOR_FLAG_OUTPUT) == 0 && r != st.reads.end() &&
-                   r->second == 1;
+            return (m->flags & GGML_TENSOR_FLAG_OUTPUT) == 0 && st.readers(m) == 1;
         };
         if (want != st.wants.end() && want->second.src1 == m1->src[1] &&
             want->second.planes == 0 && down != st.wants.end() && down->second.planes == 0 &&
@@ -1091,10 +1092,10 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     const ggml_tensor * m1 = cgraph->nodes[i];
     ggml_tensor * m2 = nullptr;
     ggml_tensor * glu = nullptr;
-    if (!glu_pair_at(cgraph, i, m2, glu)) {
+    const int i_glu = glu_pair_at(cgraph, i, m2, glu);
+    if (i_glu == 0) {
         return 0;
     }
-    const int i_glu = next_op(cgraph, next_op(cgraph, i));
     const ggml_tensor * ma = glu->src[0];  // silu's
     const ggml_tensor * mb = glu->src[1];
     const ggml_tensor * x = m1->src[1];
