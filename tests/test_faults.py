@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -214,3 +215,43 @@ def test_a_frozen_worker_fails_its_request_within_the_deadline_then_is_replaced(
         assert frozen.poll() is not None  # killed, not left stopped
     finally:
         srv.stop()
+
+
+def test_a_worker_frozen_while_loading_fails_the_load_within_the_setup_deadline(
+    tiny_model, monkeypatch
+):
+    """A call that is not a step (a load here) has a deadline too: a worker that accepts
+    connections but never answers fails the load, is killed, and the next load gets a new one.
+    Without the deadline the load waited; the timer thaws the worker after 20 s, so that fails
+    instead of hanging."""
+    from lucepy.errors import WorkerError
+    from lucepy.runtime import workers
+    from lucepy.runtime.config import RuntimeConfig
+    from lucepy.runtime.engine import Engine
+
+    spawned, spawn, connect = [], workers.spawn, workers.connect
+
+    def connect_then_freeze(*args):
+        backend = connect(*args)  # the handshake and device count are answered
+        # and so is the buffer type: ggml-rpc asks for it under a process-wide lock, which a
+        # worker frozen then would hold for good (docs/faults.md)
+        assert backend.buffer_type is not None
+        os.kill(spawned[-1].proc.pid, signal.SIGSTOP)
+        return backend
+
+    monkeypatch.setattr(workers, "spawn", lambda *a: spawned.append(spawn(*a)) or spawned[-1])
+    monkeypatch.setattr(workers, "connect", connect_then_freeze)
+    cfg = RuntimeConfig(device="cpu,cpu@worker", threads=1, max_ctx=256, setup_deadline_s=3.0)
+    thaw = threading.Timer(20.0, lambda: os.kill(spawned[0].proc.pid, signal.SIGCONT))
+    thaw.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"worker for cpu .* did not answer within 3.0 s"):
+            Engine(tiny_model("odd", "f32"), cfg, tokenizer=False)
+        assert time.monotonic() - t0 < 12.0
+        assert spawned[0].proc.wait(5) == -signal.SIGKILL  # killed, not left stopped
+    finally:
+        thaw.cancel()
+    monkeypatch.undo()
+    with Engine(tiny_model("odd", "f32"), cfg, tokenizer=False) as engine:
+        assert engine.prefill(list(range(3, 40))).shape == (engine.params.n_vocab,)

@@ -132,6 +132,31 @@ def test_killed_worker_fails_the_request_then_restarts(tiny_model):
         assert engine.prefill(PROMPT).shape == (engine.params.n_vocab,)
 
 
+def test_a_restarted_worker_never_gets_a_dead_workers_port(tiny_model, monkeypatch):
+    """ggml-rpc keeps a dead worker's connection per endpoint, its I/O thread parked by the abort
+    hook. When the OS handed the dead worker's port to its replacement, the reload waited on that
+    connection forever (seen once in CI); the short setup deadline makes that a failure here."""
+    from lucepy.ggml.lib import rpc_failures
+    from lucepy.runtime import workers
+
+    cfg = RuntimeConfig(device="cpu,cpu@worker", threads=THREADS, max_ctx=256, setup_deadline_s=5.0)
+    with Engine(tiny_model("odd", "f32"), cfg, tokenizer=False) as engine:
+        logits = engine.prefill(PROMPT)
+        victim = engine.pipeline.workers[0]
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        failures = len(rpc_failures())
+        with pytest.raises(WorkerError, match="stopped answering"):
+            engine.decode(int(np.argmax(logits)))
+        assert len(rpc_failures()) > failures  # its connection's thread is parked
+        port = int(victim.endpoint.rsplit(":", 1)[1])
+        offers, free_port = [port], workers.free_port
+        monkeypatch.setattr(workers, "free_port", lambda: offers.pop() if offers else free_port())
+        engine.reset()
+        assert not offers and engine.pipeline.workers[0].endpoint != victim.endpoint
+        assert engine.prefill(PROMPT).shape == (engine.params.n_vocab,)
+
+
 @pytest.mark.parametrize(
     "device,split,error,words",
     [

@@ -23,6 +23,9 @@ class RuntimeConfig:
     chunk: int = DEFAULT_CHUNK  # prefill batch size
     threads: int | None = None  # CPU threads; None: all cores
     step_deadline_s: float = 30.0  # least time a remote step gets before its worker is replaced
+    # most a remote connect, load, reset or close gets before its worker is replaced (an hour:
+    # a shard's weights over a slow link may take many minutes)
+    setup_deadline_s: float = 3600.0
     flash_attn: bool = True  # llama.cpp's -fa: off computes KQ, softmax and V^T KQ as its own ops
     # local CPU backends run ggml's reference kernels: a row of a step rounds as in a one-row step
     # (no split-KV or tiled attention), so speculation commits exactly the greedy tokens

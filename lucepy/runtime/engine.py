@@ -97,7 +97,12 @@ class Engine(StateIO, BatchedSequences):
             draft is not None and draft.where != "local"
         )
         self.pipeline = Pipeline(
-            self.lib, [], remote, self.n_ctx, deadline_s=self.config.step_deadline_s
+            self.lib,
+            [],
+            remote,
+            self.n_ctx,
+            deadline_s=self.config.step_deadline_s,
+            setup_deadline_s=self.config.setup_deadline_s,
         )
         self.pipeline.on_launch = self._launching
         rows = self.n_ctx * self.config.parallel  # cache rows of every sequence

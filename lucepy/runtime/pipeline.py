@@ -97,11 +97,20 @@ class Pipeline:
     reset) runs supervised on the guard thread."""
 
     def __init__(
-        self, lib: Lib, workers: list[Worker], remote: bool, n_ctx: int, deadline_s: float = 30.0
+        self,
+        lib: Lib,
+        workers: list[Worker],
+        remote: bool,
+        n_ctx: int,
+        deadline_s: float = 30.0,
+        setup_deadline_s: float = 3600.0,
     ):
         self.lib, self.workers, self.remote = lib, workers, remote
         self.expert_counts: ExpertCounts | None = None  # set by the engine for a MoE model
         self.deadline_floor_s = deadline_s  # the least a step may take before it is given up
+        # any other call (connect, load, reset, close) loads weights at worst: generous, but a
+        # worker that never answers must not hang the caller either
+        self.setup_deadline_s = setup_deadline_s
         self._slowest_s = 0.0
         self.slots: IdentitySlots | PagedSlots | SeqSlots = IdentitySlots(n_ctx)
         self.host_pool: HostPool | None = None  # KV Flash's paged-out rows (use_pool)
@@ -116,19 +125,22 @@ class Pipeline:
         self.broken: str | None = None
 
     def call(self, fn: Callable, step: bool = False):
-        """Run ``fn``; if a worker breaks meanwhile, raise WorkerError instead of hanging. A
-        ``step`` also has a deadline, from the slowest step so far with a floor; a worker that
-        misses it is killed (a frozen one would block forever) and the pipeline is broken."""
+        """Run ``fn``; if a worker breaks meanwhile, raise WorkerError instead of hanging. Every
+        call has a deadline: a ``step``'s from the slowest step so far with a floor, any other's
+        ``setup_deadline_s``. A worker that misses it is killed (a frozen one would block
+        forever) and the pipeline is broken."""
         if self.broken:
             raise WorkerError(self.broken)
         if self._guard is None:
             return fn()
         t0 = time.monotonic()
-        deadline = max(self.deadline_floor_s, DEADLINE_FACTOR * self._slowest_s)
+        deadline = self.setup_deadline_s
+        if step:
+            deadline = max(self.deadline_floor_s, DEADLINE_FACTOR * self._slowest_s)
         box, done = self._guard.submit(fn)
         while not done.wait(POLL_S):
             problem = self._problem()
-            if step and problem is None and time.monotonic() - t0 > deadline:
+            if problem is None and time.monotonic() - t0 > deadline:
                 problem = self._missed(deadline)
             if problem:
                 self.broken = (
@@ -144,9 +156,16 @@ class Pipeline:
         return value
 
     def _missed(self, deadline: float) -> str:
-        """Kill the workers of a step that outlived its deadline; say so."""
+        """Kill the workers of a call that outlived its deadline; say so. The call's connection
+        then breaks and ggml-rpc aborts (parked, ggml/lib.py): that is waited for here, briefly,
+        lest it land in the next pipeline's first call and fail it for nothing."""
         for worker in self.workers:
             worker.kill()
+        until = time.monotonic() + 2.0
+        while self.workers and len(rpc_failures()) == self._failures_seen:
+            if time.monotonic() > until:
+                break
+            time.sleep(0.01)
         names = ", ".join(w.describe() for w in self.workers) or "a remote device"
         return f"{names} did not answer within {deadline:.1f} s (frozen or unreachable)"
 

@@ -79,6 +79,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ggml-rpc keeps one connection (and its I/O thread) per endpoint string for the life of the
+# process. When a worker dies mid-call that thread is parked by our abort hook, and the shards
+# abandoned on it keep the connection cached: a new worker on the same port would be handed that
+# dead connection, and its first call would wait forever. So no port is given out twice.
+_ports_given: set[int] = set()
+
+
+def _new_port() -> int:
+    """A free port that no worker of this process has had (the OS may hand one out again)."""
+    port = free_port()
+    while port in _ports_given:
+        port = free_port()
+    _ports_given.add(port)
+    return port
+
+
 @dataclass
 class Worker:
     """A worker process this process started; stopped on ``close()``."""
@@ -131,7 +147,7 @@ def spawn(
     device: str, ggml_dir: Path | None, threads: int | None = None, log_dir: Path | None = None
 ) -> Worker:
     """Start ``lucepy worker`` for ``device`` on 127.0.0.1 and wait until it accepts connections."""
-    port = free_port()
+    port = _new_port()
     env = dict(os.environ)
     if ggml_dir is not None:
         env["LUCEPY_GGML_LIB"] = str(ggml_dir)
