@@ -218,6 +218,11 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         mbar_wait(wbar + 8 * s, uint32_t(ch / ST) & 1u);
         mbar_wait(xbar + 8 * s, uint32_t(ch / ST) & 1u);
         const uint32_t xs = x_at + s * F8_CHUNK;
+        // this stage's first piece's B; piece q's two terms are 1024 q and 1024 q + 512 bytes on,
+        // an add to the start address field (shared address / 16, 14 bits: under 228 KB it
+        // never carries), worked out once here where each descriptor cost 4-5 uniform
+        // instructions (the Q4_0 stack 1.2 us faster, Q4_K's 2.6: docs/BENCHMARKS.md, session 53)
+        const uint64_t desc_s = desc0 | (xs >> 4);
         uint4 qa[2], qb[2], dq[2];
         uint32_t ds[2] = {0, 0};  // Q4_K: (s of row g, of row g + 8) of this lane's pieces t, 4 + t
 #pragma unroll
@@ -276,8 +281,8 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
             A[q % S][1] = wr & 0x0F0F0F0Fu;
             A[q % S][2] = (wa >> 4) & 0x0F0F0F0Fu;
             A[q % S][3] = (wr >> 4) & 0x0F0F0F0Fu;
-            const uint64_t d_hi = desc0 | ((xs + q * 1024) >> 4);
-            const uint64_t d_lo = desc0 | ((xs + q * 1024 + 512) >> 4);
+            const uint64_t d_hi = desc_s + q * 64;
+            const uint64_t d_lo = desc_s + q * 64 + 32;
             wgmma_fence();
             wgmma_e4m3<false>(D[q % S], A[q % S], d_hi);
             wgmma_e4m3<true>(D[q % S], A[q % S], d_lo);
