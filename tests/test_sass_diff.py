@@ -65,3 +65,28 @@ def test_registers_alone_are_told_from_instructions(tmp_path, capsys):
     new[G].insert(1, "NOP")
     got = run(tmp_path, capsys, old, new, "--show", "g(int)")
     assert "+NOP" in got and not any(line.startswith("-") and "MOV" in line for line in got)
+
+
+def test_loops_are_counted_with_their_opcodes(tmp_path, capsys):
+    # a wait's one-instruction retry loop, then a loop of 5 instructions back to index 2
+    body = [
+        "MOV R1, c[0x0][0x28]",
+        "@!P0 BRA 0x10",
+        "LDS R2, [R1]",
+        "FFMA R3, R2, R2, R3",
+        "@P1 FFMA.FTZ R4, R2, R3, R4",
+        "IADD3 R1, R1, 0x4, RZ",
+        "@!P2 BRA P1, 0x20",
+        "EXIT",
+        "BRA 0x20",  # a slow path's jump back: not a loop
+    ]
+    new = {G: body[:4] + ["FFMA R5, R2, R2, R5"] + body[4:]}
+    got = run(tmp_path, capsys, {G: body}, new, "--loops", "g(int)", "--min", "2")
+    assert got == [
+        "old loop 0x0020-0x0060: 5 instructions (FFMA 2, LDS 1, IADD3 1, BRA 1)",
+        "new loop 0x0020-0x0070: 6 instructions (FFMA 3, LDS 1, IADD3 1, BRA 1)",
+    ]
+    # the retry loop at index 1 (its own target) is one instruction: shown only at --min 1
+    got = run(tmp_path, capsys, {G: body}, new, "--loops", "g(int)", "--min", "1")
+    assert got[0] == "old loop 0x0010-0x0010: 1 instructions (BRA 1)"
+    assert len(got) == 4  # and each side's loop at 0x20; the jump back from 0x80 is none

@@ -10,11 +10,16 @@ session 44), without a GPU:
 Names are demangled (c++filt) and compared after the renames (Python regular expressions, applied
 to both sides: a template argument that changed its spelling, e.g. 'gemm_rq6<(\\d+)>=>gemm_rq<\\1,
 RpQ6_K>'). --show prints one function's instruction diff with registers and branch targets
-blanked (what moved, not how it was allocated)."""
+blanked (what moved, not how it was allocated). --loops prints each loop of a function in both
+listings (a backward branch and its target; --min instructions or more, to leave out the
+one-instruction retry loops of waits and bulk copies): its span, its instruction count and its
+commonest opcodes, the count an instruction diet is measured by where a kernel is near its issue
+rate (docs/BENCHMARKS.md, session 53: `gemm_f8`'s descriptors)."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import difflib
 import re
 import subprocess
@@ -34,6 +39,26 @@ def functions(path: Path) -> dict[str, list[str]]:
         ["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True
     ).stdout.splitlines()
     return {readable: bodies[name] for name, readable in zip(names, plain, strict=True)}
+
+
+def loops(code: list[str], least: int) -> list[tuple[int, int, collections.Counter]]:
+    """The loops of a function's instructions (16 bytes each from address 0): each predicated
+    backward branch's (first, last) instruction index, with the opcodes between (predicates and
+    modifiers dropped), where there are at least ``least``. (An unpredicated one is a slow
+    path's jump back into the code, such as a wait's after its retry loop, not a loop's end.)"""
+    out = []
+    for i, line in enumerate(code):
+        target = re.search(r"^@!?U?P[T\d]\s+BRA\b.*?(0x[0-9a-f]+)$", line)
+        if target is None or int(target.group(1), 16) // 16 > i:
+            continue
+        first = int(target.group(1), 16) // 16
+        if i - first + 1 >= least:
+            ops = collections.Counter(
+                re.sub(r"^@!?U?P[T\d]\s+", "", ins).split()[0].split(".")[0]
+                for ins in code[first : i + 1]
+            )
+            out.append((first, i, ops))
+    return out
 
 
 def renamed(fns: dict[str, list[str]], renames: list[tuple[str, str]]) -> dict[str, list[str]]:
@@ -61,12 +86,25 @@ def main() -> int:
     ap.add_argument("new", type=Path)
     ap.add_argument("--rename", action="append", default=[], help="REGEX=>REPLACEMENT")
     ap.add_argument("--show", help="a function's (renamed) name: its instruction diff")
+    ap.add_argument("--loops", help="a function's (renamed) name: its loops in each listing")
+    ap.add_argument("--min", type=int, default=16, help="--loops' least instructions a loop")
     args = ap.parse_args()
     renames = [tuple(r.split("=>", 1)) for r in args.rename]
     if any(len(r) != 2 for r in renames):
         ap.error("--rename takes REGEX=>REPLACEMENT")
     old = renamed(functions(args.old), renames)
     new = renamed(functions(args.new), renames)
+    if args.loops:
+        if args.loops not in old or args.loops not in new:
+            ap.error(f"{args.loops!r} is not in both listings")
+        for side, fns in (("old", old), ("new", new)):
+            for first, last, ops in loops(fns[args.loops], args.min):
+                mix = ", ".join(f"{op} {n}" for op, n in ops.most_common(10))
+                print(
+                    f"{side} loop 0x{16 * first:04x}-0x{16 * last:04x}: "
+                    f"{last - first + 1} instructions ({mix})"
+                )
+        return 0
     if args.show:
         if args.show not in old or args.show not in new:
             ap.error(f"{args.show!r} is not in both listings")
