@@ -99,6 +99,15 @@ def one(args: argparse.Namespace) -> int:
     return 0
 
 
+def choice_env(choice: str) -> dict[str, str]:
+    """This process's environment with lucepy's kernels set for ``choice`` (one of CHOICES)."""
+    return dict(
+        os.environ,
+        LUCEPY_CUDA_KERNELS="0" if choice == "ggml" else "1",
+        LUCEPY_CUDA_REPACK="1" if choice == "repacked" else "0",
+    )
+
+
 def _one_run(args: argparse.Namespace, choice: str, part: Path, env: dict) -> tuple[dict, bool]:
     """tools/bench_kernels.py one of `choice` on args.model in a process of its own, with `env`:
     its JSON ({} where it wrote none), and whether it ended well."""
@@ -116,8 +125,7 @@ def ab(args: argparse.Namespace) -> int:
     failed = 0
     for r in range(args.rounds):
         for value in ("0", "1"):
-            env = dict(os.environ, LUCEPY_CUDA_KERNELS="1", LUCEPY_CUDA_REPACK="1")
-            env[args.switch] = value
+            env = {**choice_env("repacked"), args.switch: value}
             got, ok = _one_run(args, "repacked", out.with_suffix(f".{value}.{r}.json"), env)
             runs[value].append(got)
             failed += not ok
@@ -155,12 +163,8 @@ def measure(args: argparse.Namespace) -> int:
     results: dict = {"model": str(args.model), "device": args.device}
     failed = 0
     for choice in CHOICES:
-        env = dict(
-            os.environ,
-            LUCEPY_CUDA_KERNELS="0" if choice == "ggml" else "1",
-            LUCEPY_CUDA_REPACK="1" if choice == "repacked" else "0",
-        )
-        results[choice], ok = _one_run(args, choice, out.with_suffix(f".{choice}.json"), env)
+        part = out.with_suffix(f".{choice}.json")
+        results[choice], ok = _one_run(args, choice, part, choice_env(choice))
         failed += not ok
         out.write_text(json.dumps(results, indent=1))
     return 1 if failed else 0
