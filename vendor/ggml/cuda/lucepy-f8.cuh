@@ -35,7 +35,7 @@ static __global__ void __launch_bounds__(TH_THREADS)
     const float scale = f8_scale(
         segment_amax<1, TH_WARPS>(segment_group(x, col_stride, npieces, ncols, piece, v)));
     if (threadIdx.x == 0) {
-        out.xinv[c * segments(npieces) + seg] = 512.0f / scale;
+        out.xinv[f8_scale_at(c, seg)] = 512.0f / scale;
     }
     if (piece >= npieces) {
         return;
@@ -158,12 +158,17 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
     const int ngroups = a.npieces / RP_GROUP;
     const uint8_t * w_src = warp_tile_at(a, mine ? row0 : 0, mine ? warp : 0, chunk0, ngroups);
     const uint8_t * x_src = reinterpret_cast<const uint8_t *>(a.x.xh) + int64_t(chunk0) * F8_CHUNK;
+    // the chunk after the stages' first: its weights and records, advanced a chunk each fetch
+    const uint8_t * w_next = w_src + int64_t(ST) * WB;
+    const uint8_t * x_next = x_src + int64_t(ST) * F8_CHUNK;
     auto fetch = [&](int ch) {
         const bool here = ch < nchunks;
-        mbar_copy_if(here && lane == 0, wbar + 8 * (ch % ST), w_dst + (ch % ST) * W_STAGE,
-                     w_src + int64_t(ch) * WB, WB);
+        mbar_copy_if(here && lane == 0, wbar + 8 * (ch % ST), w_dst + (ch % ST) * W_STAGE, w_next,
+                     WB);
         mbar_copy_if(here && threadIdx.x == 0, xbar + 8 * (ch % ST), x_at + (ch % ST) * F8_CHUNK,
-                     x_src + int64_t(ch) * F8_CHUNK, F8_CHUNK);
+                     x_next, F8_CHUNK);
+        w_next += WB;
+        x_next += F8_CHUNK;
     };
     if (lane == 0) {
 #pragma unroll
@@ -190,7 +195,6 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
     }
     // B's descriptor: no swizzle, core matrices 128 bytes apart along k, 256 along n
     const uint64_t desc0 = (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
-    const int nsegs = segments(a.npieces);
     const __half * xo = f8_offsets(a.x.xinv, a.npieces);
     // this lane's ldmatrix row: matrix m = lane / 8 (piece m of a group), row lane % 8 (turned)
     const int lr = lane % 8;
@@ -259,8 +263,13 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
                 d1 = w[1];
             }
             const int hs = (chunk0 + ch) & 1;  // the segment's second chunk: k 8 + 2t
-            sa[2 * hs] = __byte_perm(d0, d1, 0x5410);
-            sa[2 * hs + 1] = __byte_perm(d0, d1, 0x7632);
+            // (selected, not indexed by hs: an index known only at run time put sa in local
+            // memory, a store a chunk and a load a segment)
+            const uint32_t s_lo = __byte_perm(d0, d1, 0x5410), s_hi = __byte_perm(d0, d1, 0x7632);
+            sa[0] = hs ? sa[0] : s_lo;
+            sa[1] = hs ? sa[1] : s_hi;
+            sa[2] = hs ? s_lo : sa[2];
+            sa[3] = hs ? s_hi : sa[3];
             if (hs == 0 || ch == 0) {  // the segment's offsets, loaded well ahead
                 const int seg = (chunk0 + ch) / 2;
 #pragma unroll
@@ -314,10 +323,13 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
             for (int j = 0; j < 4; j++) {
                 sa[j] = 0;
             }
+            // columns 2t, 2t + 1 (tile 0) and 8 + 2t, 9 + 2t (tile 1)
+            const float * xi = a.x.xinv + f8_scale_at(2 * t, seg);
+            const float2 inv[2] = {__ldg(reinterpret_cast<const float2 *>(xi)),
+                                   __ldg(reinterpret_cast<const float2 *>(xi + GM_COL_TILE))};
 #pragma unroll
             for (int i = 0; i < 8; i++) {
-                const int col = (i / 4) * 8 + 2 * t + i % 2;
-                total[i] += acc[i] * __ldg(a.x.xinv + col * nsegs + seg);
+                total[i] += acc[i] * (i % 2 ? inv[i / 4].y : inv[i / 4].x);
                 acc[i] = 0.0f;
             }
         }

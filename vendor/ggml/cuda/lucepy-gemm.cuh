@@ -63,6 +63,11 @@ struct Halves {
     float * xinv;
 };
 
+// where 1 / scale of column c and segment seg is among the halves' scales ([column][segment])
+__host__ __device__ constexpr int64_t halves_scale_at(int c, int seg, int nsegs) {
+    return int64_t(c) * nsegs + seg;
+}
+
 inline Halves halves_at(uint8_t * buf, int64_t npieces, int ncols) {
     return {reinterpret_cast<uint4 *>(buf),
             reinterpret_cast<float *>(buf + int64_t(padded_cols(ncols)) * npieces * 64)};
@@ -155,7 +160,7 @@ static __global__ void __launch_bounds__(TH_THREADS)
         segment_amax<1, TH_WARPS>(segment_group(x, col_stride, npieces, ncols, piece, v));
     const float scale = segment_scale(amax);
     if (threadIdx.x == 0) {
-        out.xinv[c * segments(npieces) + seg] = 1.0f / scale;
+        out.xinv[halves_scale_at(c, seg, segments(npieces))] = 1.0f / scale;
     }
     if (piece >= npieces) {
         return;
@@ -227,7 +232,7 @@ static __global__ void __launch_bounds__(NORM_THREADS)
         }
         const float s = segment_scale(amax);
         if (lane == 0) {
-            out.xinv[c * segments(npieces) + seg] = 1.0f / s;
+            out.xinv[halves_scale_at(c, seg, segments(npieces))] = 1.0f / s;
         }
 #pragma unroll
         for (int g = 0; g < 2; g++) {
@@ -258,7 +263,7 @@ __device__ __forceinline__ void segment_halves(const float (&v)[V], const Halves
     }
     const float s = segment_scale(segment_amax<SEGS, WPS>(amax));
     if (warp % WPS == 0 && lane == 0) {
-        out.xinv[c * segments(npieces) + seg0 + mine] = 1.0f / s;
+        out.xinv[halves_scale_at(c, seg0 + mine, segments(npieces))] = 1.0f / s;
     }
     const int t = lane % 4;  // group t: values 4t..4t+3 and 16+4t..16+4t+3
 #pragma unroll
@@ -281,8 +286,9 @@ __device__ __forceinline__ void segment_halves(const float (&v)[V], const Halves
 // A chunk of 8 pieces of 16 columns is F8_CHUNK bytes: piece q's first terms at 1024 q and its
 // second terms 512 after, each 16 columns x 32 values in wgmma's core matrices (8 columns x 16
 // bytes, column c's values 4t..4t+3 as the word at 256 (c / 8) + 16 (c % 8) + 4 t, its values
-// 16 + 4t.. 128 bytes after). After the chunks: 512 / scale a column and segment ([16][segments],
-// each segment's largest scaled into [128, 256)), then each segment's pieces' sums times -8 / 512
+// 16 + 4t.. 128 bytes after). After the chunks: 512 / scale a column and segment ([segments][16]
+// (f8_scale_at): a lane's four columns of a segment two 8-byte loads; each segment's largest
+// scaled into [128, 256)), then each segment's pieces' sums times -8 / 512
 // (two halves: the sum, then what it missed) as an m16n8k16 mma's B registers of the segment's 16
 // pieces, [segment][tile of 8 columns][term][lane][4 halves].
 constexpr int F8_CHUNK = 8 * 1024;
@@ -301,6 +307,11 @@ __host__ __device__ constexpr int64_t f8_bytes(int64_t npieces) {
 inline Halves f8_at(uint8_t * buf, int64_t npieces) {
     return {reinterpret_cast<uint4 *>(buf),
             reinterpret_cast<float *>(buf + f8_records_bytes(npieces))};
+}
+
+// where 512 / scale of column c and segment seg is among the records' scales
+__host__ __device__ constexpr int64_t f8_scale_at(int c, int seg) {
+    return int64_t(seg) * F8_COLS + c;
 }
 
 // the offsets after the scales
@@ -381,7 +392,7 @@ __device__ __forceinline__ void segment_e4m3(float v, const Halves & out, int c,
     const float scale = f8_scale(segment_amax<SEGS, GM_SEG>(fabsf(v)));
     const int seg = seg0 + mine;
     if (warp % GM_SEG == 0 && lane == 0) {
-        out.xinv[c * segments(npieces) + seg] = 512.0f / scale;
+        out.xinv[f8_scale_at(c, seg)] = 512.0f / scale;
     }
     uint32_t h, l;
     float sum = f8_terms(v * scale, h, l);
@@ -774,8 +785,8 @@ __device__ __forceinline__ void segment_inv(const GemmArgs & a, int t, int seg, 
                                             float (&inv)[NT][2]) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
-        inv[nt][0] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t) * nsegs + seg);
-        inv[nt][1] = __ldg(a.x.xinv + (nt * GM_COL_TILE + 2 * t + 1) * nsegs + seg);
+        inv[nt][0] = __ldg(a.x.xinv + halves_scale_at(nt * GM_COL_TILE + 2 * t, seg, nsegs));
+        inv[nt][1] = __ldg(a.x.xinv + halves_scale_at(nt * GM_COL_TILE + 2 * t + 1, seg, nsegs));
     }
 }
 

@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(W * 32, MINB) gemm_r(const GemmArgs a) {
     float total[NT][4] = {};  // and the sums of those before, scaled back
     const int nsegs = segments(a.npieces);
     // the 1 / scale of this lane's first column (2t) in the next segment to flush
-    const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
+    const float * xi = a.x.xinv + halves_scale_at(2 * t, chunk0 / 2, nsegs);
     uint32_t x_lane[4];  // word w of this lane's piece of column g in stage 0
     activation_lanes(smem, g, t, x_lane);
 
@@ -488,7 +488,7 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
     float acc[NT][4] = {};
     float total[NT][4] = {};
     const int nsegs = segments(a.npieces);
-    const float * xi = a.x.xinv + 2 * t * nsegs + chunk0 / 2;
+    const float * xi = a.x.xinv + halves_scale_at(2 * t, chunk0 / 2, nsegs);
     uint32_t x_lane[4];
     activation_lanes(smem, g, t, x_lane);
     const uint32_t w_lane = opaque(w_dst + 16 * lane);
