@@ -1338,22 +1338,25 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
 
 // --- a verify's residual sum and the next RMS norm: two kernels or one (--sum-norm) -----------
 
-// sum_norm_halves as lucepy-mm.cu launches it: clusters of CL CTAs along x (no PDL here)
-template <int CL> void launch_sum_norm(const SumNorm & a, cudaStream_t s) {
+// sum_norm_halves as lucepy-mm.cu launches it: clusters of CL CTAs along x (no PDL here); F8:
+// its e4m3 records (16 columns) where halves
+template <int CL, bool F8 = false> void launch_sum_norm(const SumNorm & a, cudaStream_t s) {
     cudaLaunchAttribute attr = cluster_attr(CL);
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(CL, unsigned(padded_cols(a.ncols)));
+    cfg.gridDim = dim3(CL, unsigned(F8 ? F8_COLS : padded_cols(a.ncols)));
     cfg.blockDim = dim3(NORM_THREADS);
     cfg.stream = s;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, sum_norm_halves<CL>, a));
+    CHECK(cudaLaunchKernelEx(&cfg, sum_norm_halves<CL, F8>, a));
 }
 
 // The 27B-shaped model's 5,120-value residual stream at `ncols` columns, after a product of
 // `nparts` parts: gemm_sum then norm_halves (one part: the product's store added the residual,
 // so norm_halves alone) against sum_norm_halves, every byte of both ways' results compared (the
-// sum, the norm's result, the halves and their scales) and each way's time per call.
+// sum, the norm's result, the halves and their scales) and each way's time per call; then
+// sum_norm_halves writing gemm_f8's e4m3 records where halves (parts only: its sum and norm's
+// result compared too), what the records cost the kernel that writes them.
 void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
     constexpr int N = 5120;
     constexpr int CL = N / NORM_THREADS;
@@ -1383,12 +1386,13 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
     struct Out {
         float *sum, *normed;
         uint8_t * halves;
-    } out[2];
+    } out[3];
+    const size_t fb = size_t(f8_bytes(npieces));
     for (Out & o : out) {
         CHECK(cudaMalloc(&o.sum, col_bytes * ncols));
         CHECK(cudaMalloc(&o.normed, col_bytes * ncols));
-        CHECK(cudaMalloc(&o.halves, hb));
-        CHECK(cudaMemset(o.halves, 0, hb));
+        CHECK(cudaMalloc(&o.halves, std::max(hb, fb)));
+        CHECK(cudaMemset(o.halves, 0, std::max(hb, fb)));
     }
     // one part: the sums with the residual are already in place, as the product's store left them
     if (nparts == 1) {
@@ -1411,8 +1415,7 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
         norm_halves<<<unsigned(padded_cols(ncols)), NORM_THREADS, 0, s>>>(
             o.sum, N, w, o.normed, N, N, EPS, ncols, halves_at(o.halves, npieces, ncols));
     };
-    auto joined = [&](int) {
-        const Out & o = out[1];
+    auto joined_as = [&](const Out & o, bool f8) {
         SumNorm a = {};
         if (nparts > 1) {
             a.src = parts;
@@ -1433,11 +1436,16 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
         a.n = N;
         a.ncols = ncols;
         a.eps = EPS;
-        a.out = halves_at(o.halves, npieces, ncols);
-        launch_sum_norm<CL>(a, s);
+        a.out = f8 ? f8_at(o.halves, npieces) : halves_at(o.halves, npieces, ncols);
+        f8 ? launch_sum_norm<CL, true>(a, s) : launch_sum_norm<CL>(a, s);
     };
+    auto joined = [&](int) { joined_as(out[1], false); };
+    auto records = [&](int) { joined_as(out[2], true); };
     apart(0);
     joined(0);
+    if (nparts > 1) {
+        records(0);
+    }
     CHECK(cudaStreamSynchronize(s));
     CHECK(cudaGetLastError());
     auto same_bytes = [](const void * a, const void * b, size_t bytes) {
@@ -1456,6 +1464,14 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
                 "us (%.2fx)%s\n",
                 N, ncols, nparts, nparts > 1 ? "gemm_sum + norm_halves" : "norm_halves",
                 t_apart, t_joined, t_joined / t_apart, same ? "" : "  WRONG (not the same bytes)");
+    if (nparts > 1 && ncols > GM_COL_TILE) {  // (gemm_f8's columns)
+        const bool kept = same_bytes(out[1].sum, out[2].sum, col_bytes * ncols) &&
+                          same_bytes(out[1].normed, out[2].normed, col_bytes * ncols);
+        failures += !kept;
+        const float t_records = time_calls(s, records);
+        std::printf("   writing e4m3 records where halves: %7.2f us (+%.2f)%s\n", t_records,
+                    t_records - t_joined, kept ? "" : "  WRONG (not the same sum and norm)");
+    }
     for (Out & o : out) {
         CHECK(cudaFree(o.sum));
         CHECK(cudaFree(o.normed));
