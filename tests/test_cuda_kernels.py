@@ -52,9 +52,7 @@ def test_a_product_splits_into_parts_as_its_rows_allow(tmp_path):
         (96, 160), (128, 160), (64, 16), (64, 2), (1024, 160), (5120, 544), (5120, 192),
         (10240, 160), (17408, 160), (34816, 160), (1000, 37), (248320, 160),
     ]  # fmt: skip
-    lines = "".join(f"{r} {p} 64 8 {slots} 16\n" for r, p in shapes)
-    out = subprocess.run([exe], input=lines, capture_output=True, text=True, check=True).stdout
-    got = [tuple(map(int, line.split())) for line in out.splitlines()]
+    got = plans(exe, [(r, p, slots, 0.35) for r, p in shapes])
     assert len(got) == len(shapes)
     for (rows, pieces), (parts, most, by_cost) in zip(shapes, got, strict=True):
         tiles = -(-rows // 64)
@@ -75,6 +73,26 @@ def test_a_product_splits_into_parts_as_its_rows_allow(tmp_path):
     # against 24.8 in 13
     assert by_cost[(34816, 160)] == 5 and by_cost[(17408, 160)] == 5
     assert by_cost[(5120, 544)] == 6
+
+
+def plans(exe: Path, shapes: list[tuple[int, int, int, float]]) -> list[tuple[int, ...]]:
+    """plan_host's (parts, most, by_cost) for each (rows, pieces, slots, start) at 16 columns."""
+    lines = "".join(f"{r} {p} 64 8 {slots} 16 {start}\n" for r, p, slots, start in shapes)
+    out = subprocess.run([exe], input=lines, capture_output=True, text=True, check=True).stdout
+    return [tuple(map(int, line.split())) for line in out.splitlines()]
+
+
+def test_gemm_f8s_longer_start_keeps_its_products_in_one_wave(tmp_path):
+    """gemm_f8's plan (GemmF8::start, 2 chunks a CTA's start where gemm_r's is 0.35) at its 5
+    CTAs an SM on the H200 (660 slots): the 27B-shaped DeltaNet inputs (16,480 rows) in the 2
+    parts measured fastest at 16 columns (19.8 us, where the 5 that gemm_r's start picks took
+    22.1: docs/BENCHMARKS.md, session 54), ffn down in the 8 of one wave, the FFN's stack whole."""
+    exe = host_build(tmp_path, "plan_host")
+    shapes = [(16480, 160), (5120, 544), (34816, 160)]
+    f8 = [row[2] for row in plans(exe, [(r, p, 660, 2.0) for r, p in shapes])]
+    r = [row[2] for row in plans(exe, [(r, p, 660, 0.35) for r, p in shapes])]
+    assert f8 == [2, 8, 1]
+    assert r[0] == 5  # (the start is what moves it)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -615,7 +615,9 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
     On an H200 the 27B-shaped FFN's two products at 16 columns are gemm_rb's (bulk_product: the
     stack's 544 row blocks of 20 chunks, the down's 80 of 68), the small FFN's gemm_r's; Q5_K's
     and Q6_K's always gemm_rb's; but a Q4_0 or Q4_K stack at 9-16 columns is gemm_f8's (Hopper's
-    FP8 warpgroup mma, its activations converted by to_e4m3)."""
+    FP8 warpgroup mma, its activations converted by to_e4m3), and so is the 27B-shaped down
+    (f8_single: 6 chunks a CTA slot and more), its e4m3 records written by the GLU's kernel (no
+    conversion of its own: as many activations quantized as with halves)."""
     lib, device, kernels = cuda
     h200 = on_h200(lib, device)
     shapes = [(n_ff, n), (n_ff, n), (n, n_ff)]  # (rows, row length): gate, up, down
@@ -629,13 +631,15 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
         out = ffn_products(lib, device, weights, feeds, keep_gate, repack=kernels)
         return out, (kernels.calls - calls, kernels.ops - ops)
 
-    bulk, f8 = kernels.bulk, kernels.f8
+    bulk, f8, quantized = kernels.bulk, kernels.f8, kernels.quantized
     assert run(xs[:1])[1] == (3, 1)
+    assert kernels.quantized - quantized == 2  # the stack's input, the GLU's halves or records
     f8_stack = kind in ("q4_0", "q4_k") and k > 8
+    f8_down = f8_stack and n_ff == 17408
     if h200:
         big = n_ff == 17408 or kind in BULK_ONLY
-        assert kernels.bulk - bulk == big * (2 - f8_stack), "gemm_rb's products"
-        assert kernels.f8 - f8 == f8_stack, "gemm_f8's products"
+        assert kernels.bulk - bulk == big * (2 - f8_stack - f8_down), "gemm_rb's products"
+        assert kernels.f8 - f8 == f8_stack + f8_down, "gemm_f8's products"
     kept, counts = run(xs[:1], keep_gate=True)
     assert counts == (3, 0)
     ours, _ = run(xs)
@@ -731,7 +735,8 @@ def test_gpu_repacked_products_by_bulk_copies_match_the_exact_math(kind, rows, n
     weights by the TMA unit: lucepy-mm.cu's bulk_product): the 27B-shaped model's attention qkv,
     10,240 x 5,120 (4.8 chunks a CTA slot at two column tiles: gemm_rb at 9-16 columns; 4.0 at
     one: gemm_r at 8), and its ffn down, 5,120 x 17,408 (6.9 a slot at one tile: gemm_rb at 2-8
-    columns too; Q5_K's and Q6_K's gemm_rb always). Each no further from the exact math than
+    columns too; Q5_K's and Q6_K's gemm_rb always; Q4_0's and Q4_K's gemm_f8's at 9-16 columns,
+    8.2 chunks a slot of its: lucepy-mm.cu's f8_single). Each no further from the exact math than
     twice ggml's kernels on the blocks, in parts and with its residual ADD (the sum one product
     of ours, bit for bit the product and ggml's ADD apart), for new inputs too (the CUDA graph
     replayed)."""
@@ -742,12 +747,14 @@ def test_gpu_repacked_products_by_bulk_copies_match_the_exact_math(kind, rows, n
     rng = np.random.default_rng(62)
     for k in cols:
         xs = [rng.normal(size=(k, n)).astype(np.float32) for _ in range(2)]
-        calls, bulk = kernels.calls, kernels.bulk
+        calls, bulk, f8s = kernels.calls, kernels.bulk, kernels.f8
         [[ours]] = products(lib, device, weights, xs[:1], repack=kernels)
         assert kernels.calls - calls == 1, f"{k} columns"
         if h200:
-            route = int(rows == 5120 or k > 8 or kind in BULK_ONLY)
+            f8 = int(kind in ("q4_0", "q4_k") and k > 8 and rows == 5120)
+            route = int(rows == 5120 or k > 8 or kind in BULK_ONLY) - f8
             assert kernels.bulk - bulk == route, f"{k} columns: route"
+            assert kernels.f8 - f8s == f8, f"{k} columns: route"
         kernels.set(False)
         try:
             [[theirs]] = products(lib, device, weights, xs[:1])

@@ -94,8 +94,10 @@ class CudaKernels:
 
     @property
     def f8(self) -> int:
-        """Of the products, those of ``gemm_f8``: an FFN's gate and up of repacked Q4_0 or Q4_K at
-        9-16 columns on Hopper's FP8 warpgroup mma (the build's sm_90a code), counted alike."""
+        """Of the products, those of ``gemm_f8`` (Hopper's FP8 warpgroup mma, the build's sm_90a
+        code) on repacked Q4_0 or Q4_K at 9-16 columns: an FFN's gate and up (as one), and a
+        product alone where each CTA slot gets 6 chunks and more (lucepy-mm.cu's ``f8_single``:
+        the 27B-shaped model's ffn down and DeltaNet inputs), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_f8())
 
     def repack(self, tensor: Any) -> bool:

@@ -1,6 +1,7 @@
 // Host check of vendor/ggml/cuda/lucepy-plan.h (tests/test_cuda_kernels.py): reads lines of
-// "nrows npieces cta_rows P slots ncols" on stdin, writes for each "parts most by_cost"
-// (gemm_parts, gemm_max_parts, and gemm_parts_by_cost for `ncols` columns) on stdout.
+// "nrows npieces cta_rows P slots ncols start" on stdin, writes for each "parts most by_cost"
+// (gemm_parts, gemm_max_parts, and gemm_parts_by_cost for `ncols` columns and a CTA's start of
+// `start` chunks) on stdout.
 #include "lucepy-plan.h"
 
 #include <cstdio>
@@ -8,10 +9,12 @@
 int main() {
     int nrows, npieces, cta_rows, P, ncols;
     long long slots;
-    while (scanf("%d %d %d %d %lld %d", &nrows, &npieces, &cta_rows, &P, &slots, &ncols) == 6) {
+    double start;
+    while (scanf("%d %d %d %d %lld %d %lf", &nrows, &npieces, &cta_rows, &P, &slots, &ncols,
+                 &start) == 7) {
         printf("%d %d %d\n", lucepy::gemm_parts(nrows, npieces, cta_rows, P, slots),
                lucepy::gemm_max_parts(npieces, P),
-               lucepy::gemm_parts_by_cost(nrows, npieces, ncols, cta_rows, P, slots));
+               lucepy::gemm_parts_by_cost(nrows, npieces, ncols, cta_rows, P, slots, 16, start));
     }
     return 0;
 }

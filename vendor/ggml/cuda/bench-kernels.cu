@@ -13,6 +13,7 @@
 //     (BENCH_FEW=1: of gemm's launches only lucepy-mm.cu's, beside the repacked Q4_0's)
 //     ./bench-kernels --sum-norm   (a verify's residual sum and next RMS norm: gemm_sum and
 //     norm_halves against sum_norm_halves, their results compared byte for byte)
+//     ./bench-kernels --e4m3   (f8_of against the non-saturating conversion, every float)
 //     ./bench-kernels --overlap   (a product on a second stream beside the DeltaNet recurrence)
 //     ./bench-kernels --mma-rate   (mma.sync's rate alone: warps an SM, chains, unpacking beside;
 //     m16n8k32 on s8 and e4m3; a Q4_0 piece at 16 columns from shared memory four ways)
@@ -505,10 +506,11 @@ std::vector<GemmVariant> gemm_variants_of(int k, int ncols) {
 }
 
 // gemm_r's plan (lucepy-mm.cu's gemm_r_plan) for CTAs of W warps, per_sm of them an SM
-GemmPlan gemm_r_plan_at(const GemmArgs & a, int W, int per_sm, int most = 16) {
+GemmPlan gemm_r_plan_at(const GemmArgs & a, int W, int per_sm, int most = 16,
+                        double start = 0.35) {
     return gemm_plan_in(a.nrows, a.npieces, W * 16, 8,
                         gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, W * 16, 8,
-                                           int64_t(per_sm) * g_sms, most));
+                                           int64_t(per_sm) * g_sms, most, start));
 }
 
 // build R (GemmR, GemmRB) on its plan, of at most MOST parts, for PLAN_SM CTAs an SM (whatever
@@ -709,7 +711,7 @@ void bench_f8(int k, const Shape & sh, const std::vector<uint8_t> & host, int64_
                                 {"f8 <= 4 parts", R::minb, 4}, {"f8 plan 4 an SM", 4, 16},
                                 {"f8 plan 6 an SM", 6, 16}};
     for (const Variant & v : variants) {
-        const GemmPlan plan = gemm_r_plan_at(g, R::warps, v.per_sm, v.most);
+        const GemmPlan plan = gemm_r_plan_at(g, R::warps, v.per_sm, v.most, R::start);
         auto run = [&](int i) {
             GemmArgs b = g;
             b.w = wr + mat_bytes * (i % copies);
@@ -1334,6 +1336,59 @@ void bench_cols(int k, const Shape & sh, const std::vector<int> & cols, cudaStre
     CHECK(cudaFree(act));
     CHECK(cudaFree(dst));
     CHECK(cudaFree(parts));
+}
+
+// --- --e4m3: f8_of (the records' conversion) against the non-saturating one, every float -----
+
+// over every bit pattern from `first` on, a grid-stride walk: counts[0] the patterns of |x| <= 448
+// whose f8_of byte and two terms (f8_terms) differ from the non-saturating conversion's,
+// counts[1] the others (past 448, inf, NaN) whose f8_of byte is not a NaN, counts[2] those seen
+__global__ void e4m3_check(uint64_t first, uint64_t n, unsigned long long * counts) {
+    unsigned long long bad = 0, loud = 0, seen = 0;
+    auto nosat = [](float a) { return __nv_cvt_float_to_fp8(a, __NV_NOSAT, __NV_E4M3); };
+    for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n;
+         i += uint64_t(gridDim.x) * blockDim.x) {
+        const float x = __uint_as_float(uint32_t(first + i));
+        seen++;
+        const __nv_fp8_storage_t b = f8_of(x);
+        if (fabsf(x) <= 448.0f) {
+            uint32_t h, l;
+            const float sum = f8_terms(x, h, l);
+            const __nv_fp8_storage_t h0 = nosat(x);
+            const float hf = __half2float(__half(__nv_cvt_fp8_to_halfraw(h0, __NV_E4M3)));
+            const __nv_fp8_storage_t l0 = nosat(x - hf);
+            const float lf = __half2float(__half(__nv_cvt_fp8_to_halfraw(l0, __NV_E4M3)));
+            bad += b != h0 || h != h0 || l != l0 || __float_as_uint(sum) != __float_as_uint(hf + lf);
+        } else {
+            loud += (b & 0x7F) != 0x7F;
+        }
+    }
+    atomicAdd(&counts[0], bad);
+    atomicAdd(&counts[1], loud);
+    atomicAdd(&counts[2], seen);
+}
+
+void check_e4m3(cudaStream_t s) {
+    unsigned long long * counts;
+    CHECK(cudaMalloc(&counts, 3 * sizeof(unsigned long long)));
+    CHECK(cudaMemsetAsync(counts, 0, 3 * sizeof(unsigned long long), s));
+    cudaEvent_t t0, t1;
+    CHECK(cudaEventCreate(&t0));
+    CHECK(cudaEventCreate(&t1));
+    CHECK(cudaEventRecord(t0, s));
+    e4m3_check<<<unsigned(g_sms) * 8, 256, 0, s>>>(0, uint64_t(1) << 32, counts);
+    CHECK(cudaEventRecord(t1, s));
+    CHECK(cudaStreamSynchronize(s));
+    CHECK(cudaGetLastError());
+    unsigned long long h[3];
+    CHECK(cudaMemcpy(h, counts, sizeof(h), cudaMemcpyDeviceToHost));
+    float ms = 0.0f;
+    CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    std::printf("e4m3: %llu floats in %.0f ms; |x| <= 448 not the non-saturating bytes: %llu; "
+                "past it, inf or NaN not a NaN: %llu\n",
+                h[2], ms, h[0], h[1]);
+    failures += h[0] != 0 || h[1] != 0 || h[2] != (uint64_t(1) << 32);
+    CHECK(cudaFree(counts));
 }
 
 // --- a verify's residual sum and the next RMS norm: two kernels or one (--sum-norm) -----------
@@ -2114,6 +2169,7 @@ int main(int argc, char ** argv) {
     bool overlap = false;   // --overlap: z's product beside the DeltaNet recurrence
     bool recurrence = false;  // --delta-net: its CTA shapes
     bool mma = false;         // --mma-rate: the tensor cores' rate on mma.sync
+    bool e4m3 = false;        // --e4m3: the records' conversion against the non-saturating one
     for (int i = 1; i < argc; i++) {
         if (std::strcmp(argv[i], "--quick") == 0) {
             quick = true;
@@ -2125,6 +2181,8 @@ int main(int argc, char ** argv) {
             recurrence = true;
         } else if (std::strcmp(argv[i], "--mma-rate") == 0) {
             mma = true;
+        } else if (std::strcmp(argv[i], "--e4m3") == 0) {
+            e4m3 = true;
         } else if (std::strcmp(argv[i], "--anatomy") == 0) {
             g_anatomy = true;
         } else if (std::strcmp(argv[i], "--timeline") == 0) {
@@ -2149,8 +2207,8 @@ int main(int argc, char ** argv) {
         } else {
             std::fprintf(stderr,
                          "usage: %s [--quick] [--kind KIND] [--shape NAME] [--cols 2,4,8,16] "
-                         "[--sum-norm] [--overlap] [--delta-net] [--mma-rate] [--anatomy] "
-                         "[--timeline] [--f8]\n",
+                         "[--sum-norm] [--overlap] [--delta-net] [--mma-rate] [--e4m3] "
+                         "[--anatomy] [--timeline] [--f8]\n",
                          argv[0]);
             return 2;
         }
@@ -2168,6 +2226,10 @@ int main(int argc, char ** argv) {
     if (mma) {
         bench_mma_rate(s);
         return 0;
+    }
+    if (e4m3) {
+        check_e4m3(s);
+        return failures ? 1 : 0;
     }
     if (recurrence) {
         bench_delta_net(s, rng);

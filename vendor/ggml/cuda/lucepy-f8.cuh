@@ -348,6 +348,11 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
 // gemm_f8's build at MINB CTAs an SM on layout L, as GemmRB names gemm_rb's
 template <int MINB = 5, class L = RpQ4_0> struct GemmF8 {
     static constexpr int warps = GM_WARPS;
+    // a CTA's start, in chunks (gemm_parts_by_cost), as fitted on the H200 (docs/BENCHMARKS.md,
+    // session 54): the 27B-shaped DeltaNet inputs at 16 columns took 19.8 us in 2 parts, 22.1 in
+    // the 5 that gemm_r's 0.35 picks (two waves of CTAs: each CTA's barriers and descriptors,
+    // and its first stages' wait, twice on a slot)
+    static constexpr double start = 2.0;
     static constexpr int minb = MINB;
     static constexpr int smem = gemm_f8_smem<F8_STAGES>();
     static auto kernel() { return gemm_f8<F8_STAGES, MINB, F8_INFLIGHT, L>; }

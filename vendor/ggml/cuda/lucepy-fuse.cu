@@ -628,15 +628,18 @@ bool lucepy_cuda_glu(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     }
     ContextState & st = state_of(ctx);
     const Wanted * want = wanted(st, dst);
-    if (want == nullptr || want->planes != 0 || ggml_nelements(want->src1) != n) {
+    if (want == nullptr || (want->planes != 0 && want->planes != F8_PLANES) ||
+        ggml_nelements(want->src1) != n) {
         return false;  // 2-16 columns only (a verify; a decode's GLU is its product's)
     }
     const int64_t cols = want->src1->ne[1];
     const int64_t per_col = want->src1->ne[0] / 32;
-    const Halves halves = halves_at(prepared(st, want->src1, per_col, 0), per_col, int(cols));
+    const bool f8 = want->planes == F8_PLANES;  // (the down on gemm_f8: its records)
+    uint8_t * buf = prepared(st, want->src1, per_col, want->planes);
+    const Halves out = f8 ? f8_at(buf, per_col) : halves_at(buf, per_col, int(cols));
     launch_glu_halves(static_cast<const float *>(a->data), static_cast<const float *>(b->data),
                       per_col * 32, 1, 0, static_cast<float *>(dst->data), int(per_col),
-                      int(cols), halves, ctx.stream());
+                      int(cols), out, ctx.stream(), f8);
     return true;
 }
 

@@ -329,12 +329,22 @@ __device__ __forceinline__ float f8_scale(float amax) {
     return ldexpf(1.0f, min(8 - e, 100));
 }
 
+// a as e4m3, rounded to nearest: the hardware's conversion (sm_89 and newer: one instruction;
+// it saturates), and e4m3's NaN for a value past 448, an inf or a NaN (as the conversion that
+// does not saturate gives; on sm_90 that one runs through doubles in software: writing records
+// took the FFN's GLU kernel 6.9 us a call where halves took 3.0, docs/BENCHMARKS.md session 54).
+// Byte for byte the non-saturating conversion's at every |a| <= 448 (bench-kernels --e4m3).
+__device__ __forceinline__ __nv_fp8_storage_t f8_of(float a) {
+    const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(a, __NV_SATFINITE, __NV_E4M3);
+    return fabsf(a) <= 448.0f ? b : __nv_fp8_storage_t(0x7F);
+}
+
 // value a (scaled: below 256, where e4m3 reaches 448) as two e4m3 terms, and their sum as the
 // product will see it (an inf or NaN becomes e4m3's NaN, which the product carries)
 __device__ __forceinline__ float f8_terms(float a, uint32_t & hi, uint32_t & lo) {
-    const __nv_fp8_storage_t h = __nv_cvt_float_to_fp8(a, __NV_NOSAT, __NV_E4M3);
+    const __nv_fp8_storage_t h = f8_of(a);
     const float hf = __half2float(__half(__nv_cvt_fp8_to_halfraw(h, __NV_E4M3)));
-    const __nv_fp8_storage_t l = __nv_cvt_float_to_fp8(a - hf, __NV_NOSAT, __NV_E4M3);
+    const __nv_fp8_storage_t l = f8_of(a - hf);
     const float lf = __half2float(__half(__nv_cvt_fp8_to_halfraw(l, __NV_E4M3)));
     hi = uint32_t(h);
     lo = uint32_t(l);
@@ -381,39 +391,51 @@ __device__ __forceinline__ void f8_offset(float sum, __half * xo, int piece, int
 }
 
 // SEGS segments of a column as e4m3 records (as to_e4m3 writes them), from a CTA of SEGS x
-// GM_SEG warps that holds them, a warp a piece, its lane j the piece's value j (v); pieces past
-// npieces not written
-template <int SEGS>
-__device__ __forceinline__ void segment_e4m3(float v, const Halves & out, int c, int npieces,
-                                             int seg0) {
+// GM_SEG / V warps that holds them, V pieces a warp (as segment_halves takes them: warp w's piece
+// i is piece (seg0 + w / (GM_SEG / V)) GM_SEG + w % (GM_SEG / V) + i GM_SEG / V of column c), its
+// lane j that piece's value j (v[i]); pieces past npieces not written
+template <int SEGS, int V = 1>
+__device__ __forceinline__ void segment_e4m3(const float (&v)[V], const Halves & out, int c,
+                                             int npieces, int seg0) {
+    constexpr int WPS = GM_SEG / V;  // warps a segment
+    static_assert(GM_SEG % V == 0, "a segment's pieces shared out evenly");
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int mine = warp / GM_SEG;  // the CTA's segment
-    const float scale = f8_scale(segment_amax<SEGS, GM_SEG>(fabsf(v)));
+    const int mine = warp / WPS;  // the CTA's segment
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    const float scale = f8_scale(segment_amax<SEGS, WPS>(amax));
     const int seg = seg0 + mine;
-    if (warp % GM_SEG == 0 && lane == 0) {
+    if (warp % WPS == 0 && lane == 0) {
         out.xinv[f8_scale_at(c, seg)] = 512.0f / scale;
     }
-    uint32_t h, l;
-    float sum = f8_terms(v * scale, h, l);
-    uint32_t hw = h, lw = l;  // lane 4k: the bytes of values 4k..4k+3
 #pragma unroll
-    for (int i = 1; i < 4; i++) {
-        hw |= __shfl_down_sync(0xFFFFFFFFu, h, i) << (8 * i);
-        lw |= __shfl_down_sync(0xFFFFFFFFu, l, i) << (8 * i);
-    }
+    for (int i = 0; i < V; i++) {
+        uint32_t h, l;
+        float sum = f8_terms(v[i] * scale, h, l);
+        uint32_t hw = h, lw = l;  // lane 4k: the bytes of values 4k..4k+3
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
-    }
-    const int piece = seg * GM_SEG + warp % GM_SEG;
-    if (piece < npieces) {
-        if (lane % 4 == 0) {  // values 4t.. (lanes 0-15) or 16 + 4t.. (16-31) of group t
-            f8_put(reinterpret_cast<uint8_t *>(out.xh), piece, c, (lane / 4) % 4, lane / 16, hw,
-                   lw);
+        for (int b = 1; b < 4; b++) {
+            hw |= __shfl_down_sync(0xFFFFFFFFu, h, b) << (8 * b);
+            lw |= __shfl_down_sync(0xFFFFFFFFu, l, b) << (8 * b);
         }
-        if (lane == 0) {
-            f8_offset(sum, const_cast<__half *>(f8_offsets(out.xinv, npieces)), piece, c, seg);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+        }
+        const int piece = seg * GM_SEG + warp % WPS + i * WPS;
+        if (piece < npieces) {
+            if (lane % 4 == 0) {  // values 4t.. (lanes 0-15) or 16 + 4t.. (16-31) of group t
+                f8_put(reinterpret_cast<uint8_t *>(out.xh), piece, c, (lane / 4) % 4, lane / 16,
+                       hw, lw);
+            }
+            if (lane == 0) {
+                f8_offset(sum, const_cast<__half *>(f8_offsets(out.xinv, npieces)), piece, c,
+                          seg);
+            }
         }
     }
 }
@@ -477,10 +499,11 @@ __device__ __forceinline__ float parts_sum(const float * p, int nparts, int64_t 
 // columns), a CTA of GLU_WARPS warps a segment, a warp two pieces (the FFN of the 27B-shaped
 // model, 34 segments of 16 columns, then fits the H200 at once: a warp a piece took a second
 // wave of CTAs); writes the result, and its halves as to_halves writes them (padding columns
-// zeros). Each element read and written by one lane (with one part, the result may be written
-// over a or b).
+// zeros), or (F8: 16 columns) its e4m3 records as to_e4m3 writes them. Each element read and
+// written by one lane (with one part, the result may be written over a or b).
 constexpr int GLU_WARPS = GM_SEG / 2;
 
+template <bool F8 = false>
 static __global__ void __launch_bounds__(GLU_WARPS * 32)
     glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
                int64_t part_stride, float * dst, int npieces, int ncols, Halves out) {
@@ -507,7 +530,11 @@ static __global__ void __launch_bounds__(GLU_WARPS * 32)
             dst[(int64_t(c) * npieces + p[i]) * 32 + threadIdx.x % 32] = v[i];
         }
     }
-    segment_halves<1, 2>(v, out, c, npieces, seg);
+    if constexpr (F8) {
+        segment_e4m3<1, 2>(v, out, c, npieces, seg);
+    } else {
+        segment_halves<1, 2>(v, out, c, npieces, seg);
+    }
 }
 
 // gate_quantize's twin for 2-16 columns (a verify's attention gate): act(z) * x into dense
@@ -641,7 +668,7 @@ __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a)
         a.normed[c * a.normed_stride + e] = u;
     }
     if constexpr (F8) {
-        segment_e4m3<2>(u, a.out, c, a.n / 32, 2 * blockIdx.x);
+        segment_e4m3<2>({u}, a.out, c, a.n / 32, 2 * blockIdx.x);
     } else {
         segment_halves<2, 1>({u}, a.out, c, a.n / 32, 2 * blockIdx.x);
     }

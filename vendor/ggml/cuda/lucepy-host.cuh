@@ -60,7 +60,7 @@ struct Kept {
 
 // What a product of ours reads of a tensor: the product's own input (the tensor, or a reshape of
 // it) and the planes it reads (int8 planes: one column; 0: halves, 2-16 columns; F8_PLANES: e4m3
-// records, an FFN's gate and up at 9-16 columns on Hopper).
+// records, the products of gemm_f8 at 9-16 columns on Hopper).
 struct Wanted {
     const ggml_tensor * src1;
     int planes;
@@ -161,7 +161,7 @@ void launch_norm_halves(const float * x, int64_t x_stride, const float * w, floa
                         cudaStream_t stream);
 void launch_glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
                        int64_t part_stride, float * dst, int npieces, int ncols,
-                       const Halves & out, cudaStream_t stream);
+                       const Halves & out, cudaStream_t stream, bool f8 = false);
 bool sum_norm_fits(int device, int64_t n);
 
 // dst = src0 x src1 by our kernels (lucepy-mm.cu's mul_mat says how), true; or false, having

@@ -322,11 +322,12 @@ void launch_norm_halves(const float * x, int64_t x_stride, const float * w, floa
 }
 
 // glu_halves of `ncols` columns of `npieces` pieces (its arguments), a CTA a segment of a column
+// (f8: `out` e4m3 records, F8_COLS columns)
 void launch_glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
                        int64_t part_stride, float * dst, int npieces, int ncols,
-                       const Halves & out, cudaStream_t stream) {
-    const dim3 grid{unsigned(segments(npieces)), unsigned(padded_cols(ncols))};
-    ggml_cuda_kernel_launch(glu_halves,
+                       const Halves & out, cudaStream_t stream, bool f8) {
+    const dim3 grid{unsigned(segments(npieces)), unsigned(f8 ? F8_COLS : padded_cols(ncols))};
+    ggml_cuda_kernel_launch(f8 ? glu_halves<true> : glu_halves<false>,
                             ggml_cuda_kernel_launch_params(grid, GLU_WARPS * 32, 0, stream), a, b,
                             col_stride, nparts, part_stride, dst, npieces, ncols, out);
 }
@@ -568,17 +569,22 @@ int glu_pair_at(const ggml_cgraph * g, int i, ggml_tensor *& m2, ggml_tensor *& 
     return pair ? i_glu : 0;
 }
 
-// Whether gemm_f8 takes an FFN's gate and up m1, m2 (glu_pair_at's): both repacked Q4_0, or both
-// Q4_K, 9-16 columns, on a device that runs it. (glu_pair_nodes checks the rest.)
+// Whether gemm_f8 can take a product of matrix w at ncols columns: w repacked Q4_0 or Q4_K,
+// 9-16 columns, on a device that runs it
+bool f8_matrix(const ggml_tensor * w, int64_t ncols, int device) {
+    return f8_on(device) && ncols > GM_COL_TILE && ncols <= F8_COLS &&
+           (w->type == GGML_TYPE_Q4_0 || w->type == GGML_TYPE_Q4_K) && repacked_of(w);
+}
+
+// Whether gemm_f8 takes an FFN's gate and up m1, m2 (glu_pair_at's) as one product: both
+// matrices its, of one type. (glu_pair_nodes checks the rest.)
 bool f8_pair(const ggml_tensor * m1, const ggml_tensor * m2, int device) {
     const int64_t ncols = m1->src[1]->ne[1];
-    auto f8_type = [&](const ggml_tensor * w) {
-        return (w->type == GGML_TYPE_Q4_0 || w->type == GGML_TYPE_Q4_K) &&
-               w->type == m1->src[0]->type && repacked_of(w);
-    };
-    return f8_on(device) && ncols > GM_COL_TILE && ncols <= F8_COLS && f8_type(m1->src[0]) &&
-           f8_type(m2->src[0]);
+    return m1->src[0]->type == m2->src[0]->type && f8_matrix(m1->src[0], ncols, device) &&
+           f8_matrix(m2->src[0], ncols, device);
 }
+
+bool f8_single(const ggml_tensor * w, int64_t ncols, int device);  // (after gemm_r_plan)
 
 // One pass over the graph being computed, the first time a hook asks of it: its nodes and
 // leafs, how many nodes read each tensor, which bytes of each tensor the nodes that compute
@@ -631,9 +637,25 @@ void scan(ContextState & st) {
         }
         st.wants.emplace(from, Wanted{src1, ncols == 1 ? planes_of(kind) : 0});  // the first
     }
+    // A product gemm_f8 takes alone (f8_single) reads e4m3 records where it is its input's only
+    // reader: the kernel before it writes them (launch_sum_norm after a product in parts, the
+    // FFN's GLU), else the product converts its input (to_e4m3)
+    for (int i = 0; i < g->n_nodes; i++) {
+        const ggml_tensor * node = g->nodes[i];
+        const ggml_tensor * src1 = node->src[1];
+        if (node->op != GGML_OP_MUL_MAT || !f8_single(node->src[0], src1->ne[1], st.device)) {
+            continue;
+        }
+        const auto want = st.wants.find(src1);
+        if (want != st.wants.end() && want->second.src1 == src1 && want->second.planes == 0 &&
+            st.readers(src1) == 1) {
+            want->second.planes = F8_PLANES;
+        }
+    }
     // An FFN's gate and up that glu_pair_nodes will take as one product on gemm_f8 read their
-    // input as e4m3 records: the GLU's result read by a product of ours as halves (the down's),
-    // each product's result by the GLU alone and not kept (glu_pair_nodes checks it all again)
+    // input as e4m3 records: the GLU's result read by a product of ours (the down's: halves, or
+    // records that the GLU's kernel writes where gemm_f8 takes the down alone, as above), each
+    // product's result by the GLU alone and not kept (glu_pair_nodes checks it all again)
     for (int i = 0; i < g->n_nodes; i++) {
         ggml_tensor * m2 = nullptr;
         ggml_tensor * glu = nullptr;
@@ -647,8 +669,9 @@ void scan(ContextState & st) {
             return (m->flags & GGML_TENSOR_FLAG_OUTPUT) == 0 && st.readers(m) == 1;
         };
         if (want != st.wants.end() && want->second.src1 == m1->src[1] &&
-            want->second.planes == 0 && down != st.wants.end() && down->second.planes == 0 &&
-            alone(m1) && alone(m2)) {
+            want->second.planes == 0 && down != st.wants.end() &&
+            (down->second.planes == 0 || down->second.planes == F8_PLANES) && alone(m1) &&
+            alone(m2)) {
             want->second.planes = F8_PLANES;
         }
     }
@@ -873,7 +896,24 @@ template <typename R> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
     const int64_t room = slots_of_build<R>(device);
     constexpr int rows = GM_WARPS * 16;
     return gemm_plan_in(a.nrows, a.npieces, rows, 8,
-                        gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, rows, 8, room));
+                        gemm_parts_by_cost(a.nrows, a.npieces, a.ncols, rows, 8, room, 16,
+                                           R::start));
+}
+
+// Whether gemm_f8 takes a product of w alone at ncols columns (f8_matrix's), its input as e4m3
+// records: where each of its CTA slots gets at least 6 chunks. On the H200 at 16 columns
+// (bench-kernels --f8, docs/BENCHMARKS.md session 54) the 27B-shaped model's ffn down (8.2 a
+// slot) 20.8 us where gemm_rb takes 22.9, its DeltaNet inputs (7.8) 19.8 where 21.7; qkv (4.8)
+// 14.8 where 15.3 on Q4_0 but 16.3 where 15.7 on Q4_K, attn out (2.9) slower on both.
+// LUCEPY_CUDA_F8_SINGLE=0 leaves them to gemm_rb, for comparison.
+bool f8_single(const ggml_tensor * w, int64_t ncols, int device) {
+    static const bool wanted = [] {
+        const char * env = std::getenv("LUCEPY_CUDA_F8_SINGLE");
+        return !(env && env[0] == '0');
+    }();
+    return wanted && f8_matrix(w, ncols, device) &&
+           row_tiles(w->ne[1], GM_WARPS * 16) * (w->ne[0] / 256) >=
+               6 * slots_of_build<GemmF8<5>>(device);
 }
 
 // Whether gemm_rb (its weights by the TMA unit: Hopper and newer) takes a product of NT column
@@ -928,6 +968,14 @@ void launch_gemm_rq(ggml_backend_cuda_context & ctx, const GemmArgs & a) {
         ggml_cuda_kernel_launch_params(grid, 128, gemm_rq_smem<MT, L>(), ctx.stream()), a);
 }
 
+// Whether a product of src0 reads src1 as e4m3 records on gemm_f8: the scan's want (f8_single's
+// products), src0 one that gemm_f8 takes
+bool f8_records(ContextState & st, const ggml_tensor * src0, const ggml_tensor * src1, int device) {
+    const Wanted * want = wanted(st, src1);
+    return want && want->src1 == src1 && want->planes == F8_PLANES &&
+           f8_matrix(src0, src1->ne[1], device);
+}
+
 // repacked_mul_mat's products on layout L
 template <class L>
 void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
@@ -945,6 +993,18 @@ void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
             planes_at(product_activations(ctx, st, src1, npieces, 1, scratch), npieces, 1, 1));
         a.gate ? launch_gemv_r<true, L>(a, stream) : launch_gemv_r<false, L>(a, stream);
         return;
+    }
+    if constexpr (std::is_same_v<L, RpQ4_0> || std::is_same_v<L, RpQ4_K>) {
+        if (f8_records(st, src0, src1, ctx.device)) {
+            const GemmArgs g = gemm_args(
+                src0, dst,
+                f8_at(product_activations(ctx, st, src1, npieces, F8_PLANES, scratch), npieces),
+                residual);
+            using R = GemmF8<5, L>;
+            launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, g), g, norm);
+            g_f8.fetch_add(1, std::memory_order_relaxed);
+            return;
+        }
     }
     if (ncols <= MAX_COLS) {
         const GemmArgs g = gemm_args(
@@ -1123,9 +1183,10 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     }
     ContextState & st = state_of(ctx);
     const Wanted * want = wanted(st, glu);
-    if (st.readers(m1) != 1 || st.readers(m2) != 1 || want == nullptr || want->planes != 0 ||
-        want->src1->ne[0] != n || want->src1->ne[1] != ncols) {
-        return 0;  // (the down product's halves: a column of it is a column of the GLU's)
+    if (st.readers(m1) != 1 || st.readers(m2) != 1 || want == nullptr ||
+        (want->planes != 0 && want->planes != F8_PLANES) || want->src1->ne[0] != n ||
+        want->src1->ne[1] != ncols) {
+        return 0;  // (the down product's halves or records: a column of it is the GLU's)
     }
     const int64_t npieces = wa->ne[0] / 32;
     const bool f8 = f8_pair(m1, m2, ctx.device);
@@ -1136,7 +1197,9 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     g.w2 = static_cast<const uint8_t *>(wb->data);
     g.rows2 = int(n);
     g.nrows = int(2 * n);
-    const Halves out = halves_at(prepared(st, want->src1, n / 32, 0), n / 32, int(ncols));
+    const bool down_f8 = want->planes == F8_PLANES;  // (the scan's: gemm_f8 takes the down)
+    uint8_t * down_buf = prepared(st, want->src1, n / 32, want->planes);
+    const Halves out = down_f8 ? f8_at(down_buf, n / 32) : halves_at(down_buf, n / 32, int(ncols));
     ggml_cuda_pool_alloc<float> sums(ctx.pool());
     auto go = [&](auto build) {  // a GemmR or GemmRB
         using R = decltype(build);
@@ -1152,7 +1215,7 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
             ggml_cuda_kernel_launch_params(plan.grid, GM_WARPS * 32, R::smem, ctx.stream()), g);
         launch_glu_halves(buf, buf + n, 2 * n, parts, 2 * n * ncols,
                           static_cast<float *>(glu->data), int(n / 32), int(ncols), out,
-                          ctx.stream());
+                          ctx.stream(), down_f8);
     };
     // 5 CTAs an SM, a chunk of activations a stage: 96 registers, none spilled (on an H200 the
     // stack at 16 columns 41.2 us where 4 CTAs take 43.0, at 8 31.9 where 35.3; the other

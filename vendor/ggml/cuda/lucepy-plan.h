@@ -51,9 +51,10 @@ inline int gemm_parts(int nrows, int npieces, int cta_rows, int P, int64_t slots
 // 64 rows' 8 pieces, 9 KB, at memory latency), fitted on the 27B-shaped model's products there
 // (bench-kernels.cu, docs/BENCHMARKS.md session 29): a CTA's start 0.35 of one, the sums' launch
 // 0.75, 3.9 MB of parts read one. gemm_parts' fullest last wave took 9 and 10 parts where 5
-// were up to 13 % faster (the FFN's up, and its up and gate as one product, 16 columns).
+// were up to 13 % faster (the FFN's up, and its up and gate as one product, 16 columns). A
+// build's CTA start in chunks is `start` (gemm_f8's is longer: its Start).
 inline int gemm_parts_by_cost(int nrows, int npieces, int ncols, int cta_rows, int P,
-                              int64_t slots, int most = 16) {
+                              int64_t slots, int most = 16, double start = 0.35) {
     const int64_t tiles = row_tiles(nrows, cta_rows);
     const int64_t nchunks = (npieces + P - 1) / P;
     const int top = gemm_max_parts(npieces, P, most);
@@ -63,7 +64,7 @@ inline int gemm_parts_by_cost(int nrows, int npieces, int ncols, int cta_rows, i
         const int64_t per_part = (nchunks + parts - 1) / parts;
         const int64_t used = (nchunks + per_part - 1) / per_part;  // none empty
         const int64_t waves = (tiles * used + slots - 1) / slots;
-        double t = double(waves) * (0.35 + double(per_part));
+        double t = double(waves) * (start + double(per_part));
         if (used > 1) {
             t += 0.75 + double(used) * double(nrows) * ncols * sizeof(float) / 3.9e6;
         }

@@ -352,6 +352,7 @@ template <int NT, int XCH = gemm_r_xch(NT)> __host__ __device__ constexpr int ge
 template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), class L = RpQ4_0>
 struct GemmR {
     static constexpr int warps = W;
+    static constexpr double start = 0.35;  // a CTA's start, in chunks (gemm_parts_by_cost)
     static constexpr int smem = gemm_r_smem<NT, XCH>();
     static auto kernel() { return gemm_r<NT, W, MINB, XCH, 0, L>; }
 };
@@ -559,6 +560,7 @@ __global__ void __launch_bounds__(GM_WARPS * 32, MINB) gemm_rb(const GemmArgs a)
 // gemm_rb's build at MINB CTAs an SM on layout L, as GemmR names gemm_r's
 template <int NT, int MINB = 5, class L = RpQ4_0> struct GemmRB {
     static constexpr int warps = GM_WARPS;
+    static constexpr double start = 0.35;
     static constexpr int minb = MINB;
     static constexpr int smem = gemm_rb_smem<NT, L>();
     static auto kernel() { return gemm_rb<NT, MINB, 0, L>; }
