@@ -1394,8 +1394,9 @@ void check_e4m3(cudaStream_t s) {
 // --- a verify's residual sum and the next RMS norm: two kernels or one (--sum-norm) -----------
 
 // sum_norm_halves as lucepy-mm.cu launches it: clusters of CL CTAs along x (no PDL here); F8:
-// its e4m3 records (16 columns) where halves
-template <int CL, bool F8 = false> void launch_sum_norm(const SumNorm & a, cudaStream_t s) {
+// its e4m3 records (16 columns) where halves; PUSH false: the values read across the cluster
+template <int CL, bool F8 = false, bool PUSH = true>
+void launch_sum_norm(const SumNorm & a, cudaStream_t s) {
     cudaLaunchAttribute attr = cluster_attr(CL);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(CL, unsigned(F8 ? F8_COLS : padded_cols(a.ncols)));
@@ -1403,7 +1404,7 @@ template <int CL, bool F8 = false> void launch_sum_norm(const SumNorm & a, cudaS
     cfg.stream = s;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, sum_norm_halves<CL, F8>, a));
+    CHECK(cudaLaunchKernelEx(&cfg, sum_norm_halves<CL, F8, PUSH>, a));
 }
 
 // The 27B-shaped model's 5,120-value residual stream at `ncols` columns, after a product of
@@ -1411,7 +1412,9 @@ template <int CL, bool F8 = false> void launch_sum_norm(const SumNorm & a, cudaS
 // so norm_halves alone) against sum_norm_halves, every byte of both ways' results compared (the
 // sum, the norm's result, the halves and their scales) and each way's time per call; then
 // sum_norm_halves writing gemm_f8's e4m3 records where halves (parts only: its sum and norm's
-// result compared too), what the records cost the kernel that writes them.
+// result compared too), what the records cost the kernel that writes them; and sum_norm_halves
+// reading the others' values across the cluster after a barrier (PULL) where sending them, its
+// results compared byte for byte too.
 void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
     constexpr int N = 5120;
     constexpr int CL = N / NORM_THREADS;
@@ -1441,7 +1444,7 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
     struct Out {
         float *sum, *normed;
         uint8_t * halves;
-    } out[3];
+    } out[4];
     const size_t fb = size_t(f8_bytes(npieces));
     for (Out & o : out) {
         CHECK(cudaMalloc(&o.sum, col_bytes * ncols));
@@ -1470,7 +1473,7 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
         norm_halves<<<unsigned(padded_cols(ncols)), NORM_THREADS, 0, s>>>(
             o.sum, N, w, o.normed, N, N, EPS, ncols, halves_at(o.halves, npieces, ncols));
     };
-    auto joined_as = [&](const Out & o, bool f8) {
+    auto joined_as = [&](const Out & o, bool f8, bool push = true) {
         SumNorm a = {};
         if (nparts > 1) {
             a.src = parts;
@@ -1492,12 +1495,18 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
         a.ncols = ncols;
         a.eps = EPS;
         a.out = f8 ? f8_at(o.halves, npieces) : halves_at(o.halves, npieces, ncols);
-        f8 ? launch_sum_norm<CL, true>(a, s) : launch_sum_norm<CL>(a, s);
+        if (!push) {
+            launch_sum_norm<CL, false, false>(a, s);
+        } else {
+            f8 ? launch_sum_norm<CL, true>(a, s) : launch_sum_norm<CL>(a, s);
+        }
     };
     auto joined = [&](int) { joined_as(out[1], false); };
     auto records = [&](int) { joined_as(out[2], true); };
+    auto pulled = [&](int) { joined_as(out[3], false, false); };
     apart(0);
     joined(0);
+    pulled(0);
     if (nparts > 1) {
         records(0);
     }
@@ -1509,16 +1518,21 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
         CHECK(cudaMemcpy(hb.data(), b, bytes, cudaMemcpyDeviceToHost));
         return ha == hb;
     };
-    const bool same = same_bytes(out[0].sum, out[1].sum, col_bytes * ncols) &&
-                      same_bytes(out[0].normed, out[1].normed, col_bytes * ncols) &&
-                      same_bytes(out[0].halves, out[1].halves, hb);
-    failures += !same;
+    auto same_as = [&](const Out & o) {
+        return same_bytes(out[0].sum, o.sum, col_bytes * ncols) &&
+               same_bytes(out[0].normed, o.normed, col_bytes * ncols) &&
+               same_bytes(out[0].halves, o.halves, hb);
+    };
+    const bool same = same_as(out[1]), same_pulled = same_as(out[3]);
+    failures += !same + !same_pulled;
     const float t_apart = time_calls(s, apart);
     const float t_joined = time_calls(s, joined);
+    const float t_pulled = time_calls(s, pulled);
     std::printf("sum+norm %5d values, %2d columns, %2d parts: %s %7.2f us, sum_norm_halves %7.2f "
-                "us (%.2fx)%s\n",
+                "us (%.2fx)%s; pulling the values %7.2f us%s\n",
                 N, ncols, nparts, nparts > 1 ? "gemm_sum + norm_halves" : "norm_halves",
-                t_apart, t_joined, t_joined / t_apart, same ? "" : "  WRONG (not the same bytes)");
+                t_apart, t_joined, t_joined / t_apart, same ? "" : "  WRONG (not the same bytes)",
+                t_pulled, same_pulled ? "" : "  WRONG (not the same bytes)");
     if (nparts > 1 && ncols > GM_COL_TILE) {  // (gemm_f8's columns)
         const bool kept = same_bytes(out[1].sum, out[2].sum, col_bytes * ncols) &&
                           same_bytes(out[1].normed, out[2].normed, col_bytes * ncols);

@@ -572,6 +572,14 @@ static __global__ void __launch_bounds__(GM_SEG * 32)
 // bit for bit; a CTA's two segments' halves as to_halves writes them. lucepy-mm.cu launches it
 // after a product in parts: of one part, whose store wrote the sums, norm_halves alone took
 // 0.78x its time (bench-kernels --sum-norm, which times both ways).
+//
+// PUSH (the default): each thread sends its value to its place in every CTA of the cluster
+// (st.async, completing bytes on the receiver's mbarrier), each CTA waits on its own mbarrier
+// and sums the squares from its shared memory, and no CTA waits for another at its end. Without
+// it (PULL, for comparison) each CTA reads the others' values after a cluster barrier, and a
+// second keeps every CTA until all have read: each barrier's release is a MEMBAR.ALL.GPU in
+// sm_90's code, waiting on every global store before it (Nsight Compute: membar the largest
+// stall after the loads').
 
 // the cluster's barrier, in two halves: arrive (what this thread wrote before is seen by those
 // that wait after) and wait
@@ -584,6 +592,28 @@ __device__ __forceinline__ void cluster_arrive() {
 __device__ __forceinline__ void cluster_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// the cluster's barrier's arrival that orders nothing (only that every CTA has reached it)
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+// v into the float at `local`'s place in the shared memory of the cluster's CTA `rank`, its 4
+// bytes completing on that CTA's mbarrier at `bar`'s place (st.async)
+__device__ __forceinline__ void cluster_send(const float * local, uint32_t bar, int rank, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t remote, remote_bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote)
+                 : "r"(shared_at(local)), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(rank));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 ::"r"(remote), "r"(__float_as_uint(v)), "r"(remote_bar)
+                 : "memory");
 #endif
 }
 
@@ -632,7 +662,7 @@ struct SumNorm {
 // Grid (CL, padded columns), clusters of CL x 1, NORM_THREADS threads (two segments) a CTA, a
 // thread a value: CL CTAs a column where norm_halves has one. F8: the products' activations as
 // e4m3 records (a.out as f8_at gives them, 16 columns), not halves.
-template <int CL, bool F8 = false>
+template <int CL, bool F8 = false, bool PUSH = true>
 __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a) {
     static_assert(NORM_THREADS == 2 * GM_SEG * 32, "a CTA two segments");
     LUCEPY_PDL_LAUNCH();
@@ -640,6 +670,18 @@ __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a)
     const bool real = c < a.ncols;
     const int e = blockIdx.x * NORM_THREADS + threadIdx.x;  // of the column
     const float wi = a.w[e];
+    __shared__ float xs[PUSH ? CL : 1][NORM_THREADS];  // PUSH: [CTA k][t], value k NORM_THREADS + t
+    __shared__ uint64_t landed;                        // PUSH: every CTA's values here
+    const uint32_t bar = shared_at(&landed);
+    if constexpr (PUSH) {
+        if (threadIdx.x == 0) {
+            mbar_init(bar, 1);
+            mbar_expect(bar, CL * NORM_THREADS * sizeof(float));
+            mbar_init_fence();
+        }
+        cluster_arrive_relaxed();
+        cluster_wait();  // every CTA's mbarrier is ready before any value is sent to it
+    }
     LUCEPY_PDL_SYNC();  // the parts: the product has finished
     float v = 0.0f;
     if (real) {
@@ -651,17 +693,28 @@ __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a)
             a.sum[c * a.sum_stride + e] = v;
         }
     }
-    __shared__ float xs[NORM_THREADS];
-    xs[threadIdx.x] = v;
-    cluster_arrive();
-    cluster_wait();  // every CTA of the column has its values in place
     float sq = 0.0f;
+    if constexpr (PUSH) {
 #pragma unroll
-    for (int k = 0; k < CL; k++) {
-        const float xk = cluster_load(xs + threadIdx.x, k);
-        sq += xk * xk;
+        for (int k = 0; k < CL; k++) {
+            cluster_send(&xs[blockIdx.x][threadIdx.x], bar, k, v);
+        }
+        mbar_wait<true>(bar, 0);  // every CTA's values have landed here
+#pragma unroll
+        for (int k = 0; k < CL; k++) {
+            sq += xs[k][threadIdx.x] * xs[k][threadIdx.x];
+        }
+    } else {
+        xs[0][threadIdx.x] = v;
+        cluster_arrive();
+        cluster_wait();  // every CTA of the column has its values in place
+#pragma unroll
+        for (int k = 0; k < CL; k++) {
+            const float xk = cluster_load(xs[0] + threadIdx.x, k);
+            sq += xk * xk;
+        }
+        cluster_arrive();  // this CTA has read the others' values (they may exit once all have)
     }
-    cluster_arrive();  // this CTA has read the others' values (they may exit once all have)
     const float scale = rsqrtf(block_sum<NORM_THREADS>(sq) / float(a.n) + a.eps);
     const float u = scale * v * wi;
     if (real) {
@@ -672,7 +725,9 @@ __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a)
     } else {
         segment_halves<2, 1>({u}, a.out, c, a.n / 32, 2 * blockIdx.x);
     }
-    cluster_wait();  // no CTA's shared memory goes while another reads it
+    if constexpr (!PUSH) {
+        cluster_wait();  // no CTA's shared memory goes while another reads it
+    }
 }
 
 // --- the product ------------------------------------------------------------------------------

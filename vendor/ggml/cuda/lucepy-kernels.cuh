@@ -83,6 +83,55 @@ template <int PENDING> __device__ __forceinline__ void copy_wait() {
 #endif
 }
 
+// --- mbarriers ----------------------------------------------------------------------------------
+
+// the mbarrier at shared address `bar` expects `count` arrivals a phase
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+// this thread's arrival on the mbarrier `bar`, its phase then also waiting for `bytes` to land
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+#endif
+}
+
+// until the mbarrier `bar` completes its phase of parity `phase`; CLUSTER: what the cluster's
+// other CTAs stored (st.async) to complete it is seen after it
+#define LUCEPY_MBAR_WAIT(SEM)                                                   \
+    asm volatile("{\n"                                                          \
+                 ".reg .pred p;\n"                                              \
+                 "WAIT_%=:\n"                                                   \
+                 "mbarrier.try_wait.parity" SEM ".shared::cta.b64 p, [%0], %1;\n" \
+                 "@!p bra WAIT_%=;\n"                                           \
+                 "}\n" ::"r"(bar),                                              \
+                 "r"(phase)                                                     \
+                 : "memory")
+
+template <bool CLUSTER = false>
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (CLUSTER) {
+        LUCEPY_MBAR_WAIT(".acquire.cluster");
+    } else {
+        LUCEPY_MBAR_WAIT("");
+    }
+#endif
+}
+
+#undef LUCEPY_MBAR_WAIT
+
+// this thread's mbarrier inits seen by the TMA unit (and the rest of the cluster) after it
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
 enum Glu : int { GLU_SWIGLU = 0, GLU_GEGLU = 1 };
 
 __device__ __forceinline__ float glu(int op, float x, float gate) {

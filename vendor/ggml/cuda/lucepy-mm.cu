@@ -409,14 +409,20 @@ void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int pa
     s.ncols = a.ncols;
     s.eps = norm.eps;
     s.out = out;
+    // LUCEPY_CUDA_SN_PUSH=0: the values read across the cluster after a barrier, for comparison
+    static const bool push = [] {
+        const char * env = std::getenv("LUCEPY_CUDA_SN_PUSH");
+        return !(env && env[0] == '0');
+    }();
     with_cluster(a.nrows / NORM_THREADS, [&](auto k) {
         constexpr int CL = decltype(k)::value;
         if (f8) {  // (16 columns of records: the padding ones zeros)
-            launch_clustered(sum_norm_halves<CL, true>, dim3(CL, unsigned(F8_COLS)), NORM_THREADS,
-                             CL, stream, s);
+            launch_clustered(push ? sum_norm_halves<CL, true> : sum_norm_halves<CL, true, false>,
+                             dim3(CL, unsigned(F8_COLS)), NORM_THREADS, CL, stream, s);
         } else {
-            launch_clustered(sum_norm_halves<CL>, dim3(CL, unsigned(padded_cols(s.ncols))),
-                             NORM_THREADS, CL, stream, s);
+            launch_clustered(push ? sum_norm_halves<CL> : sum_norm_halves<CL, false, false>,
+                             dim3(CL, unsigned(padded_cols(s.ncols))), NORM_THREADS, CL, stream,
+                             s);
         }
     });
     g_joined.fetch_add(1, std::memory_order_relaxed);  // gemm_sum's launch holds the norm

@@ -372,47 +372,17 @@ struct GemmR {
 // where 19.3-19.6 (session 39). sm_90 and newer. SKIP: RP_STAMPS alone (bench-kernels'
 // --timeline), as gemm_r's.
 
-// the mbarrier at shared address `bar` expects `count` arrivals a phase
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-#endif
-}
-
 // `bytes` from global `src` to shared `dst` by the TMA unit, completing the phase of the mbarrier
 // `bar` that this thread's arrival opens (one arrival a phase)
 __device__ __forceinline__ void mbar_copy(uint32_t bar, uint32_t dst, const void * src,
                                           uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
+    mbar_expect(bar, bytes);
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
             "r"(dst),
         "l"(src), "r"(bytes), "r"(bar)
         : "memory");
-#endif
-}
-
-// until the mbarrier `bar` completes its phase of parity `phase`
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT_%=;\n"
-        "}\n" ::"r"(bar),
-        "r"(phase)
-        : "memory");
-#endif
-}
-
-// this thread's mbarrier inits seen by the TMA unit (and the rest of the cluster) after it
-__device__ __forceinline__ void mbar_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
 
