@@ -12,7 +12,8 @@
 //     BENCH_ONCE=1 ncu --kernel-name regex:gemv ./bench-kernels --quick --shape ffn_down
 //     (BENCH_FEW=1: of gemm's launches only lucepy-mm.cu's, beside the repacked Q4_0's)
 //     ./bench-kernels --sum-norm   (a verify's residual sum and next RMS norm: gemm_sum and
-//     norm_halves against sum_norm_halves, their results compared byte for byte)
+//     norm_halves against sum_norm_halves, their results compared byte for byte; then the FFN's
+//     GLU writing halves and writing e4m3 records)
 //     ./bench-kernels --e4m3   (f8_of against the non-saturating conversion, every float)
 //     ./bench-kernels --overlap   (a product on a second stream beside the DeltaNet recurrence)
 //     ./bench-kernels --mma-rate   (mma.sync's rate alone: warps an SM, chains, unpacking beside;
@@ -1358,7 +1359,8 @@ __global__ void e4m3_check(uint64_t first, uint64_t n, unsigned long long * coun
             const float hf = __half2float(__half(__nv_cvt_fp8_to_halfraw(h0, __NV_E4M3)));
             const __nv_fp8_storage_t l0 = nosat(x - hf);
             const float lf = __half2float(__half(__nv_cvt_fp8_to_halfraw(l0, __NV_E4M3)));
-            bad += b != h0 || h != h0 || l != l0 || __float_as_uint(sum) != __float_as_uint(hf + lf);
+            bad += b != h0 || h != h0 || l != l0 ||
+                   __float_as_uint(sum) != __float_as_uint(hf + lf);
         } else {
             loud += (b & 0x7F) != 0x7F;
         }
@@ -1549,6 +1551,67 @@ void bench_sum_norm(int ncols, int nparts, cudaStream_t s, std::mt19937 & rng) {
     CHECK(cudaFree(parts));
     CHECK(cudaFree(res));
     CHECK(cudaFree(w));
+}
+
+// The 27B-shaped model's FFN GLU at 16 columns (17,408 values a column; the gate and up of a
+// column side by side, as its stacked product writes them): glu_halves writing the down
+// product's halves and writing gemm_f8's e4m3 records (`f8_single`'s down), us a call, the
+// GLU's results of both ways compared byte for byte. (Session 55's trace: 4.5 us a call with
+// records where 3.0 with halves.)
+void bench_glu(cudaStream_t s, std::mt19937 & rng) {
+    constexpr int N = 17408;
+    constexpr int COLS = 16;
+    constexpr int npieces = N / 32;
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> h(size_t(2) * N * COLS);
+    for (float & v : h) {
+        v = normal(rng);
+    }
+    float * ab;
+    CHECK(cudaMalloc(&ab, h.size() * sizeof(float)));
+    CHECK(cudaMemcpy(ab, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+    const size_t bytes = size_t(std::max(halves_bytes(npieces, COLS), f8_bytes(npieces)));
+    float * dst[2];
+    uint8_t * out[2];
+    for (int i = 0; i < 2; i++) {
+        CHECK(cudaMalloc(&dst[i], size_t(N) * COLS * sizeof(float)));
+        CHECK(cudaMalloc(&out[i], bytes));
+        CHECK(cudaMemset(out[i], 0, bytes));
+    }
+    auto glu = [&](bool f8) {
+        return [&, f8](int) {
+            const unsigned cols = unsigned(f8 ? F8_COLS : padded_cols(COLS));
+            const dim3 grid(unsigned(segments(npieces)), cols);
+            if (f8) {
+                glu_halves<true><<<grid, GLU_WARPS * 32, 0, s>>>(
+                    ab, ab + N, 2 * N, 1, 0, dst[1], npieces, COLS, f8_at(out[1], npieces));
+            } else {
+                glu_halves<false><<<grid, GLU_WARPS * 32, 0, s>>>(
+                    ab, ab + N, 2 * N, 1, 0, dst[0], npieces, COLS,
+                    halves_at(out[0], npieces, COLS));
+            }
+        };
+    };
+    glu(false)(0);
+    glu(true)(0);
+    CHECK(cudaStreamSynchronize(s));
+    CHECK(cudaGetLastError());
+    std::vector<float> d0(size_t(N) * COLS), d1(d0.size());
+    CHECK(cudaMemcpy(d0.data(), dst[0], d0.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(d1.data(), dst[1], d1.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    const bool same = std::memcmp(d0.data(), d1.data(), d0.size() * sizeof(float)) == 0;
+    failures += !same;
+    const float t_halves = time_calls(s, glu(false));
+    const float t_records = time_calls(s, glu(true));
+    std::printf("glu %5d values, %2d columns: writing halves %7.2f us, e4m3 records %7.2f us "
+                "(+%.2f)%s\n",
+                N, COLS, t_halves, t_records, t_records - t_halves,
+                same ? "" : "  WRONG (not the same GLU)");
+    for (int i = 0; i < 2; i++) {
+        CHECK(cudaFree(dst[i]));
+        CHECK(cudaFree(out[i]));
+    }
+    CHECK(cudaFree(ab));
 }
 
 // --- --overlap: a product beside the DeltaNet recurrence, on two streams ----------------------
@@ -2263,6 +2326,7 @@ int main(int argc, char ** argv) {
                 bench_sum_norm(ncols, nparts, s, rng);
             }
         }
+        bench_glu(s, rng);
         std::printf(failures ? "%d WRONG\n" : "both ways wrote the same bytes\n", failures);
         return failures ? 1 : 0;
     }

@@ -52,7 +52,7 @@ inline int gemm_parts(int nrows, int npieces, int cta_rows, int P, int64_t slots
 // (bench-kernels.cu, docs/BENCHMARKS.md session 29): a CTA's start 0.35 of one, the sums' launch
 // 0.75, 3.9 MB of parts read one. gemm_parts' fullest last wave took 9 and 10 parts where 5
 // were up to 13 % faster (the FFN's up, and its up and gate as one product, 16 columns). A
-// build's CTA start in chunks is `start` (gemm_f8's is longer: its Start).
+// build's CTA start in chunks is `start` (GemmF8::start is longer).
 inline int gemm_parts_by_cost(int nrows, int npieces, int ncols, int cta_rows, int P,
                               int64_t slots, int most = 16, double start = 0.35) {
     const int64_t tiles = row_tiles(nrows, cta_rows);
