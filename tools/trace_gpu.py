@@ -239,7 +239,7 @@ def sequence(tokens: list[list[tuple[str, float, float]]]) -> str:
 # other kernels where a part of a layer starts, with the kind of layer a part after the first
 # product marks: qwen35's conv step and recurrence (a DeltaNet layer; not a rollback's
 # `delta_net_layers`), its q and k norms (an attention layer)
-PRODUCT_KERNELS = ("lucepy::gemv", "lucepy::gemm_r", "lucepy::gemm<", "mul_mat")
+PRODUCT_KERNELS = ("lucepy::gemv", "lucepy::gemm_r", "lucepy::gemm_f8", "lucepy::gemm<", "mul_mat")
 PART_STARTS = {
     "lucepy::conv_step": "DeltaNet",
     "lucepy::delta_net": "",
