@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from tool_scripts import load_tool
 
 from lucepy.runtime.config import RuntimeConfig
@@ -82,6 +83,20 @@ def test_a_switch_measured_both_ways_sets_each_run_beside_the_others():
     assert lines[0] == "- LUCEPY_CUDA_F8=0: 5.40 / 5.30 ms; 1.460 / 1.470 / 1.480 / 1.490"
     assert lines[1] == "- LUCEPY_CUDA_F8=0: — / — ms; — / — / — / —"  # a run that failed
     assert lines[2].startswith("- LUCEPY_CUDA_F8=1: 5.40 / 5.30 ms") and len(lines) == 3
+
+
+def test_a_switch_takes_two_values_of_its_own():
+    assert bench_kernels.switch_values("LUCEPY_CUDA_F8") == ("LUCEPY_CUDA_F8", ("0", "1"))
+    got = bench_kernels.switch_values("LUCEPY_CUDA_F8_SINGLE=6,7")
+    assert got == ("LUCEPY_CUDA_F8_SINGLE", ("6", "7"))
+    for bad in ("X=6", "X=6,7,8", "X=6,", "=6,7", "X=6,6"):
+        with pytest.raises(SystemExit, match="two values"):
+            bench_kernels.switch_values(bad)
+    text = bench_kernels.ab_report("X", {"6": [{}], "7": [{}]})
+    assert [line.split(":")[0] for line in text.splitlines() if line.startswith("- ")] == [
+        "- X=6",
+        "- X=7",
+    ]
 
 
 def test_a_switch_is_measured_both_ways_each_run_a_process_of_its_own(tiny_model, tmp_path):

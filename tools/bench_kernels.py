@@ -6,6 +6,7 @@ unpatched build (tools/gpu_run.sh with GPU_RUN_KERNELS), on the same model and G
     python tools/bench_kernels.py measure MODEL --device cuda:0 --json kernels.json
     python tools/bench_kernels.py report kernels.json --llama-bench llama.json --md kernels.md
     python tools/bench_kernels.py ab MODEL --switch LUCEPY_CUDA_F8 --json ab.json --md ab.md
+    python tools/bench_kernels.py ab MODEL --switch LUCEPY_CUDA_F8_SINGLE=6,7 --json ab.json
 
 Each kernel choice runs in a process of its own (ggml-cuda's CUDA graphs replay whichever kernels
 they captured). Per choice, as tools/bench_gpu.py measures them: pp512, tg128 at an empty context
@@ -15,8 +16,9 @@ rollback left running and waited for, in turn with a decode step that reads the 
 greedy one that reads its argmax alone, whose medians are the curve's steps); and how many
 products lucepy's kernels computed (0 with ggml's). ``report`` sets medians beside llama-bench's
 medians (of its samples_ns, never its mean). ``ab`` measures one switch of lucepy's kernels
-both ways on the repacked choice, in turn (NAME=0, NAME=1, --rounds times), each run in a process
-of its own, and sets each run's decode step and k = 16 in turn beside the other side's.
+both ways on the repacked choice, in turn (NAME=0, NAME=1, or the two values of NAME=A,B,
+--rounds times), each run in a process of its own, and sets each run's decode step and k = 16 in
+turn beside the other side's.
 """
 
 from __future__ import annotations
@@ -118,19 +120,29 @@ def _one_run(args: argparse.Namespace, choice: str, part: Path, env: dict) -> tu
     return (json.loads(part.read_text()) if part.exists() else {}), done.returncode == 0
 
 
+def switch_values(switch: str) -> tuple[str, tuple[str, str]]:
+    """``ab``'s --switch: NAME (its values 0 and 1) or NAME=A,B; the name and the two values."""
+    name, _, values = switch.partition("=")
+    both = tuple(values.split(",")) if values else ("0", "1")
+    if not name or len(both) != 2 or not all(both) or both[0] == both[1]:
+        raise SystemExit(f"ab: --switch {switch!r}: give NAME, or NAME=A,B with two values")
+    return name, (both[0], both[1])
+
+
 def ab(args: argparse.Namespace) -> int:
-    """The repacked choice with args.switch=0 and =1 in turn, args.rounds rounds."""
+    """The repacked choice with the switch's two values in turn, args.rounds rounds."""
+    name, values = switch_values(args.switch)
     out = Path(args.json)
-    runs: dict[str, list[dict]] = {"0": [], "1": []}
+    runs: dict[str, list[dict]] = {value: [] for value in values}
     failed = 0
     for r in range(args.rounds):
-        for value in ("0", "1"):
-            env = {**choice_env("repacked"), args.switch: value}
+        for value in values:
+            env = {**choice_env("repacked"), name: value}
             got, ok = _one_run(args, "repacked", out.with_suffix(f".{value}.{r}.json"), env)
             runs[value].append(got)
             failed += not ok
-            out.write_text(json.dumps({"switch": args.switch, "runs": runs}, indent=1))
-    text = ab_report(args.switch, runs)
+            out.write_text(json.dumps({"switch": name, "runs": runs}, indent=1))
+    text = ab_report(name, runs)
     if args.md:
         Path(args.md).write_text(text)
     print(text)
@@ -145,8 +157,8 @@ def ab_report(switch: str, runs: dict[str, list[dict]]) -> str:
         "greedy ones",
         "",
     ]
-    for value in ("0", "1"):
-        for run in runs.get(value, []):
+    for value, side in runs.items():
+        for run in side:
             curve = run.get("verify_curve", {})
             steps = (
                 f"{_cell(curve.get('decode_ms'), '{:.2f}')} / "
@@ -265,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", required=True)
         p.add_argument("--repeats", type=int, default=5)
     o.add_argument("--kernels", choices=CHOICES, required=True)
-    a.add_argument("--switch", required=True, help="an environment variable, e.g. LUCEPY_CUDA_F8")
+    a.add_argument(
+        "--switch",
+        required=True,
+        help="an environment variable, e.g. LUCEPY_CUDA_F8 (0 and 1), or NAME=A,B (A and B)",
+    )
     a.add_argument("--rounds", type=int, default=2)
     a.add_argument("--md")
     r = sub.add_parser("report", help="beside llama-bench, as markdown")

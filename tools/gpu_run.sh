@@ -61,7 +61,8 @@
 # of a layer in both: layers*.md);
 # GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M, in place of Q4_K_M; "llama-q4_0
 # kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out; GPU_RUN_AB=NAME, e.g.
-# LUCEPY_CUDA_F8, measures that switch both ways on the Q4_0 model, two rounds in turn: ab.md).
+# LUCEPY_CUDA_F8, measures that switch both ways on the Q4_0 model, two rounds in turn: ab.md;
+# NAME=A,B, e.g. LUCEPY_CUDA_F8_SINGLE=6,7, its values A and B where 0 and 1).
 # lucepy runs on $BUILD (its own CUDA kernels); every llama.cpp binary comes from $BUILD_GGML,
 # the same source unpatched ("build-ggml" in GPU_RUN_SKIP leaves it out, for lucepy-only
 # runs: about 150 s less). GPU_RUN_STACK (set: lucepy's benchmark again with

@@ -911,15 +911,18 @@ template <typename R> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
 // (bench-kernels --f8, docs/BENCHMARKS.md session 54) the 27B-shaped model's ffn down (8.2 a
 // slot) 20.8 us where gemm_rb takes 22.9, its DeltaNet inputs (7.8) 19.8 where 21.7; qkv (4.8)
 // 14.8 where 15.3 on Q4_0 but 16.3 where 15.7 on Q4_K, attn out (2.9) slower on both.
-// LUCEPY_CUDA_F8_SINGLE=0 leaves them to gemm_rb, for comparison.
+// LUCEPY_CUDA_F8_SINGLE=0 leaves them to gemm_rb, for comparison; =N (2 and more) takes those
+// of N chunks a slot and more instead of 6 (the attention's qkv of the 27B-shaped model has 6.8,
+// its DeltaNet inputs 7.8), for an A/B of the line.
 bool f8_single(const ggml_tensor * w, int64_t ncols, int device) {
-    static const bool wanted = [] {
+    static const int least = [] {
         const char * env = std::getenv("LUCEPY_CUDA_F8_SINGLE");
-        return !(env && env[0] == '0');
+        const int n = env ? std::atoi(env) : 1;
+        return n == 1 ? 6 : n;
     }();
-    return wanted && f8_matrix(w, ncols, device) &&
+    return least > 0 && f8_matrix(w, ncols, device) &&
            row_tiles(w->ne[1], GM_WARPS * 16) * (w->ne[0] / 256) >=
-               6 * slots_of_build<GemmF8<5>>(device);
+               int64_t(least) * slots_of_build<GemmF8<5>>(device);
 }
 
 // Whether gemm_rb (its weights by the TMA unit: Hopper and newer) takes a product of NT column
