@@ -1700,13 +1700,15 @@ template <size_t N, typename F> void for_each_index(F && f) {
     for_each_index_of(f, std::make_index_sequence<N>());
 }
 
-// --delta-net: `delta_net` on each CTA shape (warps, columns a lane) for the 27B-shaped model's 48
-// heads, us a call, each shape's attention and state against the host's recurrence in double
+// --delta-net: `delta_net` on each CTA shape (warps, columns a lane, lanes a column) for the
+// 27B-shaped model's 48 heads, us a call, each shape's attention and state against the host's recurrence in double
 // (the largest error over the largest magnitude) and byte for byte against the model's shape
 // (each column's arithmetic is the same whatever the shape)
 void bench_delta_net(cudaStream_t s, std::mt19937 & rng) {
     using Shapes = std::tuple<DnModel, DnShape<4, 1>, DnShape<2, 1>, DnShape<4, 2>,
-                              DnShape<2, 2>, DnShape<1, 2>, DnShape<2, 4>, DnShape<1, 4>>;
+                              DnShape<2, 2>, DnShape<1, 2>, DnShape<2, 4>, DnShape<1, 4>,
+                              DnShape<4, 1, 4>, DnShape<2, 1, 4>, DnShape<8, 1, 4>,
+                              DnShape<4, 2, 4>>;
     constexpr int NS = std::tuple_size<Shapes>::value;
     for (int T : {1, 2, 4, 8, 9, 16, 40, 512}) {
         DnBuffers b = make_dn(rng, T);
@@ -1756,7 +1758,7 @@ void bench_delta_net(cudaStream_t s, std::mt19937 & rng) {
             return e / big;
         };
         std::vector<float> model;  // the model's shape's attention, then its state
-        std::printf("delta_net %3d tokens, us (warps x columns a lane):", T);
+        std::printf("delta_net %3d tokens, us (warps x columns a lane x lanes a column):", T);
         for_each_index<NS>([&](auto i) {
             using D = std::tuple_element_t<decltype(i)::value, Shapes>;
             CHECK(cudaMemcpy(b.states, b.pristine, size_t(b.state_floats()) * sizeof(float),
@@ -1773,7 +1775,7 @@ void bench_delta_net(cudaStream_t s, std::mt19937 & rng) {
             }
             const bool same = std::memcmp(got.data(), model.data(), got.size() * 4) == 0;
             const float us = time_calls(s, [&](int c) { launch_dn<D>(b, c % b.copies, s); });
-            std::printf("  %dx%d %.2f", D::warps, D::per_lane, us);
+            std::printf("  %dx%dx%d %.2f", D::warps, D::per_lane, D::lanes, us);
             if (!(e_attn < 1e-4 && e_state < 1e-4) || !same) {
                 std::printf(" (WRONG: attention %.2e, state %.2e%s)", e_attn, e_state,
                             same ? "" : ", not the model's bytes");

@@ -205,7 +205,7 @@ static __global__ void delta_gates(const DeltaGates g) {
 // of the recurrence (cp.async, the next tile in flight during this one), where ggml's loads them
 // token by token inside it and waits on each load: 18 us a layer for a 16-token verify on the
 // H200. ggml's warp sums a column's 32 lanes' parts by xor shuffles (16, 8, 4, 2, 1); here 8
-// lanes hold a column (DN_LANES), lane j the rows of ggml's lanes j, j + 8, j + 16 and j + 24,
+// lanes hold a column (DnShape::lanes), lane j the rows of ggml's lanes j, j + 8, j + 16 and j + 24,
 // so that its first two levels (16: j with j + 16, j + 8 with j + 24; 8: those two) are adds
 // inside the lane and three shuffles are left on the chain from token to token, where five
 // were (the same sums, in the same order: bit for bit ggml's). Each lane holds its rows of two
@@ -228,18 +228,16 @@ static __global__ void delta_gates(const DeltaGates g) {
 // up to DN_LAYERS such recurrences are one launch (delta_net_layers): a rollback's 48 layers
 // took 48 launches of 768 CTAs, of which PDL let about two run at once.
 constexpr int DN_S = 128;
-constexpr int DN_LANES = 8;                   // lanes a column of the state
-constexpr int DN_GROUPS = 32 / DN_LANES;      // a warp's groups of lanes
-constexpr int DN_V = 32 / DN_LANES;           // ggml's lanes a lane holds: j + 8 v
-constexpr int DN_R = DN_S / 32;               // rows of each: j + 8 v + 32 r
-constexpr int DN_TILE = 8;                    // tokens a tile
-static_assert(DN_LANES == 8 && DN_TILE == DN_LANES, "lane j of a column writes output j");
+constexpr int DN_R = DN_S / 32;  // rows of each of ggml's lanes a lane holds: j + LN v + 32 r
+constexpr int DN_TILE = 8;       // tokens a tile
 
-// where row `row` of q or k sits in a tile's shared copy: ggml lane j + 8 v's row r (row
-// j + 8 v + 32 r) at 32 v + 4 j + r, so that one v's 16-byte loads by lanes j = 0..7 read 128
-// bytes side by side (no bank conflicts; the four columns of a warp read the same bytes)
-__device__ __forceinline__ int dn_slot(int row) {
-    return (row >> 3 & 3) * 32 + (row & 7) * 4 + (row >> 5);
+// where row `row` of q or k sits in a tile's shared copy, for LN lanes a column: ggml lane
+// j + LN v's row r (row j + LN v + 32 r) at 4 LN v + 4 j + r, so that one v's 16-byte loads by
+// lanes j = 0..LN-1 read 16 LN bytes side by side (no bank conflicts; the columns of a warp read
+// the same bytes). The model's 8 lanes: 32 v + 4 j + r.
+template <int LN> __device__ __forceinline__ int dn_slot(int row) {
+    constexpr int LG = LN == 8 ? 3 : 2;  // log2 LN (4 or 8)
+    return (row >> LG & (32 / LN - 1)) * 4 * LN + (row & (LN - 1)) * 4 + (row >> 5);
 }
 
 struct DeltaNetArgs {
@@ -266,16 +264,29 @@ struct DeltaNetArgs {
     bool alone;  // and no wait at all (none of them writes what it reads or touches what it writes)
 };
 
-// ggml's warp sum (xor 16, 8, 4, 2, 1) of one column's 32 parts, of which lane j holds
-// x[v] = ggml lane j + 8 v's: levels 16 and 8 here, in its pairs
-__device__ __forceinline__ float dn_lane_sum(const float (&x)[DN_V]) {
-    return (x[0] + x[2]) + (x[1] + x[3]);
+// ggml's warp sum (xor 16, 8, 4, 2, 1) of one column's 32 parts, of which lane j holds the V =
+// 32 / LN parts x[v] = ggml lane j + LN v's: the levels 16 .. LN here, in its pairs (v with
+// v + V / 2, then v + V / 4, ...: for 8 lanes (x[0] + x[2]) + (x[1] + x[3]))
+template <int V> __device__ __forceinline__ float dn_lane_sum(const float (&x)[V]) {
+    float y[V];
+#pragma unroll
+    for (int v = 0; v < V; v++) {
+        y[v] = x[v];
+    }
+#pragma unroll
+    for (int d = V / 2; d > 0; d /= 2) {
+#pragma unroll
+        for (int v = 0; v < d; v++) {
+            y[v] += y[v + d];
+        }
+    }
+    return y[0];
 }
 
-// the last levels (xor 4, 2, 1) across a column's lanes, each of x side by side
-template <int N> __device__ __forceinline__ void dn_column_sums(float (&x)[N]) {
+// the last levels (xor LN / 2, ..., 1) across a column's LN lanes, each of x side by side
+template <int LN, int N> __device__ __forceinline__ void dn_column_sums(float (&x)[N]) {
 #pragma unroll
-    for (int off = DN_LANES / 2; off > 0; off >>= 1) {
+    for (int off = LN / 2; off > 0; off >>= 1) {
         float other[N];
 #pragma unroll
         for (int i = 0; i < N; i++) {
@@ -288,13 +299,17 @@ template <int N> __device__ __forceinline__ void dn_column_sums(float (&x)[N]) {
     }
 }
 
-// A recurrence's CTAs: W warps, each lane holding its rows of CL columns (the k and q it loads
-// serve them all), so a warp holds DN_GROUPS CL columns, a CTA `cols`, a head `z` CTAs
-template <int W, int CL> struct DnShape {
+// A recurrence's CTAs: W warps, LN lanes a column (each ggml's lanes j + LN v, v < 32 / LN: the
+// column's sum LN lanes across, log2 LN shuffles on the chain from token to token), each lane
+// holding its rows of CL columns (the k and q it loads serve them all), so a warp holds 32 / LN
+// x CL columns, a CTA `cols`, a head `z` CTAs
+template <int W, int CL, int LN = 8> struct DnShape {
     static constexpr int warps = W, per_lane = CL, threads = 32 * W;
-    static constexpr int cols = W * DN_GROUPS * CL;
+    static constexpr int lanes = LN, groups = 32 / LN, parts = 32 / LN;  // parts: ggml's lanes
+    static constexpr int cols = W * groups * CL;
     static constexpr int z = DN_S / cols;
     static_assert(DN_S % cols == 0, "whole columns a CTA");
+    static_assert((LN == 4 || LN == 8) && DN_TILE % LN == 0, "a lane writes tokens j + LN u");
 };
 
 using DnModel = DnShape<4, 2>;  // the model's (above)
@@ -304,18 +319,19 @@ template <class D>
 __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int h, const int n,
                                               const int z) {
     constexpr int CL = D::per_lane;
-    __shared__ __align__(16) float qs[2][DN_TILE][DN_S];  // rows at dn_slot
+    constexpr int LN = D::lanes, V = D::parts;
+    __shared__ __align__(16) float qs[2][DN_TILE][DN_S];  // rows at dn_slot<LN>
     __shared__ __align__(16) float ks[2][DN_TILE][DN_S];
     __shared__ __align__(16) float vs[2][DN_TILE][D::cols];
     __shared__ float gs[2][DN_TILE];
     __shared__ float bs[2][DN_TILE];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int j = lane % DN_LANES;  // ggml's lanes j + 8 v
-    int col[CL];                    // the CTA's columns of this lane
+    const int j = lane % LN;  // ggml's lanes j + LN v
+    int col[CL];              // the CTA's columns of this lane
 #pragma unroll
     for (int c = 0; c < CL; c++) {
-        col[c] = (warp * CL + c) * DN_GROUPS + lane / DN_LANES;
+        col[c] = (warp * CL + c) * D::groups + lane / LN;
     }
     const int col0 = z * D::cols;
     const int64_t qk_at = (n / a.rq3) * a.sq3 + (h % a.hk) * a.sq1;
@@ -334,9 +350,9 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
                 const int t = e / DN_S;
                 const int row = e % DN_S;
                 const int64_t at = (t0 + t) * a.sq2 + row;
-                copy_async<4, true>(reinterpret_cast<uint8_t *>(&qs[b][t][dn_slot(row)]),
+                copy_async<4, true>(reinterpret_cast<uint8_t *>(&qs[b][t][dn_slot<LN>(row)]),
                                     reinterpret_cast<const uint8_t *>(q + at));
-                copy_async<4, true>(reinterpret_cast<uint8_t *>(&ks[b][t][dn_slot(row)]),
+                copy_async<4, true>(reinterpret_cast<uint8_t *>(&ks[b][t][dn_slot<LN>(row)]),
                                     reinterpret_cast<const uint8_t *>(k + at));
             }
             if (threadIdx.x < nt * VU) {
@@ -356,21 +372,21 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
         }
         copy_commit();
     };
-    // this lane's rows of column col0 + col[c] of this head and sequence: j + 8 v + 32 r
+    // this lane's rows of column col0 + col[c] of this head and sequence: j + LN v + 32 r
     int64_t head[CL];
 #pragma unroll
     for (int c = 0; c < CL; c++) {
         head[c] = (int64_t(n) * a.H + h) * DN_S * DN_S + int64_t(col0 + col[c]) * DN_S + j;
     }
-    float s[CL][DN_V][DN_R];
+    float s[CL][V][DN_R];
     auto each_value = [&](auto && f) {  // f(c, i, r, at) for each state value of this lane
 #pragma unroll
         for (int c = 0; c < CL; c++) {
 #pragma unroll
-            for (int i = 0; i < DN_V; i++) {
+            for (int i = 0; i < V; i++) {
 #pragma unroll
                 for (int r = 0; r < DN_R; r++) {
-                    f(c, i, r, head[c] + 8 * i + 32 * r);
+                    f(c, i, r, head[c] + LN * i + 32 * r);
                 }
             }
         }
@@ -416,11 +432,11 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
             if (t >= nt) {
                 break;
             }
-            float kr[DN_V][DN_R], qr[DN_V][DN_R];
+            float kr[V][DN_R], qr[V][DN_R];
 #pragma unroll
-            for (int i = 0; i < DN_V; i++) {
-                const float4 kk = *reinterpret_cast<const float4 *>(&ks[b][t][32 * i + 4 * j]);
-                const float4 qq = *reinterpret_cast<const float4 *>(&qs[b][t][32 * i + 4 * j]);
+            for (int i = 0; i < V; i++) {
+                const float4 kk = *reinterpret_cast<const float4 *>(&ks[b][t][4 * LN * i + 4 * j]);
+                const float4 qq = *reinterpret_cast<const float4 *>(&qs[b][t][4 * LN * i + 4 * j]);
                 kr[i][0] = kk.x, kr[i][1] = kk.y, kr[i][2] = kk.z, kr[i][3] = kk.w;
                 qr[i][0] = qq.x, qr[i][1] = qq.y, qr[i][2] = qq.z, qr[i][3] = qq.w;
             }
@@ -429,9 +445,9 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
             float kv[CL];  // (S^T k)[col[c]], each column's sums side by side
 #pragma unroll
             for (int c = 0; c < CL; c++) {
-                float x[DN_V];  // ggml lane j + 8 i's part
+                float x[V];  // ggml lane j + LN i's part
 #pragma unroll
-                for (int i = 0; i < DN_V; i++) {
+                for (int i = 0; i < V; i++) {
                     x[i] = 0.0f;
 #pragma unroll
                     for (int r = 0; r < DN_R; r++) {
@@ -440,13 +456,13 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
                 }
                 kv[c] = dn_lane_sum(x);
             }
-            dn_column_sums(kv);
+            dn_column_sums<LN>(kv);
 #pragma unroll
             for (int c = 0; c < CL; c++) {
                 const float delta = (vs[b][t][col[c]] - g * kv[c]) * beta;
-                float o[DN_V];
+                float o[V];
 #pragma unroll
-                for (int i = 0; i < DN_V; i++) {
+                for (int i = 0; i < V; i++) {
                     o[i] = 0.0f;
 #pragma unroll
                     for (int r = 0; r < DN_R; r++) {
@@ -458,16 +474,20 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
             }
         }
         if (attn) {  // the tile's outputs summed across the column's lanes side by side
-            dn_column_sums(out);
+            dn_column_sums<LN>(out);
 #pragma unroll
             for (int c = 0; c < CL; c++) {
-                float mine = out[c * DN_TILE];  // lane j writes token j's
 #pragma unroll
-                for (int t = 1; t < DN_TILE; t++) {
-                    mine = j == t ? out[c * DN_TILE + t] : mine;
-                }
-                if (j < nt) {
-                    attn[(t0 + j) * token_stride + col[c]] = mine * a.scale;
+                for (int u = 0; u < DN_TILE / LN; u++) {  // lane j writes tokens j + LN u
+                    const float * its = out + c * DN_TILE + LN * u;
+                    float mine = its[0];
+#pragma unroll
+                    for (int t = 1; t < LN; t++) {
+                        mine = j == t ? its[t] : mine;
+                    }
+                    if (j + LN * u < nt) {
+                        attn[(t0 + j + LN * u) * token_stride + col[c]] = mine * a.scale;
+                    }
                 }
             }
         }
