@@ -205,9 +205,9 @@ static __global__ void delta_gates(const DeltaGates g) {
 // of the recurrence (cp.async, the next tile in flight during this one), where ggml's loads them
 // token by token inside it and waits on each load: 18 us a layer for a 16-token verify on the
 // H200. ggml's warp sums a column's 32 lanes' parts by xor shuffles (16, 8, 4, 2, 1); here 8
-// lanes hold a column (DnShape::lanes), lane j the rows of ggml's lanes j, j + 8, j + 16 and j + 24,
-// so that its first two levels (16: j with j + 16, j + 8 with j + 24; 8: those two) are adds
-// inside the lane and three shuffles are left on the chain from token to token, where five
+// lanes hold a column (DnShape's lanes), lane j the rows of ggml's lanes j, j + 8, j + 16 and
+// j + 24, so that its first two levels (16: j with j + 16, j + 8 with j + 24; 8: those two) are
+// adds inside the lane and three shuffles are left on the chain from token to token, where five
 // were (the same sums, in the same order: bit for bit ggml's). Each lane holds its rows of two
 // columns (DnModel), so the k and q it loads from shared memory serve both: a warp keeps eight
 // columns, a CTA of 4 warps 32, the 27B-shaped model's 48 heads are 192 CTAs (on the H200,
@@ -305,7 +305,9 @@ template <int LN, int N> __device__ __forceinline__ void dn_column_sums(float (&
 // x CL columns, a CTA `cols`, a head `z` CTAs
 template <int W, int CL, int LN = 8> struct DnShape {
     static constexpr int warps = W, per_lane = CL, threads = 32 * W;
-    static constexpr int lanes = LN, groups = 32 / LN, parts = 32 / LN;  // parts: ggml's lanes
+    static constexpr int lanes = LN;
+    static constexpr int groups = 32 / LN;  // a warp's groups of LN lanes
+    static constexpr int parts = 32 / LN;   // ggml's lanes a lane holds (their parts of a sum)
     static constexpr int cols = W * groups * CL;
     static constexpr int z = DN_S / cols;
     static_assert(DN_S % cols == 0, "whole columns a CTA");
