@@ -66,6 +66,13 @@ std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one l
 std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
 std::atomic<int64_t> g_f8{0};      // products of gemm_f8 (f8_pair)
 
+// A switch of one of the kernels' choices, for comparison: on unless the environment sets
+// `name` to 0 (callers keep the answer in a static: read once a process)
+bool switched_on(const char * name) {
+    const char * env = std::getenv(name);
+    return !(env && env[0] == '0');
+}
+
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
     if (on == -2) {
@@ -410,10 +417,7 @@ void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int pa
     s.eps = norm.eps;
     s.out = out;
     // LUCEPY_CUDA_SN_PUSH=0: the values read across the cluster after a barrier, for comparison
-    static const bool push = [] {
-        const char * env = std::getenv("LUCEPY_CUDA_SN_PUSH");
-        return !(env && env[0] == '0');
-    }();
+    static const bool push = switched_on("LUCEPY_CUDA_SN_PUSH");
     with_cluster(a.nrows / NORM_THREADS, [&](auto k) {
         constexpr int CL = decltype(k)::value;
         if (f8) {  // (16 columns of records: the padding ones zeros)
@@ -544,10 +548,7 @@ bool no_op(const ggml_tensor * t) {
 // LUCEPY_CUDA_F8=0 leaves it to gemm_rb, for comparison)
 bool f8_on(int device) {
 #if defined(LUCEPY_F8)
-    static const bool wanted = [] {
-        const char * env = std::getenv("LUCEPY_CUDA_F8");
-        return !(env && env[0] == '0');
-    }();
+    static const bool wanted = switched_on("LUCEPY_CUDA_F8");
     return wanted && ggml_cuda_info().devices[device].cc == GGML_CUDA_CC_HOPPER;
 #else
     (void) device;
