@@ -8,6 +8,8 @@
 
 #include "lucepy-kernels.cuh"
 
+#include <type_traits>
+
 namespace lucepy {
 
 // qwen35's DeltaNet gates of a step, tiny tensors ([heads, tokens]): ggml's ADD of the dt bias,
@@ -343,19 +345,36 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
     const int64_t gb_at = n * a.sb3 + h * a.sb1;
     const int ntiles = (a.T + DN_TILE - 1) / DN_TILE;
     constexpr int VU = D::cols / 4;  // 16-byte copies of a token's v
+    // this thread's rows of q and k in a tile's copies (the same each tile): rows r0 + RS i of
+    // tokens t00, t00 + TS, ... (the model's 128 threads: row threadIdx.x of every token), their
+    // slots worked out once (each copy's row, slot and address a dozen instructions, a token's
+    // share of them 31 of the warp's 268: Nsight Compute, docs/BENCHMARKS.md session 56)
+    constexpr int RS = D::threads < DN_S ? D::threads : DN_S;
+    constexpr int TS = D::threads / RS;
+    constexpr int NR = DN_S / RS;
+    static_assert(D::threads % RS == 0 && DN_S % RS == 0, "whole rows a thread");
+    const int t00 = threadIdx.x / RS;
+    int slot[NR];
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+        slot[i] = dn_slot<LN>(int(threadIdx.x % RS) + RS * i);
+    }
+    const float * q_row = q + threadIdx.x % RS;
+    const float * k_row = k + threadIdx.x % RS;
     auto issue = [&](int tile) {  // tile's inputs into buffer tile % 2 (past the end: empty)
         if (tile < ntiles) {
             const int t0 = tile * DN_TILE;
             const int nt = min(DN_TILE, a.T - t0);
             const int b = tile % 2;
-            for (int e = threadIdx.x; e < nt * DN_S; e += D::threads) {
-                const int t = e / DN_S;
-                const int row = e % DN_S;
-                const int64_t at = (t0 + t) * a.sq2 + row;
-                copy_async<4, true>(reinterpret_cast<uint8_t *>(&qs[b][t][dn_slot<LN>(row)]),
-                                    reinterpret_cast<const uint8_t *>(q + at));
-                copy_async<4, true>(reinterpret_cast<uint8_t *>(&ks[b][t][dn_slot<LN>(row)]),
-                                    reinterpret_cast<const uint8_t *>(k + at));
+            for (int t = t00; t < nt; t += TS) {
+                const int64_t at = (t0 + t) * a.sq2;
+#pragma unroll
+                for (int i = 0; i < NR; i++) {
+                    copy_async<4, true>(reinterpret_cast<uint8_t *>(&qs[b][t][slot[i]]),
+                                        reinterpret_cast<const uint8_t *>(q_row + at + RS * i));
+                    copy_async<4, true>(reinterpret_cast<uint8_t *>(&ks[b][t][slot[i]]),
+                                        reinterpret_cast<const uint8_t *>(k_row + at + RS * i));
+                }
             }
             if (threadIdx.x < nt * VU) {
                 const int t = threadIdx.x / VU;
@@ -429,51 +448,62 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
         for (int t = 0; t < CL * DN_TILE; t++) {
             out[t] = 0.0f;  // (tokens past the end: never written)
         }
+        // the tile's tokens; FULL (every tile of a verify's 8 or 16 tokens): all DN_TILE, no
+        // branch between them, so that one token's work may fill the waits of another's (with
+        // a branch a token, each waited alone on its column sums' shuffles)
+        auto tokens = [&](auto full) {
 #pragma unroll
-        for (int t = 0; t < DN_TILE; t++) {
-            if (t >= nt) {
-                break;
-            }
-            float kr[V][DN_R], qr[V][DN_R];
-#pragma unroll
-            for (int i = 0; i < V; i++) {
-                const float4 kk = *reinterpret_cast<const float4 *>(&ks[b][t][4 * LN * i + 4 * j]);
-                const float4 qq = *reinterpret_cast<const float4 *>(&qs[b][t][4 * LN * i + 4 * j]);
-                kr[i][0] = kk.x, kr[i][1] = kk.y, kr[i][2] = kk.z, kr[i][3] = kk.w;
-                qr[i][0] = qq.x, qr[i][1] = qq.y, qr[i][2] = qq.z, qr[i][3] = qq.w;
-            }
-            const float beta = bs[b][t];
-            const float g = expf(gs[b][t]);
-            float kv[CL];  // (S^T k)[col[c]], each column's sums side by side
-#pragma unroll
-            for (int c = 0; c < CL; c++) {
-                float x[V];  // ggml lane j + LN i's part
+            for (int t = 0; t < DN_TILE; t++) {
+                if (!decltype(full)::value && t >= nt) {
+                    break;
+                }
+                float kr[V][DN_R], qr[V][DN_R];
 #pragma unroll
                 for (int i = 0; i < V; i++) {
-                    x[i] = 0.0f;
-#pragma unroll
-                    for (int r = 0; r < DN_R; r++) {
-                        x[i] += s[c][i][r] * kr[i][r];
-                    }
+                    const int at = 4 * LN * i + 4 * j;
+                    const float4 kk = *reinterpret_cast<const float4 *>(&ks[b][t][at]);
+                    const float4 qq = *reinterpret_cast<const float4 *>(&qs[b][t][at]);
+                    kr[i][0] = kk.x, kr[i][1] = kk.y, kr[i][2] = kk.z, kr[i][3] = kk.w;
+                    qr[i][0] = qq.x, qr[i][1] = qq.y, qr[i][2] = qq.z, qr[i][3] = qq.w;
                 }
-                kv[c] = dn_lane_sum(x);
-            }
-            dn_column_sums<LN>(kv);
+                const float beta = bs[b][t];
+                const float g = expf(gs[b][t]);
+                float kv[CL];  // (S^T k)[col[c]], each column's sums side by side
 #pragma unroll
-            for (int c = 0; c < CL; c++) {
-                const float delta = (vs[b][t][col[c]] - g * kv[c]) * beta;
-                float o[V];
+                for (int c = 0; c < CL; c++) {
+                    float x[V];  // ggml lane j + LN i's part
 #pragma unroll
-                for (int i = 0; i < V; i++) {
-                    o[i] = 0.0f;
+                    for (int i = 0; i < V; i++) {
+                        x[i] = 0.0f;
 #pragma unroll
-                    for (int r = 0; r < DN_R; r++) {
-                        s[c][i][r] = g * s[c][i][r] + kr[i][r] * delta;
-                        o[i] += s[c][i][r] * qr[i][r];
+                        for (int r = 0; r < DN_R; r++) {
+                            x[i] += s[c][i][r] * kr[i][r];
+                        }
                     }
+                    kv[c] = dn_lane_sum(x);
                 }
-                out[c * DN_TILE + t] = dn_lane_sum(o);
+                dn_column_sums<LN>(kv);
+#pragma unroll
+                for (int c = 0; c < CL; c++) {
+                    const float delta = (vs[b][t][col[c]] - g * kv[c]) * beta;
+                    float o[V];
+#pragma unroll
+                    for (int i = 0; i < V; i++) {
+                        o[i] = 0.0f;
+#pragma unroll
+                        for (int r = 0; r < DN_R; r++) {
+                            s[c][i][r] = g * s[c][i][r] + kr[i][r] * delta;
+                            o[i] += s[c][i][r] * qr[i][r];
+                        }
+                    }
+                    out[c * DN_TILE + t] = dn_lane_sum(o);
+                }
             }
+        };
+        if (nt == DN_TILE) {
+            tokens(std::true_type{});
+        } else {
+            tokens(std::false_type{});
         }
         if (attn) {  // the tile's outputs summed across the column's lanes side by side
             dn_column_sums<LN>(out);
