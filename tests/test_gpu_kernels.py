@@ -724,6 +724,8 @@ def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
     ("kind", "rows", "n", "cols"),
     [
         ("q4_0", 10240, 5120, (8, 9, 16)),
+        ("q4_0", 16384, 5120, (16,)),
+        ("q4_k", 16384, 5120, (9, 16)),
         ("q4_0", 5120, 17408, (2, 5, 8, 16)),
         ("q4_k", 5120, 17408, (2, 16)),
         ("q5_k", 5120, 17408, (2, 16)),
@@ -736,7 +738,9 @@ def test_gpu_repacked_products_by_bulk_copies_match_the_exact_math(kind, rows, n
     10,240 x 5,120 (4.8 chunks a CTA slot at two column tiles: gemm_rb at 9-16 columns; 4.0 at
     one: gemm_r at 8), and its ffn down, 5,120 x 17,408 (6.9 a slot at one tile: gemm_rb at 2-8
     columns too; Q5_K's and Q6_K's gemm_rb always; Q4_0's and Q4_K's gemm_f8's at 9-16 columns,
-    8.2 chunks a slot of its: lucepy-mm.cu's f8_single). Each no further from the exact math than
+    8.2 chunks a slot of its: lucepy-mm.cu's f8_single), and 16,384 x 5,120 (the DeltaNet
+    inputs' size: gemm_f8's in 2 parts, which the CTAs of each row tile, a cluster, add
+    themselves: f8_paired). Each no further from the exact math than
     twice ggml's kernels on the blocks, in parts and with its residual ADD (the sum one product
     of ours, bit for bit the product and ggml's ADD apart), for new inputs too (the CUDA graph
     replayed)."""
@@ -747,14 +751,15 @@ def test_gpu_repacked_products_by_bulk_copies_match_the_exact_math(kind, rows, n
     rng = np.random.default_rng(62)
     for k in cols:
         xs = [rng.normal(size=(k, n)).astype(np.float32) for _ in range(2)]
-        calls, bulk, f8s = kernels.calls, kernels.bulk, kernels.f8
+        calls, bulk, f8s, paired = kernels.calls, kernels.bulk, kernels.f8, kernels.paired
         [[ours]] = products(lib, device, weights, xs[:1], repack=kernels)
         assert kernels.calls - calls == 1, f"{k} columns"
         if h200:
-            f8 = int(kind in ("q4_0", "q4_k") and k > 8 and rows == 5120)
+            f8 = int(kind in ("q4_0", "q4_k") and k > 8 and rows in (5120, 16384))
             route = int(rows == 5120 or k > 8 or kind in BULK_ONLY) - f8
             assert kernels.bulk - bulk == route, f"{k} columns: route"
             assert kernels.f8 - f8s == f8, f"{k} columns: route"
+            assert kernels.paired - paired == int(f8 and rows == 16384), f"{k} columns: parts"
         kernels.set(False)
         try:
             [[theirs]] = products(lib, device, weights, xs[:1])

@@ -26,6 +26,7 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_joined(void);
     int64_t lucepy_cuda_kernels_bulk(void);
     int64_t lucepy_cuda_kernels_f8(void);
+    int64_t lucepy_cuda_kernels_paired(void);
     int lucepy_cuda_repack(void * tensor);
     """
 )
@@ -99,6 +100,13 @@ class CudaKernels:
         product alone where each CTA slot gets 6 chunks and more (lucepy-mm.cu's ``f8_single``:
         the 27B-shaped model's ffn down and DeltaNet inputs), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_f8())
+
+    @property
+    def paired(self) -> int:
+        """Of ``gemm_f8``'s products in parts, those whose parts the CTAs of each row tile, one
+        cluster, added themselves (lucepy-mm.cu's ``f8_paired``: 2 parts, no norm after the
+        product), where ``gemm_sum`` would have: one launch fewer each, counted alike."""
+        return int(self.handle.lucepy_cuda_kernels_paired())
 
     def repack(self, tensor: Any) -> bool:
         """Rewrite a Q4_0 or Q4_K weight in a CUDA device's memory in place into lucepy's layout

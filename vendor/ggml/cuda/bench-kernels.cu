@@ -711,16 +711,46 @@ void bench_f8(int k, const Shape & sh, const std::vector<uint8_t> & host, int64_
     const Variant variants[] = {{"f8", R::minb, 16}, {"f8 <= 2 parts", R::minb, 2},
                                 {"f8 <= 4 parts", R::minb, 4}, {"f8 plan 4 an SM", 4, 16},
                                 {"f8 plan 6 an SM", 6, 16}};
-    for (const Variant & v : variants) {
+    // and lucepy-mm.cu's plan with its 2 parts paired (f8_paired: each row tile's parts a
+    // cluster that adds them, no gemm_sum), where the plan has 2
+    const GemmPlan model = gemm_r_plan_at(g, R::warps, R::minb, 16, R::start);
+    for (int vi = 0; vi <= int(std::size(variants)); vi++) {
+        const bool paired = vi == int(std::size(variants));
+        if (paired && model.grid.y != F8_PAIR_MOST) {
+            break;
+        }
+        const Variant & v = paired ? Variant{"f8 paired", R::minb, 16} : variants[vi];
         const GemmPlan plan = gemm_r_plan_at(g, R::warps, v.per_sm, v.most, R::start);
         auto run = [&](int i) {
             GemmArgs b = g;
             b.w = wr + mat_bytes * (i % copies);
+            auto go = [&](auto kernel, int smem) {
+                if (!paired) {
+                    launch_planned(kernel, R::warps * 32, smem, plan, b, parts, s);
+                    return;
+                }
+                const int bytes = gemm_f8_pair_smem<F8_STAGES>(F8_PAIR_MOST);
+                raise_smem(kernel, bytes);
+                b.per_part = plan.per_part;
+                cudaLaunchAttribute attr = {};
+                attr.id = cudaLaunchAttributeClusterDimension;
+                attr.val.clusterDim.x = 1;
+                attr.val.clusterDim.y = plan.grid.y;
+                attr.val.clusterDim.z = 1;
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = plan.grid;
+                cfg.blockDim = dim3(unsigned(R::warps * 32));
+                cfg.dynamicSmemBytes = size_t(bytes);
+                cfg.stream = s;
+                cfg.attrs = &attr;
+                cfg.numAttrs = 1;
+                CHECK(cudaLaunchKernelEx(&cfg, kernel, b));
+            };
             if (k == Q4_K) {
                 using RK = GemmF8<5, RpQ4_K>;
-                launch_planned(RK::kernel(), RK::warps * 32, RK::smem, plan, b, parts, s);
+                go(RK::kernel(), RK::smem);
             } else {
-                launch_planned(R::kernel(), R::warps * 32, R::smem, plan, b, parts, s);
+                go(R::kernel(), R::smem);
             }
         };
         CHECK(cudaMemset(dst, 0, size_t(ncols) * sh.rows * sizeof(float)));

@@ -132,6 +132,24 @@ template <int ST = F8_STAGES> __host__ __device__ constexpr int gemm_f8_smem() {
     return ST * (F8_CHUNK + 4 * 2 * RP_BYTES) + 5 * ST * 8;
 }
 
+// Its parts in a cluster (launch_in_parts with `paired`: the CTAs of a row tile's parts one
+// cluster along y, at most F8_PAIR_MOST): each CTA past the first sends its sums (4 KB: 8 floats
+// a thread) into the first's shared memory, after its stages, by st.async completing on the
+// first's mbarrier there; the first adds them in part order to its own (gemm_sum's sums, bit for
+// bit) and stores the tile with its residual: no parts written, no gemm_sum launched.
+constexpr int F8_PAIR_MOST = 2;
+constexpr int F8_PAIR_SUMS = GM_WARPS * 32 * 8 * 4;  // a CTA's sums, bytes
+
+template <int ST = F8_STAGES> __host__ __device__ constexpr int gemm_f8_pair_bar() {
+    return (gemm_f8_smem<ST>() + 15) / 16 * 16;  // the mbarrier (16 bytes kept), then the sums
+}
+
+template <int ST = F8_STAGES> __host__ __device__ constexpr int gemm_f8_pair_smem(int parts) {
+    return gemm_f8_pair_bar<ST>() + 16 + (parts - 1) * F8_PAIR_SUMS;
+}
+
+static_assert(gemm_f8_pair_smem(F8_PAIR_MOST) <= 48 * 1024, "no limit to raise for the pairs");
+
 template <int ST = F8_STAGES, int MINB = 5, int S = F8_INFLIGHT, class L = RpQ4_0>
 __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
     // Q4_K: the nibbles unsigned (q / 512), each piece's scale s = round(d sc) from the lane's
@@ -170,6 +188,8 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         w_next += WB;
         x_next += F8_CHUNK;
     };
+    const int ranks = int(cluster_ctas());  // the row tile's parts in a cluster, or 1
+    const uint32_t pair_bar = x_at + gemm_f8_pair_bar<ST>();
     if (lane == 0) {
 #pragma unroll
         for (int s = 0; s < ST; s++) {
@@ -178,9 +198,16 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
                 mbar_init(xbar + 8 * s, 1);
             }
         }
+        if (ranks > 1 && threadIdx.x == 0 && cluster_rank() == 0) {
+            mbar_init(pair_bar, 1);
+            mbar_expect(pair_bar, uint32_t(ranks - 1) * F8_PAIR_SUMS);
+        }
         mbar_init_fence();
     }
     __syncthreads();
+    if (ranks > 1) {
+        cluster_arrive_relaxed();  // (waited for at the end: the first's mbarrier is ready)
+    }
     // the weights first (no kernel before this one writes them), the activations after the wait
 #pragma unroll
     for (int c = 0; c < ST; c++) {
@@ -225,8 +252,11 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         // this stage's first piece's B; piece q's two terms are 1024 q and 1024 q + 512 bytes on,
         // an add to the start address field (shared address / 16, 14 bits: under 228 KB it
         // never carries), worked out once here where each descriptor cost 4-5 uniform
-        // instructions (the Q4_0 stack 1.2 us faster, Q4_K's 2.6: docs/BENCHMARKS.md, session 53)
-        const uint64_t desc_s = desc0 | (xs >> 4);
+        // instructions (the Q4_0 stack 1.2 us faster, Q4_K's 2.6: docs/BENCHMARKS.md, session 53).
+        // The address's low 18 bits only: launched in clusters (paired parts) a CTA's shared
+        // addresses hold its rank from bit 24, which would land in the next field (session 56's
+        // first paired products were wrong in the second CTA of each pair).
+        const uint64_t desc_s = desc0 | ((xs & 0x3FFFFu) >> 4);
         uint4 qa[2], qb[2], dq[2];
         uint32_t ds[2] = {0, 0};  // Q4_K: (s of row g, of row g + 8) of this lane's pieces t, 4 + t
 #pragma unroll
@@ -335,13 +365,34 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         }
     }
     LUCEPY_PDL_LAUNCH();
+    if (ranks > 1) {
+        cluster_wait();
+        const int rank = int(cluster_rank());
+        const uint32_t sums = pair_bar + 16 + threadIdx.x * 32;  // this thread's, of a part
+        if (rank > 0) {
+            const uint32_t at = sums + (rank - 1) * F8_PAIR_SUMS;
+            cluster_send4(at, pair_bar, 0, total);
+            cluster_send4(at + 16, pair_bar, 0, total + 4);
+            return;
+        }
+        mbar_wait<true>(pair_bar, 0);  // every other part's sums have landed here
+        for (int r = 1; r < ranks; r++) {
+            const uint4 lo = load_shared(sums + (r - 1) * F8_PAIR_SUMS);
+            const uint4 hi = load_shared(sums + (r - 1) * F8_PAIR_SUMS + 16);
+            const uint32_t u[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                total[i] += __uint_as_float(u[i]);
+            }
+        }
+    }
     if (mine) {
         float tot[2][4];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             tot[i / 4][i % 4] = total[i];
         }
-        store_tile<2>(a, tot, row0 + warp * 16, g, t);
+        store_tile<2>(a, tot, row0 + warp * 16, g, t, ranks == 1 && gridDim.y > 1);
     }
 }
 

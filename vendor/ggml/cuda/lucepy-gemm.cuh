@@ -617,6 +617,40 @@ __device__ __forceinline__ void cluster_send(const float * local, uint32_t bar, 
 #endif
 }
 
+// v[0..3] into the 16 bytes at shared address `at` (of this CTA's layout) in the cluster's CTA
+// `rank`, completing on that CTA's mbarrier at `bar` (st.async, one 16-byte store)
+__device__ __forceinline__ void cluster_send4(uint32_t at, uint32_t bar, int rank,
+                                              const float * v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t remote, remote_bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(at), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(rank));
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+        "[%5];" ::"r"(remote),
+        "r"(__float_as_uint(v[0])), "r"(__float_as_uint(v[1])), "r"(__float_as_uint(v[2])),
+        "r"(__float_as_uint(v[3])), "r"(remote_bar)
+        : "memory");
+#endif
+}
+
+// the CTAs of this CTA's cluster (1 where it was launched without clusters), and its rank there
+__device__ __forceinline__ uint32_t cluster_ctas() {
+    uint32_t n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
 // the float at `local`'s place in the shared memory of the cluster's CTA `rank`
 __device__ __forceinline__ float cluster_load(const float * local, int rank) {
     float v = 0.0f;
@@ -888,11 +922,10 @@ __device__ __forceinline__ void flush_segment(float (&acc)[NT][4], float (&total
 
 // A warp's tile of 16 rows from `row` (lane (g, t): rows row + g and row + g + 8, columns 2t and
 // 2t + 1 of each tile of 8) into dst (plus the residual), or into the CTA's part of the sums when
-// split in parts
+// `split` (by default: when the grid is in parts)
 template <int NT>
 __device__ __forceinline__ void store_tile(const GemmArgs & a, const float (&total)[NT][4],
-                                           int row, int g, int t) {
-    const bool split = gridDim.y > 1;
+                                           int row, int g, int t, bool split) {
     float * out = split ? a.parts + int64_t(blockIdx.y) * a.ncols * a.nrows : a.dst;
     const int64_t stride = split ? a.nrows : a.dst_stride;
     const float * residual = split ? nullptr : a.residual;
@@ -908,6 +941,12 @@ __device__ __forceinline__ void store_tile(const GemmArgs & a, const float (&tot
             }
         }
     }
+}
+
+template <int NT>
+__device__ __forceinline__ void store_tile(const GemmArgs & a, const float (&total)[NT][4],
+                                           int row, int g, int t) {
+    store_tile<NT>(a, total, row, g, t, gridDim.y > 1);
 }
 
 // The mma's k order: of a piece's low 16 values (one mma; the high 16 the next), lane t of a

@@ -65,6 +65,7 @@ std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ou
 std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
 std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
 std::atomic<int64_t> g_f8{0};      // products of gemm_f8 (f8_pair)
+std::atomic<int64_t> g_paired{0};  // products whose parts a cluster added (f8_paired)
 
 // A switch of one of the kernels' choices, for comparison: on unless the environment sets
 // `name` to 0 (callers keep the answer in a static: read once a process)
@@ -291,12 +292,12 @@ template <int K> Launch pick(bool gate, int unit) {
                       : pick_unit<K, 4>(gate);
 }
 
-// `kernel` in clusters of `cluster` CTAs along x, and with programmatic dependent launch where
-// ggml_cuda_kernel_launch would use it
+// `kernel` in clusters (the launch attribute `cluster`), with `smem` bytes of dynamic shared
+// memory, and with programmatic dependent launch where ggml_cuda_kernel_launch would use it
 template <typename... Args>
-void launch_clustered(void (*kernel)(Args...), dim3 grid, int threads, int cluster,
-                      cudaStream_t stream, Args... args) {
-    cudaLaunchAttribute attrs[2] = {cluster_attr(cluster)};
+void launch_clusters(void (*kernel)(Args...), dim3 grid, int threads, int smem,
+                     cudaLaunchAttribute cluster, cudaStream_t stream, Args... args) {
+    cudaLaunchAttribute attrs[2] = {cluster};
     unsigned nattrs = 1;
 #if defined(GGML_CUDA_USE_PDL)
     static const bool pdl = [] {
@@ -312,10 +313,18 @@ void launch_clustered(void (*kernel)(Args...), dim3 grid, int threads, int clust
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(unsigned(threads));
+    cfg.dynamicSmemBytes = size_t(smem);
     cfg.stream = stream;
     cfg.attrs = attrs;
     cfg.numAttrs = nattrs;
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+// the same in clusters of `cluster` CTAs along x, no dynamic shared memory
+template <typename... Args>
+void launch_clustered(void (*kernel)(Args...), dim3 grid, int threads, int cluster,
+                      cudaStream_t stream, Args... args) {
+    launch_clusters(kernel, grid, threads, 0, cluster_attr(cluster), stream, args...);
 }
 
 // norm_halves of `ncols` columns of x (16-byte aligned, as w and dst), a CTA a padded column
@@ -432,17 +441,36 @@ void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int pa
     g_joined.fetch_add(1, std::memory_order_relaxed);  // gemm_sum's launch holds the norm
 }
 
+// Whether gemm_f8's parts are added in a cluster (lucepy-f8.cuh: F8_PAIR_MOST) where there is no
+// norm after the product, not by gemm_sum (the attention's qkv and the DeltaNet inputs of the
+// 27B-shaped model at 16 columns, in 2 parts). LUCEPY_CUDA_F8_PAIR=0 leaves them to gemm_sum,
+// for comparison.
+bool f8_paired(int parts) {
+    static const bool on = switched_on("LUCEPY_CUDA_F8_PAIR");
+    return on && parts > 1 && parts <= F8_PAIR_MOST;
+}
+
 // 3 to 16 columns: gemm on to_halves' activations, in parts where its rows are few
 // A tensor-core product of 4-warp CTAs of `smem` bytes (gemm, gemm_r) by `plan`, its parts
 // added in order by gemm_sum, or with `norm` (the RMS norm after the product's residual ADD) by
-// sum_norm_halves
+// sum_norm_halves, or (`paired`: gemm_f8, where f8_paired) by the CTAs of a row tile's parts, a
+// cluster, themselves
 template <typename F>
 void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, const GemmPlan & plan,
-                     const GemmArgs & base, const NormAfter * norm = nullptr) {
+                     const GemmArgs & base, const NormAfter * norm = nullptr,
+                     bool paired = false) {
     const int parts = int(plan.grid.y);
     GemmArgs a = base;
     a.per_part = plan.per_part;
     cudaStream_t stream = ctx.stream();
+    if (paired && !norm && f8_paired(parts)) {
+        cudaLaunchAttribute cluster = cluster_attr(1);
+        cluster.val.clusterDim.y = unsigned(parts);
+        launch_clusters(kernel, plan.grid, GM_WARPS * 32, gemm_f8_pair_smem<F8_STAGES>(parts),
+                        cluster, stream, a);
+        g_paired.fetch_add(1, std::memory_order_relaxed);
+        return;
+    }
     ggml_cuda_pool_alloc<float> sums(ctx.pool());
     if (parts > 1) {
         a.parts = sums.alloc(size_t(parts) * a.ncols * a.nrows);
@@ -462,11 +490,14 @@ void launch_in_parts(ggml_backend_cuda_context & ctx, F kernel, int smem, const 
 }
 
 // CTAs of `kernel` (4 warps, `smem` bytes) at once on a device, asked once a device (`slots`:
-// the kernel's own table)
+// the kernel's own table). Its limit on dynamic shared memory raised to `smem` where that is
+// past the default 48 KB, never lowered under it (a paired gemm_f8 takes 4 KB more than its
+// plan's CTAs: launched under a limit of its plan's bytes, it failed)
 template <typename F>
 int64_t slots_of(F kernel, int smem, int device, int64_t (&slots)[GGML_CUDA_MAX_DEVICES]) {
     if (slots[device] == 0) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        std::max(smem, 48 * 1024)));
         slots[device] = cta_slots(kernel, GM_WARPS * 32, smem, device);
     }
     return slots[device];
@@ -1011,7 +1042,8 @@ void repacked_mul_mat_of(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
                 f8_at(product_activations(ctx, st, src1, npieces, F8_PLANES, scratch), npieces),
                 residual);
             using R = GemmF8<5, L>;
-            launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, g), g, norm);
+            launch_in_parts(ctx, R::kernel(), R::smem, gemm_r_plan<R>(ctx.device, g), g, norm,
+                            true);
             g_f8.fetch_add(1, std::memory_order_relaxed);
             return;
         }
@@ -1332,6 +1364,7 @@ std::atomic<int64_t> g_copies{0};  // copy nodes (DUP, CONT, CPY) a kernel of ou
 std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one launch less each)
 std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
 std::atomic<int64_t> g_f8{0};
+std::atomic<int64_t> g_paired{0};
 }  // namespace lucepy
 
 #endif
@@ -1383,6 +1416,10 @@ int64_t lucepy_cuda_kernels_bulk(void) {
 
 int64_t lucepy_cuda_kernels_f8(void) {
     return lucepy::g_f8.load(std::memory_order_relaxed);
+}
+
+int64_t lucepy_cuda_kernels_paired(void) {
+    return lucepy::g_paired.load(std::memory_order_relaxed);
 }
 
 int lucepy_cuda_repack(struct ggml_tensor * t) {
