@@ -617,7 +617,10 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
     and Q6_K's always gemm_rb's; but a Q4_0 or Q4_K stack at 9-16 columns is gemm_f8's (Hopper's
     FP8 warpgroup mma, its activations converted by to_e4m3), and so is the 27B-shaped down
     (f8_single: 6 chunks a CTA slot and more), its e4m3 records written by the GLU's kernel (no
-    conversion of its own: as many activations quantized as with halves)."""
+    conversion of its own: as many activations quantized as with halves); where that stack is
+    one part (the 27B-shaped one), gemm_f8 computes the SWIGLU itself (each CTA the same rows of
+    both matrices: lucepy-mm.cu's f8_glu) and the down's input is converted on its own, no
+    kernel before it preparing it."""
     lib, device, kernels = cuda
     h200 = on_h200(lib, device)
     shapes = [(n_ff, n), (n_ff, n), (n, n_ff)]  # (rows, row length): gate, up, down
@@ -631,7 +634,7 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
         out = ffn_products(lib, device, weights, feeds, keep_gate, repack=kernels)
         return out, (kernels.calls - calls, kernels.ops - ops)
 
-    bulk, f8, quantized = kernels.bulk, kernels.f8, kernels.quantized
+    bulk, f8, quantized, fused = kernels.bulk, kernels.f8, kernels.quantized, kernels.fused
     assert run(xs[:1])[1] == (3, 1)
     assert kernels.quantized - quantized == 2  # the stack's input, the GLU's halves or records
     f8_stack = kind in ("q4_0", "q4_k") and k > 8
@@ -640,6 +643,8 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
         big = n_ff == 17408 or kind in BULK_ONLY
         assert kernels.bulk - bulk == big * (2 - f8_stack - f8_down), "gemm_rb's products"
         assert kernels.f8 - f8 == f8_stack + f8_down, "gemm_f8's products"
+        # the down's input prepared by glu_halves, or (the SWIGLU in gemm_f8) converted
+        assert kernels.fused - fused == int(not f8_down), "who prepares the down's input"
     kept, counts = run(xs[:1], keep_gate=True)
     assert counts == (3, 0)
     ours, _ = run(xs)

@@ -150,7 +150,14 @@ template <int ST = F8_STAGES> __host__ __device__ constexpr int gemm_f8_pair_sme
 
 static_assert(gemm_f8_pair_smem(F8_PAIR_MOST) <= 48 * 1024, "no limit to raise for the pairs");
 
-template <int ST = F8_STAGES, int MINB = 5, int S = F8_INFLIGHT, class L = RpQ4_0>
+// GLU (an FFN's gate and up as one product, `a.w` the gate's rows and `a.w2` the up's, a.rows2
+// each, in one part): CTA b's warps 0 and 1 take the gate's rows 32 b .. 32 b + 31 and warps 2
+// and 3 the up's same rows, and the CTA writes SWIGLU of them (silu(gate) times up, ggml's
+// formula, as glu_halves computes it from the same sums) into a.dst, [column][a.dst_stride],
+// where a.rows2 / 32 CTAs of 64 rows of the stack would write both products for glu_halves
+// to read (lucepy-mm.cu's glu_pair_nodes, `f8_glu`).
+template <int ST = F8_STAGES, int MINB = 5, int S = F8_INFLIGHT, class L = RpQ4_0,
+          bool GLU = false>
 __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
     // Q4_K: the nibbles unsigned (q / 512), each piece's scale s = round(d sc) from the lane's
     // words and the super-block's record (rk_group), and its min's term off by the offsets' mma
@@ -166,15 +173,19 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
     const int g = lane / 4;
     const int t = lane % 4;
     const int row0 = blockIdx.x * 64;
+    // GLU: this warp's first row of the stack (the gate's, or the up's after a.rows2)
+    const int glu_row = (warp >= 2 ? a.rows2 : 0) + 32 * int(blockIdx.x) + 16 * (warp % 2);
     const int chunk0 = blockIdx.y * a.per_part;
     const int nchunks = max(0, min(a.per_part, a.npieces / 8 - chunk0));
-    const bool mine = row0 + warp * 16 < a.nrows;
+    const bool mine = GLU || row0 + warp * 16 < a.nrows;
     const uint32_t x_at = shared_at(smem);
     const uint32_t w_dst = x_at + ST * F8_CHUNK + warp * WB;
     const uint32_t bars = x_at + ST * (F8_CHUNK + W_STAGE);
     const uint32_t wbar = bars + warp * ST * 8, xbar = bars + 4 * ST * 8;
     const int ngroups = a.npieces / RP_GROUP;
-    const uint8_t * w_src = warp_tile_at(a, mine ? row0 : 0, mine ? warp : 0, chunk0, ngroups);
+    const uint8_t * w_src =
+        GLU ? warp_tile_at(a, glu_row, 0, chunk0, ngroups)
+            : warp_tile_at(a, mine ? row0 : 0, mine ? warp : 0, chunk0, ngroups);
     const uint8_t * x_src = reinterpret_cast<const uint8_t *>(a.x.xh) + int64_t(chunk0) * F8_CHUNK;
     // the chunk after the stages' first: its weights and records, advanced a chunk each fetch
     const uint8_t * w_next = w_src + int64_t(ST) * WB;
@@ -365,6 +376,29 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         }
     }
     LUCEPY_PDL_LAUNCH();
+    if constexpr (GLU) {  // the up's sums to the gate's warps, through the (free) stages
+        // (the last chunk's barrier passed: every warp's wgmmas have read their stages)
+        float * ups = reinterpret_cast<float *>(smem);  // [warp % 2][lane][8]
+        if (warp >= 2) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                ups[((warp - 2) * 32 + lane) * 8 + i] = total[i];
+            }
+        }
+        __syncthreads();
+        if (warp >= 2) {
+            return;
+        }
+        float v[2][4];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float x = total[i];
+            const float y = ups[(warp * 32 + lane) * 8 + i];
+            v[i / 4][i % 4] = x / (1.0f + expf(-x)) * y;
+        }
+        store_tile<2>(a, v, 32 * int(blockIdx.x) + 16 * warp, g, t, false);
+        return;
+    }
     if (ranks > 1) {
         cluster_wait();
         const int rank = int(cluster_rank());
@@ -407,6 +441,11 @@ template <int MINB = 5, class L = RpQ4_0> struct GemmF8 {
     static constexpr int minb = MINB;
     static constexpr int smem = gemm_f8_smem<F8_STAGES>();
     static auto kernel() { return gemm_f8<F8_STAGES, MINB, F8_INFLIGHT, L>; }
+    static auto glu_kernel() { return gemm_f8<F8_STAGES, MINB, F8_INFLIGHT, L, true>; }
 };
+
+// whether build R is one of gemm_f8's (GemmF8)
+template <class R> struct is_f8_build : std::false_type {};
+template <int MINB, class L> struct is_f8_build<GemmF8<MINB, L>> : std::true_type {};
 
 }  // namespace lucepy

@@ -938,6 +938,15 @@ template <typename R> GemmPlan gemm_r_plan(int device, const GemmArgs & a) {
                                            R::start));
 }
 
+// Whether gemm_f8 computes an FFN's SWIGLU itself where it takes the gate and up as one product
+// of one part (`gemm_f8`'s GLU build: each CTA the same 32 rows of both), the down's records
+// then converted from the GLU's result by to_e4m3, where the stack's sums went to glu_halves,
+// which wrote both (4.5-4.7 us a call). LUCEPY_CUDA_F8_GLU=0 keeps glu_halves, for comparison.
+bool f8_glu() {
+    static const bool on = switched_on("LUCEPY_CUDA_F8_GLU");
+    return on;
+}
+
 // Whether gemm_f8 takes a product of w alone at ncols columns (f8_matrix's), its input as e4m3
 // records: where each of its CTA slots gets at least 6 chunks. On the H200 at 16 columns
 // (bench-kernels --f8, docs/BENCHMARKS.md session 54) the 27B-shaped model's ffn down (8.2 a
@@ -1240,14 +1249,28 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     g.rows2 = int(n);
     g.nrows = int(2 * n);
     const bool down_f8 = want->planes == F8_PLANES;  // (the scan's: gemm_f8 takes the down)
-    uint8_t * down_buf = prepared(st, want->src1, n / 32, want->planes);
-    const Halves out = down_f8 ? f8_at(down_buf, n / 32) : halves_at(down_buf, n / 32, int(ncols));
     ggml_cuda_pool_alloc<float> sums(ctx.pool());
     auto go = [&](auto build) {  // a GemmR or GemmRB
         using R = decltype(build);
         const GemmPlan plan = gemm_r_plan<R>(ctx.device, g);
         const int parts = int(plan.grid.y);
         g.per_part = plan.per_part;
+        if constexpr (is_f8_build<R>::value) {
+            if (parts == 1 && f8_glu()) {  // the SWIGLU in gemm_f8 (the down's input by its own
+                                           // conversion: no records written here)
+                g.dst = static_cast<float *>(glu->data);
+                g.dst_stride = n;
+                ggml_cuda_kernel_launch(
+                    R::glu_kernel(),
+                    ggml_cuda_kernel_launch_params(dim3(unsigned(n / 32)), GM_WARPS * 32, R::smem,
+                                                   ctx.stream()),
+                    g);
+                return;
+            }
+        }
+        uint8_t * down_buf = prepared(st, want->src1, n / 32, want->planes);
+        const Halves out =
+            down_f8 ? f8_at(down_buf, n / 32) : halves_at(down_buf, n / 32, int(ncols));
         float * buf = sums.alloc(size_t(parts) * ncols * 2 * n);
         g.parts = buf;  // split: the parts; one part: the sums straight, in the parts' layout
         g.dst = buf;
