@@ -345,10 +345,11 @@ __device__ __forceinline__ void delta_net_cta(const DeltaNetArgs & a, const int 
     const int64_t gb_at = n * a.sb3 + h * a.sb1;
     const int ntiles = (a.T + DN_TILE - 1) / DN_TILE;
     constexpr int VU = D::cols / 4;  // 16-byte copies of a token's v
-    // this thread's rows of q and k in a tile's copies (the same each tile): rows r0 + RS i of
-    // tokens t00, t00 + TS, ... (the model's 128 threads: row threadIdx.x of every token), their
-    // slots worked out once (each copy's row, slot and address a dozen instructions, a token's
-    // share of them 31 of the warp's 268: Nsight Compute, docs/BENCHMARKS.md session 56)
+    // this thread's rows of q and k in a tile's copies (the same each tile): rows
+    // threadIdx.x % RS + RS i of tokens t00, t00 + TS, ... (the model's 128 threads: row
+    // threadIdx.x of every token), their slots worked out once (each copy's row, slot and
+    // address had been a dozen instructions, a token's share of them 31 of the warp's 268:
+    // Nsight Compute, docs/BENCHMARKS.md session 56)
     constexpr int RS = D::threads < DN_S ? D::threads : DN_S;
     constexpr int TS = D::threads / RS;
     constexpr int NR = DN_S / RS;
