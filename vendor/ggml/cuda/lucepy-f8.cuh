@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         for (int i = 0; i < 8; i++) {
             const float x = total[i];
             const float y = ups[(warp * 32 + lane) * 8 + i];
-            v[i / 4][i % 4] = x / (1.0f + expf(-x)) * y;
+            v[i / 4][i % 4] = swiglu(x, y);
         }
         store_tile<2>(a, v, 32 * int(blockIdx.x) + 16 * warp, g, t, false);
         return;

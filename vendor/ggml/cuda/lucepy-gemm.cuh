@@ -526,7 +526,7 @@ static __global__ void __launch_bounds__(GLU_WARPS * 32)
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         if (here[i]) {
-            v[i] = x[i] / (1.0f + expf(-x[i])) * y[i];
+            v[i] = swiglu(x[i], y[i]);
             dst[(int64_t(c) * npieces + p[i]) * 32 + threadIdx.x % 32] = v[i];
         }
     }
@@ -602,17 +602,22 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
 #endif
 }
 
+// shared address `at` (of this CTA's layout) in the cluster's CTA `rank` (mapa)
+__device__ __forceinline__ uint32_t cluster_at(uint32_t at, int rank) {
+    uint32_t remote = at;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(at), "r"(rank));
+#endif
+    return remote;
+}
+
 // v into the float at `local`'s place in the shared memory of the cluster's CTA `rank`, its 4
 // bytes completing on that CTA's mbarrier at `bar`'s place (st.async)
 __device__ __forceinline__ void cluster_send(const float * local, uint32_t bar, int rank, float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint32_t remote, remote_bar;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                 : "=r"(remote)
-                 : "r"(shared_at(local)), "r"(rank));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(rank));
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
-                 ::"r"(remote), "r"(__float_as_uint(v)), "r"(remote_bar)
+                 ::"r"(cluster_at(shared_at(local), rank)), "r"(__float_as_uint(v)),
+                 "r"(cluster_at(bar, rank))
                  : "memory");
 #endif
 }
@@ -622,14 +627,11 @@ __device__ __forceinline__ void cluster_send(const float * local, uint32_t bar, 
 __device__ __forceinline__ void cluster_send4(uint32_t at, uint32_t bar, int rank,
                                               const float * v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint32_t remote, remote_bar;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(at), "r"(rank));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(rank));
     asm volatile(
         "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
-        "[%5];" ::"r"(remote),
+        "[%5];" ::"r"(cluster_at(at, rank)),
         "r"(__float_as_uint(v[0])), "r"(__float_as_uint(v[1])), "r"(__float_as_uint(v[2])),
-        "r"(__float_as_uint(v[3])), "r"(remote_bar)
+        "r"(__float_as_uint(v[3])), "r"(cluster_at(bar, rank))
         : "memory");
 #endif
 }
@@ -655,11 +657,10 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 __device__ __forceinline__ float cluster_load(const float * local, int rank) {
     float v = 0.0f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                 : "=r"(remote)
-                 : "r"(shared_at(local)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    asm volatile("ld.shared::cluster.f32 %0, [%1];"
+                 : "=f"(v)
+                 : "r"(cluster_at(shared_at(local), rank))
+                 : "memory");
 #endif
     return v;
 }

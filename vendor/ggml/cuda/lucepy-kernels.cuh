@@ -142,6 +142,12 @@ __device__ __forceinline__ float glu(int op, float x, float gate) {
     return x * gate / (1.0f + expf(-gate));  // SWIGLU
 }
 
+// ggml's SWIGLU op of a verify's separate gate and up results, silu(x) times y in ggml's order
+// (not glu()'s, the fused product's): glu_halves and gemm_f8's GLU build
+__device__ __forceinline__ float swiglu(float x, float y) {
+    return x / (1.0f + expf(-x)) * y;
+}
+
 // --- the product --------------------------------------------------------------------------------
 
 struct Args {
