@@ -75,6 +75,50 @@ def test_a_product_splits_into_parts_as_its_rows_allow(tmp_path):
     assert by_cost[(5120, 544)] == 6
 
 
+def test_a_short_last_wave_is_cut_into_parts(tmp_path):
+    """tail_plan (lucepy-plan.h: gemm_f8's one-part products, lucepy-f8.cuh's F8Tail): the row
+    tiles past the last whole wave of one CTA an SM, where they are at most half the SMs, each
+    cut along k into as many parts as the SMs take one each of (at most `most`, 2 chunks a part
+    and more, none empty), every CTA fitting at once; else no tail. The 27B-shaped FFN stack at
+    16 columns on an H200 (544 tiles of 20 chunks, 132 SMs, 660 slots): 7 parts of 3 chunks
+    each of the 16 tiles past 4 waves."""
+    exe = host_build(tmp_path, "tail_host")
+    cases = {  # (tiles, chunks, SMs, slots, most): (from, parts, chunks, CTAs)
+        (544, 20, 132, 660, 8): (528, 7, 3, 640),
+        (544, 20, 132, 660, 4): (528, 4, 5, 592),
+        (544, 4, 132, 660, 8): (528, 2, 2, 560),
+        (140, 20, 132, 660, 8): (132, 7, 3, 188),
+        (528, 20, 132, 660, 8): (528, 0, 0, 528),  # whole waves
+        (100, 20, 132, 660, 8): (100, 0, 0, 100),  # under one wave
+        (600, 20, 132, 660, 8): (600, 0, 0, 600),  # 72 past: more than half the SMs
+        (544, 20, 132, 600, 8): (544, 0, 0, 544),  # 640 CTAs: more than fit at once
+        (544, 20, 132, 660, 0): (544, 0, 0, 544),
+        (544, 3, 132, 660, 8): (544, 0, 0, 544),  # 3 chunks: no 2 parts of 2
+    }
+    rng = np.random.default_rng(5)
+    free = [
+        (int(rng.integers(1, 2000)), int(rng.integers(1, 80)), int(rng.integers(1, 200)), 0, 8)
+        for _ in range(300)
+    ]
+    free = [(t, c, s, int(rng.integers(s, 6 * s + 1)), m) for t, c, s, _, m in free]
+    shapes = list(cases) + free
+    lines = "".join(" ".join(map(str, shape)) + "\n" for shape in shapes)
+    out = subprocess.run([exe], input=lines, capture_output=True, text=True, check=True).stdout
+    got = [tuple(map(int, line.split())) for line in out.splitlines()]
+    assert got[: len(cases)] == list(cases.values())
+    for (tiles, chunks, sms, slots, most), (start, parts, per, ctas) in zip(
+        shapes, got, strict=True
+    ):
+        rest = tiles - start
+        if parts == 0:
+            assert (start, per, ctas) == (tiles, 0, tiles)
+            continue
+        assert start == tiles // sms * sms and 0 < rest <= sms // 2, (tiles, sms, start)
+        assert 2 <= parts <= most and rest * parts <= sms, (tiles, sms, parts)
+        assert per >= 2 and (parts - 1) * per < chunks <= parts * per  # none empty
+        assert ctas == start + rest * parts <= slots
+
+
 def plans(exe: Path, shapes: list[tuple[int, int, int, float]]) -> list[tuple[int, ...]]:
     """plan_host's (parts, most, by_cost) for each (rows, pieces, slots, start) at 16 columns."""
     lines = "".join(f"{r} {p} 64 8 {slots} 16 {start}\n" for r, p, slots, start in shapes)

@@ -620,7 +620,9 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
     conversion of its own: as many activations quantized as with halves); where that stack is
     one part (the 27B-shaped one), gemm_f8 computes the SWIGLU itself (each CTA the same rows of
     both matrices: lucepy-mm.cu's f8_glu) and the down's input is converted on its own, no
-    kernel before it preparing it."""
+    kernel before it preparing it; its 16 row tiles past 4 waves of one CTA an SM are cut into
+    parts along k that the last of them to finish adds (f8_tail), right again on each replay
+    (each tile's count back to 0)."""
     lib, device, kernels = cuda
     h200 = on_h200(lib, device)
     shapes = [(n_ff, n), (n_ff, n), (n, n_ff)]  # (rows, row length): gate, up, down
@@ -635,6 +637,7 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
         return out, (kernels.calls - calls, kernels.ops - ops)
 
     bulk, f8, quantized, fused = kernels.bulk, kernels.f8, kernels.quantized, kernels.fused
+    tailed = kernels.tailed
     assert run(xs[:1])[1] == (3, 1)
     assert kernels.quantized - quantized == 2  # the stack's input, the GLU's halves or records
     f8_stack = kind in ("q4_0", "q4_k") and k > 8
@@ -645,6 +648,8 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
         assert kernels.f8 - f8 == f8_stack + f8_down, "gemm_f8's products"
         # the down's input prepared by glu_halves, or (the SWIGLU in gemm_f8) converted
         assert kernels.fused - fused == int(not f8_down), "who prepares the down's input"
+        # the stack's 544 row tiles on 132 SMs: the 16 past 4 waves each in 7 parts (f8_tail)
+        assert kernels.tailed - tailed == int(f8_down), "a tail"
     kept, counts = run(xs[:1], keep_gate=True)
     assert counts == (3, 0)
     ours, _ = run(xs)

@@ -27,6 +27,7 @@ _ffi.cdef(
     int64_t lucepy_cuda_kernels_bulk(void);
     int64_t lucepy_cuda_kernels_f8(void);
     int64_t lucepy_cuda_kernels_paired(void);
+    int64_t lucepy_cuda_kernels_tailed(void);
     int lucepy_cuda_repack(void * tensor);
     """
 )
@@ -107,6 +108,13 @@ class CudaKernels:
         cluster, added themselves (lucepy-mm.cu's ``f8_paired``: 2 parts, no norm after the
         product), where ``gemm_sum`` would have: one launch fewer each, counted alike."""
         return int(self.handle.lucepy_cuda_kernels_paired())
+
+    @property
+    def tailed(self) -> int:
+        """Of ``gemm_f8``'s products of one part, those launched with a tail (lucepy-mm.cu's
+        ``f8_tail``: the row tiles past the last whole wave of one CTA an SM each cut into parts,
+        which the last of them to finish adds), counted alike."""
+        return int(self.handle.lucepy_cuda_kernels_tailed())
 
     def repack(self, tensor: Any) -> bool:
         """Rewrite a Q4_0 or Q4_K weight in a CUDA device's memory in place into lucepy's layout

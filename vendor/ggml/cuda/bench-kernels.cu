@@ -712,18 +712,36 @@ void bench_f8(int k, const Shape & sh, const std::vector<uint8_t> & host, int64_
                                 {"f8 <= 4 parts", R::minb, 4}, {"f8 plan 4 an SM", 4, 16},
                                 {"f8 plan 6 an SM", 6, 16}};
     // and lucepy-mm.cu's plan with its 2 parts paired (f8_paired: each row tile's parts a
-    // cluster that adds them, no gemm_sum), where the plan has 2
+    // cluster that adds them, no gemm_sum), where the plan has 2; with a tail (f8_tail: the row
+    // tiles past the last whole wave of one CTA an SM cut into parts), where it has 1
     const GemmPlan model = gemm_r_plan_at(g, R::warps, R::minb, 16, R::start);
-    for (int vi = 0; vi <= int(std::size(variants)); vi++) {
+    const TailPlan tail = tail_plan(int(model.grid.x), npieces / 8, g_sms,
+                                    int64_t(R::minb) * g_sms);
+    unsigned * count = nullptr;
+    float * tail_sums = nullptr;
+    CHECK(cudaMalloc(&count, 128 * sizeof(unsigned)));
+    CHECK(cudaMemset(count, 0, 128 * sizeof(unsigned)));
+    CHECK(cudaMalloc(&tail_sums, size_t(model.grid.x) * 8 * GM_WARPS * 32 * 8 * sizeof(float)));
+    for (int vi = 0; vi <= int(std::size(variants)) + 1; vi++) {
         const bool paired = vi == int(std::size(variants));
-        if (paired && model.grid.y != F8_PAIR_MOST) {
-            break;
+        const bool tailed = vi == int(std::size(variants)) + 1;
+        if ((paired && model.grid.y != F8_PAIR_MOST) ||
+            (tailed && (model.grid.y != 1 || tail.parts == 0))) {
+            continue;
         }
-        const Variant & v = paired ? Variant{"f8 paired", R::minb, 16} : variants[vi];
-        const GemmPlan plan = gemm_r_plan_at(g, R::warps, v.per_sm, v.most, R::start);
+        const Variant & v = paired   ? Variant{"f8 paired", R::minb, 16}
+                            : tailed ? Variant{"f8 tailed", R::minb, 16}
+                                     : variants[vi];
+        GemmPlan plan = gemm_r_plan_at(g, R::warps, v.per_sm, v.most, R::start);
+        if (tailed) {
+            plan.grid.x = unsigned(tail.ctas);
+        }
         auto run = [&](int i) {
             GemmArgs b = g;
             b.w = wr + mat_bytes * (i % copies);
+            if (tailed) {
+                b.tail = {tail_sums, count, tail.from, tail.parts, tail.chunks};
+            }
             auto go = [&](auto kernel, int smem) {
                 if (!paired) {
                     launch_planned(kernel, R::warps * 32, smem, plan, b, parts, s);
@@ -767,6 +785,8 @@ void bench_f8(int k, const Shape & sh, const std::vector<uint8_t> & host, int64_
                     v.name, t, t / t1, mat_bytes / t / 1e3, worst, plan.grid.x, plan.grid.y,
                     t_conv, ok ? "" : "  WRONG");
     }
+    CHECK(cudaFree(count));
+    CHECK(cudaFree(tail_sums));
     CHECK(cudaFree(buf));
 }
 

@@ -150,6 +150,62 @@ template <int ST = F8_STAGES> __host__ __device__ constexpr int gemm_f8_pair_sme
 
 static_assert(gemm_f8_pair_smem(F8_PAIR_MOST) <= 48 * 1024, "no limit to raise for the pairs");
 
+// A tail part's sums (this thread's 8, `total`) to its tile's: true in the tile's last part to
+// finish, `total` then all parts' sums added in part order (as gemm_sum adds parts), the tile's
+// count back to 0 for the next launch; false in the others (their sums written, nothing more to
+// do). No CTA waits for another: the parts need not be resident at once. `last` is a word of
+// shared memory nothing else uses meanwhile (gemm_f8's is in its stages, free by then; with a
+// static __shared__ word, which the dynamic shared memory then starts after, every gemm_f8 took
+// a third longer: the Q4_0 FFN stack 50.4 us where 33.6, docs/BENCHMARKS.md session 57).
+__device__ __forceinline__ bool tail_sum(const F8Tail & tail, int u, int part, float (&total)[8],
+                                         volatile int & last) {
+    const int64_t stride = int64_t(blockDim.x) * 8;  // a part's sums
+    float * sums = tail.sums + int64_t(u) * tail.parts * stride + threadIdx.x * 8;
+    float4 * mine = reinterpret_cast<float4 *>(sums + part * stride);
+    mine[0] = make_float4(total[0], total[1], total[2], total[3]);
+    mine[1] = make_float4(total[4], total[5], total[6], total[7]);
+    __threadfence();
+    __syncthreads();  // every thread's sums are visible on the device before the count moves
+    if (threadIdx.x == 0) {
+        last = int(atomicAdd(tail.count + u, 1u) == unsigned(tail.parts - 1));
+    }
+    __syncthreads();
+    if (!last) {
+        return false;
+    }
+    __threadfence();
+    float sum[8] = {};
+    for (int p = 0; p < tail.parts; p++) {
+        float v[8];
+        if (p == part) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                v[i] = total[i];
+            }
+        } else {  // (from L2: another SM wrote them)
+            const float4 * at = reinterpret_cast<const float4 *>(sums + p * stride);
+            const float4 lo = __ldcg(at), hi = __ldcg(at + 1);
+            const float w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                v[i] = w[i];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            sum[i] += v[i];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        total[i] = sum[i];
+    }
+    if (threadIdx.x == 0) {
+        tail.count[u] = 0;
+    }
+    return true;
+}
+
 // GLU (an FFN's gate and up as one product, `a.w` the gate's rows and `a.w2` the up's, a.rows2
 // each, in one part): CTA b's warps 0 and 1 take the gate's rows 32 b .. 32 b + 31 and warps 2
 // and 3 the up's same rows, and the CTA writes SWIGLU of them (silu(gate) times up, ggml's
@@ -172,11 +228,17 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
     const int warp = threadIdx.x / 32;
     const int g = lane / 4;
     const int t = lane % 4;
-    const int row0 = blockIdx.x * 64;
+    // this CTA's row tile and part (a.tail's: the CTAs from a.tail.from on, a.tail.parts a tile)
+    const bool tailed = a.tail.parts > 0 && int(blockIdx.x) >= a.tail.from;
+    const int tail_at = int(blockIdx.x) - a.tail.from;  // (tailed: its part of the tail)
+    const int tile = tailed ? a.tail.from + tail_at / a.tail.parts : int(blockIdx.x);
+    const int part = tailed ? tail_at % a.tail.parts : int(blockIdx.y);
+    const int per_part = tailed ? a.tail.chunks : a.per_part;
+    const int row0 = tile * 64;
     // GLU: this warp's first row of the stack (the gate's, or the up's after a.rows2)
-    const int glu_row = (warp >= 2 ? a.rows2 : 0) + 32 * int(blockIdx.x) + 16 * (warp % 2);
-    const int chunk0 = blockIdx.y * a.per_part;
-    const int nchunks = max(0, min(a.per_part, a.npieces / 8 - chunk0));
+    const int glu_row = (warp >= 2 ? a.rows2 : 0) + 32 * tile + 16 * (warp % 2);
+    const int chunk0 = part * per_part;
+    const int nchunks = max(0, min(per_part, a.npieces / 8 - chunk0));
     const bool mine = GLU || row0 + warp * 16 < a.nrows;
     const uint32_t x_at = shared_at(smem);
     const uint32_t w_dst = x_at + ST * F8_CHUNK + warp * WB;
@@ -376,6 +438,11 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         }
     }
     LUCEPY_PDL_LAUNCH();
+    // (the tail's flag in the stages, past the GLU's sums of the up below)
+    if (tailed && !tail_sum(a.tail, tail_at / a.tail.parts, part, total,
+                            *reinterpret_cast<int *>(smem + F8_CHUNK))) {
+        return;  // (another part of the tile adds them)
+    }
     if constexpr (GLU) {  // the up's sums to the gate's warps, through the (free) stages
         // (the last chunk's barrier passed: every warp's wgmmas have read their stages)
         float * ups = reinterpret_cast<float *>(smem);  // [warp % 2][lane][8]
@@ -396,7 +463,7 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
             const float y = ups[(warp * 32 + lane) * 8 + i];
             v[i / 4][i % 4] = swiglu(x, y);
         }
-        store_tile<2>(a, v, 32 * int(blockIdx.x) + 16 * warp, g, t, false);
+        store_tile<2>(a, v, 32 * tile + 16 * warp, g, t, false);
         return;
     }
     if (ranks > 1) {

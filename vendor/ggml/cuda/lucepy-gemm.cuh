@@ -767,6 +767,17 @@ __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a)
 
 // --- the product ------------------------------------------------------------------------------
 
+// gemm_f8's tail (lucepy-f8.cuh: one part, its row tiles past the last whole wave of a CTA an SM
+// each cut along k into parts, added by the last of them to finish): CTAs from `from` on, `parts`
+// a row tile of `chunks` chunks each; no tail where `parts` is 0
+struct F8Tail {
+    float * sums;      // the parts' sums [tile - from][part][thread][8]
+    unsigned * count;  // a tail tile's parts finished: 0 between launches (the last one resets it)
+    int from;
+    int parts;
+    int chunks;
+};
+
 struct GemmArgs {
     const uint8_t * w;   // weights, rows of row_stride bytes
     int64_t row_stride;
@@ -783,6 +794,7 @@ struct GemmArgs {
     int ncols;           // columns to write (the halves hold padded_cols of them)
     int per_part;        // chunks a part of the pieces takes (gridDim.y parts)
     uint64_t * stamps;   // or null: gemm_r's timelines (RP_STAMPS: bench-kernels --timeline)
+    F8Tail tail;         // gemm_f8's only
 };
 
 constexpr int GM_WARPS = 4;  // a CTA's warps, each an mma tile of 16 rows

@@ -87,6 +87,7 @@ struct ContextState {
     };
     std::unordered_map<const ggml_tensor *, std::vector<Read>> spans;  // see `bytes_read`
     int apart = -1;  // see `recurrences_apart`: not asked yet (-1), false, true
+    int tail_slice = -1;  // its gemm_f8 tails' counts (lucepy-mm.cu's f8_tail): not yet (-1)
 
     // How many of the graph's nodes read `t`, directly or through a view of it (a node reading
     // two views of it counts twice).

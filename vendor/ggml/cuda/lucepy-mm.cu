@@ -66,6 +66,7 @@ std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one l
 std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
 std::atomic<int64_t> g_f8{0};      // products of gemm_f8 (f8_pair)
 std::atomic<int64_t> g_paired{0};  // products whose parts a cluster added (f8_paired)
+std::atomic<int64_t> g_tailed{0};  // gemm_f8's products with a tail (f8_tail)
 
 // A switch of one of the kernels' choices, for comparison: on unless the environment sets
 // `name` to 0 (callers keep the answer in a static: read once a process)
@@ -947,6 +948,56 @@ bool f8_glu() {
     return on;
 }
 
+// gemm_f8's tails' counts (F8Tail::count), TAIL_TILES for each of TAIL_SLICES contexts of a
+// device (a context's slice: ContextState::tail_slice; contexts past TAIL_SLICES share, which
+// matters only where two of them run such a product at once): zero when the module loads, and
+// zero again after each launch
+constexpr int TAIL_TILES = 128;
+constexpr int TAIL_SLICES = 16;
+__device__ unsigned g_tail_counts[TAIL_SLICES * TAIL_TILES];
+std::atomic<int> g_tail_slices{0};
+
+// A tail for gemm_f8's one-part product of `tiles` row tiles (build R) in g.tail (tail_plan:
+// the tiles past the last whole wave of one CTA an SM each cut along k into parts), and the CTAs
+// to launch; the parts' sums go to `sums` (scratch from ctx's pool). The 27B-shaped FFN stack at
+// 16 columns on an H200: 544 tiles of 20 chunks on 132 SMs, 16 past 4 waves (session 53: the
+// 16 SMs holding a 5th CTA ended at 37.4 us, the others at 31.6); with the tail 7 parts of 3
+// chunks each of the 16: 31.1 us where 33.6 on Q4_0, 33.2 where 38.1 on Q4_K (bench-kernels
+// --f8), the 16-token verify 0.005-0.016 decode steps less in turn (docs/BENCHMARKS.md, session
+// 57). LUCEPY_CUDA_F8_TAIL=0 launches no tail, for comparison; =N (2 and more) at most N parts a
+// tile (8 by default).
+template <class R>
+int f8_tail(ggml_backend_cuda_context & ctx, ContextState & st, GemmArgs & g, int tiles,
+            ggml_cuda_pool_alloc<float> & sums) {
+    static const int most = [] {
+        const char * env = std::getenv("LUCEPY_CUDA_F8_TAIL");
+        const int n = env ? std::atoi(env) : 1;
+        return n == 1 ? 8 : n;
+    }();
+    g.tail = {};
+    const int sms = ggml_cuda_info().devices[ctx.device].nsm;
+    const TailPlan plan = tail_plan(tiles, g.npieces / 8, sms, slots_of_build<R>(ctx.device),
+                                    most);
+    if (plan.parts == 0 || tiles - plan.from > TAIL_TILES) {
+        return tiles;
+    }
+    if (st.tail_slice < 0) {
+        st.tail_slice = g_tail_slices.fetch_add(1, std::memory_order_relaxed) % TAIL_SLICES;
+    }
+    static unsigned * counts[GGML_CUDA_MAX_DEVICES] = {};
+    if (counts[ctx.device] == nullptr) {
+        CUDA_CHECK(cudaGetSymbolAddress(reinterpret_cast<void **>(&counts[ctx.device]),
+                                        g_tail_counts));
+    }
+    g.tail.sums = sums.alloc(size_t(tiles - plan.from) * plan.parts * GM_WARPS * 32 * 8);
+    g.tail.count = counts[ctx.device] + st.tail_slice * TAIL_TILES;
+    g.tail.from = plan.from;
+    g.tail.parts = plan.parts;
+    g.tail.chunks = plan.chunks;
+    g_tailed.fetch_add(1, std::memory_order_relaxed);
+    return plan.ctas;
+}
+
 // Whether gemm_f8 takes a product of w alone at ncols columns (f8_matrix's), its input as e4m3
 // records: where each of its CTA slots gets at least 6 chunks. On the H200 at 16 columns
 // (bench-kernels --f8, docs/BENCHMARKS.md session 54) the 27B-shaped model's ffn down (8.2 a
@@ -972,13 +1023,17 @@ bool f8_single(const ggml_tensor * w, int64_t ncols, int device) {
 // (docs/BENCHMARKS.md): at two tiles faster at about 5 chunks a slot and more, slower at 3
 // (session 38); at one tile ffn down (6.9 a slot) 18.1-18.4 us where gemm_r takes 19.3-19.6 at
 // 2-8 columns, qkv (4.0) within 1 %, attn out (2.4) 3-4 % slower, and the FFN stack is faster
-// on gemm_r at 5 CTAs an SM (session 39).
+// on gemm_r at 5 CTAs an SM (session 39). The slots are those counts an SM, not what the
+// build's registers allow now: the route stays where it was measured when the compiler's count
+// moves (the one-tile build took 72 registers once GemmArgs grew, 7 CTAs an SM, and the
+// 27B-shaped ffn down at 2-8 columns went to gemm_r, session 57).
 template <int NT> bool bulk_product(int device, const GemmArgs & a) {
     if (ggml_cuda_info().devices[device].cc < 900) {
         return false;
     }
+    constexpr int per_sm = NT == 2 ? 5 : 6;
     return row_tiles(a.nrows, GM_WARPS * 16) * (a.npieces / 8) >=
-           (NT == 2 ? 4 : 6) * slots_of_build<GemmRB<NT>>(device);
+           int64_t(NT == 2 ? 4 : 6) * per_sm * ggml_cuda_info().devices[device].nsm;
 }
 
 // 2-16 columns on layout L: gemm_r, or gemm_rb where bulk_product, in parts where its rows are
@@ -1260,9 +1315,10 @@ int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
                                            // conversion: no records written here)
                 g.dst = static_cast<float *>(glu->data);
                 g.dst_stride = n;
+                const int ctas = f8_tail<R>(ctx, st, g, int(n / 32), sums);
                 ggml_cuda_kernel_launch(
                     R::glu_kernel(),
-                    ggml_cuda_kernel_launch_params(dim3(unsigned(n / 32)), GM_WARPS * 32, R::smem,
+                    ggml_cuda_kernel_launch_params(dim3(unsigned(ctas)), GM_WARPS * 32, R::smem,
                                                    ctx.stream()),
                     g);
                 return;
@@ -1388,6 +1444,7 @@ std::atomic<int64_t> g_joined{0};  // ops computed in another op's kernel (one l
 std::atomic<int64_t> g_bulk{0};    // products of gemm_rb (bulk_product)
 std::atomic<int64_t> g_f8{0};
 std::atomic<int64_t> g_paired{0};
+std::atomic<int64_t> g_tailed{0};
 }  // namespace lucepy
 
 #endif
@@ -1443,6 +1500,10 @@ int64_t lucepy_cuda_kernels_f8(void) {
 
 int64_t lucepy_cuda_kernels_paired(void) {
     return lucepy::g_paired.load(std::memory_order_relaxed);
+}
+
+int64_t lucepy_cuda_kernels_tailed(void) {
+    return lucepy::g_tailed.load(std::memory_order_relaxed);
 }
 
 int lucepy_cuda_repack(struct ggml_tensor * t) {

@@ -85,6 +85,7 @@ GGML_BACKEND_API int64_t lucepy_cuda_kernels_joined(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_bulk(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_f8(void);
 GGML_BACKEND_API int64_t lucepy_cuda_kernels_paired(void);
+GGML_BACKEND_API int64_t lucepy_cuda_kernels_tailed(void);
 // Rewrites a Q4_0, Q4_K, Q5_K or Q6_K weight (2D, contiguous, rows a multiple of 16, row length
 // of 256, in a CUDA device's memory, lucepy's kernels on there; Q5_K and Q6_K from compute
 // capability 9.0) in place into its layout in lucepy-layouts.cuh and

@@ -75,4 +75,38 @@ inline int gemm_parts_by_cost(int nrows, int npieces, int ncols, int cta_rows, i
     }
     return best;
 }
+
+// A tail for a product of one part (gemm_f8's F8Tail, lucepy-f8.cuh): `tiles` row tiles of
+// `nchunks` chunks on `sms` SMs with room for `slots` CTAs at once. Where the tiles leave a last
+// wave of fewer CTAs than SMs (`rest` past whole waves of one CTA an SM), each of those tiles is
+// cut along k into as many parts as the SMs take one each of (at most `most`, 2 chunks a part and
+// more), so that no SM takes a whole tile more than the others: the CTAs from `from` on are
+// `parts` a tile of `chunks` chunks each (the last part the rest), `ctas` CTAs in all. No tail
+// (`parts` 0, `ctas` the tiles) where there is no such last wave, a cut would be under 2 parts,
+// or the CTAs would not all fit at once.
+struct TailPlan {
+    int from;
+    int parts;
+    int chunks;
+    int ctas;
+};
+
+inline TailPlan tail_plan(int tiles, int nchunks, int sms, int64_t slots, int most = 8) {
+    const TailPlan none = {tiles, 0, 0, tiles};
+    const int rest = sms > 0 ? tiles % sms : 0;
+    if (tiles < sms || rest == 0) {
+        return none;
+    }
+    const int cut = std::min({sms / rest, most, nchunks / 2});
+    if (cut < 2) {
+        return none;
+    }
+    const int chunks = (nchunks + cut - 1) / cut;
+    const int parts = (nchunks + chunks - 1) / chunks;  // (none empty)
+    const int ctas = tiles - rest + rest * parts;
+    if (ctas > slots) {
+        return none;
+    }
+    return {tiles - rest, parts, chunks, ctas};
+}
 }  // namespace lucepy
