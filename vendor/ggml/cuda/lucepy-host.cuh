@@ -1,10 +1,11 @@
-// lucepy's host side, shared by its three files: lucepy-mm.cu (the products, the state a graph
-// keeps, the hooks' bookkeeping), lucepy-fuse.cu (the graph's other ops that the hooks take
-// around the products: norms, gates, residual sums, argmax) and lucepy-deltanet.cu (qwen35's
-// DeltaNet conv step, gates and recurrence). What one defines and another calls is declared here,
-// with the kernels more than one launches (the headers below; lucepy-mm.cu alone includes
-// lucepy-repack.cuh, lucepy-deltanet.cu alone lucepy-deltanet.cuh, whose kernels they alone
-// launch).
+// lucepy's host side, shared by its four files: lucepy-state.cu (the switches and counters, the
+// state a context keeps, the graph's scan), lucepy-mm.cu (the products' routes, plans and
+// launches, the repacked matrices' registry), lucepy-fuse.cu (the graph's other ops that the hooks
+// take around the products: norms, gates, residual sums, argmax) and lucepy-deltanet.cu
+// (qwen35's DeltaNet conv step, gates and recurrence). What one defines and another calls is
+// declared here, with the kernels more than one launches (the headers below; lucepy-mm.cu alone
+// includes lucepy-repack.cuh, lucepy-deltanet.cu alone lucepy-deltanet.cuh, whose kernels they
+// alone launch).
 
 #pragma once
 
@@ -38,8 +39,10 @@ extern std::atomic<int64_t> g_copies;
 extern std::atomic<int64_t> g_joined;
 extern std::atomic<int64_t> g_bulk;
 extern std::atomic<int64_t> g_f8;
+extern std::atomic<int64_t> g_paired;
+extern std::atomic<int64_t> g_tailed;
 
-// Whether the kernels take the products of one device (lucepy-mm.cu)
+// Whether the kernels take the products of one device (lucepy-state.cu)
 bool enabled(int device);
 
 // Quantized activations of one source tensor, kept for the rest of the graph: the key is the
@@ -120,7 +123,7 @@ struct ContextState {
 ContextState & state_of(const ggml_backend_cuda_context & ctx);
 
 // What the graph's first product of ours that reads `t` (or a reshape of it) reads of it, or
-// null (lucepy-mm.cu)
+// null (lucepy-state.cu)
 const Wanted * wanted(ContextState & st, const ggml_tensor * t);
 
 // Where in a buffer of quantized_bytes the planes and their scales lie (`quantize`'s layout).
@@ -131,8 +134,30 @@ struct Planes {
 
 Planes planes_at(uint8_t * buf, int64_t npieces, int64_t ncols, int planes);
 
+// The bytes of a product's activations: `planes` int8 planes a piece (gemv), halves (planes 0),
+// or e4m3 records (F8_PLANES); and the slot that keeps src1's for the graph: its buffer, and
+// whether it holds them already (`*fresh` false) or was just claimed for them (lucepy-state.cu)
+size_t quantized_bytes(int64_t npieces, int64_t ncols, int planes);
+uint8_t * claim(ContextState & st, const ggml_tensor * src1, int64_t npieces, int planes,
+                bool * fresh);
+
+// A switch of one of the kernels' choices, for comparison: on unless the environment sets
+// `name` to 0 (lucepy-state.cu)
+bool switched_on(const char * name);
+
+// What the scan asks of the products' routes (lucepy-mm.cu): the kernels' kind of a block type
+// and its chunk; whether they take `ncols` columns of src0; whether gemm_f8 takes w alone at
+// ncols columns, or an FFN's gate and up m1, m2 as one product; the GLU's node index where node
+// i and the two after it are an FFN's gate, up and SWIGLU (else 0)
+bool kind_of(ggml_type type, int & kind, int & chunk);
+bool takes_cols(const ggml_tensor * src0, int64_t ncols, int device);
+bool f8_single(const ggml_tensor * w, int64_t ncols, int device);
+bool f8_pair(const ggml_tensor * m1, const ggml_tensor * m2, int device);
+int glu_pair_at(const ggml_cgraph * g, int i, ggml_tensor *& m2, ggml_tensor *& glu);
+
+
 // The slot for src1's activations that the kernel before its product fills as it writes its
-// result (an RMS norm, a gate), counted as quantized and as fused: its buffer (lucepy-mm.cu)
+// result (an RMS norm, a gate), counted as quantized and as fused: its buffer (lucepy-state.cu)
 uint8_t * prepared(ContextState & st, const ggml_tensor * src1, int64_t npieces, int planes);
 
 // a node that computes nothing: a view, a reshape, a permutation or an empty tensor
