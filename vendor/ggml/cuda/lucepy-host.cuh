@@ -155,7 +155,6 @@ bool f8_single(const ggml_tensor * w, int64_t ncols, int device);
 bool f8_pair(const ggml_tensor * m1, const ggml_tensor * m2, int device);
 int glu_pair_at(const ggml_cgraph * g, int i, ggml_tensor *& m2, ggml_tensor *& glu);
 
-
 // The slot for src1's activations that the kernel before its product fills as it writes its
 // result (an RMS norm, a gate), counted as quantized and as fused: its buffer (lucepy-state.cu)
 uint8_t * prepared(ContextState & st, const ggml_tensor * src1, int64_t npieces, int planes);

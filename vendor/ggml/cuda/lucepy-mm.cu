@@ -231,7 +231,6 @@ void launch_glu_halves(const float * a, const float * b, int64_t col_stride, int
                             col_stride, nparts, part_stride, dst, npieces, ncols, out);
 }
 
-
 // f(std::integral_constant<int, CL>) for the cluster size `cl` (2-8) of sum_norm_halves, and
 // what f returns: the one switch from a column's size to the kernel's template
 template <typename F> auto with_cluster(int64_t cl, F && f) {

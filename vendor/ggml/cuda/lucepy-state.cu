@@ -269,7 +269,6 @@ void lucepy_cuda_graph_begin(ggml_backend_cuda_context &, const ggml_cgraph *) {
 
 void lucepy_cuda_context_free(ggml_backend_cuda_context &) {}
 
-
 #endif
 
 extern "C" {
