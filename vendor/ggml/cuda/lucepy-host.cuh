@@ -142,8 +142,10 @@ uint8_t * claim(ContextState & st, const ggml_tensor * src1, int64_t npieces, in
                 bool * fresh);
 
 // A switch of one of the kernels' choices, for comparison: on unless the environment sets
-// `name` to 0 (lucepy-state.cu)
+// `name` to 0; and a count of one: `fallback` where `name` is unset or 1, else its number (0 or
+// an unreadable value: off) (lucepy-state.cu; callers keep the answer in a static)
 bool switched_on(const char * name);
+int switched_count(const char * name, int fallback);
 
 // What the scan asks of the products' routes (lucepy-mm.cu): the kernels' kind of a block type
 // and its chunk; whether they take `ncols` columns of src0; whether gemm_f8 takes w alone at

@@ -757,11 +757,7 @@ std::atomic<int> g_tail_slices{0};
 template <class R>
 int f8_tail(ggml_backend_cuda_context & ctx, ContextState & st, GemmArgs & g, int tiles,
             ggml_cuda_pool_alloc<float> & sums) {
-    static const int most = [] {
-        const char * env = std::getenv("LUCEPY_CUDA_F8_TAIL");
-        const int n = env ? std::atoi(env) : 1;
-        return n == 1 ? 8 : n;
-    }();
+    static const int most = switched_count("LUCEPY_CUDA_F8_TAIL", 8);
     g.tail = {};
     const int sms = ggml_cuda_info().devices[ctx.device].nsm;
     const TailPlan plan = tail_plan(tiles, g.npieces / 8, sms, slots_of_build<R>(ctx.device),
@@ -795,11 +791,7 @@ int f8_tail(ggml_backend_cuda_context & ctx, ContextState & st, GemmArgs & g, in
 // of N chunks a slot and more instead of 6 (the attention's qkv of the 27B-shaped model has 6.8,
 // its DeltaNet inputs 7.8), for an A/B of the line.
 bool f8_single(const ggml_tensor * w, int64_t ncols, int device) {
-    static const int least = [] {
-        const char * env = std::getenv("LUCEPY_CUDA_F8_SINGLE");
-        const int n = env ? std::atoi(env) : 1;
-        return n == 1 ? 6 : n;
-    }();
+    static const int least = switched_count("LUCEPY_CUDA_F8_SINGLE", 6);
     return least > 0 && f8_matrix(w, ncols, device) &&
            row_tiles(w->ne[1], GM_WARPS * 16) * (w->ne[0] / 256) >=
                int64_t(least) * slots_of_build<GemmF8<5>>(device);

@@ -37,6 +37,12 @@ bool switched_on(const char * name) {
     return !(env && env[0] == '0');
 }
 
+int switched_count(const char * name, int fallback) {
+    const char * env = std::getenv(name);
+    const int n = env ? std::atoi(env) : 1;
+    return n == 1 ? fallback : n;
+}
+
 int mode() {
     int on = g_on.load(std::memory_order_relaxed);
     if (on == -2) {
