@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +227,29 @@ def test_the_patch_hooks_and_unhooks_the_pinned_files_only(tmp_path):
     with pytest.raises(BuildError, match="not the pinned ggml's.*--kernels ggml"):
         backends.hook_kernels(src, kernels, True)
     backends.hook_kernels(src, kernels, False)  # ggml's kernels build from any source
+
+
+def test_a_kept_tree_gets_a_changed_kernel_file_stamped_now_and_keeps_the_others(tmp_path):
+    """A kernel file edited while a build ran carries a time older than the object built from
+    the tree's last copy: copied with its own time, ninja kept the stale object."""
+    spec = _pinned_twin(tmp_path / "src")
+    own = tmp_path / "own"
+    own.mkdir()
+    files = [Path(shutil.copy2(f, own / f.name)) for f in spec.files]
+    kernels = backends.Kernels(spec.dir, files, spec.patch, spec.sha256)
+    src, target = tmp_path / "src", tmp_path / "src" / spec.dir
+    backends.hook_kernels(src, kernels, True)
+    old = time.time() - 3600
+    for f in files:
+        os.utime(target / f.name, (old, old))
+    changed, kept = files[0], files[1]
+    changed.write_text(changed.read_text() + "\n// edited\n")
+    os.utime(changed, (old - 60, old - 60))  # (older than the tree's copy)
+    before = time.time()
+    backends.hook_kernels(src, kernels, True)
+    assert (target / changed.name).read_text() == changed.read_text()
+    assert (target / changed.name).stat().st_mtime >= before - 1
+    assert (target / kept.name).stat().st_mtime == pytest.approx(old)
 
 
 def test_a_patch_applies_only_where_its_context_matches(tmp_path):

@@ -244,7 +244,12 @@ def hook_kernels(src: Path, kernels: Kernels, on: bool) -> None:
     text = kernels.patch.read_text()
     if on:
         for f in kernels.files:
-            shutil.copy2(f, target / f.name)
+            # a changed file only, stamped now: a copy that kept its source's time could be older
+            # than an object built from the tree's last copy (a source edited during a build), so
+            # that the next build's ninja kept the stale object
+            dest = target / f.name
+            if not dest.is_file() or dest.read_bytes() != f.read_bytes():
+                shutil.copyfile(f, dest)
         if "pinned" in state.values():
             apply_patch(src, text, only=[r for r, v in state.items() if v == "pinned"])
     else:

@@ -692,15 +692,23 @@ struct SumNorm {
     int ncols;
     float eps;
     Halves out;              // for the products after it (padding columns zeros)
+    bool late;               // the product after it let start at the end (below), not at once
 };
 
 // Grid (CL, padded columns), clusters of CL x 1, NORM_THREADS threads (two segments) a CTA, a
 // thread a value: CL CTAs a column where norm_halves has one. F8: the products' activations as
-// e4m3 records (a.out as f8_at gives them, 16 columns), not halves.
+// e4m3 records (a.out as f8_at gives them, 16 columns), not halves. `late`: the product after it
+// (programmatic dependent launch) may start only once every CTA has written its results, not
+// at the kernel's start: a CTA of 1,024 threads holds 40,960 of an SM's 65,536 registers, so
+// the product's CTAs launched early crowd onto the other SMs and onto 3 slots of these, and
+// come out less even than when launched onto empty SMs (a 16-token verify 0.02-0.025 decode
+// steps less, docs/BENCHMARKS.md session 58).
 template <int CL, bool F8 = false, bool PUSH = true>
 __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a) {
     static_assert(NORM_THREADS == 2 * GM_SEG * 32, "a CTA two segments");
-    LUCEPY_PDL_LAUNCH();
+    if (!a.late) {
+        LUCEPY_PDL_LAUNCH();
+    }
     const int c = blockIdx.y;
     const bool real = c < a.ncols;
     const int e = blockIdx.x * NORM_THREADS + threadIdx.x;  // of the column
@@ -759,6 +767,9 @@ __global__ void __launch_bounds__(NORM_THREADS) sum_norm_halves(const SumNorm a)
         segment_e4m3<2>({u}, a.out, c, a.n / 32, 2 * blockIdx.x);
     } else {
         segment_halves<2, 1>({u}, a.out, c, a.n / 32, 2 * blockIdx.x);
+    }
+    if (a.late) {
+        LUCEPY_PDL_LAUNCH();
     }
     if constexpr (!PUSH) {
         cluster_wait();  // no CTA's shared memory goes while another reads it

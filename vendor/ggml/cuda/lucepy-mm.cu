@@ -307,6 +307,9 @@ void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int pa
     s.ncols = a.ncols;
     s.eps = norm.eps;
     s.out = out;
+    // LUCEPY_CUDA_SN_LATE=0: the product after it let start at once, for comparison
+    static const bool late = switched_on("LUCEPY_CUDA_SN_LATE");
+    s.late = late;
     // LUCEPY_CUDA_SN_PUSH=0: the values read across the cluster after a barrier, for comparison
     static const bool push = switched_on("LUCEPY_CUDA_SN_PUSH");
     with_cluster(a.nrows / NORM_THREADS, [&](auto k) {
