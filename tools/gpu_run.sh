@@ -36,9 +36,11 @@
 # Knobs: GPU_RUN_ARCH (qwen35, gemma4, qwen35moe or laguna), GPU_RUN_LAYERS (the real model's),
 # GPU_RUN_THREADS (8: CPU threads of the MoE runs, both sides),
 # GPU_RUN_DEADLINE (570), GPU_RUN_SKIP (step names, e.g. "pytest llama"), GPU_RUN_DEVICE (cuda:0),
-# GPU_RUN_TESTS (the GPU test files, default all), GPU_RUN_TEST_KERNELS (unset: the tests run on
-# the kernels a user's run gets, lucepy's on compute capability 9.0 and newer; 1 or 0 forces
-# lucepy's or ggml's; on the prebuilt build always 0, and tests/test_gpu_kernels.py left out),
+# GPU_RUN_TESTS (the GPU test files, default all; GPU_RUN_TEST_BUDGET their step's seconds, 240:
+# 117 tests took 136-149 s on one H200 and more than 180 on another), GPU_RUN_TEST_KERNELS
+# (unset: the tests run on the kernels a user's run gets, lucepy's on compute capability 9.0 and
+# newer; 1 or 0 forces lucepy's or ggml's; on the prebuilt build always 0, and
+# tests/test_gpu_kernels.py left out),
 # GPU_RUN_CACHE (/tmp/lucepy-cache), GPU_RUN_CUDA (the toolkit), GPU_RUN_DIAG (set: also the
 # decode without CUDA graphs on both sides, tools/trace_gpu.py's CUPTI trace and its Nsight
 # Compute kernel lists), GPU_RUN_KVPOOL (depths, e.g. 8192,32768,131072: KV Flash's benchmark,
@@ -401,7 +403,7 @@ if ((built)); then
     # with lucepy's kernels as a user gets them (unset: on for compute capability 9.0 and newer),
     # or forced on (1) or off (0) by GPU_RUN_TEST_KERNELS
     # shellcheck disable=SC2086
-    step pytest 180 "$OUTDIR/pytest.txt" env ${on:+LUCEPY_CUDA_KERNELS=$on} \
+    step pytest "${GPU_RUN_TEST_BUDGET:-240}" "$OUTDIR/pytest.txt" env ${on:+LUCEPY_CUDA_KERNELS=$on} \
         python3 -m pytest -m gpu $tests -v -rfEs -p no:cacheprovider || true
 fi
 step model 240 "$SETUP" wait_model || true
