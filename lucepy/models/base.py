@@ -13,14 +13,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar, Protocol
 
-import numpy as np
-
 from lucepy.errors import ConfigError, MissingTensor, TensorShapeMismatch, UnsupportedArchitecture
 from lucepy.ggml import (
     GGML_TYPE_F16,
 )
 from lucepy.gguf import GGUFFile
-from lucepy.models.batch import StepBatch
+from lucepy.models.batch import StepBatch, StepInput
 from lucepy.models.builder import Builder, Tensor
 from lucepy.models.state import (
     KVCache,
@@ -189,8 +187,9 @@ class ArchitectureProtocol(Protocol):
     def build(self, g: Builder, w: dict, st: dict, layers: range, spec: GraphSpec) -> Tensor:
         """The forward of ``layers`` for ``spec``: logits on the last shard, else the activation."""
 
-    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
-        """Host values of the graph inputs ``names`` for ``batch`` (tokens, positions, masks)."""
+    def step_inputs(self, batch: StepBatch, names) -> dict[str, StepInput]:
+        """Host values of the graph inputs ``names`` for ``batch`` (tokens, positions, masks), or
+        functions that write them into the graph's array of each (``StepBatch.mask_input``)."""
 
 
 class Architecture:

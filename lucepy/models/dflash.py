@@ -24,7 +24,7 @@ from lucepy.errors import ConfigError, ModelFileError
 from lucepy.ggml import GGML_TYPE_F16, ffi
 from lucepy.gguf import GGUFFile
 from lucepy.models.base import DecoderParams, check_tensors, metadata, rope_args
-from lucepy.models.batch import StepBatch
+from lucepy.models.batch import StepBatch, StepInput
 from lucepy.models.builder import Builder, Tensor
 from lucepy.models.state import KVCache
 
@@ -166,7 +166,7 @@ class DFlash:
         f16 = GGML_TYPE_F16
         return [KVCache(i, width, n_ctx, f16, f16) for i in range(self.p.n_layer)]
 
-    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
+    def step_inputs(self, batch: StepBatch, names) -> dict[str, StepInput]:
         """Positions (IMROPE's 4 sections when the draft uses them), the KV rows, and the block
         mask: every block row sees the context and the whole block (causal drafts: the block up
         to itself)."""
@@ -175,7 +175,7 @@ class DFlash:
             pos = np.concatenate([pos, pos, pos, np.zeros_like(pos)])
         out = {"tokens": batch.tokens, "pos": pos, "rows": batch.slots}
         if "mask" in names:
-            out["mask"] = batch.mask(causal=self.p.causal)
+            out["mask"] = batch.mask_input(causal=self.p.causal)
         return {k: v for k, v in out.items() if k in names}
 
     # graphs

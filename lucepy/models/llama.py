@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from lucepy.errors import ConfigError
 from lucepy.ggml import ffi
 from lucepy.gguf import GGUFFile
@@ -26,7 +24,7 @@ from lucepy.models.base import (
     check_tensors,
     metadata,
 )
-from lucepy.models.batch import StepBatch
+from lucepy.models.batch import StepBatch, StepInput
 from lucepy.models.builder import Builder, Tensor
 from lucepy.models.state import LayerState
 
@@ -119,10 +117,10 @@ class Llama(Architecture):
         p = self.p
         return [self.options.kv_cache(il, p.head_dim, p.n_head_kv, n_ctx) for il in layers]
 
-    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
+    def step_inputs(self, batch: StepBatch, names) -> dict[str, StepInput]:
         out = {"tokens": batch.tokens, "pos": batch.pos, "rows": batch.slots}
         if "mask" in names:
-            out["mask"] = batch.mask()
+            out["mask"] = batch.mask_input()
         return {k: v for k, v in out.items() if k in names}
 
     # graph

@@ -24,7 +24,7 @@ from lucepy.models.base import (
     metadata,
     rope_args,
 )
-from lucepy.models.batch import StepBatch
+from lucepy.models.batch import StepBatch, StepInput
 from lucepy.models.builder import Builder, Tensor
 from lucepy.models.state import DeltaNetState, LayerState
 
@@ -190,13 +190,13 @@ class Qwen35(Architecture):
                 out.append(self.options.kv_cache(il, p.head_dim, p.n_head_kv, n_ctx))
         return out
 
-    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
+    def step_inputs(self, batch: StepBatch, names) -> dict[str, StepInput]:
         """IMROPE positions (4 sections, the last all 0), the causal mask and the cache rows."""
         out = {"tokens": batch.tokens}
         if "pos" in names:
             pos = batch.pos
             out["pos"] = np.concatenate([pos, pos, pos, np.zeros_like(pos)])
-            out["mask"] = batch.mask()
+            out["mask"] = batch.mask_input()
             out["rows"] = batch.slots
         return {k: v for k, v in out.items() if k in names}
 

@@ -5,11 +5,9 @@ and laguna. Full layers read ``mask``/``rows`` over the cache; sliding ones ``ma
 
 from __future__ import annotations
 
-import numpy as np
-
 from lucepy.errors import ConfigError
 from lucepy.models.base import GraphSpec
-from lucepy.models.batch import StepBatch
+from lucepy.models.batch import StepBatch, StepInput
 from lucepy.models.builder import Builder
 from lucepy.models.state import spec_nbytes, state_specs
 
@@ -33,14 +31,14 @@ class SlidingWindow:
             f"{ring / 2**20:.1f} MiB in all, not the context of {n_ctx}"
         )
 
-    def step_inputs(self, batch: StepBatch, names) -> dict[str, np.ndarray]:
+    def step_inputs(self, batch: StepBatch, names) -> dict[str, StepInput]:
         out = {"tokens": batch.tokens, "pos": batch.pos}
         if "mask" in names:
-            out["mask"] = batch.mask()
+            out["mask"] = batch.mask_input()
             out["rows"] = batch.slots
         if "mask_swa" in names:
             ring = batch.ring(self.ring_rows(), self.ring_span(batch))
-            out["mask_swa"] = ring.mask(self.p.window)
+            out["mask_swa"] = ring.mask_input(self.p.window)
             out["rows_swa"] = ring.slots
         return {k: v for k, v in out.items() if k in names}
 

@@ -35,6 +35,7 @@ from lucepy.ggml import (
     cpu,
     ffi,
 )
+from lucepy.models.batch import StepInput
 from lucepy.models.builder import Builder
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,13 @@ class InputBlock:
                 raise GGMLError(f"graph input {name} is outside its input buffer")
             self.arrays[name] = raw[off : off + n].view(_NUMPY[t.type])
 
-    def write(self, name: str, values: np.ndarray) -> None:
+    def write(self, name: str, values: StepInput) -> None:
+        """``values`` into input ``name``'s array here, or ``values`` a function that fills that
+        array itself (``StepBatch.mask_input``: no array of a mask's size made and copied)."""
         dst = self.arrays[name]
+        if callable(values):
+            values(dst)
+            return
         if values.dtype != dst.dtype or values.size != dst.size:
             raise ValueError(
                 f"input {name}: got {values.size} {values.dtype}, the graph takes "
@@ -140,7 +146,7 @@ class CompiledGraph:
     host: dict[str, np.ndarray] = field(default_factory=dict)  # read buffers, made on first read
     routed: tuple[int, ...] = ()  # the layers whose expert choices the "routing" rows hold
 
-    def write_inputs(self, values: dict[str, np.ndarray]) -> None:
+    def write_inputs(self, values: dict[str, StepInput]) -> None:
         """Write this step's inputs and queue them to the device in one copy."""
         step = self.blocks[0]
         for name, v in values.items():
