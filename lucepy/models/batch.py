@@ -60,9 +60,9 @@ class StepBatch:
 
     def mask_input(self, window: int = 0, causal: bool = True) -> Callable[[np.ndarray], None]:
         """``mask`` as a graph input that fills the graph's own array of it
-        (``CompiledGraph.write_inputs``): no array of T x n_kv made and copied a step (a
-        512-token chunk over 8,704 rows took 4.8 ms to mask with the arrays' allocations, a
-        16-token verify over 8,192 up to 0.24 ms; written in place, 10x less)."""
+        (``CompiledGraph.write_inputs``): no array of T x n_kv made and copied a step (made and
+        copied, a 512-token chunk's over 8,704 rows took 5.3 ms of host time, its temporaries'
+        page faults; in place 0.74: docs/BENCHMARKS.md, session 58)."""
         return lambda dst: self.fill_mask(dst.reshape(self.n_tokens, self.n_kv), window, causal)
 
     def fill_mask(self, out: np.ndarray, window: int = 0, causal: bool = True) -> None:
