@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 NEG_INF = np.float16(-np.inf)
+_MASKED = NEG_INF.view(np.uint16)  # -inf's bits
+_NOT_SEEN = np.int32(np.iinfo(np.int32).max)  # a row's key where no token of the step sees it
 
 # a graph input's host value for a step: its array, or a function that fills the graph's own
 # array of it (StepBatch.mask_input; CompiledGraph.write_inputs)
@@ -73,11 +75,10 @@ class StepBatch:
         if self.streams:  # [T, n_kv] is ggml's [n_kv, T/S, 1, S]: each sequence's own rows
             np.greater(np.arange(self.n_kv)[None, :], pos, out=bad, casting="unsafe")
         else:
-            cpos = self.cell_pos[None, :]
-            seq = self.seq
-            if seq.size and (seq == seq[0]).all():  # one sequence: a row's key, its position
-                mine = (self.cell_pos >= 0) & (self.cell_seq == seq[0])
-                key = np.where(mine, self.cell_pos, np.iinfo(np.int32).max)[None, :]
+            cpos, seq = self.cell_pos, self.seq
+            if seq.size == 1 or (seq.size and (seq == seq[0]).all()):
+                # one sequence: a row's key, its position where the sequence holds it
+                key = np.where((cpos >= 0) & (self.cell_seq == seq[0]), cpos, _NOT_SEEN)
                 np.greater(key, pos, out=bad, casting="unsafe")
             else:
                 ok = (cpos >= 0) & (self.cell_seq[None, :] == seq[:, None]) & (cpos <= pos)
@@ -85,8 +86,8 @@ class StepBatch:
             if window > 0:
                 bad |= pos - cpos >= window
             if self.cell_until is not None:
-                bad |= pos >= self.cell_until[None, :]
-        np.multiply(bad, NEG_INF.view(np.uint16), out=bad)
+                bad |= pos >= self.cell_until
+        np.multiply(bad, _MASKED, out=bad)
 
     def ring(self, size: int, n_rows: int) -> StepBatch:
         """This step as a ring of ``size`` rows sees it (position p in row ``p % size``), over its
