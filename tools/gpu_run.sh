@@ -61,7 +61,9 @@
 # also traces a K-token verify with each (its kernels in order: verify-seq*.txt, a decode's in
 # decode-seq*.txt; each kernel's share of the span in both, side by side: path*.md; each part
 # of a layer in both: layers*.md);
-# GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M, in place of Q4_K_M; "llama-q4_0
+# GPU_RUN_REQUANT=TYPE requantizes to TYPE, e.g. Q5_K_M, in place of Q4_K_M (by the build's
+# llama-quantize, in the background while the GPU tests run; the benchmarks wait for it, so that
+# none shares the CPU with it: 177-216 s that a run had spent after the Q4_0 model's); "llama-q4_0
 # kernels-q4_0" in GPU_RUN_SKIP leave the Q4_0 model's out; GPU_RUN_AB=NAME, e.g.
 # LUCEPY_CUDA_F8, measures that switch both ways on the Q4_0 model, two rounds in turn: ab.md;
 # NAME=A,B, e.g. LUCEPY_CUDA_F8_SINGLE=6,7, its values A and B where 0 and 1).
@@ -361,6 +363,22 @@ wait_model() { # the generator is this script's child: poll it, then look for it
     test -f "$MODEL"
 }
 
+# the Q4_0 model requantized to $QUANT into $MODEL_K, once the generator (GEN_PID) has written it
+# (niced: the GPU tests running beside it come first)
+requantize_model() {
+    while ((GEN_PID)) && kill -0 "$GEN_PID" 2>/dev/null; do sleep 1; done
+    test -f "$MODEL_K" && echo "reusing $MODEL_K" && return 0
+    test -f "$MODEL" || { echo "no $MODEL to requantize" && return 1; }
+    nice -n 10 "$LLAMA_BIN/llama-quantize" --allow-requantize "$MODEL" "$MODEL_K.part" "$QUANT" 16 &&
+        mv "$MODEL_K.part" "$MODEL_K"
+}
+
+wait_requantized() { # the requantizer is this script's child, like the generator
+    while ((REQ_PID)) && kill -0 "$REQ_PID" 2>/dev/null; do sleep 1; done
+    cat /tmp/lucepy-requant.log
+    test -f "$MODEL_K"
+}
+
 # lucepy's CPU kernels (vendor/ggml/cpu, which pip compiles where lucepy is installed; here it
 # runs from the source tree): built in place, then whether they match this build's ggml-cpu bits
 build_cpu_kernels() {
@@ -370,7 +388,8 @@ lib = load(); found = cpu.kernels(lib, open_backend(lib, 'cpu'))
 print('cpu kernels:', {cpu.KINDS[t][0]: k.variant for t, k in found.items()}, cpu.why_not())"
 }
 
-export -f build_cuda kernel_sources build_llama_server wait_model build_cpu_kernels
+export -f build_cuda kernel_sources build_llama_server wait_model build_cpu_kernels \
+    wait_requantized
 
 # --- the run ---
 say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
@@ -392,6 +411,12 @@ if [[ $SKIP != *" model "* ]]; then
 fi
 built=0
 step build 480 "$OUTDIR/build.log" build_cuda && built=1
+export QUANT=${GPU_RUN_REQUANT:-Q4_K_M}
+export MODEL_K=${MODEL%-q4_0.gguf}-${QUANT,,}.gguf REQ_PID=0
+if ((built)) && [[ -n ${GPU_RUN_KERNELS:-} && $SKIP != *" requantize "* ]]; then
+    requantize_model >/tmp/lucepy-requant.log 2>&1 &
+    REQ_PID=$!
+fi
 step devices 30 "$SETUP" python3 -m lucepy devices --json || true
 step cpu-kernels 60 "$SETUP" build_cpu_kernels || true
 if ((built)); then
@@ -450,6 +475,12 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
                 >>"$OUTDIR/kernels.md" 2>&1 || true
         fi
     }
+    # (before any benchmark: none shares the CPU with llama-quantize)
+    step requantize 240 "$BENCHLOG" wait_requantized || true
+    if ((REQ_PID)); then # (a wait that timed out: llama-quantize and its shell)
+        pkill -P "$REQ_PID" 2>/dev/null || true
+        kill "$REQ_PID" 2>/dev/null || true
+    fi
     kernels_bench "$MODEL" q4_0
     if [[ -n ${GPU_RUN_AB:-} ]]; then # one switch of lucepy's kernels both ways, in turn
         step ab 300 "$BENCHLOG" python3 tools/bench_kernels.py ab "$MODEL" --device "$DEVICE" \
@@ -477,11 +508,6 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
             fi
         fi
     done
-    QUANT=${GPU_RUN_REQUANT:-Q4_K_M}
-    MODEL_K=${MODEL%-q4_0.gguf}-${QUANT,,}.gguf
-    step requantize 240 "$BENCHLOG" sh -c "test -f '$MODEL_K' || { '$LLAMA_BIN/llama-quantize' \
-        --allow-requantize '$MODEL' '$MODEL_K.part' $QUANT 16 && \
-        mv '$MODEL_K.part' '$MODEL_K'; }" || true
     if [[ -f $MODEL_K ]]; then kernels_bench "$MODEL_K" "${QUANT,,}"; fi
 fi
 
