@@ -357,26 +357,21 @@ generate_model() {
     mv "$MODEL.part" "$MODEL"
 }
 
-wait_model() { # the generator is this script's child: poll it, then look for its file
-    while ((GEN_PID)) && kill -0 "$GEN_PID" 2>/dev/null; do sleep 1; done
-    cat /tmp/lucepy-model.log
-    test -f "$MODEL"
+# wait_job PID LOG FILE: a job this script started in the background (PID; 0: none) ended, its
+# LOG shown, and whether it left FILE
+wait_job() {
+    while (($1)) && kill -0 "$1" 2>/dev/null; do sleep 1; done
+    cat "$2"
+    test -f "$3"
 }
 
 # the Q4_0 model requantized to $QUANT into $MODEL_K, once the generator (GEN_PID) has written it
 # (niced: the GPU tests running beside it come first)
 requantize_model() {
-    while ((GEN_PID)) && kill -0 "$GEN_PID" 2>/dev/null; do sleep 1; done
     test -f "$MODEL_K" && echo "reusing $MODEL_K" && return 0
-    test -f "$MODEL" || { echo "no $MODEL to requantize" && return 1; }
+    wait_job "$GEN_PID" /dev/null "$MODEL" || { echo "no $MODEL to requantize" && return 1; }
     nice -n 10 "$LLAMA_BIN/llama-quantize" --allow-requantize "$MODEL" "$MODEL_K.part" "$QUANT" 16 &&
         mv "$MODEL_K.part" "$MODEL_K"
-}
-
-wait_requantized() { # the requantizer is this script's child, like the generator
-    while ((REQ_PID)) && kill -0 "$REQ_PID" 2>/dev/null; do sleep 1; done
-    cat /tmp/lucepy-requant.log
-    test -f "$MODEL_K"
 }
 
 # lucepy's CPU kernels (vendor/ggml/cpu, which pip compiles where lucepy is installed; here it
@@ -388,8 +383,7 @@ lib = load(); found = cpu.kernels(lib, open_backend(lib, 'cpu'))
 print('cpu kernels:', {cpu.KINDS[t][0]: k.variant for t, k in found.items()}, cpu.why_not())"
 }
 
-export -f build_cuda kernel_sources build_llama_server wait_model build_cpu_kernels \
-    wait_requantized
+export -f build_cuda kernel_sources build_llama_server wait_job build_cpu_kernels
 
 # --- the run ---
 say "gpu_run: into $OUTDIR; model $MODEL; deadline ${DEADLINE}s"
@@ -431,7 +425,7 @@ if ((built)); then
     step pytest "${GPU_RUN_TEST_BUDGET:-240}" "$OUTDIR/pytest.txt" env ${on:+LUCEPY_CUDA_KERNELS=$on} \
         python3 -m pytest -m gpu $tests -v -rfEs -p no:cacheprovider || true
 fi
-step model 240 "$SETUP" wait_model || true
+step model 240 "$SETUP" wait_job "$GEN_PID" /tmp/lucepy-model.log "$MODEL" || true
 
 if ((built)) && [[ -n ${GPU_RUN_DFLASH:-} ]]; then # SmolLM2 staged by tools/gpu_train.sh
     step dflash 360 "$BENCHLOG" sh -c "bash tools/gpu_train.sh model && \
@@ -476,7 +470,7 @@ if ((built)) && [[ -f $MODEL && -n ${GPU_RUN_KERNELS:-} ]]; then # issue 19
         fi
     }
     # (before any benchmark: none shares the CPU with llama-quantize)
-    step requantize 240 "$BENCHLOG" wait_requantized || true
+    step requantize 240 "$BENCHLOG" wait_job "$REQ_PID" /tmp/lucepy-requant.log "$MODEL_K" || true
     if ((REQ_PID)); then # (a wait that timed out: llama-quantize and its shell)
         pkill -P "$REQ_PID" 2>/dev/null || true
         kill "$REQ_PID" 2>/dev/null || true
