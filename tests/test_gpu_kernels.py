@@ -1525,6 +1525,87 @@ def test_gpu_delta_net_keeps_ggmls_arithmetic(cuda):
             np.testing.assert_array_equal(got, ref)
 
 
+def attention_of(lib, device, shape, k, v, mask, qs, scale):
+    """ggml's FLASH_ATTN_EXT as lucepy's builder writes it (``shape`` (D, nh, nkv, T, n_kv)): q
+    [D * nh, T] f32 permuted to [D, T, nh], over the first n_kv rows of an f16 cache ``k``, ``v``
+    ([rows, D * nkv]) viewed and permuted to [D, n_kv, nkv], under ``mask`` ([T, n_kv] f16), at
+    F32 precision; one graph, once per entry of ``qs``. Returns each result as [T, D * nh]."""
+    D, nh, nkv, T, n_kv = shape
+    rows = k.shape[0]
+    consts = [
+        (GGML_TYPE_F16, D * nkv, rows, k),
+        (GGML_TYPE_F16, D * nkv, rows, v),
+        (GGML_TYPE_F16, n_kv, T, mask),
+    ]
+
+    def build(c, ts, ins):
+        kc, vc, m = ts
+        q = lib.ggml_permute(c, lib.ggml_reshape_3d(c, ins[0], D, nh, T), 0, 2, 1, 3)
+        kv = [
+            lib.ggml_permute(c, lib.ggml_view_3d(c, t, D, nkv, n_kv, 2 * D, t.nb[1], 0), 0, 2, 1, 3)
+            for t in (kc, vc)
+        ]
+        out = lib.ggml_flash_attn_ext(c, q, kv[0], kv[1], m, scale, 0.0, 0.0)
+        lib.ggml_flash_attn_ext_set_prec(out, lib.GGML_PREC_F32)
+        return [lib.ggml_reshape_2d(c, out, D * nh, T)]
+
+    feeds = [(q,) for q in qs]
+    return [out for [out] in computed(lib, device, consts, [(D * nh, T)], build, feeds)]
+
+
+def attention_exact(q, k, v, mask, shape, scale):
+    """The attention of ``attention_of`` in float64, on the cache's f16 values."""
+    D, nh, nkv, T, n_kv = shape
+    q = q.astype(np.float64).reshape(T, nh, D)
+    k = k[:n_kv].astype(np.float64).reshape(n_kv, nkv, D)
+    v = v[:n_kv].astype(np.float64).reshape(n_kv, nkv, D)
+    ratio = nh // nkv
+    out = np.zeros((T, nh, D))
+    for h in range(nh):
+        s = scale * q[:, h] @ k[:, h // ratio].T + mask.astype(np.float64)  # [T, n_kv]
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // ratio]
+    return out.reshape(T, nh * D)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(256, 24, 4, 16, 256), (256, 24, 4, 1, 256), (256, 24, 4, 5, 298), (128, 8, 2, 16, 64),
+     (256, 24, 4, 16, 1024), (256, 24, 4, 16, 32)],
+)  # fmt: skip
+def test_gpu_attention_of_few_queries_matches_the_exact_math(shape, cuda):
+    """The attention of 1-16 queries over an f16 cache (a decode's, a verify's: qwen35's heads of
+    256, 6 query heads a KV head; heads of 128) is ours: causal rows whose unseen keys (-inf in
+    the mask) include whole chunks, a key count that is not a multiple of the kernel's chunk, a
+    long cache (several chunks a CTA), one chunk (no second kernel to join the CTAs'); no further
+    from the exact math than twice ggml's own kernel's error, and a new q gives a new result (the
+    CUDA graph replayed)."""
+    lib, device, kernels = cuda
+    D, nh, nkv, T, n_kv = shape
+    rng = np.random.default_rng(D + T + n_kv)
+    rows = n_kv + 16  # (cache rows past the view: never read)
+    k, v = (rng.normal(size=(rows, D * nkv)).astype(np.float16) for _ in range(2))
+    seen = max(0, n_kv - 40)  # the sequence before the queries; keys past the last one unseen
+    mask = np.full((T, n_kv), -np.inf, dtype=np.float32)
+    for t in range(T):
+        mask[t, : seen + t + 1] = 0.0
+    mask[:, 3:70] = -np.inf  # keys 32-63 unseen: a chunk of the kernel's 32 keys whole
+    mask = mask.astype(np.float16)
+    qs = [2.0 * rng.normal(size=(T, D * nh)).astype(np.float32) for _ in range(3)]
+    scale = 1.0 / np.sqrt(D)
+    ops = kernels.ops
+    attention_of(lib, device, shape, k, v, mask, qs[:1], scale)
+    assert kernels.ops - ops == 1
+    ours, theirs = ours_and_theirs(
+        kernels, lambda: attention_of(lib, device, shape, k, v, mask, qs, scale)
+    )
+    for j, q in enumerate(qs):
+        exact = attention_exact(q, k, v, mask, shape, scale)
+        bound = 2 * float(rel_err(theirs[j], exact).max())
+        assert float(rel_err(ours[j], exact).max()) <= bound, f"q {j}"
+    assert not np.array_equal(ours[0], ours[1])
+
+
 def argmaxes(lib, device, xs):
     """ggml's ARGMAX of each row of each of ``xs`` ([rows, n] f32), one graph (``computed``)."""
     rows, n = xs[0].shape

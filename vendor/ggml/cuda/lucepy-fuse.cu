@@ -658,6 +658,7 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
         case GGML_OP_GATED_DELTA_NET: return delta_net_nodes(ctx, cgraph, i);
         case GGML_OP_DUP: return dup_nodes(ctx, cgraph, i);
         case GGML_OP_CONT: return cont_gate_nodes(ctx, cgraph, i);
+        case GGML_OP_FLASH_ATTN_EXT: return lucepy_attn_nodes(ctx, cgraph, i);
         case GGML_OP_MUL_MAT: {
             const int pair = glu_pair_nodes(ctx, cgraph, i);
             return pair > 0 ? pair : mul_mat_add_nodes(ctx, cgraph, i);

@@ -238,4 +238,7 @@ int dup_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i
 
 }  // namespace lucepy
 
+// a FLASH_ATTN_EXT of a few queries over an f16 cache at node i (lucepy-attn.cu): 1, or 0
+int lucepy_attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+
 #endif
