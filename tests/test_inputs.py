@@ -38,6 +38,13 @@ def test_step_inputs_land_in_the_graphs_input_buffer_and_are_checked(tiny_model)
             g.write_inputs({"pos": np.zeros(1, dtype=np.int64)})
         with pytest.raises(ValueError, match="takes"):
             g.write_inputs({"tokens": np.zeros(2, dtype=np.int32)})
+        # a mask written in place is checked as an array is: another step's size is refused,
+        # the graph's array left as it was
+        other = e.pipeline.slots.batch(np.zeros(3, dtype=np.int32), 5)
+        before = mask.copy()
+        with pytest.raises(ValueError, match="input mask: got 768 float16, the graph takes 256"):
+            g.write_inputs({"mask": other.mask_input()})
+        np.testing.assert_array_equal(step.arrays["mask"], before)
 
 
 def _mask_by_definition(b: StepBatch, window: int, causal: bool) -> np.ndarray:
@@ -78,7 +85,9 @@ def test_a_steps_mask_is_its_definition_whether_made_or_written_in_place(seed):
         want = _mask_by_definition(b, window, causal)
         made = b.mask(window, causal)
         flat = np.full(T * n_kv, np.nan, dtype=np.float16)  # (every value written over)
-        b.mask_input(window, causal)(flat)
+        fill = b.mask_input(window, causal)
+        assert (fill.size, fill.dtype) == (T * n_kv, np.float16)
+        fill.fill(flat)
         for got in (made, flat.reshape(T, n_kv)):
             assert got.dtype == np.float16
             np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))

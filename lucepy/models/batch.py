@@ -15,9 +15,20 @@ NEG_INF = np.float16(-np.inf)
 _MASKED = NEG_INF.view(np.uint16)  # -inf's bits
 _NOT_SEEN = np.int32(np.iinfo(np.int32).max)  # a row's key where no token of the step sees it
 
-# a graph input's host value for a step: its array, or a function that fills the graph's own
-# array of it (StepBatch.mask_input; CompiledGraph.write_inputs)
-StepInput = np.ndarray | Callable[[np.ndarray], None]
+
+@dataclass(frozen=True)
+class Fill:
+    """A graph input written in place: ``fill(dst)`` writes ``size`` values of ``dtype`` into
+    the graph's own flat array of the input (``StepBatch.mask_input``), whose size and type
+    ``InputBlock.write`` checks first, as it checks an array's."""
+
+    size: int
+    dtype: np.dtype
+    fill: Callable[[np.ndarray], None]
+
+
+# a graph input's host value for a step: its array, or a Fill (CompiledGraph.write_inputs)
+StepInput = np.ndarray | Fill
 
 
 @dataclass(frozen=True)
@@ -60,12 +71,17 @@ class StepBatch:
         self.fill_mask(out, window, causal)
         return out
 
-    def mask_input(self, window: int = 0, causal: bool = True) -> Callable[[np.ndarray], None]:
+    def mask_input(self, window: int = 0, causal: bool = True) -> Fill:
         """``mask`` as a graph input that fills the graph's own array of it
         (``CompiledGraph.write_inputs``): no array of T x n_kv made and copied a step (made and
         copied, a 512-token chunk's over 8,704 rows took 5.3 ms of host time, its temporaries'
         page faults; in place 0.74: docs/BENCHMARKS.md, session 58)."""
-        return lambda dst: self.fill_mask(dst.reshape(self.n_tokens, self.n_kv), window, causal)
+        shape = (self.n_tokens, self.n_kv)
+        return Fill(
+            shape[0] * shape[1],
+            np.dtype(np.float16),
+            lambda dst: self.fill_mask(dst.reshape(shape), window, causal),
+        )
 
     def fill_mask(self, out: np.ndarray, window: int = 0, causal: bool = True) -> None:
         """``mask`` into ``out`` ([T, n_kv] f16), with no array of its size besides: each value's

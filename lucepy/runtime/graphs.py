@@ -35,7 +35,7 @@ from lucepy.ggml import (
     cpu,
     ffi,
 )
-from lucepy.models.batch import StepInput
+from lucepy.models.batch import Fill, StepInput
 from lucepy.models.builder import Builder
 
 log = logging.getLogger(__name__)
@@ -96,18 +96,18 @@ class InputBlock:
             self.arrays[name] = raw[off : off + n].view(_NUMPY[t.type])
 
     def write(self, name: str, values: StepInput) -> None:
-        """``values`` into input ``name``'s array here, or ``values`` a function that fills that
-        array itself (``StepBatch.mask_input``: no array of a mask's size made and copied)."""
+        """``values`` into input ``name``'s array here, or a ``Fill`` that writes that array
+        itself (``StepBatch.mask_input``: no array of a mask's size made and copied)."""
         dst = self.arrays[name]
-        if callable(values):
-            values(dst)
-            return
         if values.dtype != dst.dtype or values.size != dst.size:
             raise ValueError(
                 f"input {name}: got {values.size} {values.dtype}, the graph takes "
                 f"{dst.size} {dst.dtype}"
             )
-        dst[:] = values.reshape(-1)
+        if isinstance(values, Fill):
+            values.fill(dst)
+        else:
+            dst[:] = values.reshape(-1)
 
     def send(self) -> None:
         if self._span_ctx is not None:
