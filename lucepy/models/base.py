@@ -189,7 +189,7 @@ class ArchitectureProtocol(Protocol):
 
     def step_inputs(self, batch: StepBatch, names) -> dict[str, StepInput]:
         """Host values of the graph inputs ``names`` for ``batch`` (tokens, positions, masks), or
-        functions that write them into the graph's array of each (``StepBatch.mask_input``)."""
+        ``Fill``s that write them into the graph's array of each (``StepBatch.mask_input``)."""
 
 
 class Architecture:
