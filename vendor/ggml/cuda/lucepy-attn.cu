@@ -371,11 +371,8 @@ void launch_attn(AttnArgs a, int tiles, int nkv, int nseq, ggml_backend_cuda_con
     }
 }
 
-}  // namespace lucepy
-
 // FLASH_ATTN_EXT at node i on lucepy's kernel: 1, or 0 where it does not take the node
-int lucepy_attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
-    using namespace lucepy;
+int attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     // LUCEPY_CUDA_ATTN=0: ggml's kernel, for comparison
     static const bool on = switched_on("LUCEPY_CUDA_ATTN");
     const ggml_tensor * dst = cgraph->nodes[i];
@@ -440,10 +437,6 @@ int lucepy_attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgrap
     return 1;
 }
 
-#else
-
-int lucepy_attn_nodes(ggml_backend_cuda_context &, const ggml_cgraph *, int) {
-    return 0;
-}
+}  // namespace lucepy
 
 #endif

@@ -1,8 +1,9 @@
 // lucepy's own kernels (issue 19, decision 12), hooked into the pinned ggml-cuda: the host side of
 // the ops around the products that the hooks take from ggml (lucepy_cuda_fuse and the others):
 // RMS norms and gates that write the next product's activations as they compute, residual sums,
-// argmax. lucepy-deltanet.cu has qwen35's DeltaNet conv step, gates and recurrence, lucepy-mm.cu
-// the products and the state a graph keeps; lucepy-host.cuh what they share.
+// argmax. lucepy-deltanet.cu has qwen35's DeltaNet conv step, gates and recurrence,
+// lucepy-attn.cu attention of 1-16 queries, lucepy-mm.cu the products and the state a graph
+// keeps; lucepy-host.cuh what they share.
 
 #include "lucepy-host.cuh"
 
@@ -658,7 +659,7 @@ int lucepy_cuda_fuse(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph
         case GGML_OP_GATED_DELTA_NET: return delta_net_nodes(ctx, cgraph, i);
         case GGML_OP_DUP: return dup_nodes(ctx, cgraph, i);
         case GGML_OP_CONT: return cont_gate_nodes(ctx, cgraph, i);
-        case GGML_OP_FLASH_ATTN_EXT: return lucepy_attn_nodes(ctx, cgraph, i);
+        case GGML_OP_FLASH_ATTN_EXT: return attn_nodes(ctx, cgraph, i);
         case GGML_OP_MUL_MAT: {
             const int pair = glu_pair_nodes(ctx, cgraph, i);
             return pair > 0 ? pair : mul_mat_add_nodes(ctx, cgraph, i);

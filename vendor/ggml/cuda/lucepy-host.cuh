@@ -1,8 +1,8 @@
-// lucepy's host side, shared by its four files: lucepy-state.cu (the switches and counters, the
+// lucepy's host side, shared by its five files: lucepy-state.cu (the switches and counters, the
 // state a context keeps, the graph's scan), lucepy-mm.cu (the products' routes, plans and
 // launches, the repacked matrices' registry), lucepy-fuse.cu (the graph's other ops that the hooks
-// take around the products: norms, gates, residual sums, argmax) and lucepy-deltanet.cu
-// (qwen35's DeltaNet conv step, gates and recurrence). What one defines and another calls is
+// take around the products: norms, gates, residual sums, argmax), lucepy-deltanet.cu (qwen35's
+// DeltaNet conv step, gates and recurrence) and lucepy-attn.cu (attention of 1-16 queries). What one defines and another calls is
 // declared here, with the kernels more than one launches (the headers below; lucepy-mm.cu alone
 // includes lucepy-repack.cuh, lucepy-deltanet.cu alone lucepy-deltanet.cuh, whose kernels they
 // alone launch).
@@ -236,9 +236,9 @@ int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph,
                     const ggml_tensor * dup = nullptr);
 int dup_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
-}  // namespace lucepy
+// a FLASH_ATTN_EXT of 1-16 queries over an f16 cache at node i (lucepy-attn.cu): 1, or 0
+int attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
-// a FLASH_ATTN_EXT of a few queries over an f16 cache at node i (lucepy-attn.cu): 1, or 0
-int lucepy_attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+}  // namespace lucepy
 
 #endif
