@@ -12,7 +12,7 @@
 #pragma once
 
 #include "lucepy-repack.cuh"  // the layouts, the bulk copies' mbarriers, store_tile; (through
-                              // lucepy-gemm.cuh) the e4m3 records
+                              // lucepy-gemm.cuh, lucepy-records.cuh) the e4m3 records
 
 #include <cuda_fp16.h>
 
