@@ -10,7 +10,9 @@
 
 namespace lucepy {
 
-constexpr int AT_MAX_KEYS = 1024;  // more keys: ggml's kernel (longer caches not measured here)
+// more cache rows: ggml's kernel (longer caches not measured yet); LUCEPY_CUDA_ATTN_KEYS=N takes
+// up to N, to measure them
+constexpr int AT_MAX_KEYS = 1024;
 
 static bool aligned_to(const void * p, size_t n) {
     return uintptr_t(p) % n == 0;
@@ -44,6 +46,7 @@ void launch_attn(AttnArgs a, int tiles, int nkv, int nseq, ggml_backend_cuda_con
 int attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     // LUCEPY_CUDA_ATTN=0: ggml's kernel, for comparison
     static const bool on = switched_on("LUCEPY_CUDA_ATTN");
+    static const int most_keys = switched_count("LUCEPY_CUDA_ATTN_KEYS", AT_MAX_KEYS);
     const ggml_tensor * dst = cgraph->nodes[i];
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
@@ -60,7 +63,7 @@ int attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int 
     const int64_t D = q->ne[0], T = q->ne[1], nh = q->ne[2], n_kv = k->ne[1], nkv = k->ne[2];
     const bool shapes = (D == 128 || D == 256) && k->ne[0] == D && v->ne[0] == D &&
                         v->ne[1] == n_kv && v->ne[2] == nkv && T >= 1 && T <= MAX_COLS &&
-                        nkv > 0 && nh % nkv == 0 && n_kv > 0 && n_kv <= AT_MAX_KEYS &&
+                        nkv > 0 && nh % nkv == 0 && n_kv > 0 && n_kv <= most_keys &&
                         n_kv % 2 == 0 && k->ne[3] == q->ne[3] && v->ne[3] == q->ne[3] &&
                         dst->ne[0] == D && dst->ne[1] == nh && dst->ne[2] == T &&
                         max_bias == 0.0f && softcap == 0.0f;
