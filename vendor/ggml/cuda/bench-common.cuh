@@ -5,6 +5,7 @@
 #pragma once
 
 #include "lucepy-kernels.cuh"
+#include "lucepy-ops.cuh"
 #include "lucepy-deltanet.cuh"
 #include "lucepy-gemm.cuh"
 #include "lucepy-repack.cuh"

@@ -4,7 +4,7 @@
 
 #pragma once
 
-#include "lucepy-kernels.cuh"  // copy_async, the PDL hooks, block_sum
+#include "lucepy-ops.cuh"  // block_sum, norm_scale (and lucepy-kernels.cuh: the PDL hooks)
 
 #include <cuda_fp16.h>
 

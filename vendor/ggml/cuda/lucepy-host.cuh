@@ -14,6 +14,7 @@
 #define LUCEPY_PDL_SYNC() ggml_cuda_pdl_sync()
 #define LUCEPY_PDL_LAUNCH() ggml_cuda_pdl_lc()
 #include "lucepy-kernels.cuh"
+#include "lucepy-ops.cuh"
 #include "lucepy-gemm.cuh"
 
 #include <atomic>
