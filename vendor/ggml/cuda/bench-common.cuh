@@ -9,6 +9,8 @@
 #include "lucepy-deltanet.cuh"
 #include "lucepy-gemm.cuh"
 #include "lucepy-repack.cuh"
+#include "lucepy-bulk.cuh"
+#include "lucepy-prefill.cuh"
 #include "lucepy-f8.cuh"
 
 #include <cuda_fp16.h>

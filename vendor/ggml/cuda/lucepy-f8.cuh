@@ -11,8 +11,8 @@
 // capability 9.0) and define LUCEPY_F8 for its host side; `f8_compiled` asks the device.
 #pragma once
 
-#include "lucepy-repack.cuh"  // the layouts, the bulk copies' mbarriers, store_tile; (through
-                              // lucepy-gemm.cuh, lucepy-records.cuh) the e4m3 records
+#include "lucepy-bulk.cuh"  // the layouts, the bulk copies' mbarriers, store_tile; (through
+                            // lucepy-gemm.cuh, lucepy-records.cuh) the e4m3 records
 
 #include <cuda_fp16.h>
 

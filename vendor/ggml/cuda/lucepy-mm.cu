@@ -9,6 +9,8 @@
 
 #include "lucepy-host.cuh"
 #include "lucepy-repack.cuh"
+#include "lucepy-bulk.cuh"
+#include "lucepy-prefill.cuh"
 #include "lucepy-f8.cuh"
 
 #include <algorithm>
