@@ -7,7 +7,7 @@
 // includes the one before it.
 #pragma once
 
-#include "lucepy-layouts.cuh"
+#include "lucepy-walks.cuh"  // (and the layouts it includes)
 
 #include <cuda_fp16.h>
 
