@@ -6,8 +6,8 @@
 // more splits, or none of ggml's fixup, would pay there.
 //
 //     nvcc -O3 -std=c++17 -arch=sm_90 -o bench-attn bench-attn.cu
-//     ./bench-attn [--rows 256,1024,4096,8192] [--queries 1,16] [--splits 0,4,8,16]
-//     (splits 0: lucepy-attn.cu's choice, attn_splits)
+//     ./bench-attn [--rows 256,1024,4096,8192] [--queries 1,16] [--splits 0,4,8,16,32,64]
+//     (splits 0: lucepy-attn.cu's choice, attn_splits; past 16, attn_join_long joins them)
 //
 // The cache is random f16, several copies in turn so that no call finds its K and V in the L2
 // cache; the mask lets each query see the rows before it (the last 16 rows the step's own).
@@ -85,7 +85,7 @@ static void exact_row(const std::vector<float> & q, const std::vector<__half> & 
 
 static void run(int n_kv, int T, int splits_asked, int sms, std::mt19937 & rng) {
     const int ratio = NH / NKV, tiles = (ratio * T + AT_ROWS - 1) / AT_ROWS;
-    const int splits = splits_asked > 0 ? std::min(splits_asked, AT_SPLITS)
+    const int splits = splits_asked > 0 ? std::min(splits_asked, AT_LONG_SPLITS)
                                         : attn_splits(n_kv, tiles * NKV, sms);
     const int64_t row = int64_t(NKV) * D;
     const int64_t copy_halves = 2 * int64_t(n_kv) * row;  // K's rows, then V's
@@ -117,8 +117,8 @@ static void run(int n_kv, int T, int splits_asked, int sms, std::mt19937 & rng) 
     CHECK(cudaMalloc(&kv_d, copies * copy_halves * 2));
     CHECK(cudaMalloc(&q_d, q.size() * 4));
     CHECK(cudaMalloc(&dst_d, q.size() * 4));
-    CHECK(cudaMalloc(&part_d, AT_SPLITS * rows * D * 4));
-    CHECK(cudaMalloc(&ms_d, AT_SPLITS * rows * 8));
+    CHECK(cudaMalloc(&part_d, AT_LONG_SPLITS * rows * D * 4));
+    CHECK(cudaMalloc(&ms_d, AT_LONG_SPLITS * rows * 8));
     CHECK(cudaMalloc(&mask_d, mask_h.size() * 2));
     for (int c = 0; c < copies; c++) {
         CHECK(cudaMemcpy(kv_d + c * copy_halves, kv.data(), copy_halves * 2,
@@ -150,8 +150,11 @@ static void run(int n_kv, int T, int splits_asked, int sms, std::mt19937 & rng) 
     auto launch = [&](int c) {
         const AttnArgs a = args(c);
         attn_few<D><<<dim3(tiles * splits, NKV, 1), D / AT_DW * 32, attn_smem<D>(), stream>>>(a);
-        if (splits > 1) {
-            attn_join<D><<<dim3(ratio * T, NKV, 1), D / 4, 0, stream>>>(a);
+        const dim3 rows_grid(ratio * T, NKV, 1);
+        if (splits > AT_SPLITS) {
+            attn_join_long<D><<<rows_grid, D / 4, 0, stream>>>(a);
+        } else if (splits > 1) {
+            attn_join<D><<<rows_grid, D / 4, 0, stream>>>(a);
         }
     };
 

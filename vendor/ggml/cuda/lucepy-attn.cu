@@ -10,10 +10,6 @@
 
 namespace lucepy {
 
-// more cache rows: ggml's kernel (longer caches not measured yet); LUCEPY_CUDA_ATTN_KEYS=N takes
-// up to N, to measure them
-constexpr int AT_MAX_KEYS = 1024;
-
 static bool aligned_to(const void * p, size_t n) {
     return uintptr_t(p) % n == 0;
 }
@@ -37,8 +33,9 @@ void launch_attn(AttnArgs a, int tiles, int nkv, int nseq, ggml_backend_cuda_con
                             ggml_cuda_kernel_launch_params(grid, threads, smem, ctx.stream()), a);
     if (a.splits > 1) {
         const dim3 rows_grid(unsigned(a.ratio * a.T), unsigned(nkv), unsigned(nseq));
-        ggml_cuda_kernel_launch(
-            attn_join<D>, ggml_cuda_kernel_launch_params(rows_grid, D / 4, 0, ctx.stream()), a);
+        ggml_cuda_kernel_launch(a.splits > AT_SPLITS ? attn_join_long<D> : attn_join<D>,
+                                ggml_cuda_kernel_launch_params(rows_grid, D / 4, 0, ctx.stream()),
+                                a);
     }
 }
 
@@ -46,6 +43,7 @@ void launch_attn(AttnArgs a, int tiles, int nkv, int nseq, ggml_backend_cuda_con
 int attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i) {
     // LUCEPY_CUDA_ATTN=0: ggml's kernel, for comparison
     static const bool on = switched_on("LUCEPY_CUDA_ATTN");
+    // LUCEPY_CUDA_ATTN_KEYS=N: caches of up to N rows, to measure the longer ones
     static const int most_keys = switched_count("LUCEPY_CUDA_ATTN_KEYS", AT_MAX_KEYS);
     const ggml_tensor * dst = cgraph->nodes[i];
     const ggml_tensor * q = dst->src[0];

@@ -32,6 +32,11 @@ constexpr int AT_ROWS = 16;  // a CTA's rows: an mma tile
 constexpr int AT_KC = 32;    // keys a chunk
 constexpr int AT_DW = 128;   // values a warp
 constexpr int AT_SPLITS = 16;  // CTAs a row tile at most (attn_join's loads)
+// caches of more rows: ggml's kernel by default (lucepy-attn.cu; not measured yet, bench-attn.cu
+// and LUCEPY_CUDA_ATTN_KEYS measure them); where taken, up to AT_LONG_SPLITS CTAs a row tile,
+// joined AT_SPLITS at a time (attn_join_long)
+constexpr int AT_MAX_KEYS = 1024;
+constexpr int AT_LONG_SPLITS = 64;
 
 struct AttnArgs {
     const char * q;  // [D, T, nh, ns] f32, strides in bytes
@@ -342,11 +347,59 @@ template <int D> __global__ void __launch_bounds__(D / 4) attn_join(const AttnAr
     *reinterpret_cast<float4 *>(out) = make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv);
 }
 
+// The splits' results joined where there are more than AT_SPLITS: AT_SPLITS at a time, each
+// batch's values asked for at once, the running sums scaled to each batch's new maximum
+template <int D> __global__ void __launch_bounds__(D / 4) attn_join_long(const AttnArgs a) {
+    LUCEPY_PDL_SYNC();  // the splits' results: attn_few has finished
+    constexpr float NEG = -INFINITY;
+    const int r = blockIdx.x, g = blockIdx.y, s = blockIdx.z;
+    const int R = a.ratio * a.T;
+    const int64_t rows = int64_t(gridDim.z) * gridDim.y * R;
+    const int64_t row = (int64_t(s) * gridDim.y + g) * R + r;
+    const int d = 4 * threadIdx.x;
+    float m = NEG, l = 0.0f;
+    float4 y = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int k0 = 0; k0 < a.splits; k0 += AT_SPLITS) {
+        float2 ms[AT_SPLITS];
+        float4 x[AT_SPLITS];
+#pragma unroll
+        for (int k = 0; k < AT_SPLITS; k++) {
+            if (k0 + k < a.splits) {
+                ms[k] = a.part_ms[(k0 + k) * rows + row];
+                x[k] = *reinterpret_cast<const float4 *>(a.part + ((k0 + k) * rows + row) * D + d);
+            }
+        }
+        float mb = m;
+#pragma unroll
+        for (int k = 0; k < AT_SPLITS; k++) {
+            mb = k0 + k < a.splits ? fmaxf(mb, ms[k].x) : mb;
+        }
+        const float base = mb == NEG ? 0.0f : mb;
+        const float keep = exp2f(m - base);  // (m -inf: nothing added yet)
+        l *= keep;
+        y.x *= keep, y.y *= keep, y.z *= keep, y.w *= keep;
+#pragma unroll
+        for (int k = 0; k < AT_SPLITS; k++) {
+            if (k0 + k < a.splits) {
+                const float w = exp2f(ms[k].x - base);
+                l += w * ms[k].y;
+                y.x += w * x[k].x, y.y += w * x[k].y, y.z += w * x[k].z, y.w += w * x[k].w;
+            }
+        }
+        m = mb;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int t = r / a.ratio, h = g * a.ratio + r % a.ratio;
+    float * out = a.dst + ((int64_t(s) * a.T + t) * a.nh + h) * D + d;
+    *reinterpret_cast<float4 *>(out) = make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv);
+}
+
 // The splits of a row tile: about two CTAs an SM (`ctas` CTAs without splits), at most one a
-// chunk and AT_SPLITS
+// chunk and AT_SPLITS (AT_LONG_SPLITS past AT_MAX_KEYS rows)
 inline int attn_splits(int n_kv, int ctas, int sms) {
     const int nchunks = (n_kv + AT_KC - 1) / AT_KC;
-    return std::max(1, std::min({nchunks, AT_SPLITS, 2 * sms / ctas}));
+    const int most = n_kv > AT_MAX_KEYS ? AT_LONG_SPLITS : AT_SPLITS;
+    return std::max(1, std::min({nchunks, most, 2 * sms / ctas}));
 }
 
 }  // namespace lucepy
