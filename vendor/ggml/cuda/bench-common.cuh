@@ -7,6 +7,7 @@
 #include "lucepy-kernels.cuh"
 #include "lucepy-ops.cuh"
 #include "lucepy-deltanet.cuh"
+#include "lucepy-recurrence.cuh"
 #include "lucepy-gemm.cuh"
 #include "lucepy-repack.cuh"
 #include "lucepy-bulk.cuh"

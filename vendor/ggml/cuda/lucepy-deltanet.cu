@@ -2,11 +2,12 @@
 // qwen35's Gated DeltaNet ops that the hooks take from ggml (through lucepy_cuda_fuse, in
 // lucepy-fuse.cu): its gates, its conv step with q's and k's norms, its recurrence (a step's, a
 // verify's with the state copy before it, a rollback's layers in one launch). Their kernels are
-// lucepy-deltanet.cuh's; what this file shares with lucepy-fuse.cu and lucepy-mm.cu,
-// lucepy-host.cuh's.
+// lucepy-deltanet.cuh's and lucepy-recurrence.cuh's; what this file shares with lucepy-fuse.cu
+// and lucepy-mm.cu, lucepy-host.cuh's.
 
 #include "lucepy-host.cuh"
 #include "lucepy-deltanet.cuh"
+#include "lucepy-recurrence.cuh"
 
 #include <algorithm>
 #include <cstring>

@@ -2,10 +2,11 @@
 // state a context keeps, the graph's scan), lucepy-mm.cu (the products' routes, plans and
 // launches, the repacked matrices' registry), lucepy-fuse.cu (the graph's other ops that the hooks
 // take around the products: norms, gates, residual sums, argmax), lucepy-deltanet.cu (qwen35's
-// DeltaNet conv step, gates and recurrence) and lucepy-attn.cu (attention of 1-16 queries). What one defines and another calls is
-// declared here, with the kernels more than one launches (the headers below; lucepy-mm.cu alone
-// includes lucepy-repack.cuh, lucepy-deltanet.cu alone lucepy-deltanet.cuh, whose kernels they
-// alone launch).
+// DeltaNet conv step, gates and recurrence) and lucepy-attn.cu (attention of 1-16 queries). What
+// one defines and another calls is declared here, with the kernels more than one launches (the
+// headers below; lucepy-mm.cu alone includes the repacked kernels' headers, lucepy-deltanet.cu
+// alone lucepy-deltanet.cuh and lucepy-recurrence.cuh, lucepy-attn.cu alone lucepy-attn.cuh,
+// whose kernels they alone launch).
 
 #pragma once
 

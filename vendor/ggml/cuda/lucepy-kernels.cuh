@@ -11,8 +11,8 @@
 //   - the activations are quantized to int8 planes once per graph and source tensor, by the
 //     kernel that writes them where it can (lucepy-ops.cuh: `quantize`, the norms, the gates,
 //     with norm_rope and the argmax).
-// qwen35's DeltaNet conv step, gates and recurrence: lucepy-deltanet.cuh. 2 to 16 columns:
-// lucepy-gemm.cuh (tensor cores). See lucepy-quants.cuh for the piece format.
+// qwen35's DeltaNet conv step, gates and recurrence: lucepy-deltanet.cuh, lucepy-recurrence.cuh.
+// 2 to 16 columns: lucepy-gemm.cuh (tensor cores). See lucepy-quants.cuh for the piece format.
 //
 // The includer may define LUCEPY_PDL_SYNC() (wait for the kernel before: programmatic dependent
 // launch) and LUCEPY_PDL_LAUNCH() (let the next kernel start); by default they are Hopper's
