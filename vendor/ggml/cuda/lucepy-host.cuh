@@ -1,12 +1,12 @@
-// lucepy's host side, shared by its five files: lucepy-state.cu (the switches and counters, the
+// lucepy's host side, shared by its six files: lucepy-state.cu (the switches and counters, the
 // state a context keeps, the graph's scan), lucepy-mm.cu (the products' routes, plans and
 // launches, the repacked matrices' registry), lucepy-fuse.cu (the graph's other ops that the hooks
-// take around the products: norms, gates, residual sums, argmax), lucepy-deltanet.cu (qwen35's
-// DeltaNet conv step, gates and recurrence) and lucepy-attn.cu (attention of 1-16 queries). What
-// one defines and another calls is declared here, with the kernels more than one launches (the
-// headers below; lucepy-mm.cu alone includes the repacked kernels' headers, lucepy-deltanet.cu
-// alone lucepy-deltanet.cuh and lucepy-recurrence.cuh, lucepy-attn.cu alone lucepy-attn.cuh,
-// whose kernels they alone launch).
+// take around the products: norms, residual sums, argmax), lucepy-gates.cu (the gates, the gated
+// norm, the heads' norm and rope), lucepy-deltanet.cu (qwen35's DeltaNet conv step, gates and
+// recurrence) and lucepy-attn.cu (attention of 1-16 queries). What one defines and another calls
+// is declared here, with the kernels more than one launches (the headers below; lucepy-mm.cu
+// alone includes the repacked kernels' headers, lucepy-deltanet.cu alone lucepy-deltanet.cuh and
+// lucepy-recurrence.cuh, lucepy-attn.cu alone lucepy-attn.cuh, whose kernels they alone launch).
 
 #pragma once
 
@@ -228,6 +228,17 @@ bool dense_like(const ggml_tensor * t, const ggml_tensor * like);
 bool columns_apart(const ggml_tensor * t);
 bool bytes_read(ContextState & st, const ggml_cgraph * cgraph, const ggml_tensor * t,
                 size_t from, size_t to, const ggml_tensor * skip);
+
+// The gates and norms from node i (lucepy-gates.cu): the nodes after i computed, or 0. A gated
+// norm from an RMS_NORM (with `cont`, the CONT before it whose source its gate reads in place),
+// a head's norm and rope from an RMS_NORM, a gate from a UNARY (with `cont` the same), and from
+// a CONT the gated norm or gate after it.
+int norm_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
+                    const ggml_tensor * cont = nullptr);
+int norm_rope_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
+int gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
+               const ggml_tensor * cont);
+int cont_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
 // qwen35's DeltaNet ops from node i (lucepy-deltanet.cu): the nodes after i computed, or 0. The
 // conv step from a CONCAT, the gates from an ADD, the recurrence from a GATED_DELTA_NET (with
