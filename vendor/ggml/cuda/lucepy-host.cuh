@@ -1,12 +1,13 @@
-// lucepy's host side, shared by its six files: lucepy-state.cu (the switches and counters, the
+// lucepy's host side, shared by its seven files: lucepy-state.cu (the switches and counters, the
 // state a context keeps, the graph's scan), lucepy-mm.cu (the products' routes, plans and
 // launches, the repacked matrices' registry), lucepy-fuse.cu (the graph's other ops that the hooks
 // take around the products: norms, residual sums, argmax), lucepy-gates.cu (the gates, the gated
-// norm, the heads' norm and rope), lucepy-deltanet.cu (qwen35's DeltaNet conv step, gates and
-// recurrence) and lucepy-attn.cu (attention of 1-16 queries). What one defines and another calls
-// is declared here, with the kernels more than one launches (the headers below; lucepy-mm.cu
-// alone includes the repacked kernels' headers, lucepy-deltanet.cu alone lucepy-deltanet.cuh and
-// lucepy-recurrence.cuh, lucepy-attn.cu alone lucepy-attn.cuh, whose kernels they alone launch).
+// norm, the heads' norm and rope), lucepy-deltanet.cu (qwen35's DeltaNet conv step and gates),
+// lucepy-recurrence.cu (its recurrence) and lucepy-attn.cu (attention of 1-16 queries). What one
+// defines and another calls is declared here, with the kernels more than one launches (the
+// headers below; lucepy-mm.cu alone includes the repacked kernels' headers, lucepy-deltanet.cu
+// lucepy-deltanet.cuh, lucepy-recurrence.cu lucepy-recurrence.cuh, lucepy-attn.cu
+// lucepy-attn.cuh, whose kernels they alone launch).
 
 #pragma once
 
@@ -240,9 +241,10 @@ int gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int 
                const ggml_tensor * cont);
 int cont_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
-// qwen35's DeltaNet ops from node i (lucepy-deltanet.cu): the nodes after i computed, or 0. The
-// conv step from a CONCAT, the gates from an ADD, the recurrence from a GATED_DELTA_NET (with
-// `dup`, the verify's state copy before it, a DUP's node), and from a DUP the two.
+// qwen35's DeltaNet ops from node i (lucepy-deltanet.cu, the recurrence's lucepy-recurrence.cu):
+// the nodes after i computed, or 0. The conv step from a CONCAT, the gates from an ADD, the
+// recurrence from a GATED_DELTA_NET (with `dup`, the verify's state copy before it, a DUP's
+// node), and from a DUP the two.
 int conv_step_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 int delta_gate_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 int delta_net_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i,
