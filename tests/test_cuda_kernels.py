@@ -268,6 +268,10 @@ def test_cuda_builds_hook_lucepys_kernels_unless_asked_not_to():
     ours = backends.plan_build("cuda", arch="90")
     assert ours.own and ours.which_kernels == "lucepy" and ours.prefix.name == "cuda"
     assert all(f.exists() for f in (*ours.kernels.files, ours.kernels.patch))
+    # and every kernel file beside them is listed (an unlisted header would be missing from the
+    # source tree the build compiles)
+    here = ours.kernels.patch.parent
+    assert {f.name for f in here.glob("lucepy-*")} == {f.name for f in ours.kernels.files}
     for pinned, patched in ours.kernels.sha256.values():
         assert len(pinned) == len(patched) == 64 and pinned != patched
     plain = backends.plan_build("cuda", kernels="ggml")
