@@ -10,18 +10,13 @@
 
 namespace lucepy {
 
-static bool aligned_to(const void * p, size_t n) {
-    return uintptr_t(p) % n == 0;
-}
-
 template <int D>
 void launch_attn(AttnArgs a, int tiles, int nkv, int nseq, ggml_backend_cuda_context & ctx) {
-    static bool raised[GGML_CUDA_MAX_DEVICES] = {};  // (a device's limit: set once a device)
-    if (!raised[ctx.device]) {
+    static bool raised[GGML_CUDA_MAX_DEVICES] = {};
+    once_a_device(raised, ctx.device, [] {
         CUDA_CHECK(cudaFuncSetAttribute(attn_few<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         attn_smem<D>()));
-        raised[ctx.device] = true;
-    }
+    });
     a.splits = attn_splits(a.n_kv, tiles * nkv * nseq, ggml_cuda_info().devices[ctx.device].nsm);
     const int64_t rows = int64_t(nseq) * nkv * a.ratio * a.T;
     ggml_cuda_pool_alloc<float> part(ctx.pool(), a.splits > 1 ? a.splits * rows * D : 1);
@@ -70,15 +65,11 @@ int attn_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int 
                        ggml_is_contiguous(dst) && q->nb[0] == sizeof(float) &&
                        k->nb[0] == 2 && v->nb[0] == 2;
     // 16-byte loads of q, 16-byte copies of K and V rows, 4-byte loads of the mask
-    const bool aligned = aligned_to(q->data, 16) && q->nb[1] % 16 == 0 && q->nb[2] % 16 == 0 &&
-                         q->nb[3] % 16 == 0 && aligned_to(k->data, 16) && aligned_to(v->data, 16) &&
-                         k->nb[1] % 16 == 0 && k->nb[2] % 16 == 0 && k->nb[3] % 16 == 0 &&
-                         v->nb[1] % 16 == 0 && v->nb[2] % 16 == 0 && v->nb[3] % 16 == 0 &&
-                         aligned_to(dst->data, 16);
+    const bool aligned = strides_aligned(q, 16) && strides_aligned(k, 16) &&
+                         strides_aligned(v, 16) && uintptr_t(dst->data) % 16 == 0;
     const bool masks = mask == nullptr ||
                        (mask->type == GGML_TYPE_F16 && mask->ne[0] >= n_kv && mask->ne[1] >= T &&
-                        mask->nb[0] == 2 && aligned_to(mask->data, 4) && mask->nb[1] % 4 == 0 &&
-                        mask->nb[2] % 4 == 0 && mask->nb[3] % 4 == 0);
+                        mask->nb[0] == 2 && strides_aligned(mask, 4));
     if (!shapes || !types || !aligned || !masks) {
         return 0;
     }

@@ -19,7 +19,7 @@
 
 #pragma once
 
-#include "lucepy-kernels.cuh"
+#include "lucepy-gemm.cuh"  // mma_16816, as_u32 (and lucepy-kernels.cuh: the copies, PDL)
 
 #include <cuda_fp16.h>
 
@@ -56,17 +56,6 @@ struct AttnArgs {
     float2 * part_ms;  // [splits][rows]: each row's maximum (base 2) and sum
 };
 
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
 template <bool TRANS> __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t at) {
 #if __CUDA_ARCH__ >= 800
     if constexpr (TRANS) {
@@ -79,11 +68,6 @@ template <bool TRANS> __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4]
                      : "r"(at));
     }
 #endif
-}
-
-__device__ __forceinline__ uint32_t pack_halves(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t *>(&h);
 }
 
 template <int D> __host__ __device__ constexpr int attn_pitch() {
@@ -214,8 +198,8 @@ __global__ void __launch_bounds__(D / AT_DW * 32) attn_few(const AttnArgs a) {
                 uint32_t kb[4];
                 const int key = 16 * n + lr + 8 * (lm >> 1);
                 ldmatrix4<false>(kb, shared_at(ks + key * P + k0 + 8 * (lm & 1)));
-                mma_f16(sc[2 * n], qa, kb[0], kb[1]);
-                mma_f16(sc[2 * n + 1], qa, kb[2], kb[3]);
+                mma_16816(sc[2 * n], qa, kb[0], kb[1]);
+                mma_16816(sc[2 * n + 1], qa, kb[2], kb[3]);
             }
         }
         // the mask, and keys past the end out; each row's new maximum
@@ -256,17 +240,19 @@ __global__ void __launch_bounds__(D / AT_DW * 32) attn_few(const AttnArgs a) {
         // P (f16, the scores' tiles as mma's a tiles) times the chunk's V, this warp's values
 #pragma unroll
         for (int kk = 0; kk < AT_KC / 16; kk++) {
-            const uint32_t pa[4] = {pack_halves(sc[2 * kk][0], sc[2 * kk][1]),
-                                    pack_halves(sc[2 * kk][2], sc[2 * kk][3]),
-                                    pack_halves(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                    pack_halves(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+            const float(&lo)[4] = sc[2 * kk];  // keys 16 kk + 2 gc (+1), then those + 8
+            const float(&hi)[4] = sc[2 * kk + 1];
+            const uint32_t pa[4] = {as_u32(__floats2half2_rn(lo[0], lo[1])),
+                                    as_u32(__floats2half2_rn(lo[2], lo[3])),
+                                    as_u32(__floats2half2_rn(hi[0], hi[1])),
+                                    as_u32(__floats2half2_rn(hi[2], hi[3]))};
 #pragma unroll
             for (int n = 0; n < AT_DW / 16; n++) {
                 uint32_t vb[4];
                 const int key = 16 * kk + lr + 8 * (lm & 1);
                 ldmatrix4<true>(vb, shared_at(vs + key * P + dh * AT_DW + 16 * n + 8 * (lm >> 1)));
-                mma_f16(o[2 * n], pa, vb[0], vb[1]);
-                mma_f16(o[2 * n + 1], pa, vb[2], vb[3]);
+                mma_16816(o[2 * n], pa, vb[0], vb[1]);
+                mma_16816(o[2 * n + 1], pa, vb[2], vb[3]);
             }
         }
         __syncthreads();  // every warp is done with the buffer the next issue fills

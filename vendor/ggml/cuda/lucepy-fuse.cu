@@ -107,6 +107,13 @@ bool columns_apart(const ggml_tensor * t) {
            t->nb[1] % sizeof(float) == 0 && t->ne[2] == 1 && t->ne[3] == 1;
 }
 
+// `t`'s data and each of its strides a multiple of n bytes (n-byte loads or copies at any of its
+// rows)
+bool strides_aligned(const ggml_tensor * t, size_t n) {
+    return uintptr_t(t->data) % n == 0 && t->nb[1] % n == 0 && t->nb[2] % n == 0 &&
+           t->nb[3] % n == 0;
+}
+
 // Whether a node of `cgraph` other than `skip` reads bytes [from, to) of `t`'s, directly or
 // through a view, or the graph keeps them (an output); true, to be safe, for a graph that is
 // not the one that began

@@ -227,8 +227,17 @@ template <typename A, typename B> bool spans_meet(const A & a, const B & b) {
 bool apart_or_same(const ggml_tensor * p, const ggml_tensor * q);
 bool dense_like(const ggml_tensor * t, const ggml_tensor * like);
 bool columns_apart(const ggml_tensor * t);
+bool strides_aligned(const ggml_tensor * t, size_t n);
 bool bytes_read(ContextState & st, const ggml_cgraph * cgraph, const ggml_tensor * t,
                 size_t from, size_t to, const ggml_tensor * skip);
+
+// `raise` run once a device (the shared-memory limits a kernel is launched with: set per device)
+template <typename F> void once_a_device(bool (&done)[GGML_CUDA_MAX_DEVICES], int device, F raise) {
+    if (!done[device]) {
+        raise();
+        done[device] = true;
+    }
+}
 
 // The gates and norms from node i (lucepy-gates.cu): the nodes after i computed, or 0. A gated
 // norm from an RMS_NORM (with `cont`, the CONT before it whose source its gate reads in place),

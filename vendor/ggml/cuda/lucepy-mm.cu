@@ -129,14 +129,6 @@ template <typename F> int64_t warp_slots(F kernel, int smem, int device) {
     return cta_slots(kernel, GV_WARPS * 32, smem, device) * GV_WARPS;
 }
 
-// `raise` run once a device (the shared-memory limits a kernel is launched with: set per device)
-template <typename F> void once_a_device(bool (&done)[GGML_CUDA_MAX_DEVICES], int device, F raise) {
-    if (!done[device]) {
-        raise();
-        done[device] = true;
-    }
-}
-
 template <int K, bool GATE, int R, int U, int SPLIT>
 void launch_split(const Args & a, cudaStream_t stream) {
     const int64_t warps = int64_t((a.nrows + R - 1) / R) * SPLIT;

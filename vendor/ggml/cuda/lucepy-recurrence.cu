@@ -113,9 +113,7 @@ int delta_net_args(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, 
     const int64_t nstate = S * S * H * N;
     // 16-byte rows at 16-byte strides (cp.async's copies)
     auto rows16 = [](const ggml_tensor * t) {
-        return t->type == GGML_TYPE_F32 && t->nb[0] == sizeof(float) &&
-               reinterpret_cast<uintptr_t>(t->data) % 16 == 0 && t->nb[1] % 16 == 0 &&
-               t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0;
+        return t->type == GGML_TYPE_F32 && t->nb[0] == sizeof(float) && strides_aligned(t, 16);
     };
     auto a_state = [&](const ggml_tensor * t) {  // the new state's elements, dense
         return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && ggml_nelements(t) == nstate;
