@@ -56,6 +56,15 @@ struct AttnArgs {
     float2 * part_ms;  // [splits][rows]: each row's maximum (base 2) and sum
 };
 
+// row r of KV head g's query heads: its query t and head h (the rows' order, above)
+struct AttnRow {
+    int t, h;
+};
+
+__device__ __forceinline__ AttnRow attn_row(const AttnArgs & a, int g, int r) {
+    return {r / a.ratio, g * a.ratio + r % a.ratio};
+}
+
 template <bool TRANS> __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t at) {
 #if __CUDA_ARCH__ >= 800
     if constexpr (TRANS) {
@@ -136,7 +145,7 @@ __global__ void __launch_bounds__(D / AT_DW * 32) attn_few(const AttnArgs a) {
         const int r = e / (D / 4), d = 4 * (e % (D / 4));
         qv[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (r0 + r < R) {
-            const int t = (r0 + r) / a.ratio, h = g * a.ratio + (r0 + r) % a.ratio;
+            const auto [t, h] = attn_row(a, g, r0 + r);
             const char * at = a.q + t * a.q1 + h * a.q2 + s * a.q3 + 4 * d;
             qv[j] = *reinterpret_cast<const float4 *>(at);
         }
@@ -157,7 +166,7 @@ __global__ void __launch_bounds__(D / AT_DW * 32) attn_few(const AttnArgs a) {
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const int r = min(r0 + gr + 8 * i, R - 1);  // (a row past the group's: any real one)
-        const int t = r / a.ratio, h = g * a.ratio + r % a.ratio;
+        const auto [t, h] = attn_row(a, g, r);
         if (a.mask) {
             mrow[i] = reinterpret_cast<const __half *>(a.mask + t * a.m1 + (h % a.mh) * a.m2 +
                                                        (s % a.ms) * a.m3);
@@ -271,7 +280,7 @@ __global__ void __launch_bounds__(D / AT_DW * 32) attn_few(const AttnArgs a) {
         if (r >= R) {
             continue;
         }
-        const int t = r / a.ratio, h = g * a.ratio + r % a.ratio;
+        const auto [t, h] = attn_row(a, g, r);
         float * out;
         float inv = 1.0f;
         if (a.splits == 1) {
@@ -328,7 +337,7 @@ template <int D> __global__ void __launch_bounds__(D / 4) attn_join(const AttnAr
         }
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int t = r / a.ratio, h = g * a.ratio + r % a.ratio;
+    const auto [t, h] = attn_row(a, g, r);
     float * out = a.dst + ((int64_t(s) * a.T + t) * a.nh + h) * D + d;
     *reinterpret_cast<float4 *>(out) = make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv);
 }
@@ -375,7 +384,7 @@ template <int D> __global__ void __launch_bounds__(D / 4) attn_join_long(const A
         m = mb;
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int t = r / a.ratio, h = g * a.ratio + r % a.ratio;
+    const auto [t, h] = attn_row(a, g, r);
     float * out = a.dst + ((int64_t(s) * a.T + t) * a.nh + h) * D + d;
     *reinterpret_cast<float4 *>(out) = make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv);
 }
