@@ -7,7 +7,7 @@
 //
 //     nvcc -O3 -std=c++17 -arch=sm_90 -o bench-attn bench-attn.cu
 //     ./bench-attn [--rows 256,1024,4096,8192] [--queries 1,16] [--splits 0,4,8,16,32,64]
-//     (splits 0: lucepy-attn.cu's choice, attn_splits; past 16, attn_join_long joins them)
+//     (splits 0: lucepy-attn.cu's choice, attn_splits; past 16, attn_join<D, true> joins them)
 //
 // The cache is random f16, several copies in turn so that no call finds its K and V in the L2
 // cache; the mask lets each query see the rows before it (the last 16 rows the step's own).
@@ -152,7 +152,7 @@ static void run(int n_kv, int T, int splits_asked, int sms, std::mt19937 & rng) 
         attn_few<D><<<dim3(tiles * splits, NKV, 1), D / AT_DW * 32, attn_smem<D>(), stream>>>(a);
         const dim3 rows_grid(ratio * T, NKV, 1);
         if (splits > AT_SPLITS) {
-            attn_join_long<D><<<rows_grid, D / 4, 0, stream>>>(a);
+            attn_join<D, true><<<rows_grid, D / 4, 0, stream>>>(a);
         } else if (splits > 1) {
             attn_join<D><<<rows_grid, D / 4, 0, stream>>>(a);
         }

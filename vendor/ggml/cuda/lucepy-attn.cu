@@ -28,7 +28,7 @@ void launch_attn(AttnArgs a, int tiles, int nkv, int nseq, ggml_backend_cuda_con
                             ggml_cuda_kernel_launch_params(grid, threads, smem, ctx.stream()), a);
     if (a.splits > 1) {
         const dim3 rows_grid(unsigned(a.ratio * a.T), unsigned(nkv), unsigned(nseq));
-        ggml_cuda_kernel_launch(a.splits > AT_SPLITS ? attn_join_long<D> : attn_join<D>,
+        ggml_cuda_kernel_launch(a.splits > AT_SPLITS ? attn_join<D, true> : attn_join<D>,
                                 ggml_cuda_kernel_launch_params(rows_grid, D / 4, 0, ctx.stream()),
                                 a);
     }

@@ -34,7 +34,7 @@ constexpr int AT_DW = 128;   // values a warp
 constexpr int AT_SPLITS = 16;  // CTAs a row tile at most (attn_join's loads)
 // caches of more rows: ggml's kernel by default (lucepy-attn.cu; not measured yet, bench-attn.cu
 // and LUCEPY_CUDA_ATTN_KEYS measure them); where taken, up to AT_LONG_SPLITS CTAs a row tile,
-// joined AT_SPLITS at a time (attn_join_long)
+// joined AT_SPLITS at a time (attn_join's LONG)
 constexpr int AT_MAX_KEYS = 1024;
 constexpr int AT_LONG_SPLITS = 64;
 
@@ -302,49 +302,10 @@ __global__ void __launch_bounds__(D / AT_DW * 32) attn_few(const AttnArgs a) {
 }
 
 // The splits' results joined: a CTA a row of a query head (grid (R, KV heads, sequences)), each
-// thread 4 values; every split's maximum, sum and values asked for at once (AT_SPLITS at most)
-template <int D> __global__ void __launch_bounds__(D / 4) attn_join(const AttnArgs a) {
-    LUCEPY_PDL_SYNC();  // the splits' results: attn_few has finished
-    constexpr float NEG = -INFINITY;
-    const int r = blockIdx.x, g = blockIdx.y, s = blockIdx.z;
-    const int R = a.ratio * a.T;
-    const int64_t rows = int64_t(gridDim.z) * gridDim.y * R;
-    const int64_t row = (int64_t(s) * gridDim.y + g) * R + r;
-    const int d = 4 * threadIdx.x;
-    float2 ms[AT_SPLITS];
-    float4 x[AT_SPLITS];
-#pragma unroll
-    for (int k = 0; k < AT_SPLITS; k++) {
-        if (k < a.splits) {
-            ms[k] = a.part_ms[k * rows + row];
-            x[k] = *reinterpret_cast<const float4 *>(a.part + (k * rows + row) * D + d);
-        }
-    }
-    float m = NEG;
-#pragma unroll
-    for (int k = 0; k < AT_SPLITS; k++) {
-        m = k < a.splits ? fmaxf(m, ms[k].x) : m;
-    }
-    const float base = m == NEG ? 0.0f : m;
-    float l = 0.0f;
-    float4 y = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int k = 0; k < AT_SPLITS; k++) {
-        if (k < a.splits) {
-            const float w = exp2f(ms[k].x - base);
-            l += w * ms[k].y;
-            y.x += w * x[k].x, y.y += w * x[k].y, y.z += w * x[k].z, y.w += w * x[k].w;
-        }
-    }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const auto [t, h] = attn_row(a, g, r);
-    float * out = a.dst + ((int64_t(s) * a.T + t) * a.nh + h) * D + d;
-    *reinterpret_cast<float4 *>(out) = make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv);
-}
-
-// The splits' results joined where there are more than AT_SPLITS: AT_SPLITS at a time, each
-// batch's values asked for at once, the running sums scaled to each batch's new maximum
-template <int D> __global__ void __launch_bounds__(D / 4) attn_join_long(const AttnArgs a) {
+// thread 4 values; every split's maximum, sum and values asked for at once, AT_SPLITS at a time
+// (LONG: more splits than that, the running sums scaled to each batch's new maximum)
+template <int D, bool LONG = false>
+__global__ void __launch_bounds__(D / 4) attn_join(const AttnArgs a) {
     LUCEPY_PDL_SYNC();  // the splits' results: attn_few has finished
     constexpr float NEG = -INFINITY;
     const int r = blockIdx.x, g = blockIdx.y, s = blockIdx.z;
@@ -354,7 +315,7 @@ template <int D> __global__ void __launch_bounds__(D / 4) attn_join_long(const A
     const int d = 4 * threadIdx.x;
     float m = NEG, l = 0.0f;
     float4 y = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int k0 = 0; k0 < a.splits; k0 += AT_SPLITS) {
+    for (int k0 = 0; k0 < (LONG ? a.splits : 1); k0 += AT_SPLITS) {
         float2 ms[AT_SPLITS];
         float4 x[AT_SPLITS];
 #pragma unroll
@@ -370,9 +331,11 @@ template <int D> __global__ void __launch_bounds__(D / 4) attn_join_long(const A
             mb = k0 + k < a.splits ? fmaxf(mb, ms[k].x) : mb;
         }
         const float base = mb == NEG ? 0.0f : mb;
-        const float keep = exp2f(m - base);  // (m -inf: nothing added yet)
-        l *= keep;
-        y.x *= keep, y.y *= keep, y.z *= keep, y.w *= keep;
+        if constexpr (LONG) {
+            const float keep = exp2f(m - base);  // (m -inf: nothing added yet)
+            l *= keep;
+            y.x *= keep, y.y *= keep, y.z *= keep, y.w *= keep;
+        }
 #pragma unroll
         for (int k = 0; k < AT_SPLITS; k++) {
             if (k0 + k < a.splits) {
