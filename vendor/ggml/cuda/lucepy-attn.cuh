@@ -65,20 +65,6 @@ __device__ __forceinline__ AttnRow attn_row(const AttnArgs & a, int g, int r) {
     return {r / a.ratio, g * a.ratio + r % a.ratio};
 }
 
-template <bool TRANS> __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t at) {
-#if __CUDA_ARCH__ >= 800
-    if constexpr (TRANS) {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(at));
-    } else {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(at));
-    }
-#endif
-}
-
 template <int D> __host__ __device__ constexpr int attn_pitch() {
     return D + 8;  // halves a row in shared memory: ldmatrix's 8 rows fall on different banks
 }

@@ -330,19 +330,14 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
         // addresses hold its rank from bit 24, which would land in the next field (session 56's
         // first paired products were wrong in the second CTA of each pair).
         const uint64_t desc_s = desc0 | ((xs & 0x3FFFFu) >> 4);
-        uint4 qa[2], qb[2], dq[2];
+        uint32_t qa[2][4], qb[2][4];
+        uint4 dq[2];
         uint32_t ds[2] = {0, 0};  // Q4_K: (s of row g, of row g + 8) of this lane's pieces t, 4 + t
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const uint32_t ra = w_ldm + s * W_STAGE + j * RP_BYTES;
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(qa[j].x), "=r"(qa[j].y), "=r"(qa[j].z), "=r"(qa[j].w)
-                         : "r"(ra)
-                         : "memory");
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(qb[j].x), "=r"(qb[j].y), "=r"(qb[j].z), "=r"(qb[j].w)
-                         : "r"(ra + 512)
-                         : "memory");
+            ldmatrix4<false>(qa[j], ra);
+            ldmatrix4<false>(qb[j], ra + 512);
             if constexpr (!K) {
                 dq[j] = load_shared(w_dst + s * W_STAGE + j * RP_BYTES + 1024 + 16 * g);
             }
@@ -388,7 +383,7 @@ __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {
                 wgmma_wait<S - 1>();
                 finish(q - S, dq, ds);
             }
-            const uint32_t wa = word(qa[q / 4], q % 4), wr = word(qb[q / 4], q % 4);
+            const uint32_t wa = qa[q / 4][q % 4], wr = qb[q / 4][q % 4];
             A[q % S][0] = wa & 0x0F0F0F0Fu;
             A[q % S][1] = wr & 0x0F0F0F0Fu;
             A[q % S][2] = (wa >> 4) & 0x0F0F0F0Fu;

@@ -130,6 +130,24 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 #endif
 }
 
+// four 8 x 8 matrices of halves from shared memory at `at` (each lane's row address), TRANS:
+// transposed; the "memory" clobber keeps it after the waits for those bytes (gemm_f8's mbarriers)
+template <bool TRANS> __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t at) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at)
+                     : "memory");
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at)
+                     : "memory");
+    }
+#endif
+}
+
 // the nibbles at bits 0..3 and 16..19 of `bits` as the halves 1024 + n (one lop3: (a & b) | c)
 __device__ __forceinline__ __half2 nibble_halves(uint32_t bits) {
     uint32_t h;
