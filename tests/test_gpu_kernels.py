@@ -36,7 +36,7 @@ ROWS = 1201
 OURS = set(range(1, 17))  # column counts lucepy's kernels take (lucepy-mm.cu: MIN_GEMM_COLS)
 N = 4096
 EPS = 1e-6  # of the RMS norms
-BULK_ONLY = ("q5_k", "q6_k")  # repacked, gemm_rb's at 2-16 columns always (lucepy-mm.cu)
+BULK_ONLY = ("q5_k", "q6_k")  # repacked, gemm_rb's at 2-16 columns always (lucepy-repacked.cu)
 
 
 @pytest.fixture(scope="module")
@@ -619,7 +619,7 @@ def test_gpu_ffn_gate_and_up_are_one_product(kind, k, n, n_ff, cuda):
     (f8_single: 6 chunks a CTA slot and more), its e4m3 records written by the GLU's kernel (no
     conversion of its own: as many activations quantized as with halves); where that stack is
     one part (the 27B-shaped one), gemm_f8 computes the SWIGLU itself (each CTA the same rows of
-    both matrices: lucepy-mm.cu's f8_glu) and the down's input is converted on its own, no
+    both matrices: lucepy-repacked.cu's f8_glu) and the down's input is converted on its own, no
     kernel before it preparing it; its 16 row tiles past 4 waves of one CTA an SM are cut into
     parts along k that the last of them to finish adds (f8_tail), right again on each replay
     (each tile's count back to 0)."""
@@ -744,11 +744,11 @@ def test_gpu_residual_add_is_its_products_sum(kind, k, repacked, cuda):
 )
 def test_gpu_repacked_products_by_bulk_copies_match_the_exact_math(kind, rows, n, cols, cuda):
     """Repacked Q4_0 (and Q4_K, Q5_K, Q6_K) products big enough for gemm_rb on an H200 (its
-    weights by the TMA unit: lucepy-mm.cu's bulk_product): the 27B-shaped model's attention qkv,
-    10,240 x 5,120 (4.8 chunks a CTA slot at two column tiles: gemm_rb at 9-16 columns; 4.0 at
+    weights by the TMA unit: lucepy-repacked.cu's bulk_product): the 27B-shaped model's attention
+    qkv, 10,240 x 5,120 (4.8 chunks a CTA slot at two column tiles: gemm_rb at 9-16 columns; 4.0 at
     one: gemm_r at 8), and its ffn down, 5,120 x 17,408 (6.9 a slot at one tile: gemm_rb at 2-8
     columns too; Q5_K's and Q6_K's gemm_rb always; Q4_0's and Q4_K's gemm_f8's at 9-16 columns,
-    8.2 chunks a slot of its: lucepy-mm.cu's f8_single), and 16,384 x 5,120 (the DeltaNet
+    8.2 chunks a slot of its: lucepy-repacked.cu's f8_single), and 16,384 x 5,120 (the DeltaNet
     inputs' size: gemm_f8's in 2 parts, which the CTAs of each row tile, a cluster, add
     themselves: f8_paired). Each no further from the exact math than
     twice ggml's kernels on the blocks, in parts and with its residual ADD (the sum one product

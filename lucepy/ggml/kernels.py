@@ -91,15 +91,15 @@ class CudaKernels:
     @property
     def bulk(self) -> int:
         """Of the products, those of ``gemm_rb`` (each warp's weights by Hopper's TMA unit: the
-        big ones at 2-16 columns, lucepy-mm.cu's ``bulk_product``), counted alike."""
+        big ones at 2-16 columns, lucepy-repacked.cu's ``bulk_product``), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_bulk())
 
     @property
     def f8(self) -> int:
         """Of the products, those of ``gemm_f8`` (Hopper's FP8 warpgroup mma, the build's sm_90a
         code) on repacked Q4_0 or Q4_K at 9-16 columns: an FFN's gate and up (as one), and a
-        product alone where each CTA slot gets 6 chunks and more (lucepy-mm.cu's ``f8_single``:
-        the 27B-shaped model's ffn down and DeltaNet inputs), counted alike."""
+        product alone where each CTA slot gets 6 chunks and more (lucepy-repacked.cu's
+        ``f8_single``: the 27B-shaped model's ffn down and DeltaNet inputs), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_f8())
 
     @property
@@ -111,7 +111,7 @@ class CudaKernels:
 
     @property
     def tailed(self) -> int:
-        """Of ``gemm_f8``'s products of one part, those launched with a tail (lucepy-mm.cu's
+        """Of ``gemm_f8``'s products of one part, those launched with a tail (lucepy-repacked.cu's
         ``f8_tail``: the row tiles past the last whole wave of one CTA an SM each cut into parts,
         which the last of them to finish adds), counted alike."""
         return int(self.handle.lucepy_cuda_kernels_tailed())

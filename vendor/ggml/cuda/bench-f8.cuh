@@ -11,7 +11,7 @@ namespace {
 
 bool g_f8 = false;
 
-// to_e4m3 of the unrounded activations, then gemm_f8 as lucepy-mm.cu plans it (5 CTAs an SM),
+// to_e4m3 of the unrounded activations, then gemm_f8 as lucepy-repacked.cu plans it (5 CTAs an SM),
 // its parts added by gemm_sum: each result against the host's exact sums of the unrounded x
 // (within 4e-3 of a column's largest: two e4m3 terms an activation), and its time
 void bench_f8(int k, const Shape & sh, const std::vector<uint8_t> & host, int64_t row_bytes,
@@ -46,8 +46,8 @@ void bench_f8(int k, const Shape & sh, const std::vector<uint8_t> & host, int64_
     g.nrows = sh.rows;
     g.npieces = npieces;
     g.ncols = ncols;
-    // lucepy-mm.cu's plan (5 CTAs an SM, up to 16 parts), then others: fewer parts, or the plan
-    // for 4 or 6 CTAs an SM (the kernel's occupancy unchanged)
+    // lucepy-repacked.cu's plan (5 CTAs an SM, up to 16 parts), then others: fewer parts, or the
+    // plan for 4 or 6 CTAs an SM (the kernel's occupancy unchanged)
     struct Variant {
         const char * name;
         int per_sm, most;
@@ -55,7 +55,7 @@ void bench_f8(int k, const Shape & sh, const std::vector<uint8_t> & host, int64_
     const Variant variants[] = {{"f8", R::minb, 16}, {"f8 <= 2 parts", R::minb, 2},
                                 {"f8 <= 4 parts", R::minb, 4}, {"f8 plan 4 an SM", 4, 16},
                                 {"f8 plan 6 an SM", 6, 16}};
-    // and lucepy-mm.cu's plan with its 2 parts paired (f8_paired: each row tile's parts a
+    // and lucepy-repacked.cu's plan with its 2 parts paired (f8_paired: each row tile's parts a
     // cluster that adds them, no gemm_sum), where the plan has 2; with a tail (f8_tail: the row
     // tiles past the last whole wave of one CTA an SM cut into parts), where it has 1
     const GemmPlan model = gemm_r_plan_at(g, R::warps, R::minb, 16, R::start);

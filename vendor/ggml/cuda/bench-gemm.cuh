@@ -124,7 +124,7 @@ std::vector<GemmVariant> gemm_variants_of(int k, int ncols) {
     return with_kind(k, [&](auto kk) { return gemm_variants<decltype(kk)::value>(ncols); });
 }
 
-// gemm_r's plan (lucepy-mm.cu's gemm_r_plan) for CTAs of W warps, per_sm of them an SM
+// gemm_r's plan (lucepy-repacked.cu's gemm_r_plan) for CTAs of W warps, per_sm of them an SM
 GemmPlan gemm_r_plan_at(const GemmArgs & a, int W, int per_sm, int most = 16,
                         double start = 0.35) {
     return gemm_plan_in(a.nrows, a.npieces, W * 16, 8,
@@ -176,7 +176,7 @@ template <int NT> std::vector<GemmVariant> gemm_r_variants() {
     // gemm_rb's time on every product: the unpacking done twice costs more than the shorter
     // chains gain)
     return {{"repacked", launch_gemm_r<NT, 4>},
-            {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-mm.cu's where bulk_product
+            {"rp bulk", launch_build<GemmRB<NT>>},  // lucepy-repacked.cu's where bulk_product
             {"rp bulk <= 2 parts", launch_build<GemmRB<NT>, 2>},
             {"rp bulk <= 3 parts", launch_build<GemmRB<NT>, 3>},
             {"rp bulk <= 4 parts", launch_build<GemmRB<NT>, 4>},

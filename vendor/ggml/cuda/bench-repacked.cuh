@@ -164,7 +164,7 @@ template <int NT> std::vector<GemmVariant> gemm_rk_variants() {
 }
 
 std::vector<GemmVariant> gemm_r_variants_of(int ncols, int k = Q4_0) {
-    if (k == Q5_K || k == Q6_K) {  // gemm_rb always, as lucepy-mm.cu launches them
+    if (k == Q5_K || k == Q6_K) {  // gemm_rb always, as lucepy-repacked.cu launches it
         std::vector<GemmVariant> out;
         with_kind_layout(k, [&](auto layout) {
             using L = decltype(layout);

@@ -7,8 +7,9 @@
 // missed), written by `to_e4m3` or by the kernel before the product; the nibbles' offset (8) comes
 // off once a segment by an mma of the rows' scales against the segment's pieces' activation sums.
 // The wgmmas need sm_90a code: hooks.patch's lines in ggml-cuda's CMakeLists compile lucepy-mm.cu
-// for sm_90a too where the build makes sm_90 code (the driver runs it on a GPU of compute
-// capability 9.0) and define LUCEPY_F8 for its host side; `f8_compiled` asks the device.
+// and lucepy-repacked.cu (which launches these) for sm_90a too where the build makes sm_90 code
+// (the driver runs it on a GPU of compute capability 9.0) and define LUCEPY_F8 for their host
+// side; `f8_compiled` asks the device.
 #pragma once
 
 #include "lucepy-bulk.cuh"  // the layouts, the bulk copies' mbarriers, store_tile; (through
@@ -211,7 +212,7 @@ __device__ __forceinline__ bool tail_sum(const F8Tail & tail, int u, int part, f
 // and 3 the up's same rows, and the CTA writes SWIGLU of them (silu(gate) times up, ggml's
 // formula, as glu_halves computes it from the same sums) into a.dst, [column][a.dst_stride],
 // where a.rows2 / 32 CTAs of 64 rows of the stack would write both products for glu_halves
-// to read (lucepy-mm.cu's glu_pair_nodes, `f8_glu`).
+// to read (lucepy-repacked.cu's glu_pair_nodes, `f8_glu`).
 template <int ST = F8_STAGES, int MINB = 5, int S = F8_INFLIGHT, class L = RpQ4_0,
           bool GLU = false>
 __global__ void __launch_bounds__(128, MINB) gemm_f8(const GemmArgs a) {

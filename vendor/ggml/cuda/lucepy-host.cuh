@@ -1,11 +1,13 @@
-// lucepy's host side, shared by its seven files: lucepy-state.cu (the switches and counters, the
+// lucepy's host side, shared by its eight files: lucepy-state.cu (the switches and counters, the
 // state a context keeps, the graph's scan), lucepy-mm.cu (the products' routes, plans and
-// launches, the repacked matrices' registry), lucepy-fuse.cu (the graph's other ops that the hooks
-// take around the products: norms, residual sums, argmax), lucepy-gates.cu (the gates, the gated
+// launches), lucepy-repacked.cu (the repacked matrices' registry and products), lucepy-fuse.cu
+// (the graph's other ops that the hooks take around the products: norms, residual sums,
+// argmax), lucepy-gates.cu (the gates, the gated
 // norm, the heads' norm and rope), lucepy-deltanet.cu (qwen35's DeltaNet conv step and gates),
 // lucepy-recurrence.cu (its recurrence) and lucepy-attn.cu (attention of 1-16 queries). What one
 // defines and another calls is declared here, with the kernels more than one launches (the
-// headers below; lucepy-mm.cu alone includes the repacked kernels' headers, lucepy-deltanet.cu
+// headers below; lucepy-mm.cu and lucepy-repacked.cu alone include the repacked kernels' headers
+// (through lucepy-launch.cuh, the launch templates they share), lucepy-deltanet.cu
 // lucepy-deltanet.cuh, lucepy-recurrence.cu lucepy-recurrence.cuh, lucepy-attn.cu
 // lucepy-attn.cuh, whose kernels they alone launch).
 
@@ -93,7 +95,7 @@ struct ContextState {
     };
     std::unordered_map<const ggml_tensor *, std::vector<Read>> spans;  // see `bytes_read`
     int apart = -1;  // see `recurrences_apart`: not asked yet (-1), false, true
-    int tail_slice = -1;  // its gemm_f8 tails' counts (lucepy-mm.cu's f8_tail): not yet (-1)
+    int tail_slice = -1;  // its gemm_f8 tails' counts (lucepy-repacked.cu's f8_tail): not yet (-1)
 
     // How many of the graph's nodes read `t`, directly or through a view of it (a node reading
     // two views of it counts twice).
@@ -200,7 +202,8 @@ bool mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const gg
              ggml_tensor * dst, const ggml_cuda_mm_fusion_args_host * fusion,
              const ggml_tensor * residual, const NormAfter * norm = nullptr);
 
-// a verify's FFN gate and up products and their SWIGLU from node i as one product (lucepy-mm.cu)
+// a verify's FFN gate and up products and their SWIGLU from node i as one product
+// (lucepy-repacked.cu)
 int glu_pair_nodes(ggml_backend_cuda_context & ctx, const ggml_cgraph * cgraph, int i);
 
 // the bytes a tensor spans, and what the hooks ask of them before they join nodes (lucepy-fuse.cu)

@@ -2,7 +2,7 @@
 // that rewrites a matrix's blocks into it (repack_q4_0, repack_q4_k, repack_q5_k, repack_q6_k),
 // and how a lane reads it: as an mma's A registers (the halves' kernels) and as dp4a sums
 // (gemv_r), gathered in one struct a layout (RpQ4_0, RpQ4_K, RpQ5_K, RpQ6_K). The kernels that
-// walk every layout alike are lucepy-repack.cuh's; lucepy_cuda_repack (lucepy-mm.cu) rewrites
+// walk every layout alike are lucepy-repack.cuh's; lucepy_cuda_repack (lucepy-repacked.cu) rewrites
 // a matrix once at load (docs/architecture.md, decision 12). Here Q4_0's and Q4_K's; Q6_K's and
 // Q5_K's are lucepy-layouts6.cuh's, the structs lucepy-walks.cuh's (each includes the one
 // before it).

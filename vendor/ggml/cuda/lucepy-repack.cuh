@@ -1,6 +1,6 @@
 // Kernels for every column count on lucepy-layouts.cuh's repacked layouts: one (gemv_r), 2-16
 // (gemm_r here, gemm_rb), a prefill's (to_halves_col, gemm_rq), each written once for every layout
-// (RpQ4_0, RpQ4_K, RpQ5_K, RpQ6_K: what a layout makes different). lucepy-mm.cu takes the
+// (RpQ4_0, RpQ4_K, RpQ5_K, RpQ6_K: what a layout makes different). lucepy-repacked.cu takes the
 // products of matrices that lucepy_cuda_repack rewrote (LUCEPY_CUDA_REPACK=1: docs/architecture.md,
 // decision 12); bench-kernels.cu times and checks them alone. The kernels whose weights the TMA
 // unit fetches (gemm_rb, gemv_r) are lucepy-bulk.cuh's, a prefill's lucepy-prefill.cuh's; each
@@ -349,7 +349,7 @@ template <int NT, int XCH = gemm_r_xch(NT)> __host__ __device__ constexpr int ge
 }
 
 // One build of gemm_r (its template's arguments but SKIP): its kernel and its shared memory named
-// together, so that a plan and a launch of it cannot take another build's (lucepy-mm.cu,
+// together, so that a plan and a launch of it cannot take another build's (lucepy-repacked.cu,
 // bench-kernels.cu)
 template <int NT, int W = GM_WARPS, int MINB = 16 / W, int XCH = gemm_r_xch(NT), class L = RpQ4_0>
 struct GemmR {

@@ -1,8 +1,9 @@
 // lucepy's own kernels (issue 19, decision 12): their state on the host. The switches and the
 // counters (and the C exports that lucepy's Python side reads), each context's state with the
 // activations it keeps for a graph, and the one scan of a graph that says what each product of
-// ours reads. lucepy-mm.cu launches the products (and keeps the repacked matrices' registry),
-// lucepy-fuse.cu and lucepy-deltanet.cu the other ops; lucepy-host.cuh declares what they share.
+// ours reads. lucepy-mm.cu and lucepy-repacked.cu launch the products (the latter keeps the
+// repacked matrices' registry), lucepy-fuse.cu and lucepy-deltanet.cu the other ops;
+// lucepy-host.cuh declares what they share.
 
 #include "lucepy-host.cuh"
 
