@@ -227,12 +227,15 @@ def _draft(tmp_path: Path, layers: tuple[int, ...], block: int = 4) -> Path:
 
 # Past the ring's wrap a block step and single-token steps give bit-equal logits only on the
 # non-flash path (docs/architecture.md, decision 7), as for gemma4: with flash attention the
-# q8_0 file's greedy tokens part there
+# q8_0 file's greedy tokens part there. The router's f32 products are not bit-equal between a
+# verify's rows and a step's on every CPU (ggml-cpu: llamafile's sgemm for 2 rows and more, its
+# vec_dot for one), so a window whose experts' choice has a near-tie parts there: on an AVX2-only
+# EPYC LONG[:240] parted at its 29th token, LONG[8:248] at its 21st; LONG[1:241] did not
 @pytest.mark.parametrize(
     "path,prompt,layers,extra",
     [
         (XS, PROMPT, (1, 3), {}),
-        (XS, LONG[:240], (1, 5), {"flash_attn": False, "chunk": CHUNK, "max_ctx": 512}),
+        (XS, LONG[1:241], (1, 5), {"flash_attn": False, "chunk": CHUNK, "max_ctx": 512}),
         (M, PROMPT, (1, 4), {"n_cpu_moe": 3}),
     ],
     ids=["xs", "xs-across-the-wrap", "m-hybrid"],
