@@ -23,7 +23,6 @@ namespace lucepy {
 void launch_sum_norm(ggml_backend_cuda_context & ctx, const GemmArgs & a, int parts,
                      const NormAfter & norm);
 bool f8_paired(int parts);
-bool f8_matrix(const ggml_tensor * w, int64_t ncols, int device);
 void launch_glu_halves(const float * a, const float * b, int64_t col_stride, int nparts,
                        int64_t part_stride, float * dst, int npieces, int ncols,
                        const Halves & out, cudaStream_t stream, bool f8);

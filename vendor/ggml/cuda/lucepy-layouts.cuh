@@ -62,8 +62,8 @@ __host__ __device__ inline int64_t repacked_at(int64_t tile, int64_t group, int6
 // Q4_0 rows (row_stride bytes apart) into the layout above at `out` (another buffer): a CTA a
 // tile's group, a thread a row's piece (its 16 nibble bytes read as halves: the blocks are
 // 2-byte aligned) and its scale. Grid (groups, tiles), 64 threads.
-__global__ void __launch_bounds__(64) repack_q4_0(const uint8_t * w, int64_t row_stride,
-                                                  int ngroups, uint8_t * out) {
+static __global__ void __launch_bounds__(64)
+    repack_q4_0(const uint8_t * w, int64_t row_stride, int ngroups, uint8_t * out) {
     const int grp = blockIdx.x;
     const int tile = blockIdx.y;
     const int r = threadIdx.x / 4;
@@ -165,8 +165,8 @@ __device__ __forceinline__ uint32_t k_scale_word(const uint8_t * b, const uint8_
 // Q4_K rows (row_stride bytes apart) into that layout at `out` (another buffer): a CTA a tile's
 // super-block, thread (r, p) piece p of row r, and for r < 8 the word of lane (r, p % 4) of group
 // p / 4. Grid (super-blocks, tiles), 128 threads.
-__global__ void __launch_bounds__(128) repack_q4_k(const uint8_t * w, int64_t row_stride,
-                                                   int ngroups, uint8_t * out) {
+static __global__ void __launch_bounds__(128)
+    repack_q4_k(const uint8_t * w, int64_t row_stride, int ngroups, uint8_t * out) {
     const int sb = blockIdx.x;
     const int tile = blockIdx.y;
     const int r = threadIdx.x / 8;

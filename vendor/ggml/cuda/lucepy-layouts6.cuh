@@ -32,8 +32,8 @@ constexpr int R6_BYTES = RP_ROWS * RP_GROUP * 105 / 4;  // 1,680
 
 // Q6_K rows into that layout: a CTA a tile's super-block, thread (r, p) piece p of row r.
 // Grid (super-blocks, tiles), 128 threads.
-__global__ void __launch_bounds__(128) repack_q6_k(const uint8_t * w, int64_t row_stride,
-                                                   int ngroups, uint8_t * out) {
+static __global__ void __launch_bounds__(128)
+    repack_q6_k(const uint8_t * w, int64_t row_stride, int ngroups, uint8_t * out) {
     const int sb = blockIdx.x;
     const int tile = blockIdx.y;
     const int r = threadIdx.x / 8;
@@ -144,8 +144,8 @@ __device__ __forceinline__ void r6_halves(uint32_t bytes, __half2 s, __half2 (&o
 constexpr int R5_BYTES = RP_ROWS * RP_GROUP * 22;  // 1,408
 
 // Q5_K rows into that layout: a CTA a tile's super-block, thread (r, p) piece p of row r.
-__global__ void __launch_bounds__(128) repack_q5_k(const uint8_t * w, int64_t row_stride,
-                                                   int ngroups, uint8_t * out) {
+static __global__ void __launch_bounds__(128)
+    repack_q5_k(const uint8_t * w, int64_t row_stride, int ngroups, uint8_t * out) {
     const int sb = blockIdx.x;
     const int tile = blockIdx.y;
     const int r = threadIdx.x / 8;

@@ -307,18 +307,6 @@ bool no_op(const ggml_tensor * t) {
            t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE || t->op == GGML_OP_TRANSPOSE;
 }
 
-// Whether this build and device run gemm_f8 (its sm_90a code: a GPU of compute capability 9.0;
-// LUCEPY_CUDA_F8=0 leaves it to gemm_rb, for comparison)
-bool f8_on(int device) {
-#if defined(LUCEPY_F8)
-    static const bool wanted = switched_on("LUCEPY_CUDA_F8");
-    return wanted && ggml_cuda_info().devices[device].cc == GGML_CUDA_CC_HOPPER;
-#else
-    (void) device;
-    return false;
-#endif
-}
-
 // Whether node i of `g`, a MUL_MAT, and the two computing nodes after it are an FFN's gate and up
 // products of one input and their SWIGLU (unswapped): the GLU's node index (the second product
 // and the GLU into m2, glu), or 0. (glu_pair_nodes takes them as one product; the scan asks it
@@ -337,21 +325,6 @@ int glu_pair_at(const ggml_cgraph * g, int i, ggml_tensor *& m2, ggml_tensor *& 
         ggml_get_glu_op(glu) == GGML_GLU_OP_SWIGLU && ggml_get_op_params_i32(glu, 1) == 0 &&
         ((glu->src[0] == m1 && glu->src[1] == m2) || (glu->src[0] == m2 && glu->src[1] == m1));
     return pair ? i_glu : 0;
-}
-
-// Whether gemm_f8 can take a product of matrix w at ncols columns: w repacked Q4_0 or Q4_K,
-// 9-16 columns, on a device that runs it
-bool f8_matrix(const ggml_tensor * w, int64_t ncols, int device) {
-    return f8_on(device) && ncols > GM_COL_TILE && ncols <= F8_COLS &&
-           (w->type == GGML_TYPE_Q4_0 || w->type == GGML_TYPE_Q4_K) && repacked_of(w);
-}
-
-// Whether gemm_f8 takes an FFN's gate and up m1, m2 (glu_pair_at's) as one product: both
-// matrices its, of one type. (glu_pair_nodes checks the rest.)
-bool f8_pair(const ggml_tensor * m1, const ggml_tensor * m2, int device) {
-    const int64_t ncols = m1->src[1]->ne[1];
-    return m1->src[0]->type == m2->src[0]->type && f8_matrix(m1->src[0], ncols, device) &&
-           f8_matrix(m2->src[0], ncols, device);
 }
 
 // src1 as a product's kernel reads it (`planes` int8 planes, or halves): kept for the graph's

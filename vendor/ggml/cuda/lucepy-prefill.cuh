@@ -13,8 +13,8 @@ namespace lucepy {
 //
 // to_halves' layout with one power-of-two scale for the whole column (its largest to [2^14,
 // 2^15)), so that a product's sums need no rescaling along the row: 1 / scale at xinv[column].
-__global__ void __launch_bounds__(256) to_halves_col(const float * x, int64_t col_stride,
-                                                     int npieces, Halves out) {
+static __global__ void __launch_bounds__(256)
+    to_halves_col(const float * x, int64_t col_stride, int npieces, Halves out) {
     LUCEPY_PDL_LAUNCH();  // the product after this may start fetching its weights
     LUCEPY_PDL_SYNC();    // x: the kernel before has finished
     const int c = blockIdx.x;

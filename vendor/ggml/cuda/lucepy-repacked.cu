@@ -3,8 +3,8 @@
 // registry (lucepy_cuda_repack, lucepy_cuda_bytes_gone), routes, plans and launches on gemv_r,
 // gemm_r, gemm_rb, gemm_rq and gemm_f8, and a verify's FFN gate and up as one product
 // (glu_pair_nodes). lucepy-mm.cu routes every product; lucepy-launch.cuh holds the launch
-// templates both use. hooks.patch compiles this file for sm_90a too, as lucepy-mm.cu (gemm_f8's
-// wgmmas).
+// templates both use. hooks.patch compiles this file for sm_90a too (gemm_f8's wgmmas) and
+// defines LUCEPY_F8 for it, which f8_on reads here, in the file that launches them.
 
 #include "lucepy-launch.cuh"
 
@@ -19,6 +19,33 @@
 
 namespace lucepy {
 
+
+// Whether this build and device run gemm_f8 (its sm_90a code: a GPU of compute capability 9.0;
+// LUCEPY_CUDA_F8=0 leaves it to gemm_rb, for comparison)
+bool f8_on(int device) {
+#if defined(LUCEPY_F8)
+    static const bool wanted = switched_on("LUCEPY_CUDA_F8");
+    return wanted && ggml_cuda_info().devices[device].cc == GGML_CUDA_CC_HOPPER;
+#else
+    (void) device;
+    return false;
+#endif
+}
+
+// Whether gemm_f8 can take a product of matrix w at ncols columns: w repacked Q4_0 or Q4_K,
+// 9-16 columns, on a device that runs it
+bool f8_matrix(const ggml_tensor * w, int64_t ncols, int device) {
+    return f8_on(device) && ncols > GM_COL_TILE && ncols <= F8_COLS &&
+           (w->type == GGML_TYPE_Q4_0 || w->type == GGML_TYPE_Q4_K) && repacked_of(w);
+}
+
+// Whether gemm_f8 takes an FFN's gate and up m1, m2 (glu_pair_at's) as one product: both
+// matrices its, of one type. (glu_pair_nodes checks the rest.)
+bool f8_pair(const ggml_tensor * m1, const ggml_tensor * m2, int device) {
+    const int64_t ncols = m1->src[1]->ne[1];
+    return m1->src[0]->type == m2->src[0]->type && f8_matrix(m1->src[0], ncols, device) &&
+           f8_matrix(m2->src[0], ncols, device);
+}
 
 // --- Q4_0, Q4_K, Q5_K and Q6_K repacked (lucepy-layouts.cuh, lucepy-repack.cuh) ----------------
 //
