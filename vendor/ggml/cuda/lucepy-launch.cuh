@@ -43,7 +43,6 @@ void repacked_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
                       const ggml_cuda_mm_fusion_args_host * fusion, const ggml_tensor * residual,
                       const NormAfter * norm);
 
-
 // CTAs of `threads` threads and `smem` bytes of shared memory of a kernel that fit on a device
 // at once, asked once per kernel, device and size (a product's activations set gemv's size: a few
 // a model).

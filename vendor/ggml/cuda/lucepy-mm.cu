@@ -13,13 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
-#include <iterator>
-#include <map>
-#include <mutex>
-#include <utility>
-#include <vector>
+#include <type_traits>
 
 #if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
 

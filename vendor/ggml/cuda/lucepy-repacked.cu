@@ -8,17 +8,15 @@
 
 #include "lucepy-launch.cuh"
 
-#include <algorithm>
 #include <atomic>
 #include <iterator>
 #include <map>
 #include <mutex>
-#include <utility>
+#include <type_traits>
 
 #if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
 
 namespace lucepy {
-
 
 // Whether this build and device run gemm_f8 (its sm_90a code: a GPU of compute capability 9.0;
 // LUCEPY_CUDA_F8=0 leaves it to gemm_rb, for comparison)
